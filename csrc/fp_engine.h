@@ -1,0 +1,87 @@
+/*
+ * fastpersist engine: parallel direct-I/O reads and writes of
+ * (buffer, file offset, length) lists, with CRC32C computed in the same pass.
+ *
+ * The engine knows nothing about tensors or the checkpoint format. Every
+ * function returns 0 or a negative errno; on failure fp_last_error() gives a
+ * thread-local message naming the operation and the file offset.
+ *
+ * Buffer lifetime: the caller keeps every segment's memory alive and
+ * unchanged for the whole call; the engine keeps no pointer afterwards.
+ */
+#ifndef FP_ENGINE_H
+#define FP_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FP_ALIGN 4096u /* O_DIRECT alignment we honour for offsets, lengths, buffers */
+
+/* Returned when a read finds the file shorter than a segment needs. */
+#define FP_ETRUNCATED 10001
+/* Returned for a malformed request (bad segment list or options). */
+#define FP_EBADARG 10002
+
+typedef struct {
+    const void *buf;
+    uint64_t off; /* file offset */
+    uint64_t len;
+} fp_wseg;
+
+typedef struct {
+    void *buf;
+    uint64_t off;
+    uint64_t len;
+} fp_rseg;
+
+typedef enum { FP_DIRECT_OFF = 0, FP_DIRECT_ON = 1, FP_DIRECT_AUTO = 2 } fp_direct_mode;
+
+typedef struct {
+    size_t block_size;    /* bytes per I/O; a multiple of FP_ALIGN */
+    unsigned threads;     /* I/O threads, each with one bounce buffer */
+    fp_direct_mode direct;
+    int fsync;            /* fsync the file before returning (writes) */
+    int checksum;         /* compute per-segment CRC32C (reads; writes always do) */
+} fp_opts;
+
+/*
+ * Write `size` bytes to `path` (created or truncated): each segment's bytes at
+ * its offset, zeros in any gap. Segments must be sorted by offset, must not
+ * overlap and must end at or before `size`. crcs[i] receives the CRC32C of
+ * segment i. *used_direct says whether O_DIRECT was used (AUTO falls back to
+ * buffered I/O where the filesystem refuses it).
+ */
+int fp_write_file(const char *path, const fp_wseg *segs, size_t nsegs, uint64_t size,
+                  const fp_opts *opts, uint32_t *crcs, int *used_direct);
+
+/*
+ * Read each segment's bytes from `path` into its buffer, in any order and in
+ * parallel. crcs (may be NULL when opts->checksum is 0) receives each
+ * segment's CRC32C. Returns -FP_ETRUNCATED if the file is too short.
+ */
+int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
+                 uint32_t *crcs, int *used_direct);
+
+/* fsync a directory, so that entries created or renamed in it are durable. */
+int fp_fsync_dir(const char *path);
+
+/* Atomically swap two paths (renameat2 RENAME_EXCHANGE). */
+int fp_rename_exchange(const char *a, const char *b);
+
+/* CRC32C of buf, continuing from crc (0 to start). */
+uint32_t fp_crc32c(uint32_t crc, const void *buf, size_t len);
+/* CRC32C of A||B from crc(A), crc(B) and len(B). */
+uint32_t fp_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
+void fp_crc32c_init(void);
+const char *fp_crc32c_impl(void);
+
+/* Bounce buffers: aligned, cached across calls up to a budget. */
+void *fp_bounce_get(size_t size);
+void fp_bounce_put(void *buf, size_t size);
+void fp_bounce_release_all(void);
+size_t fp_bounce_cached_bytes(void);
+
+const char *fp_last_error(void);
+void fp_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#endif

@@ -1,0 +1,341 @@
+/*
+ * fastpersist._engine: the Python face of the C engine.
+ *
+ * Buffers come in through the buffer protocol and are never copied here; the
+ * GIL is released for the whole of every I/O call, so other Python threads
+ * (a training loop) run while a checkpoint is written.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "fp_engine.h"
+
+#include <errno.h>
+#include <stdlib.h>
+
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t n;
+} buffer_list;
+
+static void release_buffers(buffer_list *bl)
+{
+    for (Py_ssize_t i = 0; i < bl->n; i++)
+        PyBuffer_Release(&bl->views[i]);
+    PyMem_Free(bl->views);
+    bl->views = NULL;
+    bl->n = 0;
+}
+
+/* Acquire every (buffer, offset) pair of `seq`; fills offsets. */
+static int acquire_segments(PyObject *seq, int writable, buffer_list *bl, uint64_t **offsets)
+{
+    PyObject *fast = PySequence_Fast(seq, "segments must be a sequence of (buffer, offset)");
+    if (!fast)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    bl->views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    *offsets = PyMem_Calloc(n ? (size_t)n : 1, sizeof(uint64_t));
+    bl->n = 0;
+    if (!bl->views || !*offsets) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *obj;
+        unsigned long long off;
+        if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "OK", &obj, &off)) {
+            PyErr_Format(PyExc_TypeError, "segment %zd must be a (buffer, offset) tuple", i);
+            goto fail;
+        }
+        if (PyObject_GetBuffer(obj, &bl->views[i], writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
+            goto fail;
+        bl->n = i + 1;
+        (*offsets)[i] = off;
+    }
+    Py_DECREF(fast);
+    return 0;
+fail:
+    Py_DECREF(fast);
+    release_buffers(bl);
+    PyMem_Free(*offsets);
+    *offsets = NULL;
+    return -1;
+}
+
+static int parse_opts(fp_opts *o, Py_ssize_t block_size, int threads, int direct)
+{
+    if (block_size <= 0 || block_size % FP_ALIGN) {
+        PyErr_Format(PyExc_ValueError, "block_size must be a positive multiple of %u", FP_ALIGN);
+        return -1;
+    }
+    if (threads < 1 || threads > 64) {
+        PyErr_SetString(PyExc_ValueError, "threads must be between 1 and 64");
+        return -1;
+    }
+    if (direct < FP_DIRECT_OFF || direct > FP_DIRECT_AUTO) {
+        PyErr_SetString(PyExc_ValueError, "direct must be DIRECT_OFF, DIRECT_ON or DIRECT_AUTO");
+        return -1;
+    }
+    o->block_size = (size_t)block_size;
+    o->threads = (unsigned)threads;
+    o->direct = (fp_direct_mode)direct;
+    return 0;
+}
+
+static PyObject *raise_engine_error(int rc, PyObject *path)
+{
+    if (rc == -FP_ETRUNCATED) {
+        PyErr_SetString(PyExc_EOFError, fp_last_error());
+        return NULL;
+    }
+    if (rc == -FP_EBADARG) {
+        PyErr_SetString(PyExc_ValueError, fp_last_error());
+        return NULL;
+    }
+    /* OSError(errno, message, filename) becomes the matching subclass. */
+    PyObject *args = Py_BuildValue("(isO)", -rc, fp_last_error(), path);
+    if (args) {
+        PyErr_SetObject(PyExc_OSError, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+static PyObject *crc_list(const uint32_t *crcs, Py_ssize_t n)
+{
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t i = 0; list && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+        if (!v) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, v);
+    }
+    return list;
+}
+
+PyDoc_STRVAR(write_file_doc,
+             "write_file(path, segments, size, *, block_size, threads, direct, fsync=True)\n"
+             "--\n\n"
+             "Write `size` bytes to `path`: each (buffer, offset) segment at its offset,\n"
+             "zeros in gaps. Segments must be sorted and must not overlap. Returns\n"
+             "(crc32c of each segment, whether O_DIRECT was used). With fsync the file\n"
+             "is durable on return; its directory entry is not (see fsync_dir).");
+
+static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"path", "segments", "size", "block_size", "threads", "direct",
+                             "fsync", NULL};
+    PyObject *path = NULL, *seq;
+    unsigned long long size;
+    Py_ssize_t block_size;
+    int threads, direct, do_fsync = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OKnii|p", kwlist, PyUnicode_FSConverter,
+                                     &path, &seq, &size, &block_size, &threads, &direct,
+                                     &do_fsync))
+        return NULL;
+    fp_opts opts = {.fsync = do_fsync, .checksum = 1};
+    buffer_list bl = {0};
+    uint64_t *offsets = NULL;
+    fp_wseg *segs = NULL;
+    uint32_t *crcs = NULL;
+    PyObject *result = NULL;
+    if (parse_opts(&opts, block_size, threads, direct) < 0 ||
+        acquire_segments(seq, 0, &bl, &offsets) < 0)
+        goto done;
+    segs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *segs);
+    crcs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *crcs);
+    if (!segs || !crcs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < bl.n; i++)
+        segs[i] = (fp_wseg){bl.views[i].buf, offsets[i], (uint64_t)bl.views[i].len};
+    int rc, used_direct = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fp_write_file(PyBytes_AS_STRING(path), segs, (size_t)bl.n, size, &opts, crcs,
+                       &used_direct);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        raise_engine_error(rc, path);
+        goto done;
+    }
+    PyObject *list = crc_list(crcs, bl.n);
+    if (list)
+        result = Py_BuildValue("(NO)", list, used_direct ? Py_True : Py_False);
+done:
+    release_buffers(&bl);
+    PyMem_Free(offsets);
+    PyMem_Free(segs);
+    PyMem_Free(crcs);
+    Py_XDECREF(path);
+    return result;
+}
+
+PyDoc_STRVAR(read_file_doc,
+             "read_file(path, segments, *, block_size, threads, direct, checksum=True)\n"
+             "--\n\n"
+             "Fill each writable (buffer, offset) segment with the file's bytes at that\n"
+             "offset, in parallel. Returns (crc32c of each segment or None, whether\n"
+             "O_DIRECT was used). Raises EOFError if the file is too short.");
+
+static PyObject *py_read_file(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"path", "segments", "block_size", "threads", "direct", "checksum",
+                             NULL};
+    PyObject *path = NULL, *seq;
+    Py_ssize_t block_size;
+    int threads, direct, checksum = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Onii|p", kwlist, PyUnicode_FSConverter, &path,
+                                     &seq, &block_size, &threads, &direct, &checksum))
+        return NULL;
+    fp_opts opts = {.checksum = checksum};
+    buffer_list bl = {0};
+    uint64_t *offsets = NULL;
+    fp_rseg *segs = NULL;
+    uint32_t *crcs = NULL;
+    PyObject *result = NULL;
+    if (parse_opts(&opts, block_size, threads, direct) < 0 ||
+        acquire_segments(seq, 1, &bl, &offsets) < 0)
+        goto done;
+    segs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *segs);
+    crcs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *crcs);
+    if (!segs || !crcs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < bl.n; i++)
+        segs[i] = (fp_rseg){bl.views[i].buf, offsets[i], (uint64_t)bl.views[i].len};
+    int rc, used_direct = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fp_read_file(PyBytes_AS_STRING(path), segs, (size_t)bl.n, &opts,
+                      checksum ? crcs : NULL, &used_direct);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        raise_engine_error(rc, path);
+        goto done;
+    }
+    if (checksum) {
+        PyObject *list = crc_list(crcs, bl.n);
+        if (list)
+            result = Py_BuildValue("(NO)", list, used_direct ? Py_True : Py_False);
+    } else {
+        result = Py_BuildValue("(OO)", Py_None, used_direct ? Py_True : Py_False);
+    }
+done:
+    release_buffers(&bl);
+    PyMem_Free(offsets);
+    PyMem_Free(segs);
+    PyMem_Free(crcs);
+    Py_XDECREF(path);
+    return result;
+}
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    unsigned int value = 0;
+    if (!PyArg_ParseTuple(args, "y*|I:crc32c", &view, &value))
+        return NULL;
+    uint32_t crc;
+    Py_BEGIN_ALLOW_THREADS
+    crc = fp_crc32c(value, view.buf, (size_t)view.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+static PyObject *py_crc32c_combine(PyObject *self, PyObject *args)
+{
+    unsigned int a, b;
+    unsigned long long len2;
+    if (!PyArg_ParseTuple(args, "IIK:crc32c_combine", &a, &b, &len2))
+        return NULL;
+    return PyLong_FromUnsignedLong(fp_crc32c_combine(a, b, len2));
+}
+
+static PyObject *path_call(PyObject *args, const char *fmt, int (*fn)(const char *))
+{
+    PyObject *path = NULL;
+    if (!PyArg_ParseTuple(args, fmt, PyUnicode_FSConverter, &path))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fn(PyBytes_AS_STRING(path));
+    Py_END_ALLOW_THREADS
+    PyObject *res = rc < 0 ? raise_engine_error(rc, path) : Py_NewRef(Py_None);
+    Py_DECREF(path);
+    return res;
+}
+
+static PyObject *py_fsync_dir(PyObject *self, PyObject *args)
+{
+    return path_call(args, "O&:fsync_dir", fp_fsync_dir);
+}
+
+static PyObject *py_rename_exchange(PyObject *self, PyObject *args)
+{
+    PyObject *a = NULL, *b = NULL;
+    if (!PyArg_ParseTuple(args, "O&O&:rename_exchange", PyUnicode_FSConverter, &a,
+                          PyUnicode_FSConverter, &b)) {
+        Py_XDECREF(a);
+        return NULL;
+    }
+    int rc = fp_rename_exchange(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b));
+    PyObject *res = rc < 0 ? raise_engine_error(rc, a) : Py_NewRef(Py_None);
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return res;
+}
+
+static PyObject *py_release_buffers(PyObject *self, PyObject *unused)
+{
+    fp_bounce_release_all();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_cached_buffer_bytes(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromSize_t(fp_bounce_cached_bytes());
+}
+
+static PyMethodDef methods[] = {
+    {"write_file", (PyCFunction)(void (*)(void))py_write_file, METH_VARARGS | METH_KEYWORDS,
+     write_file_doc},
+    {"read_file", (PyCFunction)(void (*)(void))py_read_file, METH_VARARGS | METH_KEYWORDS,
+     read_file_doc},
+    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0): CRC32C of data, continuing value."},
+    {"crc32c_combine", py_crc32c_combine, METH_VARARGS,
+     "crc32c_combine(crc1, crc2, len2): CRC32C of A+B from crc(A), crc(B), len(B)."},
+    {"fsync_dir", py_fsync_dir, METH_VARARGS, "fsync_dir(path): make a directory's entries durable."},
+    {"rename_exchange", py_rename_exchange, METH_VARARGS,
+     "rename_exchange(a, b): atomically swap two paths (renameat2 RENAME_EXCHANGE)."},
+    {"release_buffers", py_release_buffers, METH_NOARGS, "Free the cached bounce buffers."},
+    {"cached_buffer_bytes", py_cached_buffer_bytes, METH_NOARGS,
+     "Bytes of bounce buffers kept for the next call."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "fastpersist._engine", "fastpersist's C direct-I/O engine.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__engine(void)
+{
+    fp_crc32c_init();
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "DIRECT_OFF", FP_DIRECT_OFF) < 0 ||
+        PyModule_AddIntConstant(m, "DIRECT_ON", FP_DIRECT_ON) < 0 ||
+        PyModule_AddIntConstant(m, "DIRECT_AUTO", FP_DIRECT_AUTO) < 0 ||
+        PyModule_AddIntConstant(m, "ALIGNMENT", FP_ALIGN) < 0 ||
+        PyModule_AddStringConstant(m, "CRC32C_IMPL", fp_crc32c_impl()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,280 @@
+/*
+ * Parallel direct-I/O reader.
+ *
+ * A segment whose memory and file offset have the same alignment phase is
+ * read straight into its memory with O_DIRECT for its aligned middle; its
+ * unaligned head and tail, and segments whose phases differ, go through
+ * bounce buffers. Bounce pieces that lie close together in the file are read
+ * with one I/O (the tail of one tensor and the head of the next usually share
+ * a block), so a checkpoint of many small tensors costs few reads.
+ */
+#define _GNU_SOURCE
+#include "fp_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Below this a segment is bounced: one copy is cheaper than three I/Os. */
+#define DIRECT_MIN (256u * 1024u)
+/* Bounce pieces further apart than this are not read with one I/O. */
+#define MAX_GAP (64u * 1024u)
+
+typedef struct {
+    int bounce;      /* 0: one piece read in place; 1: a group of bounce pieces */
+    uint64_t off;    /* aligned file offset of the I/O */
+    uint64_t len;
+    size_t first;    /* direct: index into pieces; bounce: index into bounce_idx */
+    size_t count;
+} read_io;
+
+typedef struct {
+    int fd;
+    int checksum;
+    uint64_t bounce_size;
+    fp_piece *pieces;
+    size_t npieces;
+    size_t *bounce_idx; /* bounce pieces, in file order */
+    size_t nbounce;
+    read_io *ios;
+    size_t nios;
+    size_t next_io;
+    fp_status st;
+} read_job;
+
+static void fail_short(read_job *job, const fp_piece *p, int64_t got_end)
+{
+    fp_fail(&job->st, FP_ETRUNCATED,
+            "file is truncated: it ends at byte %lld but bytes %llu..%llu are needed",
+            (long long)got_end, (unsigned long long)p->off, (unsigned long long)(p->off + p->len));
+}
+
+static void read_direct(read_job *job, const read_io *io)
+{
+    fp_piece *p = &job->pieces[io->first];
+    int64_t n = fp_pread_full(job->fd, p->mem, p->len, p->off);
+    if (n < 0) {
+        fp_fail(&job->st, (int)-n, "read of %llu bytes at offset %llu: %s",
+                (unsigned long long)p->len, (unsigned long long)p->off, strerror((int)-n));
+        return;
+    }
+    if ((uint64_t)n < p->len) {
+        fail_short(job, p, (int64_t)p->off + n);
+        return;
+    }
+    if (job->checksum)
+        p->crc = fp_crc32c(0, p->mem, p->len);
+}
+
+static void read_bounced(read_job *job, const read_io *io, char *buf)
+{
+    int64_t n = fp_pread_full(job->fd, buf, io->len, io->off);
+    if (n < 0) {
+        fp_fail(&job->st, (int)-n, "read of %llu bytes at offset %llu: %s",
+                (unsigned long long)io->len, (unsigned long long)io->off, strerror((int)-n));
+        return;
+    }
+    for (size_t i = io->first; i < io->first + io->count; i++) {
+        fp_piece *p = &job->pieces[job->bounce_idx[i]];
+        uint64_t rel = p->off - io->off;
+        if (rel + p->len > (uint64_t)n) {
+            fail_short(job, p, (int64_t)io->off + n);
+            return;
+        }
+        p->crc = fp_copy_with_crc(p->mem, buf + rel, p->len, job->checksum);
+    }
+}
+
+static void *read_worker(void *arg)
+{
+    read_job *job = arg;
+    char *buf = NULL;
+    while (!fp_failed(&job->st)) {
+        size_t k = __atomic_fetch_add(&job->next_io, 1, __ATOMIC_RELAXED);
+        if (k >= job->nios)
+            break;
+        const read_io *io = &job->ios[k];
+        if (!io->bounce) {
+            read_direct(job, io);
+            continue;
+        }
+        if (!buf && !(buf = fp_bounce_get(job->bounce_size))) {
+            fp_fail(&job->st, ENOMEM, "allocating a bounce buffer");
+            break;
+        }
+        read_bounced(job, io, buf);
+    }
+    fp_bounce_put(buf, job->bounce_size);
+    return NULL;
+}
+
+typedef struct {
+    read_job *job;
+    int direct;
+    uint64_t block_size;
+    read_io *group; /* bounce group being filled, or NULL */
+    uint64_t group_end;
+} planner;
+
+static void add_direct(planner *pl, fp_piece piece)
+{
+    read_job *job = pl->job;
+    job->pieces[job->npieces] = piece;
+    job->ios[job->nios++] = (read_io){.off = piece.off, .len = piece.len,
+                                      .first = job->npieces++, .count = 1};
+}
+
+static void add_bounce(planner *pl, fp_piece piece)
+{
+    read_job *job = pl->job;
+    uint64_t end = piece.off + piece.len;
+    read_io *g = pl->group;
+    if (g && (fp_round_up(end, FP_ALIGN) - g->off > job->bounce_size ||
+              piece.off > pl->group_end + MAX_GAP))
+        g = NULL;
+    if (!g) {
+        g = pl->group = &job->ios[job->nios++];
+        *g = (read_io){.bounce = 1, .off = fp_round_down(piece.off, FP_ALIGN),
+                       .first = job->nbounce};
+        pl->group_end = 0;
+    }
+    if (end > pl->group_end)
+        pl->group_end = end;
+    g->len = fp_round_up(pl->group_end, FP_ALIGN) - g->off;
+    g->count++;
+    job->bounce_idx[job->nbounce++] = job->npieces;
+    job->pieces[job->npieces++] = piece;
+}
+
+/* Add [off, end) of segment s in pieces of at most one block. */
+static void add_range(planner *pl, const fp_rseg *seg, size_t s, uint64_t off, uint64_t end,
+                      int in_place)
+{
+    while (off < end) {
+        uint64_t n = end - off < pl->block_size ? end - off : pl->block_size;
+        fp_piece piece = {.mem = (char *)seg->buf + (off - seg->off), .off = off, .len = n,
+                          .seg = s};
+        if (in_place)
+            add_direct(pl, piece);
+        else
+            add_bounce(pl, piece);
+        off += n;
+    }
+}
+
+static void plan_segment(planner *pl, const fp_rseg *seg, size_t s)
+{
+    uint64_t off = seg->off, end = seg->off + seg->len;
+    if (!pl->direct) {
+        add_range(pl, seg, s, off, end, 1); /* buffered: pread straight into place */
+        return;
+    }
+    uint64_t head = fp_round_up(off, FP_ALIGN), tail = fp_round_down(end, FP_ALIGN);
+    int same_phase = (uintptr_t)seg->buf % FP_ALIGN == off % FP_ALIGN;
+    if (!same_phase || seg->len < DIRECT_MIN || head >= tail) {
+        add_range(pl, seg, s, off, end, 0);
+        return;
+    }
+    add_range(pl, seg, s, off, head, 0);
+    add_range(pl, seg, s, head, tail, 1);
+    add_range(pl, seg, s, tail, end, 0);
+}
+
+typedef struct {
+    uint64_t off;
+    size_t seg;
+} seg_order;
+
+static int by_offset(const void *a, const void *b)
+{
+    uint64_t x = ((const seg_order *)a)->off, y = ((const seg_order *)b)->off;
+    return x < y ? -1 : x > y;
+}
+
+static int plan_reads(read_job *job, const fp_rseg *segs, size_t nsegs, uint64_t block_size,
+                      int direct)
+{
+    size_t maxpieces = 0;
+    for (size_t i = 0; i < nsegs; i++)
+        maxpieces += segs[i].len / block_size + 3; /* head, tail, rounding */
+    seg_order *order = malloc((nsegs ? nsegs : 1) * sizeof *order);
+    job->pieces = calloc(maxpieces + 1, sizeof *job->pieces);
+    job->bounce_idx = calloc(maxpieces + 1, sizeof *job->bounce_idx);
+    job->ios = calloc(maxpieces + 1, sizeof *job->ios);
+    if (!order || !job->pieces || !job->bounce_idx || !job->ios) {
+        free(order);
+        fp_set_error("out of memory planning the reads of %zu segments", nsegs);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < nsegs; i++)
+        order[i] = (seg_order){.off = segs[i].off, .seg = i};
+    qsort(order, nsegs, sizeof *order, by_offset);
+    planner pl = {.job = job, .direct = direct, .block_size = block_size};
+    for (size_t i = 0; i < nsegs; i++)
+        plan_segment(&pl, &segs[order[i].seg], order[i].seg);
+    free(order);
+    return 0;
+}
+
+static void free_plan(read_job *job)
+{
+    free(job->pieces);
+    free(job->bounce_idx);
+    free(job->ios);
+    job->pieces = NULL;
+    job->bounce_idx = NULL;
+    job->ios = NULL;
+    job->npieces = job->nbounce = job->nios = 0;
+}
+
+static int read_once(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
+                     fp_direct_mode mode, uint32_t *crcs, int *used_direct)
+{
+    int fd = fp_open_for(path, O_RDONLY, mode, used_direct);
+    if (fd < 0) {
+        fp_set_error("open %s for reading: %s", path, strerror(-fd));
+        return fd;
+    }
+    read_job job = {.fd = fd, .checksum = opts->checksum,
+                    .bounce_size = opts->block_size + 2 * FP_ALIGN};
+    pthread_mutex_init(&job.st.lock, NULL);
+    int rc = plan_reads(&job, segs, nsegs, opts->block_size, *used_direct);
+    if (rc == 0) {
+        unsigned threads = opts->threads ? opts->threads : 1;
+        if (threads > job.nios)
+            threads = job.nios ? (unsigned)job.nios : 1;
+        fp_run_parallel(read_worker, &job, threads);
+        if (job.st.err) {
+            fp_set_error("%s: %s", path, job.st.msg);
+            rc = -job.st.err;
+        } else if (crcs) {
+            fp_fold_piece_crcs(job.pieces, job.npieces, crcs, nsegs);
+        }
+    }
+    free_plan(&job);
+    pthread_mutex_destroy(&job.st.lock);
+    close(fd);
+    return rc;
+}
+
+int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
+                 uint32_t *crcs, int *used_direct)
+{
+    if (!opts->block_size || opts->block_size % FP_ALIGN) {
+        fp_set_error("block size %zu is not a positive multiple of %u", opts->block_size,
+                     FP_ALIGN);
+        return -FP_EBADARG;
+    }
+    for (size_t i = 0; i < nsegs; i++) {
+        if (segs[i].off + segs[i].len < segs[i].off) {
+            fp_set_error("segment %zu: offset + length overflows", i);
+            return -FP_EBADARG;
+        }
+    }
+    int rc = read_once(path, segs, nsegs, opts, opts->direct, crcs, used_direct);
+    if (rc == -EINVAL && opts->direct == FP_DIRECT_AUTO && *used_direct)
+        rc = read_once(path, segs, nsegs, opts, FP_DIRECT_OFF, crcs, used_direct);
+    return rc;
+}

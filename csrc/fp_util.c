@@ -1,0 +1,244 @@
+/*
+ * Shared pieces of the engine: error messages, the bounce-buffer cache, the
+ * thread runner and the directory operations.
+ */
+#define _GNU_SOURCE
+#include "fp_engine.h"
+#include "fp_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static __thread char last_error[512];
+
+const char *fp_last_error(void)
+{
+    return last_error;
+}
+
+void fp_set_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+}
+
+/*
+ * Bounce buffers are the engine's only large allocation. Allocating and
+ * faulting in tens of MiB on every save would cost more than the copy, so
+ * freed buffers are kept (up to FP_BOUNCE_CACHE_MAX of them) for the next call.
+ */
+#define FP_BOUNCE_CACHE_MAX 32
+static pthread_mutex_t bounce_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *bounce_bufs[FP_BOUNCE_CACHE_MAX];
+static size_t bounce_sizes[FP_BOUNCE_CACHE_MAX];
+static int bounce_count;
+
+void *fp_bounce_get(size_t size)
+{
+    void *buf = NULL;
+    pthread_mutex_lock(&bounce_lock);
+    for (int i = 0; i < bounce_count; i++) {
+        if (bounce_sizes[i] == size) {
+            buf = bounce_bufs[i];
+            bounce_bufs[i] = bounce_bufs[bounce_count - 1];
+            bounce_sizes[i] = bounce_sizes[bounce_count - 1];
+            bounce_count--;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&bounce_lock);
+    if (buf)
+        return buf;
+    if (posix_memalign(&buf, FP_ALIGN, size) != 0)
+        return NULL;
+    return buf;
+}
+
+void fp_bounce_put(void *buf, size_t size)
+{
+    if (!buf)
+        return;
+    pthread_mutex_lock(&bounce_lock);
+    if (bounce_count == FP_BOUNCE_CACHE_MAX) {
+        /* Evict the oldest: the sizes in use have changed. */
+        free(bounce_bufs[0]);
+        memmove(bounce_bufs, bounce_bufs + 1, sizeof(void *) * (FP_BOUNCE_CACHE_MAX - 1));
+        memmove(bounce_sizes, bounce_sizes + 1, sizeof(size_t) * (FP_BOUNCE_CACHE_MAX - 1));
+        bounce_count--;
+    }
+    bounce_bufs[bounce_count] = buf;
+    bounce_sizes[bounce_count] = size;
+    bounce_count++;
+    pthread_mutex_unlock(&bounce_lock);
+}
+
+void fp_bounce_release_all(void)
+{
+    pthread_mutex_lock(&bounce_lock);
+    for (int i = 0; i < bounce_count; i++)
+        free(bounce_bufs[i]);
+    bounce_count = 0;
+    pthread_mutex_unlock(&bounce_lock);
+}
+
+size_t fp_bounce_cached_bytes(void)
+{
+    size_t total = 0;
+    pthread_mutex_lock(&bounce_lock);
+    for (int i = 0; i < bounce_count; i++)
+        total += bounce_sizes[i];
+    pthread_mutex_unlock(&bounce_lock);
+    return total;
+}
+
+/* Copy and checksum in cache-sized steps, so the checksum pulls the bytes into
+ * cache for the copy and memory is read once. */
+#define COPY_STEP (96u * 1024u)
+
+uint32_t fp_copy_with_crc(char *dst, const char *src, uint64_t len, int checksum)
+{
+    uint32_t crc = 0;
+    for (uint64_t done = 0; done < len;) {
+        uint64_t n = len - done < COPY_STEP ? len - done : COPY_STEP;
+        if (checksum)
+            crc = fp_crc32c(crc, src + done, n);
+        memcpy(dst + done, src + done, n);
+        done += n;
+    }
+    return crc;
+}
+
+int fp_pwrite_full(int fd, const char *buf, size_t len, uint64_t off)
+{
+    while (len) {
+        ssize_t n = pwrite(fd, buf, len, (off_t)off);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (n == 0)
+            return -EIO;
+        buf += n;
+        len -= (size_t)n;
+        off += (uint64_t)n;
+    }
+    return 0;
+}
+
+int64_t fp_pread_full(int fd, char *buf, size_t len, uint64_t off)
+{
+    size_t done = 0;
+    while (done < len) {
+        ssize_t n = pread(fd, buf + done, len - done, (off_t)(off + done));
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (n == 0)
+            break; /* end of file: the caller decides whether that is short */
+        done += (size_t)n;
+    }
+    return (int64_t)done;
+}
+
+/*
+ * Run fn on `threads` threads (the calling thread is one of them) and wait.
+ * Thread creation failure degrades to fewer threads rather than failing.
+ */
+void fp_run_parallel(void *(*fn)(void *), void *arg, unsigned threads)
+{
+    pthread_t tids[FP_MAX_THREADS];
+    unsigned started = 0;
+    if (threads > FP_MAX_THREADS)
+        threads = FP_MAX_THREADS;
+    for (unsigned i = 1; i < threads; i++) {
+        if (pthread_create(&tids[started], NULL, fn, arg) != 0)
+            break;
+        started++;
+    }
+    fn(arg);
+    for (unsigned i = 0; i < started; i++)
+        pthread_join(tids[i], NULL);
+}
+
+/* Record the first error only; later ones are usually consequences of it. */
+void fp_fail(fp_status *st, int err, const char *fmt, ...)
+{
+    pthread_mutex_lock(&st->lock);
+    if (!st->err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(st->msg, sizeof st->msg, fmt, ap);
+        va_end(ap);
+        __atomic_store_n(&st->err, err, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&st->lock);
+}
+
+int fp_failed(fp_status *st)
+{
+    return __atomic_load_n(&st->err, __ATOMIC_ACQUIRE) != 0;
+}
+
+int fp_fsync_dir(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+        int err = errno;
+        fp_set_error("open directory %s: %s", path, strerror(err));
+        return -err;
+    }
+    int rc = 0;
+    if (fsync(fd) != 0) {
+        rc = -errno;
+        fp_set_error("fsync directory %s: %s", path, strerror(errno));
+    }
+    close(fd);
+    return rc;
+}
+
+#ifndef RENAME_EXCHANGE
+#define RENAME_EXCHANGE (1 << 1)
+#endif
+
+int fp_rename_exchange(const char *a, const char *b)
+{
+    /* Through syscall(): glibc gained a renameat2 wrapper only in 2.28. */
+    if (syscall(SYS_renameat2, AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) != 0) {
+        int err = errno;
+        fp_set_error("exchange %s and %s: %s", a, b, strerror(err));
+        return -err;
+    }
+    return 0;
+}
+
+int fp_open_for(const char *path, int flags, fp_direct_mode mode, int *used_direct)
+{
+    int fd = -1;
+    if (mode != FP_DIRECT_OFF) {
+        fd = open(path, flags | O_DIRECT | O_CLOEXEC, 0644);
+        if (fd >= 0) {
+            *used_direct = 1;
+            return fd;
+        }
+        /* tmpfs and some FUSE filesystems refuse O_DIRECT with EINVAL. */
+        if (errno != EINVAL || mode == FP_DIRECT_ON)
+            return -errno;
+    }
+    fd = open(path, flags | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return -errno;
+    *used_direct = 0;
+    return fd;
+}

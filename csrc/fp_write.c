@@ -1,0 +1,193 @@
+/*
+ * Parallel direct-I/O writer.
+ *
+ * The file is cut into blocks of opts->block_size. Each I/O thread owns one
+ * aligned bounce buffer and repeatedly claims the next block: it copies the
+ * segment pieces that fall in the block into its buffer (checksumming them in
+ * the same pass, while the bytes are in cache) and writes the block with one
+ * pwrite. With several threads, one thread's copy overlaps the others' writes,
+ * and the disk sees several large aligned writes in flight.
+ */
+#define _GNU_SOURCE
+#include "fp_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef struct {
+    int fd;
+    int direct;
+    uint64_t size;
+    uint64_t block_size;
+    uint64_t nblocks;
+    fp_piece *pieces;
+    size_t npieces;
+    size_t *block_first; /* pieces of block k: [block_first[k], block_first[k+1]) */
+    uint64_t next_block;
+    fp_status st;
+} write_job;
+
+static void *write_worker(void *arg)
+{
+    write_job *job = arg;
+    char *buf = fp_bounce_get(job->block_size);
+    if (!buf) {
+        fp_fail(&job->st, ENOMEM, "allocating a %llu-byte bounce buffer",
+                (unsigned long long)job->block_size);
+        return NULL;
+    }
+    while (!fp_failed(&job->st)) {
+        uint64_t k = __atomic_fetch_add(&job->next_block, 1, __ATOMIC_RELAXED);
+        if (k >= job->nblocks)
+            break;
+        uint64_t start = k * job->block_size;
+        uint64_t end = start + job->block_size < job->size ? start + job->block_size : job->size;
+        uint64_t cursor = start;
+        for (size_t i = job->block_first[k]; i < job->block_first[k + 1]; i++) {
+            fp_piece *p = &job->pieces[i];
+            if (p->off > cursor)
+                memset(buf + (cursor - start), 0, p->off - cursor);
+            p->crc = fp_copy_with_crc(buf + (p->off - start), p->mem, p->len, 1);
+            cursor = p->off + p->len;
+        }
+        uint64_t wlen = end - start;
+        if (job->direct)
+            wlen = fp_round_up(wlen, FP_ALIGN); /* truncated back after the last write */
+        if (wlen > cursor - start)
+            memset(buf + (cursor - start), 0, wlen - (cursor - start));
+        int rc = fp_pwrite_full(job->fd, buf, wlen, start);
+        if (rc < 0)
+            fp_fail(&job->st, -rc, "write of %llu bytes at offset %llu: %s",
+                    (unsigned long long)wlen, (unsigned long long)start, strerror(-rc));
+    }
+    fp_bounce_put(buf, job->block_size);
+    return NULL;
+}
+
+void fp_fold_piece_crcs(const fp_piece *pieces, size_t npieces, uint32_t *crcs, size_t nsegs)
+{
+    memset(crcs, 0, nsegs * sizeof *crcs);
+    for (size_t i = 0; i < npieces; i++)
+        crcs[pieces[i].seg] = fp_crc32c_combine(crcs[pieces[i].seg], pieces[i].crc, pieces[i].len);
+}
+
+static int check_segments(const fp_wseg *segs, size_t nsegs, uint64_t size)
+{
+    uint64_t prev_end = 0;
+    for (size_t i = 0; i < nsegs; i++) {
+        if (segs[i].off < prev_end || segs[i].len > size || segs[i].off > size - segs[i].len) {
+            fp_set_error("segment %zu (offset %llu, length %llu) overlaps its predecessor or "
+                         "ends past the file size %llu",
+                         i, (unsigned long long)segs[i].off, (unsigned long long)segs[i].len,
+                         (unsigned long long)size);
+            return -FP_EBADARG;
+        }
+        prev_end = segs[i].off + segs[i].len;
+    }
+    return 0;
+}
+
+/* Split segments at block boundaries into pieces, in file order. */
+static int plan_pieces(write_job *job, const fp_wseg *segs, size_t nsegs)
+{
+    uint64_t bs = job->block_size;
+    size_t npieces = 0;
+    for (size_t i = 0; i < nsegs; i++)
+        if (segs[i].len)
+            npieces += (segs[i].off + segs[i].len - 1) / bs - segs[i].off / bs + 1;
+    job->pieces = calloc(npieces ? npieces : 1, sizeof *job->pieces);
+    job->block_first = calloc(job->nblocks + 1, sizeof *job->block_first);
+    if (!job->pieces || !job->block_first) {
+        fp_set_error("out of memory planning %zu pieces", npieces);
+        return -ENOMEM;
+    }
+    size_t n = 0;
+    for (size_t i = 0; i < nsegs; i++) {
+        for (uint64_t off = segs[i].off, end = segs[i].off + segs[i].len; off < end;) {
+            uint64_t stop = fp_round_down(off, bs) + bs;
+            if (stop > end)
+                stop = end;
+            job->pieces[n++] = (fp_piece){.mem = (char *)segs[i].buf + (off - segs[i].off),
+                                          .off = off, .len = stop - off, .seg = i};
+            off = stop;
+        }
+    }
+    job->npieces = n;
+    size_t j = 0;
+    for (uint64_t k = 0; k <= job->nblocks; k++) {
+        while (j < n && job->pieces[j].off / bs < k)
+            j++;
+        job->block_first[k] = j;
+    }
+    return 0;
+}
+
+static int write_once(write_job *job, const char *path, const fp_opts *opts,
+                      fp_direct_mode mode, int *used_direct)
+{
+    int fd = fp_open_for(path, O_WRONLY | O_CREAT | O_TRUNC, mode, used_direct);
+    if (fd < 0) {
+        fp_set_error("open %s for writing: %s", path, strerror(-fd));
+        return fd;
+    }
+    job->fd = fd;
+    job->direct = *used_direct;
+    job->next_block = 0;
+    job->st.err = 0;
+    job->st.msg[0] = 0;
+    /* Reserve the space first: a full disk fails here, before any copying. */
+    if (job->size && fallocate(fd, 0, 0, (off_t)job->size) != 0 && errno != EOPNOTSUPP &&
+        errno != ENOSYS)
+        fp_fail(&job->st, errno, "reserving %llu bytes: %s", (unsigned long long)job->size,
+                strerror(errno));
+    if (!job->st.err) {
+        unsigned threads = opts->threads ? opts->threads : 1;
+        if (threads > job->nblocks)
+            threads = job->nblocks ? (unsigned)job->nblocks : 1;
+        fp_run_parallel(write_worker, job, threads);
+    }
+    if (!job->st.err && job->direct && ftruncate(fd, (off_t)job->size) != 0)
+        fp_fail(&job->st, errno, "truncate to %llu bytes: %s", (unsigned long long)job->size,
+                strerror(errno));
+    if (!job->st.err && opts->fsync && fsync(fd) != 0)
+        fp_fail(&job->st, errno, "fsync: %s", strerror(errno));
+    if (close(fd) != 0 && !job->st.err)
+        fp_fail(&job->st, errno, "close: %s", strerror(errno));
+    if (job->st.err) {
+        fp_set_error("%s: %s", path, job->st.msg);
+        return -job->st.err;
+    }
+    return 0;
+}
+
+int fp_write_file(const char *path, const fp_wseg *segs, size_t nsegs, uint64_t size,
+                  const fp_opts *opts, uint32_t *crcs, int *used_direct)
+{
+    if (!opts->block_size || opts->block_size % FP_ALIGN) {
+        fp_set_error("block size %zu is not a positive multiple of %u", opts->block_size,
+                     FP_ALIGN);
+        return -FP_EBADARG;
+    }
+    int rc = check_segments(segs, nsegs, size);
+    if (rc < 0)
+        return rc;
+    write_job job = {.size = size, .block_size = opts->block_size};
+    job.nblocks = (size + opts->block_size - 1) / opts->block_size;
+    pthread_mutex_init(&job.st.lock, NULL);
+    rc = plan_pieces(&job, segs, nsegs);
+    if (rc == 0) {
+        rc = write_once(&job, path, opts, opts->direct, used_direct);
+        /* Some filesystems accept O_DIRECT at open and refuse the I/O. */
+        if (rc == -EINVAL && opts->direct == FP_DIRECT_AUTO && *used_direct)
+            rc = write_once(&job, path, opts, FP_DIRECT_OFF, used_direct);
+    }
+    if (rc == 0)
+        fp_fold_piece_crcs(job.pieces, job.npieces, crcs, nsegs);
+    free(job.pieces);
+    free(job.block_first);
+    pthread_mutex_destroy(&job.st.lock);
+    return rc;
+}

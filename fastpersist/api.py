@@ -1,0 +1,165 @@
+"""fastpersist.save and fastpersist.load: drop-ins for torch.save/torch.load on state dicts."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from . import checkpoint, datafile, plan, state
+from ._version import __version__
+from .commit import Staging, os_error
+from .engine import get_engine
+from .errors import CheckpointError, ManifestError
+from .format import dtypes
+from .format.manifest import Manifest
+from .knobs import current as current_knobs
+
+DATA_FILE = "data-00000.safetensors"
+
+MapLocation = Union[None, str, torch.device, Mapping[str, str]]
+
+
+def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> None:
+    """Save `obj` as a checkpoint directory at `path`.
+
+    `obj` is what torch.save takes for checkpoints: nested dicts, OrderedDicts,
+    lists and tuples of tensors, numbers, strings, None, bytes, torch dtypes,
+    devices and sizes (`model.state_dict()`, `optimizer.state_dict()`).
+    Anything else needs pickle and raises UnsupportedValueError unless
+    allow_pickle=True.
+
+    When save returns, the checkpoint is durable: data and manifest fsynced,
+    the directory renamed into place and its parent fsynced. An existing
+    checkpoint at `path` is replaced atomically; until then it stays intact,
+    and a crash at any moment leaves either the old or the new one. Missing
+    parent directories are created. Errors are CheckpointError subclasses
+    (DiskFullError, CheckpointPermissionError, ...) and leave nothing behind.
+    """
+    target = Path(os.path.abspath(os.fspath(path)))
+    tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
+    stored = plan.plan_tensors(leaves)
+    engine = get_engine()
+    staging = Staging.create(target)
+    try:
+        try:
+            file_record, records = datafile.write(engine, str(staging.path), DATA_FILE, stored)
+        except OSError as exc:
+            raise os_error(exc, f"cannot save checkpoint {target}") from exc
+        manifest = Manifest(
+            files=(file_record,),
+            tensors=tuple(records),
+            tree=tree,
+            fastpersist_version=__version__,
+            created_unix=time.time(),
+        )
+        staging.commit(manifest.to_json())
+    except BaseException:
+        staging.abort()
+        raise
+
+
+def _target_device(map_location: MapLocation, saved: str) -> str:
+    if map_location is None:
+        return saved
+    if isinstance(map_location, (str, torch.device)):
+        return str(map_location)
+    if isinstance(map_location, Mapping):
+        return str(map_location.get(saved, saved))
+    raise TypeError(
+        "map_location must be None, a device (str or torch.device) or a dict mapping saved "
+        f"devices to devices, not {type(map_location).__name__}"
+    )
+
+
+class _TensorFactory:
+    """Builds each tensor node's tensor from the loaded entries.
+
+    Nodes with the same entry, view and device get the same object, so tied
+    weights stay tied; views of one entry share its storage.
+    """
+
+    def __init__(self, entries: list[torch.Tensor], map_location: MapLocation, where: str) -> None:
+        self.entries = entries
+        self.map_location = map_location
+        self.where = where
+        self.moved: dict[tuple[int, str], torch.Tensor] = {}
+        self.made: dict[Any, torch.Tensor] = {}
+
+    def _entry_on(self, index: int, device: str) -> torch.Tensor:
+        key = (index, device)
+        if key not in self.moved:
+            try:
+                self.moved[key] = self.entries[index].to(device)
+            except (RuntimeError, AssertionError) as exc:
+                raise CheckpointError(
+                    f"{self.where}: cannot place a tensor on {device!r} ({exc}); pass "
+                    "map_location='cpu' (or another device) to load"
+                ) from exc
+        return self.moved[key]
+
+    def __call__(self, node: dict[str, Any]) -> torch.Tensor:
+        index = node.get("e")
+        if not isinstance(index, int) or not 0 <= index < len(self.entries):
+            raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
+        device = _target_device(self.map_location, node.get("device", "cpu"))
+        view = node.get("view")
+        key = (index, device, repr(view), node.get("param"), node.get("grad"))
+        if key in self.made:
+            return self.made[key]
+        base = self._entry_on(index, device)
+        t = base if view is None else self._view(base, view)
+        if node.get("param"):
+            t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
+        elif node.get("grad"):
+            t = t.requires_grad_(True)
+        self.made[key] = t
+        return t
+
+    def _view(self, base: torch.Tensor, view: Any) -> torch.Tensor:
+        try:
+            dtype = dtypes.from_name(view["dtype"])
+            shape, stride, offset = list(view["shape"]), list(view["stride"]), int(view["offset"])
+            extent = 0 if 0 in shape else (
+                sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * dtype.itemsize
+            if offset % dtype.itemsize or offset < 0 or offset + extent > base.numel() or any(
+                s < 0 for s in stride
+            ):
+                raise ValueError("view lies outside its storage")
+            return torch.empty(0, dtype=dtype, device=base.device).set_(
+                base.untyped_storage(), offset // dtype.itemsize, shape, stride
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"{self.where}: bad view {view!r} ({exc})") from None
+
+
+def load(
+    path: str | os.PathLike[str],
+    map_location: MapLocation = None,
+    *,
+    allow_pickle: bool = False,
+    verify: bool | None = None,
+) -> Any:
+    """Load the checkpoint at `path` and return an object equal to what was saved.
+
+    Tensors go back to the device they were saved from unless `map_location`
+    (a device, or a dict from saved device to device, as in torch.load) says
+    otherwise. Every tensor's CRC32C is checked unless verify=False (default:
+    FASTPERSIST_VERIFY_LOAD, on); a mismatch raises ChecksumMismatchError naming
+    the file and tensor. Nothing from the checkpoint is unpickled unless
+    allow_pickle=True.
+    """
+    p = Path(os.path.abspath(os.fspath(path)))
+    manifest = checkpoint.read_manifest(p)
+    if verify is None:
+        verify = current_knobs().verify_load
+    if state.contains_pickle(manifest.tree) and not allow_pickle:
+        # Fail before reading gigabytes of tensors.
+        state.decode(manifest.tree, lambda node: torch.empty(0), where=str(p))
+    entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify)
+    factory = _TensorFactory(entries, map_location, str(p))
+    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=str(p))

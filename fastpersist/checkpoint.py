@@ -1,0 +1,199 @@
+"""Reading a committed checkpoint: its manifest, its tensors, and verification."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import datafile
+from .commit import find_leftovers, os_error, parse_leftover
+from .engine import Engine
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    TruncatedFileError,
+)
+from .format import safetensors_file
+from .format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
+
+
+def _not_found(path: Path) -> CheckpointNotFoundError:
+    if parse_leftover(path) is not None:
+        return CheckpointNotFoundError(
+            f"{path} is the staging directory of a save that did not finish; it is not a "
+            "checkpoint (`fpctl gc` removes it)"
+        )
+    hint = ""
+    if path.parent.is_dir():
+        aside = [lo for lo in find_leftovers(path.parent)
+                 if lo.target_name == path.name and lo.kind == "old"]
+        if aside:
+            hint = (f"; a replace of it was interrupted and the previous checkpoint is in "
+                    f"{aside[0].path.name} (`fpctl gc {path.parent}` puts it back)")
+    if not path.exists():
+        return CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist{hint}")
+    if not path.is_dir():
+        return CheckpointNotFoundError(f"{path} is a file, not a checkpoint directory")
+    return CheckpointNotFoundError(
+        f"{path} is not a committed checkpoint: it has no {MANIFEST_NAME}{hint}"
+    )
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """The validated manifest of the checkpoint at `path`."""
+    p = Path(path)
+    manifest_path = p / MANIFEST_NAME
+    if parse_leftover(p) is not None or not manifest_path.is_file():
+        raise _not_found(p)
+    try:
+        data = manifest_path.read_bytes()
+    except OSError as exc:
+        raise os_error(exc, f"cannot read {manifest_path}") from exc
+    return Manifest.from_json(data, str(p))
+
+
+def _records_by_file(manifest: Manifest) -> Iterator[tuple[FileRecord, list[int]]]:
+    by_file: dict[str, list[int]] = {f.name: [] for f in manifest.files}
+    for i, t in enumerate(manifest.tensors):
+        by_file[t.file].append(i)
+    for f in manifest.files:
+        yield f, by_file[f.name]
+
+
+def _check_size(path: Path, f: FileRecord) -> None:
+    file_path = path / f.name
+    try:
+        actual = file_path.stat().st_size
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: data file {f.name} is missing") from None
+    if actual < f.size:
+        raise TruncatedFileError(
+            f"{path}: data file {f.name} is truncated: {actual} bytes, the manifest says {f.size}"
+        )
+    if actual > f.size:
+        raise CorruptCheckpointError(
+            f"{path}: data file {f.name} is {actual} bytes, the manifest says {f.size}"
+        )
+
+
+def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
+                 ) -> list[torch.Tensor]:
+    """Every stored tensor, on the CPU, in manifest order; raises on corruption."""
+    result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+    for f, indices in _records_by_file(manifest):
+        _check_size(path, f)
+        records = [manifest.tensors[i] for i in indices]
+        try:
+            tensors, mismatches = datafile.read(engine, str(path), f, records, verify=verify)
+        except EOFError as exc:
+            raise TruncatedFileError(f"{path}: {exc}") from None
+        except OSError as exc:
+            raise os_error(exc, f"cannot read {path / f.name}") from exc
+        datafile.raise_for(mismatches, str(path))
+        for i, t in zip(indices, tensors):
+            result[i] = t
+    return [t for t in result if t is not None]
+
+
+@dataclass
+class VerifyReport:
+    path: Path
+    files: int = 0
+    tensors: int = 0
+    bytes_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_header(path: Path, f: FileRecord, records: list[TensorRecord]) -> list[str]:
+    """The data file's own safetensors header must agree with the manifest."""
+    try:
+        with open(path / f.name, "rb") as fh:
+            prefix = fh.read(f.data_start)
+        data_start, entries, _ = safetensors_file.parse_header(prefix)
+    except (OSError, safetensors_file.HeaderError) as exc:
+        return [f"{f.name}: safetensors header: {exc}"]
+    problems = []
+    if data_start != f.data_start:
+        problems.append(f"{f.name}: header ends at {data_start}, manifest says {f.data_start}")
+    for r in records:
+        e = entries.get(r.name)
+        if e is None:
+            problems.append(f"{f.name}: tensor {r.name!r} is missing from the header")
+        elif (e.dtype, e.shape, f.data_start + e.begin, e.end - e.begin) != (
+            r.dtype, r.shape, r.offset, r.length
+        ):
+            problems.append(f"{f.name}: tensor {r.name!r}: header and manifest disagree")
+    return problems
+
+
+# Verify reads at most this many bytes of tensors at once, so memory stays bounded.
+_VERIFY_BATCH = 256 << 20
+
+
+def verify(path: str | os.PathLike[str], engine: Engine,
+           progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Re-read every byte and check it against the manifest and checksums.
+
+    Finds every problem rather than stopping at the first. Raises
+    CheckpointNotFoundError or ManifestError when there is nothing to verify.
+    """
+    p = Path(path)
+    manifest = read_manifest(p)
+    report = VerifyReport(p)
+    for f, indices in _records_by_file(manifest):
+        report.files += 1
+        records = [manifest.tensors[i] for i in indices]
+        try:
+            _check_size(p, f)
+        except CorruptCheckpointError as exc:
+            report.problems.append(str(exc).removeprefix(f"{p}: "))
+            continue
+        report.problems += _check_header(p, f, records)
+        for n, batch in enumerate(_batches(records, _VERIFY_BATCH)):
+            report.problems += _verify_batch(p, f, batch, engine, header=n == 0)
+            report.tensors += len(batch)
+            done = sum(r.length for r in batch)
+            report.bytes_checked += done
+            if progress:
+                progress(done)
+    return report
+
+
+def _batches(records: list[TensorRecord], limit: int) -> Iterator[list[TensorRecord]]:
+    """Consecutive groups of at most `limit` bytes (or one larger tensor); at least one."""
+    batch: list[TensorRecord] = []
+    size = 0
+    for r in records:
+        if batch and size + r.length > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(r)
+        size += r.length
+    yield batch
+
+
+def _verify_batch(path: Path, f: FileRecord, batch: list[TensorRecord], engine: Engine,
+                  *, header: bool) -> list[str]:
+    try:
+        _, mismatches = datafile.read(engine, str(path), f, batch, verify=True, header=header)
+    except EOFError as exc:
+        return [f"{f.name}: {exc}"]
+    except OSError as exc:
+        return [f"{f.name}: read error: {exc}"]
+    problems = []
+    for m in mismatches:
+        what = "safetensors header" if m.tensor == "<header>" else f"tensor {m.tensor!r}"
+        problems.append(f"{m.file}: {what}: CRC32C {m.actual:#010x}, expected {m.expected:#010x}")
+    return problems
+
+
+__all__ = ["ManifestError", "VerifyReport", "read_manifest", "read_tensors", "verify"]

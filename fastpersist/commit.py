@@ -1,0 +1,239 @@
+"""Atomic commit: a checkpoint appears under its name only once all of it is durable.
+
+    1. write everything into a hidden staging directory beside the target
+       (`.NAME.fp-tmp-PID-RAND@HOST`), data files fsynced by the engine
+    2. write the manifest last, fsync it, fsync the staging directory
+    3. publish: rename the staging directory to NAME, or, when NAME already
+       holds a checkpoint, swap the two atomically (renameat2 RENAME_EXCHANGE)
+       so the old one stays intact until the new one is in place
+    4. fsync the parent directory, then delete the old checkpoint
+
+A crash before 3 leaves a staging directory and the old checkpoint; a crash
+after 3 leaves the new checkpoint and, under the staging name, the old one.
+Either way `fpctl gc` recognises the leftovers by name and removes them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIOError,
+    CheckpointPermissionError,
+    DiskFullError,
+)
+from .format.manifest import MANIFEST_NAME
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$")
+
+
+def os_error(exc: OSError, what: str) -> CheckpointError:
+    """The CheckpointError subclass for an OSError met while doing `what`."""
+    msg = f"{what}: {exc.strerror or exc}"
+    if exc.filename:
+        msg += f" ({os.fsdecode(exc.filename)})"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(exc.errno, f"{what}: no space left on the device ({exc.strerror})")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointPermissionError(exc.errno, msg)
+    return CheckpointIOError(exc.errno or errno.EIO, msg)
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write a small file and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    try:
+        from . import _engine
+    except ImportError:
+        _exchange_ctypes(a, b)
+        return
+    _engine.rename_exchange(str(a), str(b))
+
+
+def _exchange_ctypes(a: Path, b: Path) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a))
+
+
+def _make_parents(directory: Path) -> None:
+    """mkdir -p, fsyncing each new directory's parent so the path itself is durable."""
+    missing = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue
+        fsync_dir(d.parent)
+
+
+@dataclass
+class Staging:
+    """A staging directory for one save of `target`."""
+
+    target: Path
+    path: Path
+
+    @classmethod
+    def create(cls, target: Path) -> Staging:
+        parent = target.parent
+        try:
+            _make_parents(parent)
+            if not parent.is_dir():
+                raise CheckpointIOError(errno.ENOTDIR, f"{parent} is not a directory")
+            path = parent / leftover_name(target.name, "tmp")
+            path.mkdir()
+        except OSError as exc:
+            raise os_error(exc, f"cannot create a checkpoint in {parent}") from exc
+        return cls(target=target, path=path)
+
+    def commit(self, manifest: bytes) -> None:
+        """Steps 2-4 above. On return the checkpoint is durable under its name."""
+        try:
+            write_durably(self.path / MANIFEST_NAME, manifest)
+            fsync_dir(self.path)
+            replaced = self._publish()
+            fsync_dir(self.target.parent)
+        except OSError as exc:
+            raise os_error(exc, f"cannot commit checkpoint {self.target}") from exc
+        if replaced:
+            # The old checkpoint now lives at self.path; gc would find it if we died here.
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def _publish(self) -> bool:
+        """Move the staging directory to the target; True if it replaced one."""
+        target = self.target
+        if not os.path.lexists(target):
+            try:
+                os.rename(self.path, target)
+                return False
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise  # a save that raced us to the name is handled below
+        if target.is_symlink() or not target.is_dir():
+            raise CheckpointExistsError(
+                errno.EEXIST, f"{target} exists and is not a checkpoint directory; not replacing it"
+            )
+        if not (target / MANIFEST_NAME).exists() and any(target.iterdir()):
+            raise CheckpointExistsError(
+                errno.EEXIST,
+                f"{target} exists and is not a fastpersist checkpoint (no {MANIFEST_NAME}); "
+                "not replacing it",
+            )
+        try:
+            _exchange(self.path, target)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+                raise
+            # No RENAME_EXCHANGE on this filesystem: move the old one aside first.
+            # A crash between the renames leaves it under a `.fp-old` name that
+            # gc puts back.
+            aside = target.parent / leftover_name(target.name, "old")
+            os.rename(target, aside)
+            os.rename(self.path, target)
+            self.path = aside
+        return True
+
+    def abort(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def leftover_name(name: str, kind: str) -> str:
+    return f".{name}.fp-{kind}-{os.getpid()}-{secrets.token_hex(4)}@{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    path: Path
+    target_name: str
+    kind: str  # "tmp": an unfinished (or replaced) save; "old": moved aside by a replace
+    pid: int
+    host: str
+
+    @property
+    def owner_alive(self) -> bool:
+        """Whether the process that made it may still be writing it."""
+        if self.host != socket.gethostname():
+            return True  # cannot tell; never touch another machine's save
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def parse_leftover(path: Path) -> Leftover | None:
+    m = _LEFTOVER.match(path.name)
+    if not m or not path.is_dir():
+        return None
+    return Leftover(path, m["name"], m["kind"], int(m["pid"]), m["host"])
+
+
+def find_leftovers(root: Path) -> list[Leftover]:
+    found = []
+    for entry in sorted(root.iterdir()):
+        leftover = parse_leftover(entry)
+        if leftover is not None:
+            found.append(leftover)
+    return found
+
+
+def collect(leftover: Leftover) -> str:
+    """Clean one leftover whose owner is gone; returns what was done."""
+    target = leftover.path.parent / leftover.target_name
+    if (
+        leftover.kind == "old"
+        and not os.path.lexists(target)
+        and (leftover.path / MANIFEST_NAME).exists()
+    ):
+        # Interrupted replace: the old checkpoint is the only copy. Put it back.
+        os.rename(leftover.path, target)
+        fsync_dir(target.parent)
+        return f"restored {target} from {leftover.path.name}"
+    shutil.rmtree(leftover.path)
+    return f"removed {leftover.path.name}"

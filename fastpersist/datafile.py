@@ -1,0 +1,95 @@
+"""Writing and reading one data file through an engine.
+
+A data file holds StoredTensors in a safetensors layout (see
+format/safetensors_file.py): larger element sizes first, so that every
+tensor's offset is a multiple of its element size, as safetensors' own writer
+arranges. This module turns tensors into engine segments and engine results
+into manifest records; the engine does the I/O.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .engine import Engine
+from .errors import ChecksumMismatchError
+from .format import dtypes, safetensors_file
+from .format.manifest import FileRecord, TensorRecord
+from .plan import StoredTensor, memory_of
+
+METADATA = {"format": "pt", "producer": "fastpersist"}
+
+
+def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTensor]
+          ) -> tuple[FileRecord, list[TensorRecord]]:
+    """Write tensors to directory/file_name; durable (fsynced) on return."""
+    order = sorted(tensors, key=lambda t: -dtypes.itemsize(t.dtype))
+    lay = safetensors_file.layout(
+        [safetensors_file.HeaderEntry(t.name, t.dtype, t.shape, t.nbytes) for t in order],
+        METADATA,
+    )
+    segments = [(lay.header, 0)]
+    segments += [(memory_of(t.source), off) for t, off in zip(order, lay.offsets)]
+    result = engine.write_file(os.path.join(directory, file_name), segments, lay.size)
+    assert result.crcs is not None
+    records = {
+        t.name: TensorRecord(name=t.name, file=file_name, offset=off, length=t.nbytes,
+                             dtype=t.dtype, shape=t.shape, crc32c=crc)
+        for t, off, crc in zip(order, lay.offsets, result.crcs[1:])
+    }
+    file_record = FileRecord(name=file_name, size=lay.size, data_start=lay.data_start,
+                             header_crc32c=result.crcs[0])
+    # Manifest order follows the state, not the file, so inspect reads naturally.
+    return file_record, [records[t.name] for t in tensors]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    file: str
+    tensor: str  # "<header>" for the safetensors header
+    expected: int
+    actual: int
+
+
+def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorRecord],
+         *, verify: bool, header: bool = True) -> tuple[list[torch.Tensor], list[Mismatch]]:
+    """Read the given tensors of one file into new CPU tensors.
+
+    With verify, every tensor (and the header, unless header=False) is checked
+    against its CRC32C and the mismatches returned; the caller decides whether
+    to raise. Raises EOFError when the file is shorter than the records need.
+    """
+    tensors = [torch.empty(r.shape, dtype=dtypes.from_name(r.dtype)) for r in records]
+    with_header = verify and header
+    segments = [(bytearray(file.data_start), 0)] if with_header else []
+    segments += [(memory_of(t), r.offset) for t, r in zip(tensors, records)]
+    result = engine.read_file(os.path.join(directory, file.name), segments, checksum=verify)
+    mismatches = []
+    if verify:
+        assert result.crcs is not None
+        crcs = result.crcs
+        if with_header:
+            if crcs[0] != file.header_crc32c:
+                mismatches.append(Mismatch(file.name, "<header>", file.header_crc32c, crcs[0]))
+            crcs = crcs[1:]
+        for r, crc in zip(records, crcs):
+            if crc != r.crc32c:
+                mismatches.append(Mismatch(file.name, r.name, r.crc32c, crc))
+    return tensors, mismatches
+
+
+def raise_for(mismatches: list[Mismatch], where: str) -> None:
+    if not mismatches:
+        return
+    m = mismatches[0]
+    more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+    what = "the safetensors header" if m.tensor == "<header>" else f"tensor {m.tensor!r}"
+    raise ChecksumMismatchError(
+        f"{where}: {what} in {m.file} is corrupt: CRC32C {m.actual:#010x}, expected "
+        f"{m.expected:#010x}{more}",
+        file=m.file,
+        tensor=m.tensor,
+    )

@@ -1,0 +1,60 @@
+"""The C engine behind the Engine interface."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+
+from .. import _engine, knobs
+from . import IOResult, Segment
+
+_DIRECT_MODES = {"auto": _engine.DIRECT_AUTO, "on": _engine.DIRECT_ON, "off": _engine.DIRECT_OFF}
+# Filesystems (by st_dev) already warned about, so a refusal is said once.
+_warned_devices: set[int] = set()
+
+
+def _warn_buffered(path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        device = os.stat(directory).st_dev
+    except OSError:
+        device = -1
+    if device in _warned_devices:
+        return
+    _warned_devices.add(device)
+    warnings.warn(
+        f"the filesystem of {directory} refuses O_DIRECT; fastpersist uses buffered I/O "
+        "and fsync there (durable, but slower and through the page cache)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+class NativeEngine:
+    name = "native"
+
+    def __init__(self) -> None:
+        k = knobs.current()
+        self._block_size = k.block_size
+        self._threads = k.io_threads
+        self._mode = k.direct
+
+    def write_file(
+        self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True
+    ) -> IOResult:
+        crcs, direct = _engine.write_file(
+            path, segments, size, self._block_size, self._threads, _DIRECT_MODES[self._mode],
+            fsync,
+        )
+        if not direct and self._mode == "auto":
+            _warn_buffered(path)
+        return IOResult(crcs=crcs, direct=direct)
+
+    def read_file(
+        self, path: str, segments: Sequence[Segment], *, checksum: bool = True
+    ) -> IOResult:
+        crcs, direct = _engine.read_file(
+            path, segments, self._block_size, self._threads, _DIRECT_MODES[self._mode], checksum
+        )
+        return IOResult(crcs=crcs, direct=direct)

@@ -1,0 +1,57 @@
+"""The exceptions fastpersist raises. Every failure is a CheckpointError subclass
+that names the checkpoint, and where it applies the file and tensor."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error fastpersist raises."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path holds no committed checkpoint."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """The target path exists and is not a checkpoint, so it will not be replaced."""
+
+
+class CheckpointPermissionError(CheckpointError, PermissionError):
+    """The directory cannot be written (permissions or a read-only filesystem)."""
+
+
+class DiskFullError(CheckpointError, OSError):
+    """The filesystem ran out of space (ENOSPC or EDQUOT). Nothing was committed."""
+
+
+class CheckpointIOError(CheckpointError, OSError):
+    """Any other operating-system error during a save or a load."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The checkpoint on disk does not match its manifest."""
+
+
+class ManifestError(CorruptCheckpointError):
+    """The manifest is missing, unreadable, or does not follow the schema."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A tensor's bytes do not match the checksum recorded when it was saved."""
+
+    def __init__(self, message: str, *, file: str, tensor: str) -> None:
+        super().__init__(message)
+        self.file = file
+        self.tensor = tensor
+
+
+class TruncatedFileError(CorruptCheckpointError):
+    """A data file is shorter than the manifest says."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value cannot be stored without pickle and pickle was not allowed."""
+
+
+class PickleNotAllowedError(CheckpointError):
+    """The checkpoint holds pickled values and the caller did not opt in to unpickling."""

@@ -1,0 +1,111 @@
+"""Data files: safetensors files whose data section starts on a 4 KiB boundary.
+
+Layout (https://github.com/huggingface/safetensors, "Format"):
+    8 bytes   little-endian u64 N, the header length
+    N bytes   JSON header, padded here with spaces so that 8 + N is a
+              multiple of 4096: the data section then starts aligned, which
+              is what direct I/O needs, and safetensors accepts the padding
+    data      tensors back to back, no gaps (safetensors rejects holes)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..knobs import ALIGNMENT
+from . import dtypes
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    header: bytes  # the 8-byte length and the padded JSON
+    data_start: int  # file offset of the data section
+    offsets: tuple[int, ...]  # file offset of each entry, in the order given
+    size: int  # file size
+
+
+def layout(entries: Sequence[HeaderEntry], metadata: dict[str, str]) -> Layout:
+    """Place entries in the data section in the order given and build the header."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offsets = []
+    cursor = 0
+    for e in entries:
+        header[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [cursor, cursor + e.nbytes],
+        }
+        offsets.append(cursor)
+        cursor += e.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    padded_len = -(-(8 + len(text)) // ALIGNMENT) * ALIGNMENT - 8
+    blob = struct.pack("<Q", padded_len) + text + b" " * (padded_len - len(text))
+    data_start = len(blob)
+    return Layout(
+        header=blob,
+        data_start=data_start,
+        offsets=tuple(data_start + o for o in offsets),
+        size=data_start + cursor,
+    )
+
+
+@dataclass(frozen=True)
+class ParsedEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # offsets within the data section
+    end: int
+
+
+class HeaderError(ValueError):
+    """The bytes are not a valid safetensors header."""
+
+
+def parse_header(prefix: bytes) -> tuple[int, dict[str, ParsedEntry], dict[str, str]]:
+    """Parse a header from the first bytes of a file.
+
+    Returns (data_start, entries by name, metadata). `prefix` must hold at
+    least 8 bytes plus the header; HeaderError says what is wrong otherwise.
+    """
+    if len(prefix) < 8:
+        raise HeaderError(f"file is {len(prefix)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"header length {n} is larger than the {MAX_HEADER_BYTES}-byte limit")
+    if len(prefix) < 8 + n:
+        raise HeaderError(f"header needs {8 + n} bytes but only {len(prefix)} are present")
+    try:
+        raw = json.loads(prefix[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HeaderError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise HeaderError("header is not a JSON object")
+    metadata = raw.pop("__metadata__", {}) or {}
+    entries: dict[str, ParsedEntry] = {}
+    for name, info in raw.items():
+        try:
+            dtype = info["dtype"]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise HeaderError(f"header entry {name!r} is malformed") from None
+        if dtype not in dtypes.SUPPORTED_NAMES:
+            raise HeaderError(f"header entry {name!r} has unknown dtype {dtype!r}")
+        if not 0 <= begin <= end:
+            raise HeaderError(f"header entry {name!r} has data_offsets {begin}..{end}")
+        entries[name] = ParsedEntry(name, dtype, shape, begin, end)
+    return 8 + n, entries, metadata

@@ -1,0 +1,123 @@
+"""Which bytes to store: the state's tensors -> the tensors of a data file.
+
+Tensors that share storage are stored once. Identical aliases (tied weights)
+become one stored tensor that every alias refers to, and load gives back one
+object. Different views of one storage (a slice and its base, say) become one
+stored span of bytes that each view is rebuilt from, so sharing survives the
+round trip as it does with torch.save. A lone non-contiguous tensor is stored
+contiguous, and a small view of a big storage stores only its own bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .format import dtypes
+from .state import TensorLeaf
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a data file: its header entry and the CPU memory to write."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    source: torch.Tensor  # contiguous, on the CPU, exactly the bytes to store
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel() * self.source.element_size()
+
+
+def memory_of(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor's memory, for the engine.
+
+    The caller keeps `t` alive while the view is in use.
+    """
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+class _Names:
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+
+    def unique(self, name: str) -> str:
+        candidate, n = name, 1
+        while candidate in self.used:
+            candidate, n = f"{name}~{n}", n + 1
+        self.used.add(candidate)
+        return candidate
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    start = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t if t.is_contiguous() else t.contiguous()
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def _group_by_storage(leaves: Iterable[TensorLeaf]) -> list[list[TensorLeaf]]:
+    groups: dict[Any, list[TensorLeaf]] = {}
+    for leaf in leaves:
+        storage = leaf.tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            key: Any = ("empty", id(leaf))
+        else:
+            key = (str(leaf.tensor.device), storage.data_ptr())
+        groups.setdefault(key, []).append(leaf)
+    return list(groups.values())
+
+
+def plan_tensors(leaves: list[TensorLeaf]) -> list[StoredTensor]:
+    """The tensors to store; fills each leaf's node with its entry (and view)."""
+    names = _Names()
+    stored: list[StoredTensor] = []
+    for group in _group_by_storage(leaves):
+        views = {_view_key(leaf.tensor) for leaf in group}
+        index = len(stored)
+        if len(views) == 1:
+            t = group[0].tensor
+            dtype = dtypes.to_name(t.dtype)
+            assert dtype is not None  # state.encode admits only storable dtypes
+            stored.append(StoredTensor(names.unique(group[0].path), dtype, tuple(t.shape),
+                                       _to_cpu(t)))
+            for leaf in group:
+                leaf.node["e"] = index
+            continue
+        extents = [_byte_extent(leaf.tensor) for leaf in group]
+        # Start the span on a 16-byte boundary so every view's offset in it stays
+        # a multiple of its element size.
+        lo = min(start for start, _ in extents) // 16 * 16
+        hi = max(end for _, end in extents)
+        base = group[0].tensor
+        span = torch.empty(0, dtype=torch.uint8, device=base.device)
+        span.set_(base.untyped_storage(), lo, (hi - lo,), (1,))
+        stored.append(StoredTensor(names.unique(group[0].path + ".__storage__"), "U8",
+                                   (hi - lo,), _to_cpu(span)))
+        for leaf, (start, _) in zip(group, extents):
+            t = leaf.tensor
+            leaf.node["e"] = index
+            leaf.node["view"] = {
+                "dtype": dtypes.to_name(t.dtype),
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "offset": start - lo,
+            }
+    return stored

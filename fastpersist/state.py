@@ -1,0 +1,237 @@
+"""Nested checkpoint state <-> a JSON tree plus a flat list of tensors.
+
+`encode` walks what people pass to torch.save for checkpoints (dicts,
+OrderedDicts, lists, tuples, tensors, numbers, strings, None, torch dtypes,
+devices and sizes) and returns a JSON-able tree in which every tensor is a
+node for the planner to fill in. `decode` rebuilds the object. Anything else
+needs pickle, and pickle is used only when the caller opts in: a checkpoint
+that unpickles on load can run arbitrary code.
+
+Tree nodes: JSON null, booleans, integers and strings stand for themselves;
+everything else is an object tagged by "t":
+    {"t": "float", "v": "nan" | "inf" | "-inf"}   (finite floats are JSON numbers)
+    {"t": "dict" | "odict", "k": [key nodes], "v": [value nodes], "meta": node?}
+    {"t": "list" | "tuple", "v": [nodes]}
+    {"t": "bytes", "v": base64}          {"t": "dtype", "v": "float32"}
+    {"t": "device", "v": "cuda:0"}       {"t": "size", "v": [2, 3]}
+    {"t": "tensor", "e": entry, "view": {...}?, "device": str?, "param": bool?,
+     "grad": bool?}
+    {"t": "pickle", "v": base64}         only with allow_pickle=True
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ManifestError, PickleNotAllowedError, UnsupportedValueError
+from .format import dtypes
+
+Node = Any  # a JSON value
+
+
+@dataclass
+class TensorLeaf:
+    """One tensor found in the state, and the tree node the planner completes."""
+
+    path: str
+    tensor: torch.Tensor
+    node: dict[str, Any]
+
+
+def _path(parent: str, key: object) -> str:
+    return f"{parent}.{key}" if parent else str(key)
+
+
+class _Encoder:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[TensorLeaf] = []
+        self._active: set[int] = set()  # containers on the current path: cycles
+
+    def encode(self, obj: Any, path: str) -> Node:
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if type(obj) is int:
+            return obj
+        if type(obj) is float:
+            return obj if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, path)
+        if type(obj) in (dict, OrderedDict):
+            return self._container(obj, path, self._mapping)
+        if type(obj) in (list, tuple):
+            return self._container(obj, path, self._sequence)
+        if type(obj) is bytes:
+            return {"t": "bytes", "v": base64.b64encode(obj).decode()}
+        if isinstance(obj, torch.dtype):
+            return {"t": "dtype", "v": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"t": "device", "v": str(obj)}
+        if type(obj) is torch.Size:
+            return {"t": "size", "v": list(obj)}
+        return self._pickled(obj, path, f"a value of type {type(obj).__qualname__}")
+
+    def _pickled(self, obj: Any, path: str, what: str) -> Node:
+        if not self.allow_pickle:
+            raise UnsupportedValueError(
+                f"{path or '<root>'}: {what} cannot be stored without pickle; convert it to "
+                "tensors, numbers, strings, lists or dicts, or pass allow_pickle=True (the "
+                "checkpoint can then only be loaded with allow_pickle=True)"
+            )
+        return {"t": "pickle", "v": base64.b64encode(pickle.dumps(obj)).decode()}
+
+    def _container(self, obj: Any, path: str, fn: Callable[[Any, str], Node]) -> Node:
+        if id(obj) in self._active:
+            raise UnsupportedValueError(f"{path or '<root>'}: the state contains a cycle")
+        self._active.add(id(obj))
+        try:
+            return fn(obj, path)
+        finally:
+            self._active.discard(id(obj))
+
+    def _mapping(self, obj: dict[Any, Any], path: str) -> Node:
+        keys, values = [], []
+        for k, v in obj.items():
+            if isinstance(k, torch.Tensor):
+                raise UnsupportedValueError(f"{path or '<root>'}: tensors cannot be dict keys")
+            keys.append(self.encode(k, path))
+            values.append(self.encode(v, _path(path, k)))
+        node = {"t": "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
+        # nn.Module.state_dict() keeps per-module versions here; load_state_dict reads them.
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            node["meta"] = self.encode(meta, _path(path, "_metadata"))
+        return node
+
+    def _sequence(self, obj: list[Any] | tuple[Any, ...], path: str) -> Node:
+        return {
+            "t": "tuple" if type(obj) is tuple else "list",
+            "v": [self.encode(v, _path(path, i)) for i, v in enumerate(obj)],
+        }
+
+    def _tensor(self, t: torch.Tensor, path: str) -> Node:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return self._pickled(t, path, f"a tensor subclass ({type(t).__qualname__})")
+        if t.layout != torch.strided or t.is_quantized:
+            return self._pickled(t, path, f"a {t.layout} tensor")
+        if dtypes.to_name(t.dtype) is None:
+            return self._pickled(t, path, f"a tensor of dtype {t.dtype}")
+        node: dict[str, Any] = {"t": "tensor"}
+        if t.device.type != "cpu":
+            node["device"] = str(t.device)
+        if isinstance(t, torch.nn.Parameter):
+            node["param"] = True
+            node["grad"] = t.requires_grad
+        elif t.requires_grad:
+            node["grad"] = True
+        self.leaves.append(TensorLeaf(path or "<root>", t.detach(), node))
+        return node
+
+
+def encode(obj: Any, *, allow_pickle: bool = False) -> tuple[Node, list[TensorLeaf]]:
+    """The tree for `obj` and its tensors, in the order met.
+
+    Raises UnsupportedValueError, naming the path, for anything that would need
+    pickle when allow_pickle is False.
+    """
+    enc = _Encoder(allow_pickle)
+    return enc.encode(obj, ""), enc.leaves
+
+
+def contains_pickle(node: Node) -> bool:
+    if isinstance(node, dict):
+        if node.get("t") == "pickle":
+            return True
+        return any(contains_pickle(v) for v in node.values() if isinstance(v, (dict, list)))
+    if isinstance(node, list):
+        return any(contains_pickle(v) for v in node)
+    return False
+
+
+class _Decoder:
+    def __init__(
+        self, tensor_for: Callable[[dict[str, Any]], torch.Tensor], allow_pickle: bool,
+        where: str,
+    ) -> None:
+        self.tensor_for = tensor_for
+        self.allow_pickle = allow_pickle
+        self.where = where
+
+    def bad(self, msg: str) -> ManifestError:
+        return ManifestError(f"{self.where}: malformed manifest tree: {msg}")
+
+    def decode(self, node: Node) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if not isinstance(node, dict) or not isinstance(node.get("t"), str):
+            raise self.bad(f"unexpected node {str(node)[:80]!r}")
+        tag = node["t"]
+        try:
+            return self._decode_tagged(tag, node)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise self.bad(f"bad {tag!r} node ({exc!r})") from None
+
+    def _decode_tagged(self, tag: str, node: dict[str, Any]) -> Any:
+        if tag in ("dict", "odict"):
+            keys, values = node["k"], node["v"]
+            if not isinstance(keys, list) or not isinstance(values, list) or len(keys) != len(
+                values
+            ):
+                raise self.bad("dict keys and values differ in length")
+            pairs = ((self.decode(k), self.decode(v)) for k, v in zip(keys, values))
+            result: dict[Any, Any] = OrderedDict(pairs) if tag == "odict" else dict(pairs)
+            if "meta" in node:
+                result._metadata = self.decode(node["meta"])  # type: ignore[attr-defined]
+            return result
+        if tag in ("list", "tuple"):
+            items = [self.decode(v) for v in node["v"]]
+            return tuple(items) if tag == "tuple" else items
+        if tag == "tensor":
+            return self.tensor_for(node)
+        if tag == "float":
+            if node["v"] not in ("nan", "inf", "-inf"):
+                raise self.bad(f"bad float {node['v']!r}")
+            return float(node["v"])
+        if tag == "bytes":
+            return base64.b64decode(node["v"], validate=True)
+        if tag == "dtype":
+            dt = getattr(torch, node["v"], None)
+            if not isinstance(dt, torch.dtype):
+                raise self.bad(f"unknown dtype {node['v']!r}")
+            return dt
+        if tag == "device":
+            return torch.device(node["v"])
+        if tag == "size":
+            return torch.Size(int(d) for d in node["v"])
+        if tag == "pickle":
+            if not self.allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{self.where}: the checkpoint holds pickled values; unpickling can run "
+                    "arbitrary code, so load it with allow_pickle=True only if you trust it"
+                )
+            return pickle.loads(base64.b64decode(node["v"], validate=True))
+        raise self.bad(f"unknown node type {tag!r}")
+
+
+def decode(
+    tree: Node,
+    tensor_for: Callable[[dict[str, Any]], torch.Tensor],
+    *,
+    allow_pickle: bool = False,
+    where: str = "checkpoint",
+) -> Any:
+    """Rebuild the saved object; tensor_for(node) supplies each tensor."""
+    if contains_pickle(tree) and not allow_pickle:
+        raise PickleNotAllowedError(
+            f"{where}: the checkpoint holds pickled values; unpickling can run arbitrary code, "
+            "so load it with allow_pickle=True only if you trust it"
+        )
+    return _Decoder(tensor_for, allow_pickle, where).decode(tree)
