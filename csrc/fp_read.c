@@ -131,7 +131,8 @@ static void add_bounce(planner *pl, fp_piece piece)
     read_job *job = pl->job;
     uint64_t end = piece.off + piece.len;
     read_io *g = pl->group;
-    if (g && (fp_round_up(end, FP_ALIGN) - g->off > job->bounce_size ||
+    /* Segments may overlap, so a piece can start before the open group. */
+    if (g && (piece.off < g->off || fp_round_up(end, FP_ALIGN) - g->off > job->bounce_size ||
               piece.off > pl->group_end + MAX_GAP))
         g = NULL;
     if (!g) {

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -21,7 +21,7 @@ from .knobs import current as current_knobs
 
 DATA_FILE = "data-00000.safetensors"
 
-MapLocation = Union[None, str, torch.device, Mapping[str, str]]
+MapLocation = None | str | torch.device | Mapping[str, str]
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> None:
@@ -125,7 +125,7 @@ class _TensorFactory:
             dtype = dtypes.from_name(view["dtype"])
             shape, stride, offset = list(view["shape"]), list(view["stride"]), int(view["offset"])
             extent = 0 if 0 in shape else (
-                sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * dtype.itemsize
+                sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * dtype.itemsize
             if offset % dtype.itemsize or offset < 0 or offset + extent > base.numel() or any(
                 s < 0 for s in stride
             ):
@@ -153,6 +153,7 @@ def load(
     the file and tensor. Nothing from the checkpoint is unpickled unless
     allow_pickle=True.
     """
+    _target_device(map_location, "cpu")  # a bad map_location fails before any I/O
     p = Path(os.path.abspath(os.fspath(path)))
     manifest = checkpoint.read_manifest(p)
     if verify is None:

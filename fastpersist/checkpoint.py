@@ -95,7 +95,7 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
         except OSError as exc:
             raise os_error(exc, f"cannot read {path / f.name}") from exc
         datafile.raise_for(mismatches, str(path))
-        for i, t in zip(indices, tensors):
+        for i, t in zip(indices, tensors, strict=True):
             result[i] = t
     return [t for t in result if t is not None]
 

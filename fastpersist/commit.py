@@ -33,7 +33,9 @@ from .errors import (
 )
 from .format.manifest import MANIFEST_NAME
 
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$")
+_LEFTOVER = re.compile(
+    r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$"
+)
 
 
 def os_error(exc: OSError, what: str) -> CheckpointError:

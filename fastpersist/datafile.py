@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine
+from .engine import Engine, Segment
 from .errors import ChecksumMismatchError
 from .format import dtypes, safetensors_file
 from .format.manifest import FileRecord, TensorRecord
@@ -31,14 +31,14 @@ def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTe
         [safetensors_file.HeaderEntry(t.name, t.dtype, t.shape, t.nbytes) for t in order],
         METADATA,
     )
-    segments = [(lay.header, 0)]
-    segments += [(memory_of(t.source), off) for t, off in zip(order, lay.offsets)]
+    segments: list[Segment] = [(lay.header, 0)]
+    segments += [(memory_of(t.source), off) for t, off in zip(order, lay.offsets, strict=True)]
     result = engine.write_file(os.path.join(directory, file_name), segments, lay.size)
     assert result.crcs is not None
     records = {
         t.name: TensorRecord(name=t.name, file=file_name, offset=off, length=t.nbytes,
                              dtype=t.dtype, shape=t.shape, crc32c=crc)
-        for t, off, crc in zip(order, lay.offsets, result.crcs[1:])
+        for t, off, crc in zip(order, lay.offsets, result.crcs[1:], strict=True)
     }
     file_record = FileRecord(name=file_name, size=lay.size, data_start=lay.data_start,
                              header_crc32c=result.crcs[0])
@@ -64,8 +64,8 @@ def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorR
     """
     tensors = [torch.empty(r.shape, dtype=dtypes.from_name(r.dtype)) for r in records]
     with_header = verify and header
-    segments = [(bytearray(file.data_start), 0)] if with_header else []
-    segments += [(memory_of(t), r.offset) for t, r in zip(tensors, records)]
+    segments: list[Segment] = [(bytearray(file.data_start), 0)] if with_header else []
+    segments += [(memory_of(t), r.offset) for t, r in zip(tensors, records, strict=True)]
     result = engine.read_file(os.path.join(directory, file.name), segments, checksum=verify)
     mismatches = []
     if verify:
@@ -75,7 +75,7 @@ def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorR
             if crcs[0] != file.header_crc32c:
                 mismatches.append(Mismatch(file.name, "<header>", file.header_crc32c, crcs[0]))
             crcs = crcs[1:]
-        for r, crc in zip(records, crcs):
+        for r, crc in zip(records, crcs, strict=True):
             if crc != r.crc32c:
                 mismatches.append(Mismatch(file.name, r.name, r.crc32c, crc))
     return tensors, mismatches

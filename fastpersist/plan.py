@@ -61,10 +61,10 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
-    start = t.storage_offset() * t.element_size()
+    start = int(t.storage_offset()) * t.element_size()
     if t.numel() == 0:
         return start, start
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    last = sum((int(size) - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     return start, start + (last + 1) * t.element_size()
 
 
@@ -111,7 +111,7 @@ def plan_tensors(leaves: list[TensorLeaf]) -> list[StoredTensor]:
         span.set_(base.untyped_storage(), lo, (hi - lo,), (1,))
         stored.append(StoredTensor(names.unique(group[0].path + ".__storage__"), "U8",
                                    (hi - lo,), _to_cpu(span)))
-        for leaf, (start, _) in zip(group, extents):
+        for leaf, (start, _) in zip(group, extents, strict=True):
             t = leaf.tensor
             leaf.node["e"] = index
             leaf.node["view"] = {

@@ -174,6 +174,8 @@ class _Decoder:
         if not isinstance(node, dict) or not isinstance(node.get("t"), str):
             raise self.bad(f"unexpected node {str(node)[:80]!r}")
         tag = node["t"]
+        if tag == "tensor":
+            return self.tensor_for(node)  # its own errors are not the tree's
         try:
             return self._decode_tagged(tag, node)
         except (KeyError, TypeError, ValueError) as exc:
@@ -186,7 +188,7 @@ class _Decoder:
                 values
             ):
                 raise self.bad("dict keys and values differ in length")
-            pairs = ((self.decode(k), self.decode(v)) for k, v in zip(keys, values))
+            pairs = ((self.decode(k), self.decode(v)) for k, v in zip(keys, values, strict=True))
             result: dict[Any, Any] = OrderedDict(pairs) if tag == "odict" else dict(pairs)
             if "meta" in node:
                 result._metadata = self.decode(node["meta"])  # type: ignore[attr-defined]
@@ -194,8 +196,6 @@ class _Decoder:
         if tag in ("list", "tuple"):
             items = [self.decode(v) for v in node["v"]]
             return tuple(items) if tag == "tuple" else items
-        if tag == "tensor":
-            return self.tensor_for(node)
         if tag == "float":
             if node["v"] not in ("nan", "inf", "-inf"):
                 raise self.bad(f"bad float {node['v']!r}")

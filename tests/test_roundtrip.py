@@ -1,0 +1,231 @@
+"""save -> load round trips of every dtype and structure, on both engines."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import fastpersist
+from fastpersist.format import dtypes
+
+ALL_DTYPES = sorted(dtypes.SUPPORTED_NAMES)
+
+
+def assert_same(a: Any, b: Any, path: str = "<root>") -> None:
+    """Equal values and equal types, bit-exact tensors (NaNs included)."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), path
+        assert a.requires_grad == b.requires_grad, path
+        if a.numel():
+            a_bytes = a.detach().contiguous().reshape(-1).view(torch.uint8)
+            b_bytes = b.detach().contiguous().reshape(-1).view(torch.uint8)
+            assert torch.equal(a_bytes, b_bytes), f"{path}: tensor bytes differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), path
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    dtype = dtypes.from_name(name)
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8,
+                        generator=g)
+    if dtype == torch.bool:
+        return (raw % 2).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype_name", ALL_DTYPES)
+def test_every_dtype_round_trips(tmp_path: Path, engine_name: str, dtype_name: str) -> None:
+    state = {
+        "big": random_tensor(dtype_name, (33, 17)),
+        "scalar": random_tensor(dtype_name, ()),
+        "empty": random_tensor(dtype_name, (0, 4)),
+    }
+    fastpersist.save(state, tmp_path / "ckpt")
+    assert_same(state, fastpersist.load(tmp_path / "ckpt"))
+    # The data file is a plain safetensors file.
+    loaded = load_file(str(tmp_path / "ckpt" / "data-00000.safetensors"))
+    for key, t in state.items():
+        assert_same(t, loaded[key])
+
+
+def tiny_training_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 50)
+    )
+    model[2].weight = model[0].weight  # tied embedding, as in GPT-2
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    for _ in range(2):
+        model(torch.randint(0, 50, (4, 8))).sum().backward()
+        opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2,
+            "config": {"lr": 1e-3, "name": "tiny", "betas": (0.9, 0.95), "dropout": None}}
+
+
+def test_model_and_optimizer_state_round_trip(tmp_path: Path, engine_name: str) -> None:
+    state = tiny_training_state()
+    fastpersist.save(state, tmp_path / "ckpt")
+    out = fastpersist.load(tmp_path / "ckpt")
+    assert_same(state, out)
+    assert isinstance(out["model"], OrderedDict)
+    assert out["model"]["0.weight"] is out["model"]["2.weight"]  # still tied
+    # And it loads into fresh modules.
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 50)
+    )
+    model[2].weight = model[0].weight
+    model.load_state_dict(out["model"])
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(out["optimizer"])
+    assert opt.state_dict()["param_groups"][0]["betas"] == (0.9, 0.95)
+
+
+def test_plain_values_round_trip(tmp_path: Path, engine_name: str) -> None:
+    state = {
+        1: "int key", (2, "tuple key"): [None, True, False], "floats": [0.1, -0.0, 1e308,
+        float("inf"), float("-inf"), float("nan")], "big int": 2**80, "bytes": b"\x00\xff",
+        "dtype": torch.bfloat16, "device": torch.device("cuda", 1), "size": torch.Size([2, 3]),
+        "nested": OrderedDict(a=[{"b": ()}]), "unicode": "héllo ✓",
+    }
+    fastpersist.save(state, tmp_path / "ckpt")
+    assert_same(state, fastpersist.load(tmp_path / "ckpt"))
+
+
+def test_views_share_storage_after_load(tmp_path: Path, engine_name: str) -> None:
+    base = torch.arange(100, dtype=torch.float32).reshape(10, 10)
+    state = {"base": base, "row": base[3], "cols": base[:, 2:5], "t": base.t(),
+             "bytes": base.view(torch.uint8)[4:12], "same": base}
+    fastpersist.save(state, tmp_path / "ckpt")
+    out = fastpersist.load(tmp_path / "ckpt")
+    assert_same(state, out)
+    assert out["same"] is out["base"]
+    ptr = out["base"].untyped_storage().data_ptr()
+    for key in ("row", "cols", "t", "bytes"):
+        assert out[key].untyped_storage().data_ptr() == ptr, key
+    out["base"][3, 0] = -1.0  # a write through one view shows in the others
+    assert out["row"][0] == -1.0
+
+
+def test_noncontiguous_and_partial_views_store_only_their_bytes(tmp_path: Path) -> None:
+    big = torch.randn(1000, 1000)
+    state = {"transposed": torch.randn(64, 32).t(), "slice": big[:2, :3]}
+    fastpersist.save(state, tmp_path / "ckpt")
+    out = fastpersist.load(tmp_path / "ckpt")
+    assert_same(state, out)
+    manifest = fastpersist.checkpoint.read_manifest(tmp_path / "ckpt")
+    assert manifest.tensor_bytes == (64 * 32 + 6) * 4  # not the 4 MB storage of `big`
+
+
+def test_parameters_and_requires_grad(tmp_path: Path, engine_name: str) -> None:
+    p = torch.nn.Parameter(torch.randn(3, 3))
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    state = {"p": p, "frozen": frozen, "leaf": torch.randn(2, requires_grad=True)}
+    fastpersist.save(state, tmp_path / "ckpt")
+    out = fastpersist.load(tmp_path / "ckpt")
+    assert isinstance(out["p"], torch.nn.Parameter) and out["p"].requires_grad
+    assert isinstance(out["frozen"], torch.nn.Parameter) and not out["frozen"].requires_grad
+    assert out["leaf"].requires_grad and not isinstance(out["leaf"], torch.nn.Parameter)
+    assert torch.equal(out["p"], p)
+
+
+def test_map_location(tmp_path: Path) -> None:
+    fastpersist.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    assert fastpersist.load(tmp_path / "ckpt", map_location="cpu")["w"].device.type == "cpu"
+    out = fastpersist.load(tmp_path / "ckpt", map_location={"cpu": "meta"})
+    assert out["w"].device.type == "meta"
+    with pytest.raises(TypeError, match="map_location"):
+        fastpersist.load(tmp_path / "ckpt", map_location=lambda s, loc: s)
+
+
+def test_saving_over_a_checkpoint_replaces_it(tmp_path: Path, engine_name: str) -> None:
+    fastpersist.save({"v": torch.zeros(10)}, tmp_path / "ckpt")
+    fastpersist.save({"v": torch.ones(3), "new": 1}, tmp_path / "ckpt")
+    out = fastpersist.load(tmp_path / "ckpt")
+    assert out["new"] == 1 and torch.equal(out["v"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no leftovers
+
+
+def test_missing_parents_are_created(tmp_path: Path) -> None:
+    fastpersist.save({"a": 1}, tmp_path / "x" / "y" / "ckpt")
+    assert fastpersist.load(tmp_path / "x" / "y" / "ckpt") == {"a": 1}
+
+
+def test_data_file_layout_is_safetensors_with_aligned_data(tmp_path: Path) -> None:
+    state = {"w": torch.randn(5, 7), "b": torch.randn(3).to(torch.bfloat16), "i": torch.arange(3)}
+    fastpersist.save(state, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "data-00000.safetensors"
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    assert (8 + header_len) % 4096 == 0
+    assert json.loads(raw[8 : 8 + header_len])["__metadata__"]["format"] == "pt"
+    with safe_open(str(path), framework="pt") as f:
+        assert sorted(f.keys()) == ["b", "i", "w"]
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            assert_same(state[key], f.get_tensor(key))
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_bytes())
+    assert manifest["schema_version"] == 1
+    assert all(t["encoding"] == "raw" and isinstance(t["crc32c"], int)
+               for t in manifest["tensors"])
+
+
+# Random nested states: the two engines must write byte-identical checkpoints.
+tensors = st.builds(
+    random_tensor,
+    st.sampled_from(ALL_DTYPES),
+    st.lists(st.integers(0, 40), max_size=3).map(tuple),
+    st.integers(0, 1000),
+)
+leaves = st.one_of(tensors, st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=5),
+                   st.none(), st.booleans())
+nested = st.recursive(
+    leaves,
+    lambda inner: st.one_of(
+        st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 9)), inner, max_size=4),
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=3).map(tuple),
+    ),
+    max_leaves=12,
+)
+
+
+@given(nested)
+def test_random_states_identical_on_both_engines(tmp_path_factory, state: Any) -> None:
+    d = tmp_path_factory.mktemp("states")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FASTPERSIST_ENGINE", "native")
+        mp.setenv("FASTPERSIST_BLOCK_SIZE", "4096")  # many blocks even for small states
+        fastpersist.save({"s": state}, d / "native")
+        mp.setenv("FASTPERSIST_ENGINE", "python")
+        fastpersist.save({"s": state}, d / "python")
+        out = fastpersist.load(d / "python")
+    assert_same({"s": state}, out)
+    a = (d / "native" / "data-00000.safetensors").read_bytes()
+    b = (d / "python" / "data-00000.safetensors").read_bytes()
+    assert a == b
+    ma = json.loads((d / "native" / "manifest.json").read_bytes())
+    mb = json.loads((d / "python" / "manifest.json").read_bytes())
+    ma.pop("created_unix"), mb.pop("created_unix")
+    assert ma == mb
