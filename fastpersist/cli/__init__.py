@@ -1,0 +1,118 @@
+"""fpctl: list, inspect, verify, restore and clean up fastpersist checkpoints.
+
+    fpctl ls ROOT                      checkpoints under ROOT, and leftovers of saves
+    fpctl inspect CKPT                 files, tensors (dtype, shape, offset, CRC32C)
+    fpctl verify CKPT                  re-read every byte; exit 1 on any corruption
+    fpctl restore CKPT --to FILE       one torch.save (or safetensors) file
+    fpctl gc ROOT                      remove what interrupted saves left behind
+
+Exit status: 0 success, 1 corruption found by verify, 2 any other error.
+Everything goes through fastpersist's own reader (checkpoint.read_manifest,
+checkpoint.verify, load); fpctl never parses the format itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from .._version import __version__
+from ..commit import os_error
+from ..errors import CheckpointError
+from ._output import EXIT_ERROR, warn
+from .inspecting import cmd_inspect, cmd_verify
+from .listing import cmd_gc, cmd_ls
+from .restoring import cmd_restore
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fpctl", description="Manage fastpersist checkpoints.",
+        epilog="Exit status: 0 success, 1 corruption found by verify, 2 any other error.",
+    )
+    parser.add_argument("--version", action="version", version=f"fpctl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ls", help="list the checkpoints under ROOT",
+                       description="List every checkpoint directly under ROOT, corrupt ones, "
+                       "and the leftovers of interrupted saves that `gc` would clean.")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("inspect", help="show a checkpoint's files and tensors",
+                       description="Show a checkpoint's manifest: files, every tensor "
+                       "(dtype, shape, bytes, file, offset, CRC32C) and the shape of the "
+                       "non-tensor state.")
+    p.add_argument("ckpt", metavar="CKPT")
+    p.add_argument("--json", action="store_true", help="print the structured form")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="check every byte against its checksum",
+                       description="Re-read every data file and check each tensor's CRC32C "
+                       "and each file's size and header. Exits 1 and names the file and "
+                       "tensor on any corruption.")
+    p.add_argument("ckpt", metavar="CKPT")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("restore", help="write a checkpoint as one torch or safetensors file",
+                       description="Load a checkpoint on the CPU and write it as one file, "
+                       "atomically (FILE.tmp, fsync, rename). --format safetensors "
+                       "flattens nested keys with dots (optimizer.state.0.exp_avg), copies "
+                       "tensors that share memory (tied weights are stored twice), and "
+                       "keeps non-tensor values as JSON strings in the metadata under their "
+                       "dotted key; values JSON cannot hold (bytes, torch dtypes and "
+                       "devices, pickled objects) are dropped with a warning, and tuples "
+                       "come back as lists.")
+    p.add_argument("ckpt", metavar="CKPT")
+    p.add_argument("--to", required=True, metavar="FILE", help="the file to write")
+    p.add_argument("--format", choices=["torch", "safetensors"], default="torch",
+                   help="torch.save (default) or safetensors")
+    p.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="unpickle pickled values in the checkpoint (only if you trust it)")
+    p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("gc", help="clean up after interrupted saves",
+                       description="Remove the staging directories of saves whose process "
+                       "is gone, and put back a checkpoint that an interrupted replace "
+                       "moved aside. Leftovers of running saves are left alone.")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
+    p.add_argument("--json", action="store_true", help="print the actions as JSON")
+    p.set_defaults(func=cmd_gc)
+    return parser
+
+
+def _message(exc: CheckpointError) -> str:
+    # The OSError subclasses carry the whole message in strerror; str() would
+    # prefix "[Errno 17]".
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run fpctl with `argv` (default: sys.argv[1:]); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        status: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `fpctl ls | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except CheckpointError as exc:
+        warn(f"error: {_message(exc)}")
+        return EXIT_ERROR
+    except OSError as exc:
+        warn(f"error: {_message(os_error(exc, f'fpctl {args.command}'))}")
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return status
+
+
+__all__ = ["build_parser", "main"]

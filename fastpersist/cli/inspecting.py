@@ -1,0 +1,162 @@
+"""`fpctl inspect` and `fpctl verify`: what a checkpoint holds, and whether its
+bytes still match their checksums."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ..checkpoint import read_manifest, verify
+from ..engine import get_engine
+from ..errors import CorruptCheckpointError
+from ..format.manifest import Manifest
+from ._output import (
+    EXIT_CORRUPT,
+    EXIT_OK,
+    human_size,
+    local_time,
+    print_json,
+    print_table,
+    warn,
+)
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(node: Any, manifest: Manifest) -> str:
+    """One phrase for a manifest tree node (see fastpersist.state for the tags)."""
+    if not isinstance(node, dict):
+        return _short(node)
+    tag, value = node.get("t"), node.get("v")
+    if tag in ("dict", "odict"):
+        return f"{tag} of {len(node.get('k') or [])} keys"
+    if tag in ("list", "tuple"):
+        return f"{tag} of {len(value or [])} items"
+    if tag == "tensor":
+        e = node.get("e")
+        name = manifest.tensors[e].name if isinstance(e, int) and 0 <= e < len(
+            manifest.tensors) else f"<bad entry {e!r}>"
+        return f"tensor {name}" + (" (view)" if "view" in node else "")
+    if tag == "pickle":
+        return "pickled value"
+    if tag == "bytes":
+        return f"bytes ({len(value or '') * 3 // 4} B)"
+    return f"{tag} {_short(value)}"
+
+
+def _count(node: Any, tag: str) -> int:
+    if isinstance(node, dict):
+        own = 1 if node.get("t") == tag else 0
+        return own + sum(_count(v, tag) for v in node.values())
+    if isinstance(node, list):
+        return sum(_count(v, tag) for v in node)
+    return 0
+
+
+def tree_summary(manifest: Manifest) -> dict[str, Any]:
+    """The shape of the non-tensor tree: its top level, references, pickles."""
+    tree = manifest.tree
+    summary: dict[str, Any] = {"type": _describe(tree, manifest)}
+    if isinstance(tree, dict) and tree.get("t") in ("dict", "odict"):
+        summary["keys"] = [
+            {"key": k if not isinstance(k, dict) else _describe(k, manifest),
+             "value": _describe(v, manifest)}
+            for k, v in zip(tree.get("k") or [], tree.get("v") or [], strict=False)
+        ]
+    summary["tensor_refs"] = _count(tree, "tensor")
+    summary["pickled_values"] = _count(tree, "pickle")
+    return summary
+
+
+def describe(path: Path, manifest: Manifest) -> dict[str, Any]:
+    """The structured form that `fpctl inspect --json` prints."""
+    return {
+        "path": str(path),
+        "schema_version": manifest.schema_version,
+        "fastpersist_version": manifest.fastpersist_version,
+        "created_unix": manifest.created_unix,
+        "files": [{"name": f.name, "size": f.size, "data_start": f.data_start,
+                   "header_crc32c": f"{f.header_crc32c:08x}"} for f in manifest.files],
+        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                     "bytes": t.length, "file": t.file, "offset": t.offset,
+                     "crc32c": f"{t.crc32c:08x}", "encoding": t.encoding}
+                    for t in manifest.tensors],
+        "totals": {"files": len(manifest.files), "tensors": len(manifest.tensors),
+                   "tensor_bytes": manifest.tensor_bytes, "bytes": manifest.total_bytes},
+        "tree": tree_summary(manifest),
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    path = Path(args.ckpt)
+    info = describe(path, read_manifest(path))
+    if args.json:
+        print_json(info)
+        return EXIT_OK
+    print(f"checkpoint    {path}")
+    print(f"schema        {info['schema_version']} (written by fastpersist "
+          f"{info['fastpersist_version']})")
+    print(f"created       {local_time(info['created_unix'])}")
+    print("\nfiles:")
+    print_table(["NAME", "SIZE", "BYTES"],
+                [[f["name"], human_size(f["size"]), str(f["size"])] for f in info["files"]],
+                right=[False, True, True])
+    print("\ntensors:")
+    print_table(
+        ["NAME", "DTYPE", "SHAPE", "BYTES", "FILE", "OFFSET", "CRC32C"],
+        [[t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", str(t["bytes"]),
+          t["file"], str(t["offset"]), t["crc32c"]] for t in info["tensors"]],
+        right=[False, False, False, True, False, True, False],
+    )
+    totals = info["totals"]
+    print(f"\ntotal: {totals['files']} files, {totals['tensors']} tensors, "
+          f"{human_size(totals['tensor_bytes'])} of tensors, {human_size(totals['bytes'])} "
+          "on disk")
+    tree = info["tree"]
+    print(f"tree: {tree['type']}, {tree['tensor_refs']} tensor references"
+          + (f", {tree['pickled_values']} pickled values" if tree["pickled_values"] else ""))
+    for item in tree.get("keys", []):
+        print(f"  {item['key']}: {item['value']}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    path = Path(args.ckpt)
+    try:
+        total = read_manifest(path).tensor_bytes
+        start = time.perf_counter()
+        # disable=None: a bar only when stderr is a terminal.
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
+                  desc=f"verify {path.name}", file=sys.stderr, leave=False) as bar:
+            report = verify(path, get_engine(), progress=bar.update)
+        seconds = time.perf_counter() - start
+    except CorruptCheckpointError as exc:  # a malformed manifest: nothing else to check
+        if args.json:
+            print_json({"path": str(path), "ok": False, "problems": [str(exc)]})
+        warn(str(exc))
+        return EXIT_CORRUPT
+    if args.json:
+        print_json({"path": str(path), "ok": report.ok, "files": report.files,
+                    "tensors": report.tensors, "bytes_checked": report.bytes_checked,
+                    "seconds": seconds, "problems": report.problems})
+    elif report.ok:
+        rate = report.bytes_checked / seconds / 1e9 if seconds > 0 else 0.0
+        print(f"OK {path}: {report.files} files, {report.tensors} tensors, "
+              f"{human_size(report.bytes_checked)} checked in {seconds:.2f} s "
+              f"({rate:.2f} GB/s)")
+    else:
+        print(f"CORRUPT {path}: {len(report.problems)} problems")
+        for problem in report.problems:
+            print(f"  {problem}")
+    return EXIT_OK if report.ok else EXIT_CORRUPT
+
+
+__all__ = ["cmd_inspect", "cmd_verify", "describe", "tree_summary"]
