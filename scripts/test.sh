@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The test command: lint, type-check, then the test suite (both engines).
+# The test command: set up (from nothing if need be), then lint, type-check,
+# and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ruff check fastpersist tests benchmarks
+bash scripts/setup.sh
+. .venv/bin/activate
+ruff check fastpersist tests benchmarks examples
 mypy
 python -m pytest -q "$@"

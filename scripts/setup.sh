@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the demo and the tests need, from nothing, and
+# (re)builds the C engine. Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+. .venv/bin/activate
+if ! python -c "import torch, safetensors, crc32c, tqdm, pytest, hypothesis, ruff, mypy" 2>/dev/null; then
+    pip install -q --upgrade pip setuptools wheel
+    # Pinned: the CPU wheel of torch 2.13.0 is on this kind of machine's disk; a
+    # looser range would download a multi-GB CUDA build.
+    pip install -q torch==2.13.0
+    pip install -q -e '.[test]'
+fi
+# Rebuild the extension from the current csrc/ (editable installs do not).
+pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "BuildBackendWarning\|^ *!!\|^ *\*\|Please be careful\|name as your package\|with strategy\|^\s*$" || true
+python -c "import fastpersist._engine" || { echo "setup: the C engine did not build" >&2; exit 1; }
+
+# The ENOSPC tests mount small ext4 images; install mkfs.ext4 where we may.
+if ! command -v mkfs.ext4 >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq e2fsprogs >/dev/null) || \
+        echo "setup: could not install e2fsprogs; the ext4 ENOSPC tests will skip" >&2
+fi
