@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-ruff check fastpersist tests benchmarks examples
+ruff check .
 mypy
 python -m pytest -q "$@"
