@@ -21,7 +21,7 @@ import re
 import secrets
 import shutil
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import (
@@ -97,8 +97,9 @@ def _exchange_ctypes(a: Path, b: Path) -> None:
         raise OSError(err, os.strerror(err), str(a))
 
 
-def _make_parents(directory: Path) -> None:
-    """mkdir -p, fsyncing each new directory's parent so the path itself is durable."""
+def _make_parents(directory: Path, created: list[Path]) -> None:
+    """mkdir -p, fsyncing each new directory's parent so the path itself is
+    durable; appends the directories it made to `created`."""
     missing = []
     d = directory
     while not d.exists():
@@ -109,7 +110,34 @@ def _make_parents(directory: Path) -> None:
             d.mkdir()
         except FileExistsError:
             continue
+        created.append(d)
         fsync_dir(d.parent)
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Undo _make_parents after a failed save, deepest first; a directory that
+    is no longer empty (another save uses it) stops the walk."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def _check_replaceable(target: Path) -> None:
+    """Refuse to replace anything but a checkpoint or an empty directory."""
+    if not os.path.lexists(target):
+        return
+    if target.is_symlink() or not target.is_dir():
+        raise CheckpointExistsError(
+            errno.EEXIST, f"{target} exists and is not a checkpoint directory; not replacing it"
+        )
+    if not (target / MANIFEST_NAME).exists() and any(target.iterdir()):
+        raise CheckpointExistsError(
+            errno.EEXIST,
+            f"{target} exists and is not a fastpersist checkpoint (no {MANIFEST_NAME}); "
+            "not replacing it",
+        )
 
 
 @dataclass
@@ -118,19 +146,28 @@ class Staging:
 
     target: Path
     path: Path
+    created: list[Path] = field(default_factory=list)  # parents this save made
 
     @classmethod
     def create(cls, target: Path) -> Staging:
+        """Make the staging directory, after checking (before any data is
+        written) that the target may be replaced."""
         parent = target.parent
+        created: list[Path] = []
         try:
-            _make_parents(parent)
+            _check_replaceable(target)
+            _make_parents(parent, created)
             if not parent.is_dir():
                 raise CheckpointIOError(errno.ENOTDIR, f"{parent} is not a directory")
             path = parent / leftover_name(target.name, "tmp")
             path.mkdir()
+        except CheckpointError:
+            _remove_created(created)
+            raise
         except OSError as exc:
+            _remove_created(created)
             raise os_error(exc, f"cannot create a checkpoint in {parent}") from exc
-        return cls(target=target, path=path)
+        return cls(target=target, path=path, created=created)
 
     def commit(self, manifest: bytes) -> None:
         """Steps 2-4 above. On return the checkpoint is durable under its name."""
@@ -139,6 +176,8 @@ class Staging:
             fsync_dir(self.path)
             replaced = self._publish()
             fsync_dir(self.target.parent)
+        except CheckpointError:
+            raise  # already specific (CheckpointExistsError from _publish)
         except OSError as exc:
             raise os_error(exc, f"cannot commit checkpoint {self.target}") from exc
         if replaced:
@@ -155,16 +194,7 @@ class Staging:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise  # a save that raced us to the name is handled below
-        if target.is_symlink() or not target.is_dir():
-            raise CheckpointExistsError(
-                errno.EEXIST, f"{target} exists and is not a checkpoint directory; not replacing it"
-            )
-        if not (target / MANIFEST_NAME).exists() and any(target.iterdir()):
-            raise CheckpointExistsError(
-                errno.EEXIST,
-                f"{target} exists and is not a fastpersist checkpoint (no {MANIFEST_NAME}); "
-                "not replacing it",
-            )
+        _check_replaceable(target)  # again: it may have appeared while we wrote
         try:
             _exchange(self.path, target)
         except OSError as exc:
@@ -181,6 +211,7 @@ class Staging:
 
     def abort(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        _remove_created(self.created)
 
 
 def leftover_name(name: str, kind: str) -> str:
