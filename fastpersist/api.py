@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import checkpoint, datafile, plan, state
-from ._version import __version__
-from .commit import Staging, os_error
+from . import checkpoint, plan, state
 from .engine import get_engine
 from .errors import CheckpointError, ManifestError
 from .format import dtypes
-from .format.manifest import Manifest
 from .knobs import current as current_knobs
-
-DATA_FILE = "data-00000.safetensors"
+from .persist import CheckpointWriter
 
 MapLocation = None | str | torch.device | Mapping[str, str]
 
@@ -43,23 +38,12 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False) 
     target = Path(os.path.abspath(os.fspath(path)))
     tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
     stored = plan.plan_tensors(leaves)
-    engine = get_engine()
-    staging = Staging.create(target)
+    writer = CheckpointWriter.begin(target, tree, stored)
     try:
-        try:
-            file_record, records = datafile.write(engine, str(staging.path), DATA_FILE, stored)
-        except OSError as exc:
-            raise os_error(exc, f"cannot save checkpoint {target}") from exc
-        manifest = Manifest(
-            files=(file_record,),
-            tensors=tuple(records),
-            tree=tree,
-            fastpersist_version=__version__,
-            created_unix=time.time(),
-        )
-        staging.commit(manifest.to_json())
+        writer.write_file(stored)
+        writer.commit()
     except BaseException:
-        staging.abort()
+        writer.abort()
         raise
 
 

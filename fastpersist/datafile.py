@@ -25,22 +25,42 @@ from .plan import StoredTensor, memory_of
 METADATA = {"format": "pt", "producer": "fastpersist"}
 
 
-def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTensor]
-          ) -> tuple[FileRecord, list[TensorRecord]]:
-    """Write tensors to directory/file_name; durable (fsynced) on return."""
-    order = sorted(tensors, key=lambda t: -dtypes.itemsize(t.dtype))
+@dataclass(frozen=True)
+class FileLayout:
+    """Where each tensor of a data file goes: `order` is the file order and
+    `layout.offsets[i]` the file offset of `order[i]`."""
+
+    order: list[StoredTensor]
+    layout: safetensors_file.Layout
+
+    @property
+    def data_bytes(self) -> int:
+        return self.layout.size - self.layout.data_start
+
+
+def plan_file(tensors: list[StoredTensor]) -> FileLayout:
+    order = sorted(tensors, key=lambda t: -dtypes.itemsize(t.dtype))  # stable
     lay = safetensors_file.layout(
         [safetensors_file.HeaderEntry(t.name, t.dtype, t.shape, t.nbytes) for t in order],
         METADATA,
     )
+    return FileLayout(order, lay)
+
+
+def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTensor]
+          ) -> tuple[FileRecord, list[TensorRecord]]:
+    """Write tensors to directory/file_name; durable (fsynced) on return."""
+    plan = plan_file(tensors)
+    lay = plan.layout
     segments: list[Segment] = [(lay.header, 0)]
-    segments += [(memory_of(t.source), off) for t, off in zip(order, lay.offsets, strict=True)]
+    segments += [(memory_of(t.source), off)
+                 for t, off in zip(plan.order, lay.offsets, strict=True)]
     result = engine.write_file(os.path.join(directory, file_name), segments, lay.size)
     assert result.crcs is not None
     records = {
         t.name: TensorRecord(name=t.name, file=file_name, offset=off, length=t.nbytes,
                              dtype=t.dtype, shape=t.shape, crc32c=crc)
-        for t, off, crc in zip(order, lay.offsets, result.crcs[1:], strict=True)
+        for t, off, crc in zip(plan.order, lay.offsets, result.crcs[1:], strict=True)
     }
     file_record = FileRecord(name=file_name, size=lay.size, data_start=lay.data_start,
                              header_crc32c=result.crcs[0])

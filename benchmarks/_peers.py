@@ -1,0 +1,244 @@
+"""fastpersist and the systems it is compared with, each behind the same small interface.
+
+Every `save` returns only once the checkpoint is durable: peers that do not fsync on their
+own get `fsync_tree` (files, directories and the parent entry) inside the timed region.
+One-time setup that a trainer pays once per job (DeepSpeed's aio handle and page-locked
+buffer) happens in `setup`, outside the timed region and the memory baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from _state import StateSpec, build_skeleton, flatten_tensors, verify_flat, verify_nested
+from _system import fsync_path, fsync_tree
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Method:
+    """A way to save and (maybe) load the benchmark state."""
+
+    name = ""
+    label = ""
+    suffix = ""  # file name suffix, or "" for a checkpoint directory
+    can_load = True
+
+    def probe(self) -> str | None:
+        """None if usable here, else the reason it is skipped. May be slow (builds, imports)."""
+        return None
+
+    def setup(self) -> None:
+        """Per-process preparation that is neither timed nor counted in peak memory."""
+
+    def prepare_load(self, spec: StateSpec) -> None:
+        """Untimed preparation before a cold load (imports, in-place destinations)."""
+
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        raise NotImplementedError
+
+    def load(self, path: Path, spec: StateSpec) -> object:
+        raise NotImplementedError
+
+    def verify(self, loaded: object, spec: StateSpec) -> None:
+        verify_nested(loaded, spec)
+
+
+def _import_fastpersist() -> Any:
+    """The installed package, else the in-tree one (an editable checkout not yet installed)."""
+    try:
+        import fastpersist
+    except ImportError:
+        sys.path.insert(0, str(REPO_ROOT))
+        sys.modules.pop("fastpersist", None)
+        import fastpersist
+    return fastpersist
+
+
+class FastPersist(Method):
+    name = "fastpersist"
+    label = "fastpersist.save/load"
+
+    def probe(self) -> str | None:
+        try:
+            fp = _import_fastpersist()
+        except Exception as exc:  # any import failure means "not there yet", not a crash
+            return f"import fastpersist failed: {type(exc).__name__}: {exc}"
+        missing = [name for name in ("save", "load") if not hasattr(fp, name)]
+        if missing:
+            return f"fastpersist has no {', '.join(missing)}"
+        return None
+
+    def setup(self) -> None:
+        self._fp = _import_fastpersist()
+
+    def prepare_load(self, spec: StateSpec) -> None:
+        self.setup()
+
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        self._fp.save(state, str(path))  # durable on return by contract: no extra fsync
+
+    def load(self, path: Path, spec: StateSpec) -> object:
+        return self._fp.load(str(path))
+
+
+class TorchSave(Method):
+    name = "torch"
+    label = "torch.save/load"
+    suffix = ".pt"
+
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        torch.save(state, path)
+        fsync_tree(path)
+
+    def load(self, path: Path, spec: StateSpec) -> object:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class SafeTensors(Method):
+    name = "safetensors"
+    label = "safetensors save_file/load_file"
+    suffix = ".safetensors"
+
+    def probe(self) -> str | None:
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError as exc:
+            return f"import safetensors failed: {exc}"
+        return None
+
+    def prepare_load(self, spec: StateSpec) -> None:
+        import safetensors.torch  # noqa: F401  (import cost is not load cost)
+
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        from safetensors.torch import save_file
+
+        # safetensors holds only tensors: plain values (step, param_groups) ride in the
+        # string metadata as JSON, which is how they would survive a real conversion.
+        tensors, metadata = flatten_tensors(state)
+        save_file(tensors, str(path), metadata=metadata)
+        fsync_tree(path)
+
+    def load(self, path: Path, spec: StateSpec) -> object:
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device="cpu")
+
+    def verify(self, loaded: object, spec: StateSpec) -> None:
+        assert isinstance(loaded, dict)
+        verify_flat(loaded, spec)
+
+
+class Dcp(Method):
+    name = "dcp"
+    label = "torch.distributed.checkpoint (1 process)"
+
+    def probe(self) -> str | None:
+        try:
+            import torch.distributed.checkpoint  # noqa: F401
+        except ImportError as exc:
+            return f"import torch.distributed.checkpoint failed: {exc}"
+        return None
+
+    def setup(self) -> None:
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        # Without a process group DCP saves and loads in this one process, and says so.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        self._dcp: Any = dcp  # save/load are not in its __all__ for type checkers
+
+    def prepare_load(self, spec: StateSpec) -> None:
+        self.setup()
+        # DCP loads in place into a state of the right shapes, as a trainer resuming does.
+        self._dest = build_skeleton(spec)
+
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        # Default FileSystemWriter (sync_files=True); fsync_tree adds .metadata and the dirs.
+        self._dcp.save(state, checkpoint_id=str(path))
+        fsync_tree(path)
+
+    def load(self, path: Path, spec: StateSpec) -> object:
+        self._dcp.load(self._dest, checkpoint_id=str(path))
+        return self._dest
+
+
+class DeepSpeedFastWriter(Method):
+    """torch.save into DeepSpeed's FastFileWriter (O_DIRECT via its async_io op, double buffer).
+
+    Built the way deepspeed.runtime.model_checkpointing.CheckpointWriterFactory does, with
+    its defaults: 64 MiB double I/O buffer, aio block 1 MiB, queue depth 8, overlap events.
+    """
+
+    name = "deepspeed"
+    label = "DeepSpeed FastFileWriter + torch.save"
+    suffix = ".pt"
+    can_load = False  # DeepSpeed reads these files back with plain torch.load
+
+    IO_BUFFER_BYTES = 64 * 2**20
+
+    def _import(self) -> Any:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed.io.fast_file_writer as ffw
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        from deepspeed.ops.op_builder.utils import UtilsBuilder
+
+        # On CPU-only torch, deepspeed.ops.op_builder resolves to the CPU accelerator's
+        # builders, which lack UtilsBuilder; the generic one builds fine.
+        ffw.UtilsBuilder = UtilsBuilder
+        return ffw, AsyncIOBuilder
+
+    def probe(self) -> str | None:
+        try:
+            ffw, aio_builder = self._import()
+        except Exception as exc:
+            return f"import deepspeed failed: {type(exc).__name__}: {exc}"
+        if not aio_builder().is_compatible(verbose=False):
+            return "DeepSpeed async_io op is not compatible here (libaio-dev missing?)"
+        try:
+            # First use JIT-compiles both ops (minutes); later processes load the cache.
+            aio_builder().load()
+            ffw.UtilsBuilder().load()
+        except Exception as exc:
+            return f"building DeepSpeed ops failed: {type(exc).__name__}: {exc}"
+        return None
+
+    def setup(self) -> None:
+        ffw, aio_builder = self._import()
+        self._ffw = ffw
+        self._handle = (
+            aio_builder()
+            .load()
+            .aio_handle(
+                block_size=2**20,
+                queue_depth=8,
+                single_submit=False,
+                overlap_events=True,
+                intra_op_parallelism=1,
+            )
+        )
+        # The factory uses Tensor.pin_memory(), which CPU-only torch refuses; DeepSpeed's
+        # own NVMe perf tool (nvme/test_ds_aio_utils.py) uses the handle's mlock'ed tensor.
+        self._buffer = self._handle.new_cpu_locked_tensor(
+            self.IO_BUFFER_BYTES, torch.empty(0, dtype=torch.uint8)
+        )
+        self._buffer.zero_()
+
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        config = self._ffw.FastFileWriterConfig(
+            dnvme_handle=self._handle, pinned_tensor=self._buffer
+        )
+        writer = self._ffw.FastFileWriter(file_path=str(path), config=config)
+        torch.save(state, writer)
+        writer.close()  # drains the buffers and fsyncs the file
+        fsync_path(path.parent)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m for m in (FastPersist(), TorchSave(), SafeTensors(), Dcp(), DeepSpeedFastWriter())
+}

@@ -1,0 +1,75 @@
+"""Writing one checkpoint: staging directory, data files, manifest, commit.
+
+Both `save` (all at once, in the caller's thread) and `async_save` (file by
+file, in the background) go through CheckpointWriter:
+
+    1. begin:  make the staging directory (fails fast if the target may not
+               be replaced or the directory is not writable)
+    2. write_file, once per data file: the engine writes and fsyncs it
+    3. commit: manifest last, fsync, atomic rename (see commit.py)
+    abort at any point removes everything the writer made.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from . import datafile
+from ._version import __version__
+from .commit import Staging, os_error
+from .engine import Engine, get_engine
+from .format.manifest import FileRecord, Manifest, TensorRecord
+from .plan import StoredTensor
+
+
+def data_file_name(index: int) -> str:
+    return f"data-{index:05d}.safetensors"
+
+
+class CheckpointWriter:
+    def __init__(self, staging: Staging, tree: Any, stored: list[StoredTensor],
+                 engine: Engine) -> None:
+        self.staging = staging
+        self.tree = tree
+        self.stored = stored
+        self.engine = engine
+        self.files: list[FileRecord] = []
+        self.records: dict[str, TensorRecord] = {}
+
+    @classmethod
+    def begin(cls, target: Path, tree: Any, stored: list[StoredTensor]) -> CheckpointWriter:
+        """Step 1. `stored` is every tensor of the checkpoint, in the order the
+        tree's entry indices refer to."""
+        engine = get_engine()  # knobs are read now, not halfway through a save
+        return cls(Staging.create(target), tree, stored, engine)
+
+    @property
+    def target(self) -> Path:
+        return self.staging.target
+
+    def write_file(self, tensors: list[StoredTensor]) -> None:
+        """Step 2: write the next data file; durable on return."""
+        name = data_file_name(len(self.files))
+        try:
+            file_record, records = datafile.write(self.engine, str(self.staging.path), name,
+                                                  tensors)
+        except OSError as exc:
+            raise os_error(exc, f"cannot save checkpoint {self.target}") from exc
+        self.files.append(file_record)
+        self.records.update((r.name, r) for r in records)
+
+    def commit(self) -> None:
+        """Step 3: on return the checkpoint is durable under its name."""
+        manifest = Manifest(
+            files=tuple(self.files),
+            tensors=tuple(self.records[t.name] for t in self.stored),
+            tree=self.tree,
+            fastpersist_version=__version__,
+            created_unix=time.time(),
+        )
+        self.staging.commit(manifest.to_json())
+
+    def abort(self) -> None:
+        self.staging.abort()
