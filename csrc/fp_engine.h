@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #define FP_ALIGN 4096u /* O_DIRECT alignment we honour for offsets, lengths, buffers */
+#define FP_MAX_QUEUE_DEPTH 1024u
 
 /* Returned when a read finds the file shorter than a segment needs. */
 #define FP_ETRUNCATED 10001
@@ -36,12 +37,23 @@ typedef struct {
 
 typedef enum { FP_DIRECT_OFF = 0, FP_DIRECT_ON = 1, FP_DIRECT_AUTO = 2 } fp_direct_mode;
 
+/*
+ * How I/Os are kept in flight. POOL: `threads` threads, each with one bounce
+ * buffer and one blocking pread/pwrite at a time. URING: min(`threads`, CPUs)
+ * threads, each driving its own io_uring with up to `queue_depth` I/Os (and
+ * bounce buffers) in flight. AUTO: URING where io_uring_setup succeeds, POOL
+ * where it is refused (ENOSYS, a seccomp filter, kernel.io_uring_disabled).
+ */
+typedef enum { FP_BACKEND_POOL = 0, FP_BACKEND_URING = 1, FP_BACKEND_AUTO = 2 } fp_backend;
+
 typedef struct {
     size_t block_size;    /* bytes per I/O; a multiple of FP_ALIGN */
-    unsigned threads;     /* I/O threads, each with one bounce buffer */
+    unsigned threads;     /* I/O threads (see fp_backend) */
     fp_direct_mode direct;
     int fsync;            /* fsync the file before returning (writes) */
     int checksum;         /* compute per-segment CRC32C (reads; writes always do) */
+    fp_backend backend;
+    unsigned queue_depth; /* io_uring: I/Os in flight per thread, each with a bounce buffer */
 } fp_opts;
 
 /*
@@ -61,6 +73,12 @@ int fp_write_file(const char *path, const fp_wseg *segs, size_t nsegs, uint64_t 
  */
 int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
                  uint32_t *crcs, int *used_direct);
+
+/*
+ * 0 if io_uring can be used here (setup succeeds and the kernel has
+ * IORING_OP_READ/WRITE), else the negative errno that refused it.
+ */
+int fp_uring_probe(void);
 
 /* fsync a directory, so that entries created or renamed in it are durable. */
 int fp_fsync_dir(const char *path);

@@ -42,6 +42,79 @@ int fp_failed(fp_status *st);
 /* open(2) with O_DIRECT as the mode asks; returns fd or -errno. */
 int fp_open_for(const char *path, int flags, fp_direct_mode mode, int *used_direct);
 
+/*
+ * A write cut into blocks of block_size; both backends claim blocks with an
+ * atomic add on next_block and assemble each with fp_fill_block().
+ */
+typedef struct {
+    int fd;
+    int direct;
+    uint64_t size;
+    uint64_t block_size;
+    uint64_t nblocks;
+    fp_piece *pieces;
+    size_t npieces;
+    size_t *block_first; /* pieces of block k: [block_first[k], block_first[k+1]) */
+    uint64_t next_block;
+    fp_status st;
+} fp_write_job;
+
+/*
+ * Copy block k's pieces into buf (block_size bytes), zeros in the gaps,
+ * checksumming each piece in the same pass. Returns the bytes to write at
+ * k * block_size: the block, rounded up to FP_ALIGN under O_DIRECT.
+ */
+uint64_t fp_fill_block(fp_write_job *job, uint64_t k, char *buf);
+
+/* One planned read: a piece read in place, or a group of bounce pieces. */
+typedef struct {
+    int bounce;      /* 0: one piece read in place; 1: a group of bounce pieces */
+    uint64_t off;    /* aligned file offset of the I/O */
+    uint64_t len;
+    size_t first;    /* direct: index into pieces; bounce: index into bounce_idx */
+    size_t count;
+} fp_read_io;
+
+typedef struct {
+    int fd;
+    int checksum;
+    uint64_t bounce_size; /* bytes of a bounce buffer: the longest bounce io */
+    fp_piece *pieces;
+    size_t npieces;
+    size_t *bounce_idx; /* bounce pieces, in file order */
+    size_t nbounce;
+    fp_read_io *ios;
+    size_t nios;
+    size_t next_io; /* claimed with an atomic add */
+    fp_status st;
+} fp_read_job;
+
+/*
+ * Finish an io whose read returned `got` bytes into buf (the piece's own
+ * memory for an in-place io, a bounce buffer otherwise): check for a short
+ * file, copy bounce pieces out, checksum.
+ */
+void fp_read_io_done(fp_read_job *job, const fp_read_io *io, const char *buf, uint64_t got);
+
+/* io_uring (fp_uring.c). A ring belongs to the thread that submits to it. */
+typedef struct fp_ring fp_ring;
+
+/*
+ * The ring for a call with this backend and queue depth, or *ring = NULL
+ * where the thread pool is to be used (POOL, or AUTO where io_uring is
+ * refused). Fails only when URING is forced and refused.
+ */
+int fp_ring_for(fp_backend backend, unsigned queue_depth, fp_ring **ring);
+void fp_ring_close(fp_ring *ring);
+/* Run the job on `threads` threads; the caller's thread uses `ring`, others open their own. */
+void fp_uring_write(fp_write_job *job, fp_ring *ring, unsigned threads, unsigned queue_depth);
+void fp_uring_read(fp_read_job *job, fp_ring *ring, unsigned threads, unsigned queue_depth);
+
+static inline uint64_t fp_min(uint64_t a, uint64_t b)
+{
+    return a < b ? a : b;
+}
+
 static inline uint64_t fp_round_down(uint64_t x, uint64_t a)
 {
     return x - x % a;

@@ -64,7 +64,16 @@ fail:
     return -1;
 }
 
-static int parse_opts(fp_opts *o, Py_ssize_t block_size, int threads, int direct)
+/*
+ * Keyword defaults of write_file/read_file. Pool: medians of 11 interleaved
+ * 2 GiB runs, 8 MiB blocks, 64 MiB of buffers: pool x8 write 1.80 / cold read
+ * 2.42 GB/s vs io_uring 2 threads x4 1.66 / 2.23 (x8: 1.85 / 2.22).
+ */
+#define DEFAULT_BACKEND FP_BACKEND_POOL
+#define DEFAULT_QUEUE_DEPTH 8
+
+static int parse_opts(fp_opts *o, Py_ssize_t block_size, int threads, int direct, int backend,
+                      int queue_depth)
 {
     if (block_size <= 0 || block_size % FP_ALIGN) {
         PyErr_Format(PyExc_ValueError, "block_size must be a positive multiple of %u", FP_ALIGN);
@@ -78,9 +87,20 @@ static int parse_opts(fp_opts *o, Py_ssize_t block_size, int threads, int direct
         PyErr_SetString(PyExc_ValueError, "direct must be DIRECT_OFF, DIRECT_ON or DIRECT_AUTO");
         return -1;
     }
+    if (backend < FP_BACKEND_POOL || backend > FP_BACKEND_AUTO) {
+        PyErr_SetString(PyExc_ValueError,
+                        "backend must be BACKEND_POOL, BACKEND_URING or BACKEND_AUTO");
+        return -1;
+    }
+    if (queue_depth < 1 || queue_depth > (int)FP_MAX_QUEUE_DEPTH) {
+        PyErr_Format(PyExc_ValueError, "queue_depth must be between 1 and %u", FP_MAX_QUEUE_DEPTH);
+        return -1;
+    }
     o->block_size = (size_t)block_size;
     o->threads = (unsigned)threads;
     o->direct = (fp_direct_mode)direct;
+    o->backend = (fp_backend)backend;
+    o->queue_depth = (unsigned)queue_depth;
     return 0;
 }
 
@@ -118,24 +138,29 @@ static PyObject *crc_list(const uint32_t *crcs, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(write_file_doc,
-             "write_file(path, segments, size, *, block_size, threads, direct, fsync=True)\n"
+             "write_file(path, segments, size, block_size, threads, direct, fsync=True, *,\n"
+             "           backend=BACKEND_POOL, queue_depth=8)\n"
              "--\n\n"
              "Write `size` bytes to `path`: each (buffer, offset) segment at its offset,\n"
              "zeros in gaps. Segments must be sorted and must not overlap. Returns\n"
              "(crc32c of each segment, whether O_DIRECT was used). With fsync the file\n"
-             "is durable on return; its directory entry is not (see fsync_dir).");
+             "is durable on return; its directory entry is not (see fsync_dir).\n"
+             "backend: BACKEND_POOL (threads, one blocking I/O each), BACKEND_URING\n"
+             "(min(threads, CPUs) threads, each with its own io_uring and queue_depth\n"
+             "I/Os in flight) or BACKEND_AUTO (io_uring unless it is refused here).");
 
 static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"path", "segments", "size", "block_size", "threads", "direct",
-                             "fsync", NULL};
+                             "fsync", "backend", "queue_depth", NULL};
     PyObject *path = NULL, *seq;
     unsigned long long size;
     Py_ssize_t block_size;
-    int threads, direct, do_fsync = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OKnii|p", kwlist, PyUnicode_FSConverter,
+    int threads, direct, do_fsync = 1, backend = DEFAULT_BACKEND;
+    int queue_depth = DEFAULT_QUEUE_DEPTH;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OKnii|p$ii", kwlist, PyUnicode_FSConverter,
                                      &path, &seq, &size, &block_size, &threads, &direct,
-                                     &do_fsync))
+                                     &do_fsync, &backend, &queue_depth))
         return NULL;
     fp_opts opts = {.fsync = do_fsync, .checksum = 1};
     buffer_list bl = {0};
@@ -143,7 +168,7 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw)
     fp_wseg *segs = NULL;
     uint32_t *crcs = NULL;
     PyObject *result = NULL;
-    if (parse_opts(&opts, block_size, threads, direct) < 0 ||
+    if (parse_opts(&opts, block_size, threads, direct, backend, queue_depth) < 0 ||
         acquire_segments(seq, 0, &bl, &offsets) < 0)
         goto done;
     segs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *segs);
@@ -176,21 +201,25 @@ done:
 }
 
 PyDoc_STRVAR(read_file_doc,
-             "read_file(path, segments, *, block_size, threads, direct, checksum=True)\n"
+             "read_file(path, segments, block_size, threads, direct, checksum=True, *,\n"
+             "          backend=BACKEND_POOL, queue_depth=8)\n"
              "--\n\n"
              "Fill each writable (buffer, offset) segment with the file's bytes at that\n"
              "offset, in parallel. Returns (crc32c of each segment or None, whether\n"
-             "O_DIRECT was used). Raises EOFError if the file is too short.");
+             "O_DIRECT was used). Raises EOFError if the file is too short. backend and\n"
+             "queue_depth as for write_file.");
 
 static PyObject *py_read_file(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"path", "segments", "block_size", "threads", "direct", "checksum",
-                             NULL};
+                             "backend", "queue_depth", NULL};
     PyObject *path = NULL, *seq;
     Py_ssize_t block_size;
-    int threads, direct, checksum = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Onii|p", kwlist, PyUnicode_FSConverter, &path,
-                                     &seq, &block_size, &threads, &direct, &checksum))
+    int threads, direct, checksum = 1, backend = DEFAULT_BACKEND;
+    int queue_depth = DEFAULT_QUEUE_DEPTH;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Onii|p$ii", kwlist, PyUnicode_FSConverter,
+                                     &path, &seq, &block_size, &threads, &direct, &checksum,
+                                     &backend, &queue_depth))
         return NULL;
     fp_opts opts = {.checksum = checksum};
     buffer_list bl = {0};
@@ -198,7 +227,7 @@ static PyObject *py_read_file(PyObject *self, PyObject *args, PyObject *kw)
     fp_rseg *segs = NULL;
     uint32_t *crcs = NULL;
     PyObject *result = NULL;
-    if (parse_opts(&opts, block_size, threads, direct) < 0 ||
+    if (parse_opts(&opts, block_size, threads, direct, backend, queue_depth) < 0 ||
         acquire_segments(seq, 1, &bl, &offsets) < 0)
         goto done;
     segs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *segs);
@@ -291,6 +320,11 @@ static PyObject *py_rename_exchange(PyObject *self, PyObject *args)
     return res;
 }
 
+static PyObject *py_uring_available(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(fp_uring_probe() == 0);
+}
+
 static PyObject *py_release_buffers(PyObject *self, PyObject *unused)
 {
     fp_bounce_release_all();
@@ -313,6 +347,8 @@ static PyMethodDef methods[] = {
     {"fsync_dir", py_fsync_dir, METH_VARARGS, "fsync_dir(path): make a directory's entries durable."},
     {"rename_exchange", py_rename_exchange, METH_VARARGS,
      "rename_exchange(a, b): atomically swap two paths (renameat2 RENAME_EXCHANGE)."},
+    {"uring_available", py_uring_available, METH_NOARGS,
+     "Whether io_uring works here (BACKEND_AUTO falls back to the thread pool if not)."},
     {"release_buffers", py_release_buffers, METH_NOARGS, "Free the cached bounce buffers."},
     {"cached_buffer_bytes", py_cached_buffer_bytes, METH_NOARGS,
      "Bytes of bounce buffers kept for the next call."},
@@ -332,6 +368,10 @@ PyMODINIT_FUNC PyInit__engine(void)
     if (PyModule_AddIntConstant(m, "DIRECT_OFF", FP_DIRECT_OFF) < 0 ||
         PyModule_AddIntConstant(m, "DIRECT_ON", FP_DIRECT_ON) < 0 ||
         PyModule_AddIntConstant(m, "DIRECT_AUTO", FP_DIRECT_AUTO) < 0 ||
+        PyModule_AddIntConstant(m, "BACKEND_POOL", FP_BACKEND_POOL) < 0 ||
+        PyModule_AddIntConstant(m, "BACKEND_URING", FP_BACKEND_URING) < 0 ||
+        PyModule_AddIntConstant(m, "BACKEND_AUTO", FP_BACKEND_AUTO) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_QUEUE_DEPTH", FP_MAX_QUEUE_DEPTH) < 0 ||
         PyModule_AddIntConstant(m, "ALIGNMENT", FP_ALIGN) < 0 ||
         PyModule_AddStringConstant(m, "CRC32C_IMPL", fp_crc32c_impl()) < 0) {
         Py_DECREF(m);

@@ -7,6 +7,10 @@
  * bounce buffers. Bounce pieces that lie close together in the file are read
  * with one I/O (the tail of one tensor and the head of the next usually share
  * a block), so a checkpoint of many small tensors costs few reads.
+ *
+ * The plan (a list of ios) is shared by two backends: a thread pool, each
+ * thread with one blocking pread at a time, and io_uring (fp_uring.c), which
+ * keeps several ios in flight from each thread.
  */
 #define _GNU_SOURCE
 #include "fp_internal.h"
@@ -22,122 +26,96 @@
 /* Bounce pieces further apart than this are not read with one I/O. */
 #define MAX_GAP (64u * 1024u)
 
-typedef struct {
-    int bounce;      /* 0: one piece read in place; 1: a group of bounce pieces */
-    uint64_t off;    /* aligned file offset of the I/O */
-    uint64_t len;
-    size_t first;    /* direct: index into pieces; bounce: index into bounce_idx */
-    size_t count;
-} read_io;
-
-typedef struct {
-    int fd;
-    int checksum;
-    uint64_t bounce_size;
-    fp_piece *pieces;
-    size_t npieces;
-    size_t *bounce_idx; /* bounce pieces, in file order */
-    size_t nbounce;
-    read_io *ios;
-    size_t nios;
-    size_t next_io;
-    fp_status st;
-} read_job;
-
-static void fail_short(read_job *job, const fp_piece *p, int64_t got_end)
+static void fail_short(fp_read_job *job, const fp_piece *p, uint64_t got_end)
 {
     fp_fail(&job->st, FP_ETRUNCATED,
-            "file is truncated: it ends at byte %lld but bytes %llu..%llu are needed",
-            (long long)got_end, (unsigned long long)p->off, (unsigned long long)(p->off + p->len));
+            "file is truncated: it ends at byte %llu but bytes %llu..%llu are needed",
+            (unsigned long long)got_end, (unsigned long long)p->off,
+            (unsigned long long)(p->off + p->len));
 }
 
-static void read_direct(read_job *job, const read_io *io)
+void fp_read_io_done(fp_read_job *job, const fp_read_io *io, const char *buf, uint64_t got)
 {
-    fp_piece *p = &job->pieces[io->first];
-    int64_t n = fp_pread_full(job->fd, p->mem, p->len, p->off);
-    if (n < 0) {
-        fp_fail(&job->st, (int)-n, "read of %llu bytes at offset %llu: %s",
-                (unsigned long long)p->len, (unsigned long long)p->off, strerror((int)-n));
-        return;
-    }
-    if ((uint64_t)n < p->len) {
-        fail_short(job, p, (int64_t)p->off + n);
-        return;
-    }
-    if (job->checksum)
-        p->crc = fp_crc32c(0, p->mem, p->len);
-}
-
-static void read_bounced(read_job *job, const read_io *io, char *buf)
-{
-    int64_t n = fp_pread_full(job->fd, buf, io->len, io->off);
-    if (n < 0) {
-        fp_fail(&job->st, (int)-n, "read of %llu bytes at offset %llu: %s",
-                (unsigned long long)io->len, (unsigned long long)io->off, strerror((int)-n));
+    if (!io->bounce) {
+        fp_piece *p = &job->pieces[io->first];
+        if (got < p->len)
+            fail_short(job, p, p->off + got);
+        else if (job->checksum)
+            p->crc = fp_crc32c(0, p->mem, p->len);
         return;
     }
     for (size_t i = io->first; i < io->first + io->count; i++) {
         fp_piece *p = &job->pieces[job->bounce_idx[i]];
         uint64_t rel = p->off - io->off;
-        if (rel + p->len > (uint64_t)n) {
-            fail_short(job, p, (int64_t)io->off + n);
+        if (rel + p->len > got) {
+            fail_short(job, p, io->off + got);
             return;
         }
         p->crc = fp_copy_with_crc(p->mem, buf + rel, p->len, job->checksum);
     }
 }
 
+static void read_one(fp_read_job *job, const fp_read_io *io, char *buf)
+{
+    int64_t n = fp_pread_full(job->fd, buf, io->len, io->off);
+    if (n < 0)
+        fp_fail(&job->st, (int)-n, "read of %llu bytes at offset %llu: %s",
+                (unsigned long long)io->len, (unsigned long long)io->off, strerror((int)-n));
+    else
+        fp_read_io_done(job, io, buf, (uint64_t)n);
+}
+
 static void *read_worker(void *arg)
 {
-    read_job *job = arg;
+    fp_read_job *job = arg;
     char *buf = NULL;
     while (!fp_failed(&job->st)) {
         size_t k = __atomic_fetch_add(&job->next_io, 1, __ATOMIC_RELAXED);
         if (k >= job->nios)
             break;
-        const read_io *io = &job->ios[k];
+        const fp_read_io *io = &job->ios[k];
         if (!io->bounce) {
-            read_direct(job, io);
+            read_one(job, io, job->pieces[io->first].mem);
             continue;
         }
         if (!buf && !(buf = fp_bounce_get(job->bounce_size))) {
             fp_fail(&job->st, ENOMEM, "allocating a bounce buffer");
             break;
         }
-        read_bounced(job, io, buf);
+        read_one(job, io, buf);
     }
     fp_bounce_put(buf, job->bounce_size);
     return NULL;
 }
 
 typedef struct {
-    read_job *job;
+    fp_read_job *job;
     int direct;
     uint64_t block_size;
-    read_io *group; /* bounce group being filled, or NULL */
+    fp_read_io *group; /* bounce group being filled, or NULL */
     uint64_t group_end;
 } planner;
 
 static void add_direct(planner *pl, fp_piece piece)
 {
-    read_job *job = pl->job;
+    fp_read_job *job = pl->job;
     job->pieces[job->npieces] = piece;
-    job->ios[job->nios++] = (read_io){.off = piece.off, .len = piece.len,
+    job->ios[job->nios++] = (fp_read_io){.off = piece.off, .len = piece.len,
                                       .first = job->npieces++, .count = 1};
 }
 
 static void add_bounce(planner *pl, fp_piece piece)
 {
-    read_job *job = pl->job;
+    fp_read_job *job = pl->job;
     uint64_t end = piece.off + piece.len;
-    read_io *g = pl->group;
+    fp_read_io *g = pl->group;
     /* Segments may overlap, so a piece can start before the open group. */
     if (g && (piece.off < g->off || fp_round_up(end, FP_ALIGN) - g->off > job->bounce_size ||
               piece.off > pl->group_end + MAX_GAP))
         g = NULL;
     if (!g) {
         g = pl->group = &job->ios[job->nios++];
-        *g = (read_io){.bounce = 1, .off = fp_round_down(piece.off, FP_ALIGN),
+        *g = (fp_read_io){.bounce = 1, .off = fp_round_down(piece.off, FP_ALIGN),
                        .first = job->nbounce};
         pl->group_end = 0;
     }
@@ -194,7 +172,7 @@ static int by_offset(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-static int plan_reads(read_job *job, const fp_rseg *segs, size_t nsegs, uint64_t block_size,
+static int plan_reads(fp_read_job *job, const fp_rseg *segs, size_t nsegs, uint64_t block_size,
                       int direct)
 {
     size_t maxpieces = 0;
@@ -219,7 +197,7 @@ static int plan_reads(read_job *job, const fp_rseg *segs, size_t nsegs, uint64_t
     return 0;
 }
 
-static void free_plan(read_job *job)
+static void free_plan(fp_read_job *job)
 {
     free(job->pieces);
     free(job->bounce_idx);
@@ -231,22 +209,24 @@ static void free_plan(read_job *job)
 }
 
 static int read_once(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
-                     fp_direct_mode mode, uint32_t *crcs, int *used_direct)
+                     fp_direct_mode mode, fp_ring *ring, uint32_t *crcs, int *used_direct)
 {
     int fd = fp_open_for(path, O_RDONLY, mode, used_direct);
     if (fd < 0) {
         fp_set_error("open %s for reading: %s", path, strerror(-fd));
         return fd;
     }
-    read_job job = {.fd = fd, .checksum = opts->checksum,
+    fp_read_job job = {.fd = fd, .checksum = opts->checksum,
                     .bounce_size = opts->block_size + 2 * FP_ALIGN};
     pthread_mutex_init(&job.st.lock, NULL);
     int rc = plan_reads(&job, segs, nsegs, opts->block_size, *used_direct);
     if (rc == 0) {
-        unsigned threads = opts->threads ? opts->threads : 1;
-        if (threads > job.nios)
-            threads = job.nios ? (unsigned)job.nios : 1;
-        fp_run_parallel(read_worker, &job, threads);
+        unsigned threads = (unsigned)fp_min(opts->threads ? opts->threads : 1,
+                                            job.nios ? job.nios : 1);
+        if (ring)
+            fp_uring_read(&job, ring, threads, opts->queue_depth);
+        else
+            fp_run_parallel(read_worker, &job, threads);
         if (job.st.err) {
             fp_set_error("%s: %s", path, job.st.msg);
             rc = -job.st.err;
@@ -274,8 +254,13 @@ int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_o
             return -FP_EBADARG;
         }
     }
-    int rc = read_once(path, segs, nsegs, opts, opts->direct, crcs, used_direct);
+    fp_ring *ring = NULL;
+    int rc = fp_ring_for(opts->backend, opts->queue_depth, &ring);
+    if (rc < 0)
+        return rc;
+    rc = read_once(path, segs, nsegs, opts, opts->direct, ring, crcs, used_direct);
     if (rc == -EINVAL && opts->direct == FP_DIRECT_AUTO && *used_direct)
-        rc = read_once(path, segs, nsegs, opts, FP_DIRECT_OFF, crcs, used_direct);
+        rc = read_once(path, segs, nsegs, opts, FP_DIRECT_OFF, ring, crcs, used_direct);
+    fp_ring_close(ring);
     return rc;
 }

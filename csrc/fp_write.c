@@ -1,12 +1,15 @@
 /*
- * Parallel direct-I/O writer.
+ * Parallel direct-I/O writer: planning, block assembly and the thread pool.
  *
- * The file is cut into blocks of opts->block_size. Each I/O thread owns one
- * aligned bounce buffer and repeatedly claims the next block: it copies the
- * segment pieces that fall in the block into its buffer (checksumming them in
- * the same pass, while the bytes are in cache) and writes the block with one
- * pwrite. With several threads, one thread's copy overlaps the others' writes,
- * and the disk sees several large aligned writes in flight.
+ * The file is cut into blocks of opts->block_size. A block is assembled in an
+ * aligned bounce buffer: the segment pieces that fall in it are copied in
+ * (and checksummed in the same pass, while the bytes are in cache), zeros in
+ * the gaps, and the block is written with one large aligned write.
+ *
+ * Pool backend: each thread owns one bounce buffer and repeatedly claims the
+ * next block, assembles it and pwrites it; one thread's copy overlaps the
+ * others' writes. The io_uring backend (fp_uring.c) shares the plan and the
+ * assembly and keeps several writes in flight from each of its threads.
  */
 #define _GNU_SOURCE
 #include "fp_internal.h"
@@ -17,22 +20,29 @@
 #include <string.h>
 #include <unistd.h>
 
-typedef struct {
-    int fd;
-    int direct;
-    uint64_t size;
-    uint64_t block_size;
-    uint64_t nblocks;
-    fp_piece *pieces;
-    size_t npieces;
-    size_t *block_first; /* pieces of block k: [block_first[k], block_first[k+1]) */
-    uint64_t next_block;
-    fp_status st;
-} write_job;
+uint64_t fp_fill_block(fp_write_job *job, uint64_t k, char *buf)
+{
+    uint64_t start = k * job->block_size;
+    uint64_t end = fp_min(start + job->block_size, job->size);
+    uint64_t cursor = start;
+    for (size_t i = job->block_first[k]; i < job->block_first[k + 1]; i++) {
+        fp_piece *p = &job->pieces[i];
+        if (p->off > cursor)
+            memset(buf + (cursor - start), 0, p->off - cursor);
+        p->crc = fp_copy_with_crc(buf + (p->off - start), p->mem, p->len, 1);
+        cursor = p->off + p->len;
+    }
+    uint64_t wlen = end - start;
+    if (job->direct)
+        wlen = fp_round_up(wlen, FP_ALIGN); /* truncated back after the last write */
+    if (wlen > cursor - start)
+        memset(buf + (cursor - start), 0, wlen - (cursor - start));
+    return wlen;
+}
 
 static void *write_worker(void *arg)
 {
-    write_job *job = arg;
+    fp_write_job *job = arg;
     char *buf = fp_bounce_get(job->block_size);
     if (!buf) {
         fp_fail(&job->st, ENOMEM, "allocating a %llu-byte bounce buffer",
@@ -44,20 +54,7 @@ static void *write_worker(void *arg)
         if (k >= job->nblocks)
             break;
         uint64_t start = k * job->block_size;
-        uint64_t end = start + job->block_size < job->size ? start + job->block_size : job->size;
-        uint64_t cursor = start;
-        for (size_t i = job->block_first[k]; i < job->block_first[k + 1]; i++) {
-            fp_piece *p = &job->pieces[i];
-            if (p->off > cursor)
-                memset(buf + (cursor - start), 0, p->off - cursor);
-            p->crc = fp_copy_with_crc(buf + (p->off - start), p->mem, p->len, 1);
-            cursor = p->off + p->len;
-        }
-        uint64_t wlen = end - start;
-        if (job->direct)
-            wlen = fp_round_up(wlen, FP_ALIGN); /* truncated back after the last write */
-        if (wlen > cursor - start)
-            memset(buf + (cursor - start), 0, wlen - (cursor - start));
+        uint64_t wlen = fp_fill_block(job, k, buf);
         int rc = fp_pwrite_full(job->fd, buf, wlen, start);
         if (rc < 0)
             fp_fail(&job->st, -rc, "write of %llu bytes at offset %llu: %s",
@@ -91,7 +88,7 @@ static int check_segments(const fp_wseg *segs, size_t nsegs, uint64_t size)
 }
 
 /* Split segments at block boundaries into pieces, in file order. */
-static int plan_pieces(write_job *job, const fp_wseg *segs, size_t nsegs)
+static int plan_pieces(fp_write_job *job, const fp_wseg *segs, size_t nsegs)
 {
     uint64_t bs = job->block_size;
     size_t npieces = 0;
@@ -125,8 +122,8 @@ static int plan_pieces(write_job *job, const fp_wseg *segs, size_t nsegs)
     return 0;
 }
 
-static int write_once(write_job *job, const char *path, const fp_opts *opts,
-                      fp_direct_mode mode, int *used_direct)
+static int write_once(fp_write_job *job, const char *path, const fp_opts *opts,
+                      fp_direct_mode mode, fp_ring *ring, int *used_direct)
 {
     int fd = fp_open_for(path, O_WRONLY | O_CREAT | O_TRUNC, mode, used_direct);
     if (fd < 0) {
@@ -144,10 +141,12 @@ static int write_once(write_job *job, const char *path, const fp_opts *opts,
         fp_fail(&job->st, errno, "reserving %llu bytes: %s", (unsigned long long)job->size,
                 strerror(errno));
     if (!job->st.err) {
-        unsigned threads = opts->threads ? opts->threads : 1;
-        if (threads > job->nblocks)
-            threads = job->nblocks ? (unsigned)job->nblocks : 1;
-        fp_run_parallel(write_worker, job, threads);
+        unsigned threads = (unsigned)fp_min(opts->threads ? opts->threads : 1,
+                                            job->nblocks ? job->nblocks : 1);
+        if (ring)
+            fp_uring_write(job, ring, threads, opts->queue_depth);
+        else
+            fp_run_parallel(write_worker, job, threads);
     }
     if (!job->st.err && job->direct && ftruncate(fd, (off_t)job->size) != 0)
         fp_fail(&job->st, errno, "truncate to %llu bytes: %s", (unsigned long long)job->size,
@@ -174,20 +173,25 @@ int fp_write_file(const char *path, const fp_wseg *segs, size_t nsegs, uint64_t 
     int rc = check_segments(segs, nsegs, size);
     if (rc < 0)
         return rc;
-    write_job job = {.size = size, .block_size = opts->block_size};
+    fp_ring *ring = NULL;
+    rc = fp_ring_for(opts->backend, opts->queue_depth, &ring);
+    if (rc < 0)
+        return rc;
+    fp_write_job job = {.size = size, .block_size = opts->block_size};
     job.nblocks = (size + opts->block_size - 1) / opts->block_size;
     pthread_mutex_init(&job.st.lock, NULL);
     rc = plan_pieces(&job, segs, nsegs);
     if (rc == 0) {
-        rc = write_once(&job, path, opts, opts->direct, used_direct);
+        rc = write_once(&job, path, opts, opts->direct, ring, used_direct);
         /* Some filesystems accept O_DIRECT at open and refuse the I/O. */
         if (rc == -EINVAL && opts->direct == FP_DIRECT_AUTO && *used_direct)
-            rc = write_once(&job, path, opts, FP_DIRECT_OFF, used_direct);
+            rc = write_once(&job, path, opts, FP_DIRECT_OFF, ring, used_direct);
     }
     if (rc == 0)
         fp_fold_piece_crcs(job.pieces, job.npieces, crcs, nsegs);
     free(job.pieces);
     free(job.block_first);
     pthread_mutex_destroy(&job.st.lock);
+    fp_ring_close(ring);
     return rc;
 }

@@ -4,8 +4,20 @@
     FASTPERSIST_THREADS        I/O threads per file                      8
     FASTPERSIST_BUFFER_BUDGET  bounce-buffer memory, all threads          64 MiB
     FASTPERSIST_DIRECT         O_DIRECT: auto (fall back), on, off       auto
+    FASTPERSIST_IO_BACKEND     pool (threads), uring (io_uring), or      pool
+                               auto (io_uring unless refused here)
+    FASTPERSIST_QUEUE_DEPTH    I/Os in flight per io_uring thread        8
     FASTPERSIST_ENGINE         native (C) or python (reference)          native
     FASTPERSIST_VERIFY_LOAD    check every tensor's CRC32C on load       1
+    FASTPERSIST_STAGING_BUDGET async-save staging memory, bytes; 0: as   0
+                               large as the state
+    FASTPERSIST_MAX_IN_FLIGHT  async saves persisting at once            1
+
+The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
+thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for
+its own ring with FASTPERSIST_QUEUE_DEPTH I/Os in flight. Both are trimmed to
+fit FASTPERSIST_BUFFER_BUDGET, since every I/O in flight holds one bounce buffer
+of the block size.
 
 Values are read when an operation starts, so a test or a launcher can change the
 environment between saves.
@@ -20,7 +32,7 @@ ALIGNMENT = 4096
 _MIB = 1 << 20
 
 
-def _int_env(name: str, default: int) -> int:
+def _int_env(name: str, default: int, minimum: int = 1) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -28,8 +40,8 @@ def _int_env(name: str, default: int) -> int:
         value = int(raw, 0)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r} must be at least {minimum}")
     return value
 
 
@@ -48,11 +60,26 @@ class Knobs:
     direct: str
     engine: str
     verify_load: bool
+    staging_budget: int
+    max_in_flight: int
+    io_backend: str = "pool"
+    queue_depth: int = 8
 
     @property
     def io_threads(self) -> int:
         """Threads that fit the budget: each holds one bounce buffer of block_size."""
         return max(1, min(self.threads, self.buffer_budget // self.block_size))
+
+    @property
+    def uring_threads(self) -> int:
+        """io_uring threads, as the engine caps them: no more than the usable CPUs."""
+        return max(1, min(self.io_threads, len(os.sched_getaffinity(0))))
+
+    @property
+    def io_queue_depth(self) -> int:
+        """Queue depth per io_uring thread that fits the budget with uring_threads."""
+        per_thread = self.buffer_budget // (self.block_size * self.uring_threads)
+        return max(1, min(self.queue_depth, per_thread))
 
 
 def current() -> Knobs:
@@ -65,6 +92,11 @@ def current() -> Knobs:
     threads = _int_env("FASTPERSIST_THREADS", 8)
     if threads > 64:
         raise ValueError(f"FASTPERSIST_THREADS={threads} is above the limit of 64")
+    # Pool over io_uring: 2 GiB, 8 MiB blocks, medians of 11 interleaved runs here:
+    # pool x8 write 1.80 / cold read 2.42 GB/s, io_uring 2x4 1.66 / 2.23, 2x8 1.85 / 2.22.
+    queue_depth = _int_env("FASTPERSIST_QUEUE_DEPTH", 8)
+    if queue_depth > 1024:
+        raise ValueError(f"FASTPERSIST_QUEUE_DEPTH={queue_depth} is above the limit of 1024")
     return Knobs(
         block_size=block_size,
         threads=threads,
@@ -72,4 +104,8 @@ def current() -> Knobs:
         direct=_choice_env("FASTPERSIST_DIRECT", "auto", ("auto", "on", "off")),
         engine=_choice_env("FASTPERSIST_ENGINE", "native", ("native", "python")),
         verify_load=_choice_env("FASTPERSIST_VERIFY_LOAD", "1", ("0", "1")) == "1",
+        staging_budget=_int_env("FASTPERSIST_STAGING_BUDGET", 0, minimum=0),
+        max_in_flight=_int_env("FASTPERSIST_MAX_IN_FLIGHT", 1),
+        io_backend=_choice_env("FASTPERSIST_IO_BACKEND", "pool", ("pool", "uring", "auto")),
+        queue_depth=queue_depth,
     )

@@ -2,14 +2,21 @@
 
 Differential tests: the same segment lists written by both engines give
 byte-identical files and identical checksums, over random layouts, block
-sizes and thread counts (including blocks smaller than a segment, gaps,
-empty segments and unaligned tails).
+sizes, thread counts and queue depths (including blocks smaller than a
+segment, gaps, empty segments and unaligned tails), with both of the C
+engine's I/O backends: the thread pool and io_uring.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import platform
+import resource
+import signal
 import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -23,15 +30,22 @@ from fastpersist.engine.reference import ReferenceEngine
 
 KIB = 1024
 
+needs_uring = pytest.mark.skipif(not _engine.uring_available(), reason="io_uring refused here")
+# Every engine test that takes `backend` runs once per I/O backend.
+BACKENDS = [
+    pytest.param(_engine.BACKEND_POOL, id="pool"),
+    pytest.param(_engine.BACKEND_URING, id="uring", marks=needs_uring),
+]
+
 
 def native_write(path: Path, segments, size, block_size=64 * KIB, threads=3,
-                 direct=_engine.DIRECT_AUTO):
-    return _engine.write_file(str(path), segments, size, block_size, threads, direct)
+                 direct=_engine.DIRECT_AUTO, **io):
+    return _engine.write_file(str(path), segments, size, block_size, threads, direct, **io)
 
 
 def native_read(path: Path, segments, block_size=64 * KIB, threads=3,
-                direct=_engine.DIRECT_AUTO, checksum=True):
-    return _engine.read_file(str(path), segments, block_size, threads, direct, checksum)
+                direct=_engine.DIRECT_AUTO, checksum=True, **io):
+    return _engine.read_file(str(path), segments, block_size, threads, direct, checksum, **io)
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4095, 4096, 12287, 12288, 12289, 36865, 1 << 20])
@@ -74,11 +88,18 @@ def layouts(draw):
     return segments, size, block_size, threads
 
 
-@given(layouts())
-def test_native_writes_the_same_bytes_as_the_reference(tmp_path_factory, layout) -> None:
+queue_depths = st.sampled_from([1, 2, 3, 8])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(layout=layouts(), queue_depth=queue_depths)
+def test_native_writes_the_same_bytes_as_the_reference(
+    tmp_path_factory, backend, layout, queue_depth
+) -> None:
     segments, size, block_size, threads = layout
     d = tmp_path_factory.mktemp("diff")
-    crcs, _ = native_write(d / "native", segments, size, block_size, threads)
+    crcs, _ = native_write(d / "native", segments, size, block_size, threads,
+                           backend=backend, queue_depth=queue_depth)
     ref = ReferenceEngine().write_file(str(d / "ref"), segments, size)
     native_bytes = (d / "native").read_bytes()
     assert native_bytes == (d / "ref").read_bytes()
@@ -86,8 +107,10 @@ def test_native_writes_the_same_bytes_as_the_reference(tmp_path_factory, layout)
     assert crcs == ref.crcs == [crc32c.crc32c(b) for b, _ in segments]
 
 
-@given(layouts(), st.data())
-def test_native_reads_any_segment_list(tmp_path_factory, layout, data) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(layout=layouts(), queue_depth=queue_depths, data=st.data())
+def test_native_reads_any_segment_list(tmp_path_factory, backend, layout, queue_depth,
+                                       data) -> None:
     segments, size, block_size, threads = layout
     path = tmp_path_factory.mktemp("read") / "f"
     ReferenceEngine().write_file(str(path), segments, size)
@@ -102,33 +125,139 @@ def test_native_reads_any_segment_list(tmp_path_factory, layout, data) -> None:
         pad = data.draw(st.sampled_from([0, 1, 64, 4095]))
         backing = bytearray(length + pad)
         reads.append((memoryview(backing)[pad:], start))
-    crcs, _ = native_read(path, reads, block_size, threads)
+    crcs, _ = native_read(path, reads, block_size, threads, backend=backend,
+                          queue_depth=queue_depth)
     for (view, start), crc in zip(reads, crcs, strict=True):
         expected = content[start:start + len(view)]
         assert bytes(view) == expected
         assert crc == crc32c.crc32c(expected)
 
 
-def test_large_aligned_read_goes_in_place_and_round_trips(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_aligned_read_goes_in_place_and_round_trips(tmp_path: Path, backend) -> None:
     # Big enough for the in-place path (>= 256 KiB, same alignment phase).
     payload = os.urandom(3 * (1 << 20) + 123)
     path = tmp_path / "f"
-    native_write(path, [(b"h" * 4096, 0), (payload, 4096)], 4096 + len(payload))
+    native_write(path, [(b"h" * 4096, 0), (payload, 4096)], 4096 + len(payload), backend=backend)
     import mmap
 
     dest = mmap.mmap(-1, len(payload) + 4096)  # page-aligned
     view = memoryview(dest)[: len(payload)]
-    crcs, _ = native_read(path, [(view, 4096)], block_size=1 << 20)
+    crcs, _ = native_read(path, [(view, 4096)], block_size=1 << 20, backend=backend)
     assert bytes(view) == payload and crcs == [crc32c.crc32c(payload)]
+    # A file cut short inside the in-place part: the read comes back short.
+    os.truncate(path, 4096 + (1 << 20) + 5)
+    with pytest.raises(EOFError, match="truncated"):
+        native_read(path, [(view, 4096)], block_size=1 << 20, backend=backend)
     view.release()
     dest.close()
 
 
-def test_read_past_end_raises_eof(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_past_end_raises_eof(tmp_path: Path, backend) -> None:
     path = tmp_path / "f"
-    native_write(path, [(b"x" * 5000, 0)], 5000)
+    native_write(path, [(b"x" * 5000, 0)], 5000, backend=backend)
     with pytest.raises(EOFError, match="truncated"):
-        native_read(path, [(bytearray(10), 4995)])
+        native_read(path, [(bytearray(10), 4995)], backend=backend)
+
+
+@needs_uring
+@pytest.mark.parametrize("threads,queue_depth", [(1, 1), (1, 2), (1, 7), (2, 3), (4, 32)])
+def test_uring_output_is_byte_identical_to_the_pool(tmp_path: Path, threads, queue_depth) -> None:
+    # Many blocks per call, so slots are reused and several writes are in flight.
+    segments, offset = [], 100
+    for length in (5, 70_000, 1 << 20, 3, 2_500_000, 0, 123_457):
+        segments.append((os.urandom(length), offset))
+        offset += length + 777
+    size = offset + 1000
+    pool_crcs, _ = native_write(tmp_path / "pool", segments, size, 16 * KIB, threads,
+                                backend=_engine.BACKEND_POOL)
+    uring_crcs, _ = native_write(tmp_path / "uring", segments, size, 16 * KIB, threads,
+                                 backend=_engine.BACKEND_URING, queue_depth=queue_depth)
+    content = (tmp_path / "pool").read_bytes()
+    assert (tmp_path / "uring").read_bytes() == content
+    assert uring_crcs == pool_crcs
+    views = [(bytearray(len(b)), off) for b, off in segments]
+    read_crcs, _ = native_read(tmp_path / "uring", views, 16 * KIB, threads,
+                               backend=_engine.BACKEND_URING, queue_depth=queue_depth)
+    assert read_crcs == pool_crcs
+    assert all(bytes(v) == b for (v, _), (b, _) in zip(views, segments, strict=True))
+
+
+def test_bad_backend_or_queue_depth_raises_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="backend"):
+        native_write(tmp_path / "f", [], 0, backend=7)
+    with pytest.raises(ValueError, match="queue_depth"):
+        native_read(tmp_path / "f", [], queue_depth=0)
+    with pytest.raises(ValueError, match="queue_depth"):
+        native_write(tmp_path / "f", [], 0, queue_depth=_engine.MAX_QUEUE_DEPTH + 1)
+    with pytest.raises(TypeError):  # keyword-only, after the existing positional ones
+        _engine.write_file(str(tmp_path / "f"), [], 0, 4096, 1, 0, True, _engine.BACKEND_POOL)
+
+
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+
+# Runs in a child: a seccomp filter makes io_uring_setup fail with EPERM, as
+# Docker's default profile does, then the engine is used with each backend.
+_SECCOMP_CHILD = """
+import ctypes, os, sys
+
+class Filter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                ("k", ctypes.c_uint)]
+
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+LD_ABS_W, JEQ_K, RET_K = 0x20, 0x15, 0x06
+EPERM_RET, ALLOW = 0x00050000 | 1, 0x7FFF0000
+program = (Filter * 6)(
+    Filter(LD_ABS_W, 0, 0, 4),            # seccomp_data.arch
+    Filter(JEQ_K, 0, 3, ARCH),            # another ABI: allow
+    Filter(LD_ABS_W, 0, 0, 0),            # seccomp_data.nr
+    Filter(JEQ_K, 0, 1, 425),             # io_uring_setup
+    Filter(RET_K, 0, 0, EPERM_RET),
+    Filter(RET_K, 0, 0, ALLOW),
+)
+libc = ctypes.CDLL(None, use_errno=True)
+prog = Prog(len(program), program)
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) or libc.prctl(
+        PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0):
+    sys.exit("seccomp: " + os.strerror(ctypes.get_errno()))
+
+from fastpersist import _engine
+path, payload = sys.argv[1], os.urandom(300_000)
+assert not _engine.uring_available()
+crcs, _ = _engine.write_file(path, [(payload, 10)], 400_000, 65536, 2, _engine.DIRECT_AUTO,
+                             backend=_engine.BACKEND_AUTO)
+with open(path, "rb") as f:
+    assert f.read() == bytes(10) + payload + bytes(400_000 - 300_010)
+buf = bytearray(len(payload))
+assert _engine.read_file(path, [(buf, 10)], 65536, 2, _engine.DIRECT_AUTO,
+                         backend=_engine.BACKEND_AUTO)[0] == crcs and buf == payload
+try:
+    _engine.write_file(path, [], 0, 65536, 2, _engine.DIRECT_AUTO,
+                       backend=_engine.BACKEND_URING)
+except PermissionError as e:
+    assert "io_uring" in str(e), e
+else:
+    sys.exit("BACKEND_URING did not fail where io_uring_setup is refused")
+print("fell back")
+"""
+
+
+def test_auto_falls_back_to_the_pool_where_io_uring_is_refused(tmp_path: Path) -> None:
+    arch = _AUDIT_ARCH.get(platform.machine())
+    if arch is None:
+        pytest.skip(f"no seccomp filter written for {platform.machine()}")
+    script = _SECCOMP_CHILD.replace("ARCH)", f"{arch})")
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(tmp_path / "f")],
+                           capture_output=True, text=True, timeout=120)
+    if child.returncode and "seccomp:" in child.stderr:
+        pytest.skip(child.stderr.strip())
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "fell back"
 
 
 def test_malformed_segments_raise_value_error(tmp_path: Path) -> None:
@@ -142,12 +271,16 @@ def test_malformed_segments_raise_value_error(tmp_path: Path) -> None:
         native_write(tmp_path / "f", [(b"ab",)], 10)
 
 
-def test_os_errors_carry_errno_and_path(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_os_errors_carry_errno_and_path(tmp_path: Path, backend) -> None:
     with pytest.raises(FileNotFoundError) as info:
-        native_write(tmp_path / "missing" / "f", [], 0)
+        native_write(tmp_path / "missing" / "f", [], 0, backend=backend)
     assert "missing" in str(info.value)
     with pytest.raises(FileNotFoundError):
-        native_read(tmp_path / "nope", [(bytearray(1), 0)])
+        native_read(tmp_path / "nope", [(bytearray(1), 0)], backend=backend)
+    # A directory opens for reading; the read itself fails (in a CQE under io_uring).
+    with pytest.raises(IsADirectoryError, match="read of 65536 bytes at offset 0"):
+        native_read(tmp_path, [(bytearray(100_000), 0)], backend=backend)
 
 
 def test_bounce_buffers_are_reused_across_calls(tmp_path: Path) -> None:
@@ -195,6 +328,31 @@ def ramfs(tmp_path: Path):
         pytest.skip("cannot mount ramfs (needs root)")
     yield mnt
     subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_short_writes_are_resumed_and_errors_name_the_offset(ramfs: Path, backend) -> None:
+    # ramfs has no fallocate, so the size limit is met by the writes: the one
+    # that crosses it comes back short, the rest of it fails with EFBIG. One
+    # write in flight, so the first failure is that one.
+    limit = 5 * 4096 + 100
+    payload = os.urandom(8 * 4096)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        with pytest.raises(OSError) as info:
+            native_write(ramfs / "f", [(payload, 0)], len(payload), block_size=8 * KIB,
+                         threads=1, backend=backend, queue_depth=1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert info.value.errno == errno.EFBIG
+    # The pool names the block it was writing; io_uring the remainder it resubmitted.
+    where = {_engine.BACKEND_POOL: "8192 bytes at offset 16384",
+             _engine.BACKEND_URING: f"{16384 + 8192 - limit} bytes at offset {limit}"}
+    assert where[backend] in str(info.value)
+    assert (ramfs / "f").read_bytes() == payload[:limit]
 
 
 def test_falls_back_to_buffered_io_where_o_direct_is_refused(ramfs: Path) -> None:

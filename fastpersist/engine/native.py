@@ -10,6 +10,9 @@ from .. import _engine, knobs
 from . import IOResult, Segment
 
 _DIRECT_MODES = {"auto": _engine.DIRECT_AUTO, "on": _engine.DIRECT_ON, "off": _engine.DIRECT_OFF}
+_BACKENDS = {
+    "auto": _engine.BACKEND_AUTO, "uring": _engine.BACKEND_URING, "pool": _engine.BACKEND_POOL
+}
 # Filesystems (by st_dev) already warned about, so a refusal is said once.
 _warned_devices: set[int] = set()
 
@@ -39,13 +42,16 @@ class NativeEngine:
         self._block_size = k.block_size
         self._threads = k.io_threads
         self._mode = k.direct
+        # AUTO falls back to the pool with all of io_threads; io_uring caps them at the CPUs.
+        self._backend = _BACKENDS[k.io_backend]
+        self._queue_depth = k.io_queue_depth
 
     def write_file(
         self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True
     ) -> IOResult:
         crcs, direct = _engine.write_file(
             path, segments, size, self._block_size, self._threads, _DIRECT_MODES[self._mode],
-            fsync,
+            fsync, backend=self._backend, queue_depth=self._queue_depth,
         )
         if not direct and self._mode == "auto":
             _warn_buffered(path)
@@ -55,6 +61,7 @@ class NativeEngine:
         self, path: str, segments: Sequence[Segment], *, checksum: bool = True
     ) -> IOResult:
         crcs, direct = _engine.read_file(
-            path, segments, self._block_size, self._threads, _DIRECT_MODES[self._mode], checksum
+            path, segments, self._block_size, self._threads, _DIRECT_MODES[self._mode], checksum,
+            backend=self._backend, queue_depth=self._queue_depth,
         )
         return IOResult(crcs=crcs, direct=direct)

@@ -1,0 +1,466 @@
+/*
+ * io_uring backend: a minimal ring driven by raw syscalls (no liburing), and
+ * the write and read loops that keep up to queue_depth I/Os in flight from
+ * each thread, every thread with its own ring.
+ *
+ * A pool thread sleeps in pwrite while its block is on the wire, so N writes
+ * in flight cost N threads. A thread with a ring assembles block k+1 (copy
+ * and CRC, fp_fill_block) while its earlier blocks are being written, and
+ * queues reads ahead, finishing each (copy-out, CRC) as it completes. Threads
+ * are capped at the CPUs: the copying is theirs, the waiting is the ring's.
+ *
+ * Memory ordering is liburing's: SQEs are published by a release store of the
+ * SQ tail; the CQ tail is loaded with acquire before CQEs are read and the CQ
+ * head is stored with release after. Each slot (a bounce buffer and one I/O)
+ * is its SQE's user_data, and there are never more slots than SQ entries, so
+ * the SQ cannot overflow and the CQ (twice the SQ) cannot either.
+ */
+#define _GNU_SOURCE
+#include "fp_internal.h"
+
+#include <errno.h>
+#include <linux/io_uring.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#ifndef __NR_io_uring_setup /* the same numbers on every architecture */
+#define __NR_io_uring_setup 425
+#define __NR_io_uring_enter 426
+#define __NR_io_uring_register 427
+#endif
+
+/* sqe->len is 32 bits, and Linux moves at most ~2 GiB per call anyway. */
+#define MAX_IO (1u << 30)
+/* Retries of an enter refused for lack of kernel memory before giving up. */
+#define MAX_BUSY_RETRIES 10000
+
+struct fp_ring {
+    int fd;
+    unsigned *sq_head, *sq_tail, *cq_head, *cq_tail;
+    unsigned sq_mask, cq_mask, entries;
+    unsigned sq_local, cq_local; /* our copies of the tail we publish / head we consume */
+    struct io_uring_sqe *sqes;
+    struct io_uring_cqe *cqes;
+    void *sq_map, *cq_map;
+    size_t sq_len, cq_len, sqes_len;
+};
+
+/* IORING_OP_READ/WRITE came with 5.6, as did the probe; older kernels fall back. */
+static int check_ops(int fd)
+{
+    size_t len = sizeof(struct io_uring_probe) + 256 * sizeof(struct io_uring_probe_op);
+    struct io_uring_probe *probe = calloc(1, len);
+    if (!probe)
+        return -ENOMEM;
+    int rc = 0;
+    if (syscall(__NR_io_uring_register, fd, IORING_REGISTER_PROBE, probe, 256) < 0)
+        rc = -errno;
+    else if (probe->last_op < IORING_OP_WRITE ||
+             !(probe->ops[IORING_OP_READ].flags & IO_URING_OP_SUPPORTED) ||
+             !(probe->ops[IORING_OP_WRITE].flags & IO_URING_OP_SUPPORTED))
+        rc = -EOPNOTSUPP;
+    free(probe);
+    return rc;
+}
+
+void fp_ring_close(fp_ring *r)
+{
+    if (!r)
+        return;
+    if (r->sqes)
+        munmap(r->sqes, r->sqes_len);
+    if (r->cq_map && r->cq_map != r->sq_map)
+        munmap(r->cq_map, r->cq_len);
+    if (r->sq_map)
+        munmap(r->sq_map, r->sq_len);
+    close(r->fd);
+    free(r);
+}
+
+static void *map_ring(int fd, size_t len, uint64_t what)
+{
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, (off_t)what);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static int ring_open(fp_ring **out, unsigned entries)
+{
+    struct io_uring_params p;
+    memset(&p, 0, sizeof p);
+    *out = NULL;
+    fp_ring *r = calloc(1, sizeof *r);
+    if (!r)
+        return -ENOMEM;
+    r->fd = (int)syscall(__NR_io_uring_setup, entries, &p);
+    if (r->fd < 0) {
+        int err = errno;
+        free(r);
+        return -err;
+    }
+    r->sq_len = p.sq_off.array + p.sq_entries * sizeof(unsigned);
+    r->cq_len = p.cq_off.cqes + p.cq_entries * sizeof(struct io_uring_cqe);
+    int single = (p.features & IORING_FEAT_SINGLE_MMAP) != 0;
+    if (single)
+        r->sq_len = r->cq_len = r->sq_len > r->cq_len ? r->sq_len : r->cq_len;
+    r->sqes_len = p.sq_entries * sizeof(struct io_uring_sqe);
+    r->sq_map = map_ring(r->fd, r->sq_len, IORING_OFF_SQ_RING);
+    r->cq_map = single ? r->sq_map : map_ring(r->fd, r->cq_len, IORING_OFF_CQ_RING);
+    r->sqes = map_ring(r->fd, r->sqes_len, IORING_OFF_SQES);
+    int rc = !r->sq_map || !r->cq_map || !r->sqes ? -errno : check_ops(r->fd);
+    if (rc < 0) {
+        fp_ring_close(r);
+        return rc;
+    }
+    char *sq = r->sq_map, *cq = r->cq_map;
+    r->sq_head = (unsigned *)(sq + p.sq_off.head);
+    r->sq_tail = (unsigned *)(sq + p.sq_off.tail);
+    r->sq_mask = *(unsigned *)(sq + p.sq_off.ring_mask);
+    r->cq_head = (unsigned *)(cq + p.cq_off.head);
+    r->cq_tail = (unsigned *)(cq + p.cq_off.tail);
+    r->cq_mask = *(unsigned *)(cq + p.cq_off.ring_mask);
+    r->cqes = (struct io_uring_cqe *)(cq + p.cq_off.cqes);
+    r->entries = p.sq_entries;
+    /* SQE i always sits in slot i of the index array; only the tail moves. */
+    unsigned *array = (unsigned *)(sq + p.sq_off.array);
+    for (unsigned i = 0; i < p.sq_entries; i++)
+        array[i] = i;
+    r->sq_local = *r->sq_tail;
+    r->cq_local = *r->cq_head;
+    *out = r;
+    return 0;
+}
+
+int fp_uring_probe(void)
+{
+    fp_ring *r;
+    int rc = ring_open(&r, 1);
+    fp_ring_close(r);
+    return rc;
+}
+
+/* Errors that mean "no io_uring here", remembered so AUTO stops trying. */
+static int refused_errno;
+
+int fp_ring_for(fp_backend backend, unsigned queue_depth, fp_ring **ring)
+{
+    *ring = NULL;
+    if (backend == FP_BACKEND_POOL)
+        return 0;
+    if ((backend != FP_BACKEND_URING && backend != FP_BACKEND_AUTO) || queue_depth < 1 ||
+        queue_depth > FP_MAX_QUEUE_DEPTH) {
+        fp_set_error("bad backend %d or queue depth %u (1..%u)", (int)backend, queue_depth,
+                     FP_MAX_QUEUE_DEPTH);
+        return -FP_EBADARG;
+    }
+    if (backend == FP_BACKEND_AUTO && __atomic_load_n(&refused_errno, __ATOMIC_RELAXED))
+        return 0;
+    int rc = ring_open(ring, queue_depth);
+    if (rc == 0)
+        return 0;
+    if (backend == FP_BACKEND_URING) {
+        fp_set_error("io_uring is not available: %s", strerror(-rc));
+        return rc;
+    }
+    /* ENOMEM or EMFILE may pass; a refusal by the kernel or a seccomp filter will not. */
+    if (rc == -ENOSYS || rc == -EPERM || rc == -EACCES || rc == -EINVAL || rc == -EOPNOTSUPP)
+        __atomic_store_n(&refused_errno, -rc, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static void ring_prep(fp_ring *r, int op, int fd, char *buf, uint64_t len, uint64_t off,
+                      uint64_t data)
+{
+    struct io_uring_sqe *sqe = &r->sqes[r->sq_local & r->sq_mask];
+    memset(sqe, 0, sizeof *sqe);
+    sqe->opcode = (uint8_t)op;
+    sqe->fd = fd;
+    sqe->addr = (uint64_t)(uintptr_t)buf;
+    sqe->len = (uint32_t)fp_min(len, MAX_IO);
+    sqe->off = off;
+    sqe->user_data = data;
+    r->sq_local++;
+    __atomic_store_n(r->sq_tail, r->sq_local, __ATOMIC_RELEASE);
+}
+
+/* I/Os the kernel has taken and not yet completed into a reaped CQE. */
+static unsigned ring_in_kernel(fp_ring *r)
+{
+    return __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE) - r->cq_local;
+}
+
+/* Submit every queued SQE, then wait until wait_nr CQEs are ready. */
+static int ring_enter(fp_ring *r, unsigned wait_nr)
+{
+    for (int busy = 0;;) {
+        unsigned pending = r->sq_local - __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
+        if (!pending && !wait_nr)
+            return 0;
+        long rc = syscall(__NR_io_uring_enter, r->fd, pending, wait_nr,
+                          wait_nr ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
+        if (rc >= 0) {
+            /* The kernel stops submitting (and does not wait) when it runs short. */
+            if ((unsigned)rc >= pending)
+                return 0;
+            continue;
+        }
+        int err = errno;
+        if (err == EINTR)
+            continue;
+        if ((err == EAGAIN || err == EBUSY) && busy++ < MAX_BUSY_RETRIES) {
+            sched_yield();
+            continue;
+        }
+        return -err;
+    }
+}
+
+static int ring_next(fp_ring *r, uint64_t *data, int32_t *res)
+{
+    if (r->cq_local == __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE))
+        return 0;
+    const struct io_uring_cqe *cqe = &r->cqes[r->cq_local & r->cq_mask];
+    *data = cqe->user_data;
+    *res = cqe->res;
+    __atomic_store_n(r->cq_head, ++r->cq_local, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* One I/O in flight: the part of [base, base + got + left) still to move. */
+typedef struct {
+    char *buf;  /* this slot's bounce buffer, allocated on first use */
+    char *base; /* where the I/O started: buf, or a piece's memory read in place */
+    uint64_t off, left, got;
+    size_t io;  /* reads: index of the planned io */
+} slot;
+
+typedef struct loop loop;
+struct loop {
+    fp_ring *ring;
+    int fd, op, submit_each;
+    fp_status *st;
+    void *job;
+    uint64_t buf_size;
+    slot *slots;
+    unsigned *idle; /* indices of the slots not in flight */
+    unsigned nidle, busy;
+    int more;     /* work may be left to claim */
+    int stranded; /* the kernel may still use our buffers: never free them */
+    /* Claim the next I/O into s: 1, or 0 when none is left or on failure. */
+    int (*start)(loop *, slot *);
+    void (*finish)(loop *, slot *);
+};
+
+static void queue_slot(loop *L, slot *s)
+{
+    ring_prep(L->ring, L->op, L->fd, s->base + s->got, s->left, s->off, (uint64_t)(s - L->slots));
+}
+
+static void release_slot(loop *L, slot *s)
+{
+    L->idle[L->nidle++] = (unsigned)(s - L->slots);
+    L->busy--;
+}
+
+static int refill(loop *L)
+{
+    while (L->more && L->nidle && !fp_failed(L->st)) {
+        slot *s = &L->slots[L->idle[L->nidle - 1]];
+        if (!L->start(L, s)) {
+            L->more = 0;
+            break;
+        }
+        L->nidle--;
+        L->busy++;
+        queue_slot(L, s);
+        /* Writes: the disk starts on this block while the next one is copied. */
+        if (L->submit_each) {
+            int rc = ring_enter(L->ring, 0);
+            if (rc < 0)
+                return rc;
+        }
+    }
+    return ring_enter(L->ring, 0);
+}
+
+static void complete(loop *L, slot *s, int32_t res)
+{
+    const char *what = L->op == IORING_OP_WRITE ? "write" : "read";
+    if (res == -EAGAIN || res == -EINTR) {
+        if (!fp_failed(L->st)) {
+            queue_slot(L, s);
+            return;
+        }
+    } else if (res < 0 || (res == 0 && L->op == IORING_OP_WRITE)) {
+        int err = res < 0 ? -res : EIO;
+        fp_fail(L->st, err, "%s of %llu bytes at offset %llu: %s", what,
+                (unsigned long long)s->left, (unsigned long long)s->off, strerror(err));
+    } else {
+        s->got += (uint64_t)res;
+        s->off += (uint64_t)res;
+        s->left -= (uint64_t)res;
+        /* Short: resubmit the rest. A read of 0 bytes is the end of the file. */
+        if (res > 0 && s->left && !fp_failed(L->st)) {
+            queue_slot(L, s);
+            return;
+        }
+        if (!fp_failed(L->st))
+            L->finish(L, s);
+    }
+    release_slot(L, s);
+}
+
+/* After a failed enter: wait for what the kernel took, so no buffer is in use. */
+static void drain(loop *L)
+{
+    uint64_t data;
+    int32_t res;
+    while (ring_in_kernel(L->ring)) {
+        if (syscall(__NR_io_uring_enter, L->ring->fd, 0, 1, IORING_ENTER_GETEVENTS, NULL, 0) < 0 &&
+            errno != EINTR) {
+            L->stranded = 1;
+            return;
+        }
+        while (ring_next(L->ring, &data, &res))
+            ;
+    }
+}
+
+static void run_loop(loop *L, unsigned queue_depth)
+{
+    L->slots = calloc(queue_depth, sizeof *L->slots);
+    L->idle = calloc(queue_depth, sizeof *L->idle);
+    if (!L->slots || !L->idle) {
+        fp_fail(L->st, ENOMEM, "allocating %u io_uring slots", queue_depth);
+        goto out;
+    }
+    for (unsigned i = 0; i < queue_depth; i++)
+        L->idle[i] = queue_depth - 1 - i;
+    L->nidle = queue_depth;
+    L->more = 1;
+    int rc = refill(L);
+    while (rc == 0 && L->busy) {
+        rc = ring_enter(L->ring, 1);
+        uint64_t data;
+        int32_t res;
+        while (rc == 0 && ring_next(L->ring, &data, &res))
+            complete(L, &L->slots[data], res);
+        if (rc == 0)
+            rc = refill(L);
+    }
+    if (rc < 0) {
+        fp_fail(L->st, -rc, "io_uring_enter: %s", strerror(-rc));
+        drain(L);
+    }
+out:
+    for (unsigned i = 0; L->slots && i < queue_depth && !L->stranded; i++)
+        fp_bounce_put(L->slots[i].buf, L->buf_size);
+    free(L->slots);
+    free(L->idle);
+}
+
+static int write_start(loop *L, slot *s)
+{
+    fp_write_job *job = L->job;
+    if (!s->buf && !(s->buf = fp_bounce_get(job->block_size))) {
+        fp_fail(L->st, ENOMEM, "allocating a %llu-byte bounce buffer",
+                (unsigned long long)job->block_size);
+        return 0;
+    }
+    uint64_t k = __atomic_fetch_add(&job->next_block, 1, __ATOMIC_RELAXED);
+    if (k >= job->nblocks)
+        return 0;
+    s->base = s->buf;
+    s->off = k * job->block_size;
+    s->got = 0;
+    s->left = fp_fill_block(job, k, s->buf);
+    return 1;
+}
+
+static void write_finish(loop *L, slot *s)
+{
+}
+
+static int read_start(loop *L, slot *s)
+{
+    fp_read_job *job = L->job;
+    size_t k = __atomic_fetch_add(&job->next_io, 1, __ATOMIC_RELAXED);
+    if (k >= job->nios)
+        return 0;
+    const fp_read_io *io = &job->ios[k];
+    if (io->bounce && !s->buf && !(s->buf = fp_bounce_get(job->bounce_size))) {
+        fp_fail(L->st, ENOMEM, "allocating a bounce buffer");
+        return 0;
+    }
+    s->io = k;
+    s->base = io->bounce ? s->buf : job->pieces[io->first].mem;
+    s->off = io->off;
+    s->got = 0;
+    s->left = io->len;
+    return 1;
+}
+
+static void read_finish(loop *L, slot *s)
+{
+    fp_read_job *job = L->job;
+    fp_read_io_done(job, &job->ios[s->io], s->base, s->got);
+}
+
+typedef struct {
+    loop proto;
+    fp_ring *first;
+    unsigned queue_depth;
+    int first_taken;
+} uring_run;
+
+/* One thread: the caller's ring for whoever comes first, a new ring for the others. */
+static void *uring_worker(void *arg)
+{
+    uring_run *run = arg;
+    loop L = run->proto;
+    fp_ring *own = NULL;
+    if (!__atomic_exchange_n(&run->first_taken, 1, __ATOMIC_ACQ_REL))
+        L.ring = run->first;
+    else if (ring_open(&own, run->queue_depth) == 0)
+        L.ring = own;
+    else
+        return NULL; /* the threads that have a ring do the work */
+    run_loop(&L, run->queue_depth);
+    fp_ring_close(own);
+    return NULL;
+}
+
+/*
+ * Each io_uring thread copies and checksums for its own ring, so threads
+ * beyond the CPUs we may run on only add switches: in-flight I/O comes from
+ * the queue depth.
+ */
+static unsigned cap_to_cpus(unsigned threads)
+{
+    cpu_set_t set;
+    unsigned cpus = 1;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        cpus = (unsigned)CPU_COUNT(&set);
+    return threads < cpus ? threads : cpus;
+}
+
+void fp_uring_write(fp_write_job *job, fp_ring *ring, unsigned threads, unsigned queue_depth)
+{
+    uring_run run = {.first = ring, .queue_depth = queue_depth,
+                     .proto = {.fd = job->fd, .op = IORING_OP_WRITE, .submit_each = 1,
+                               .st = &job->st, .job = job, .buf_size = job->block_size,
+                               .start = write_start, .finish = write_finish}};
+    fp_run_parallel(uring_worker, &run, cap_to_cpus(threads));
+}
+
+void fp_uring_read(fp_read_job *job, fp_ring *ring, unsigned threads, unsigned queue_depth)
+{
+    uring_run run = {.first = ring, .queue_depth = queue_depth,
+                     .proto = {.fd = job->fd, .op = IORING_OP_READ, .st = &job->st, .job = job,
+                               .buf_size = job->bounce_size, .start = read_start,
+                               .finish = read_finish}};
+    fp_run_parallel(uring_worker, &run, cap_to_cpus(threads));
+}
