@@ -66,6 +66,13 @@ typedef struct {
  */
 uint64_t fp_fill_block(fp_write_job *job, uint64_t k, char *buf);
 
+/*
+ * Where block k's bytes are to be written from: the caller's own memory when
+ * it is laid out as the file (contiguous, aligned, no padding), else `buf`
+ * after fp_fill_block. *wlen receives the bytes to write.
+ */
+const char *fp_block_source(fp_write_job *job, uint64_t k, char *buf, uint64_t *wlen);
+
 /* One planned read: a piece read in place, or a group of bounce pieces. */
 typedef struct {
     int bounce;      /* 0: one piece read in place; 1: a group of bounce pieces */

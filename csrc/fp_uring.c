@@ -373,10 +373,9 @@ static int write_start(loop *L, slot *s)
     uint64_t k = __atomic_fetch_add(&job->next_block, 1, __ATOMIC_RELAXED);
     if (k >= job->nblocks)
         return 0;
-    s->base = s->buf;
     s->off = k * job->block_size;
     s->got = 0;
-    s->left = fp_fill_block(job, k, s->buf);
+    s->base = (char *)fp_block_source(job, k, s->buf, &s->left);
     return 1;
 }
 
