@@ -12,7 +12,6 @@ Finally it lists and verifies the checkpoints with fpctl.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import time
@@ -20,73 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from gpt import GPT, GPTConfig, train_step
 
 import fastpersist
 from fastpersist.cli import main as fpctl
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, ctx: int, dim: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(ctx, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied, as in GPT-2
-        self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), -math.inf), 1))
-        for name, w in self.named_parameters():
-            if w.dim() == 2 and "attn" not in name:
-                nn.init.normal_(w, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t))
-        for block in self.blocks:
-            x = block(x, self.mask[:t, :t])
-        return self.head(self.ln(x))
-
-
 def make_model(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer]:
-    model = GPT(args.vocab, args.ctx, args.dim, args.layers, args.heads)
+    cfg = GPTConfig(vocab=args.vocab, ctx=args.ctx, dim=args.dim, layers=args.layers,
+                    heads=args.heads)
+    model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     return model, opt
-
-
-def batch(step: int, args: argparse.Namespace) -> torch.Tensor:
-    # A learnable synthetic stream: noisy arithmetic sequences.
-    g = torch.Generator().manual_seed(step)
-    start = torch.randint(0, args.vocab, (args.batch, 1), generator=g)
-    stride = torch.randint(1, 7, (args.batch, 1), generator=g)
-    seq = (start + stride * torch.arange(args.ctx + 1)) % args.vocab
-    noise = torch.rand(seq.shape, generator=g) < 0.05
-    return torch.where(noise, torch.randint(0, args.vocab, seq.shape, generator=g), seq)
-
-
-def train_step(model: GPT, opt: torch.optim.Optimizer, step: int, args: argparse.Namespace
-               ) -> float:
-    data = batch(step, args)
-    logits = model(data[:, :-1])
-    loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), data[:, 1:].reshape(-1))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    return loss.item()
 
 
 def checkpoint_state(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
@@ -137,7 +81,7 @@ def main() -> int:
     print(f"model: {params / 1e6:.1f}M parameters; checkpoints in {root}")
     last_saved = None
     for step in range(1, args.steps + 1):
-        loss = train_step(model, opt, step, args)
+        loss = train_step(model, opt, step, args.batch)
         if step % args.every == 0:
             state = checkpoint_state(model, opt, step)
             t0 = time.perf_counter()
@@ -150,7 +94,8 @@ def main() -> int:
     assert last_saved is not None, "--steps must be at least --every"
 
     # The run that never stopped carries on for a few steps...
-    reference = [train_step(model, opt, s, args) for s in range(args.steps + 1, args.steps + 4)]
+    after = range(args.steps + 1, args.steps + 4)
+    reference = [train_step(model, opt, s, args.batch) for s in after]
 
     # ...and a fresh process restores the latest checkpoint and does the same.
     latest = root / f"step-{last_saved:06d}"
@@ -162,9 +107,9 @@ def main() -> int:
     model2.load_state_dict(restored["model"])
     opt2.load_state_dict(restored["optimizer"])
     torch.set_rng_state(restored["rng"])
-    replay = [train_step(model2, opt2, s, args) for s in range(last_saved + 1, args.steps + 1)]
-    resumed = [train_step(model2, opt2, s, args) for s in range(args.steps + 1, args.steps + 4)]
-    del replay
+    for s in range(last_saved + 1, args.steps + 1):  # steps done after the last checkpoint
+        train_step(model2, opt2, s, args.batch)
+    resumed = [train_step(model2, opt2, s, args.batch) for s in after]
     print(f"losses after restore: {resumed}")
     print(f"losses without stop:  {reference}")
     if resumed != reference:

@@ -6,6 +6,8 @@
 
 from ._version import __version__
 from .api import load, save
+from .async_save import CheckpointAbortedError, SaveFuture, async_save
+from .checkpointer import Checkpointer
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -22,19 +24,23 @@ from .errors import (
 )
 
 __all__ = [
+    "CheckpointAbortedError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointIOError",
     "CheckpointNotFoundError",
     "CheckpointPermissionError",
+    "Checkpointer",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "DiskFullError",
     "ManifestError",
     "PickleNotAllowedError",
+    "SaveFuture",
     "TruncatedFileError",
     "UnsupportedValueError",
     "__version__",
+    "async_save",
     "load",
     "save",
 ]

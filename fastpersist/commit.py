@@ -34,7 +34,7 @@ from .errors import (
 from .format.manifest import MANIFEST_NAME
 
 _LEFTOVER = re.compile(
-    r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$"
+    r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old|del)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$"
 )
 
 
@@ -214,6 +214,19 @@ class Staging:
         _remove_created(self.created)
 
 
+def delete_checkpoint(path: Path) -> None:
+    """Delete a checkpoint so that no crash leaves a half-deleted one under its
+    name: rename it to a hidden `del` leftover (atomic, durable), then remove
+    that. gc finishes the removal if we die in between."""
+    aside = path.parent / leftover_name(path.name, "del")
+    try:
+        os.rename(path, aside)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise os_error(exc, f"cannot delete checkpoint {path}") from exc
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def leftover_name(name: str, kind: str) -> str:
     return f".{name}.fp-{kind}-{os.getpid()}-{secrets.token_hex(4)}@{socket.gethostname()}"
 
@@ -222,7 +235,9 @@ def leftover_name(name: str, kind: str) -> str:
 class Leftover:
     path: Path
     target_name: str
-    kind: str  # "tmp": an unfinished (or replaced) save; "old": moved aside by a replace
+    # "tmp": an unfinished (or replaced) save; "old": moved aside by a replace;
+    # "del": a checkpoint being deleted (retention)
+    kind: str
     pid: int
     host: str
 

@@ -52,9 +52,11 @@ def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTe
     """Write tensors to directory/file_name; durable (fsynced) on return."""
     plan = plan_file(tensors)
     lay = plan.layout
+    # Device tensors are copied to the host here, one file at a time; async
+    # saves stage them into pinned memory beforehand instead.
+    sources = [t.source if t.source.device.type == "cpu" else t.source.cpu() for t in plan.order]
     segments: list[Segment] = [(lay.header, 0)]
-    segments += [(memory_of(t.source), off)
-                 for t, off in zip(plan.order, lay.offsets, strict=True)]
+    segments += [(memory_of(src), off) for src, off in zip(sources, lay.offsets, strict=True)]
     result = engine.write_file(os.path.join(directory, file_name), segments, lay.size)
     assert result.crcs is not None
     records = {

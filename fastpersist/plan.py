@@ -28,7 +28,7 @@ class StoredTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    source: torch.Tensor  # contiguous, on the CPU, exactly the bytes to store
+    source: torch.Tensor  # contiguous, exactly the bytes to store (CPU or a device)
 
     @property
     def nbytes(self) -> int:
@@ -40,6 +40,7 @@ def memory_of(t: torch.Tensor) -> memoryview:
 
     The caller keeps `t` alive while the view is in use.
     """
+    assert t.device.type == "cpu" and t.is_contiguous()
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
@@ -68,9 +69,8 @@ def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def _to_cpu(t: torch.Tensor) -> torch.Tensor:
-    t = t if t.is_contiguous() else t.contiguous()
-    return t if t.device.type == "cpu" else t.cpu()
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _group_by_storage(leaves: Iterable[TensorLeaf]) -> list[list[TensorLeaf]]:
@@ -97,7 +97,7 @@ def plan_tensors(leaves: list[TensorLeaf]) -> list[StoredTensor]:
             dtype = dtypes.to_name(t.dtype)
             assert dtype is not None  # state.encode admits only storable dtypes
             stored.append(StoredTensor(names.unique(group[0].path), dtype, tuple(t.shape),
-                                       _to_cpu(t)))
+                                       _contiguous(t)))
             for leaf in group:
                 leaf.node["e"] = index
             continue
@@ -110,7 +110,7 @@ def plan_tensors(leaves: list[TensorLeaf]) -> list[StoredTensor]:
         span = torch.empty(0, dtype=torch.uint8, device=base.device)
         span.set_(base.untyped_storage(), lo, (hi - lo,), (1,))
         stored.append(StoredTensor(names.unique(group[0].path + ".__storage__"), "U8",
-                                   (hi - lo,), _to_cpu(span)))
+                                   (hi - lo,), _contiguous(span)))
         for leaf, (start, _) in zip(group, extents, strict=True):
             t = leaf.tensor
             leaf.node["e"] = index

@@ -1,0 +1,262 @@
+"""What checkpointing costs a training loop: trainer-visible stall and lost throughput.
+
+A GPT-2-style transformer (examples/gpt.py, torch.nn, AdamW) trains on the CPU
+and checkpoints model + optimizer every step and every 10 steps with:
+
+    fastpersist      Checkpointer.save (async_save: snapshot, then background persist)
+    torch.save       torch.save + fsync (synchronous, durable)
+    dcp.async_save   torch.distributed.checkpoint.async_save (1-process gloo group)
+    copy floor       a plain copy of the same bytes into preallocated memory:
+                     the least any consistent snapshot can cost
+
+For each mode, in the same run and alternating over repeats: the median stall
+(time the training loop spends inside the checkpoint call) and steps/s, with
+the time to finish the last checkpoint counted. Targets: fastpersist stall
+<= 1.3x the copy floor; throughput loss <= 3% checkpointing every 10 steps and
+<= 10% every step; staging memory <= 1x the checkpointed bytes.
+
+    python benchmarks/train_overhead.py [--steps 20] [--repeats 2] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig, train_step
+
+import fastpersist
+
+
+def state_of(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_of(v)]
+    return []
+
+
+def unique_bytes(obj: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors_of(obj):
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def fsync_tree(path: Path) -> None:
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+class Mode:
+    """A way to checkpoint: `checkpoint` is the trainer-visible call, `finish`
+    waits for whatever is still in the background."""
+
+    name = ""
+
+    def setup(self, root: Path) -> None:
+        self.root = root
+
+    def checkpoint(self, state: dict[str, Any], step: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        pass
+
+    def staging_bytes(self) -> int | None:
+        return None
+
+
+class NoCheckpoint(Mode):
+    name = "no checkpoint"
+
+    def checkpoint(self, state: dict[str, Any], step: int) -> None:
+        pass
+
+
+class Fastpersist(Mode):
+    name = "fastpersist async"
+
+    def setup(self, root: Path) -> None:
+        super().setup(root)
+        self.ckpt = fastpersist.Checkpointer(root, keep_last=2)
+
+    def checkpoint(self, state: dict[str, Any], step: int) -> None:
+        self.ckpt.save(step, state)
+
+    def finish(self) -> None:
+        self.ckpt.wait()
+
+    def staging_bytes(self) -> int | None:
+        return self.ckpt.staging_bytes
+
+
+class TorchSave(Mode):
+    name = "torch.save+fsync"
+
+    def checkpoint(self, state: dict[str, Any], step: int) -> None:
+        path = self.root / f"step-{step}.pt"
+        torch.save(state, path)
+        fsync_tree(path)
+        old = self.root / f"step-{step - 2}.pt"  # keep_last=2, as the others
+        old.unlink(missing_ok=True)
+
+
+class DcpAsync(Mode):
+    name = "dcp.async_save"
+
+    def setup(self, root: Path) -> None:
+        super().setup(root)
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp = dcp
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{root}/.pg", rank=0,
+                                    world_size=1)
+        self.future: Any = None
+
+    def checkpoint(self, state: dict[str, Any], step: int) -> None:
+        if self.future is not None:
+            self.future.result()  # DCP's documented pattern: one in flight
+        self.future = self.dcp.async_save(state, checkpoint_id=str(self.root / f"step-{step}"))
+
+    def finish(self) -> None:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+
+
+class CopyFloor(Mode):
+    name = "copy floor"
+
+    def checkpoint(self, state: dict[str, Any], step: int) -> None:
+        tensors = tensors_of(state)
+        if not hasattr(self, "buffers"):
+            self.buffers = [torch.empty_like(t) for t in tensors]  # allocated once
+        for buf, t in zip(self.buffers, tensors, strict=True):
+            buf.copy_(t)
+
+
+MODES: dict[str, Callable[[], Mode]] = {
+    "none": NoCheckpoint, "fastpersist": Fastpersist, "torch": TorchSave, "dcp": DcpAsync,
+    "copy": CopyFloor,
+}
+
+
+def run(mode: Mode, model: GPT, opt: torch.optim.Optimizer, first_step: int, steps: int,
+        every: int, batch: int) -> tuple[float, list[float]]:
+    stalls = []
+    start = time.perf_counter()
+    for step in range(first_step, first_step + steps):
+        train_step(model, opt, step, batch)
+        if (step + 1) % every == 0:
+            t0 = time.perf_counter()
+            mode.checkpoint(state_of(model, opt, step), step)
+            stalls.append(time.perf_counter() - t0)
+    mode.finish()
+    return steps / (time.perf_counter() - start), stalls
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="training steps per measurement")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--modes", default="none,fastpersist,torch,dcp,copy")
+    p.add_argument("--dir", default=None, help="checkpoint directory (default: under /var/tmp)")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--ctx", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    base = Path(args.dir or tempfile.mkdtemp(prefix="fp-train-", dir="/var/tmp"))
+    cfg = GPTConfig(vocab=args.vocab, ctx=args.ctx, dim=args.dim, layers=args.layers,
+                    heads=args.dim // 64)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    train_step(model, opt, 0, args.batch)  # optimizer state exists from here on
+    nbytes = unique_bytes(state_of(model, opt, 0))
+    print(f"command: {' '.join(sys.argv)}")
+    print(f"model: {sum(t.numel() for t in model.parameters()) / 1e6:.1f}M params, "
+          f"checkpoint {nbytes / 2**20:.0f} MiB; torch threads {torch.get_num_threads()}; "
+          f"dir {base}")
+    modes = {name: MODES[name]() for name in args.modes.split(",")}
+    for name, mode in modes.items():
+        (base / name).mkdir(parents=True, exist_ok=True)
+        mode.setup(base / name)
+    results: dict[tuple[str, int], list[tuple[float, list[float]]]] = {}
+    step = 1
+    for rep in range(args.repeats):
+        names = list(modes)
+        names = names[rep % len(names):] + names[: rep % len(names)]  # rotate the order
+        for every in (1, 10):
+            for name in names:
+                steps = args.steps if every == 1 else max(args.steps, 30)
+                rate, stalls = run(modes[name], model, opt, step, steps, every, args.batch)
+                step += steps
+                results.setdefault((name, every), []).append((rate, stalls))
+                med = statistics.median(stalls) if stalls else 0.0
+                print(f"  [{rep + 1}/{args.repeats}] every {every:2d}: {name:18s} "
+                      f"{rate:.3f} steps/s  stall median {med * 1000:8.1f} ms", flush=True)
+    print_report(results, modes, nbytes)
+    shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+def print_report(results: dict[tuple[str, int], list[tuple[float, list[float]]]],
+                 modes: dict[str, Mode], nbytes: int) -> None:
+    def rate(name: str, every: int) -> float:
+        return statistics.median(r for r, _ in results[(name, every)])
+
+    def stall(name: str, every: int) -> float:
+        all_stalls = [s for _, stalls in results[(name, every)] for s in stalls]
+        return statistics.median(all_stalls) if all_stalls else 0.0
+
+    print("\n== steps/s (median) and loss against no checkpointing; stall per checkpoint")
+    print(f"  {'mode':18s} {'every':>5s} {'steps/s':>8s} {'loss':>7s} {'stall ms':>9s} "
+          f"{'x floor':>8s}")
+    for every in (1, 10):
+        base_rate = rate("none", every) if ("none", every) in results else None
+        floor = stall("copy", every) if ("copy", every) in results else None
+        for name in modes:
+            if name == "none":
+                continue
+            r, s = rate(name, every), stall(name, every)
+            loss = f"{(1 - r / base_rate) * 100:6.1f}%" if base_rate else "     -"
+            ratio = f"{s / floor:7.2f}x" if floor else "       -"
+            print(f"  {modes[name].name:18s} {every:5d} {r:8.3f} {loss:>7s} {s * 1000:9.1f} "
+                  f"{ratio:>8s}")
+    if "fastpersist" in modes:
+        staging = modes["fastpersist"].staging_bytes() or 0
+        print(f"\nfastpersist staging memory: {staging / 2**20:.0f} MiB "
+              f"({staging / nbytes:.2f}x the checkpointed bytes)")
+    print("targets: stall <= 1.3x copy floor; loss <= 3% every 10 steps, <= 10% every step; "
+          "staging <= 1x")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,334 @@
+"""Asynchronous saves: the trainer pays for the snapshot, the write overlaps training.
+
+Call sequence of one async save (caller = the training thread,
+writer = the Saver's background thread):
+
+    caller  1. report an earlier save's unobserved failure, if any
+    caller  2. flatten and plan the state (state.encode, plan.plan_tensors)
+    caller  3. wait while max_in_flight saves are still persisting (backpressure)
+    caller  4. make the staging directory (CheckpointWriter.begin)
+    caller  5. per data file: take a staging buffer (waits for one under the
+               budget), copy the tensors into it, hand it to the writer
+    caller  6. return the SaveFuture (after the device copies finished, unless
+               wait_for_snapshot=False: then future.wait_snapshot() does that)
+    writer  7. per data file: wait for its copies, write it with the engine,
+               release the buffer
+    writer  8. commit (manifest, fsync, rename) and resolve the future
+
+A failure in 7 or 8 aborts the checkpoint (nothing is left behind), and is
+raised by future.result(); if nobody asks, the next save raises it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from . import plan, state
+from .errors import CheckpointError
+from .knobs import current as current_knobs
+from .persist import CheckpointWriter
+from .snapshot import StagedFile, group_into_files, stage_file
+from .staging import StagingPool
+
+
+class CheckpointAbortedError(CheckpointError):
+    """The save was aborted (Saver.close(abort=True)) before it committed."""
+
+
+class SaveFuture:
+    """The result of async_save. `result()` returns once the checkpoint is durable."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._future: Future[None] = Future()
+        self._snapshot_done = threading.Event()
+        self._staged: list[StagedFile] = []
+        self._observed = False
+        self._started = time.perf_counter()
+        self._persist_started: float | None = None
+        self.snapshot_seconds: float | None = None
+        self.persist_seconds: float | None = None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is durable; re-raise a background failure."""
+        self._observed = True
+        self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._observed = True
+        return self._future.exception(timeout)
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until every tensor is copied into staging memory; after this
+        the caller may mutate the state (e.g. optimizer.step())."""
+        if not self._snapshot_done.wait(timeout):
+            raise TimeoutError(f"snapshot of {self.path} not finished after {timeout} s")
+        for staged in self._staged:
+            staged.wait_copied()
+
+    def add_done_callback(self, fn: Callable[[SaveFuture], Any]) -> None:
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def __repr__(self) -> str:
+        status = "done" if self.done() else "pending"
+        return f"<SaveFuture {self.path} {status}>"
+
+
+_STOP = object()
+
+
+class Saver:
+    """Runs async saves on one background thread, at most max_in_flight at once.
+
+    fastpersist.async_save uses a process-wide Saver; a Checkpointer has its own.
+    """
+
+    def __init__(self, max_in_flight: int | None = None) -> None:
+        self._max_in_flight = max_in_flight  # None: FASTPERSIST_MAX_IN_FLIGHT, at each save
+        self._pool = StagingPool()
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._in_flight: list[SaveFuture] = []
+        # Re-entrant: close() may run in a signal handler that interrupted save().
+        self._lock = threading.RLock()
+        self._saving_in: int | None = None  # thread id inside save(), if any
+        self._thread: threading.Thread | None = None
+        self._abort = threading.Event()
+        self._closed = False
+
+    # -- caller side ------------------------------------------------------
+
+    def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
+             wait_for_snapshot: bool = True,
+             on_commit: Callable[[Path], None] | None = None) -> SaveFuture:
+        """See async_save. on_commit(path) runs on the writer thread after the
+        commit and before the future resolves; its failure fails the future."""
+        if self._closed:
+            raise CheckpointError("this Saver is closed")
+        self._saving_in = threading.get_ident()
+        try:
+            return self._save(obj, path, allow_pickle, wait_for_snapshot, on_commit)
+        finally:
+            self._saving_in = None
+
+    def _save(self, obj: Any, path: str | os.PathLike[str], allow_pickle: bool,
+              wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None) -> SaveFuture:
+        self.raise_unobserved_failure()
+        target = Path(os.path.abspath(os.fspath(path)))
+        tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
+        stored = plan.plan_tensors(leaves)
+        self._wait_for_room()
+        knobs = current_knobs()
+        future = SaveFuture(target)
+        writer = CheckpointWriter.begin(target, tree, stored)
+        files: queue.Queue[Any] = queue.Queue()
+        with self._lock:
+            self._in_flight.append(future)
+        self._ensure_thread()
+        self._jobs.put((future, writer, files, on_commit))
+        # Pinned staging only where there is something to copy from a GPU.
+        pinned = any(t.source.device.type == "cuda" for t in stored)
+        try:
+            for file in group_into_files(stored, knobs.staging_budget):
+                if not file.staged:
+                    # Written from the tensor itself while we wait.
+                    written = threading.Event()
+                    files.put((StagedFile(file.tensors, None), written))
+                    written.wait()
+                    continue
+                buffer = self._pool.acquire(file.nbytes, knobs.staging_budget, pinned)
+                staged = stage_file(file.tensors, buffer, pinned)
+                future._staged.append(staged)
+                files.put((staged, None))
+        except BaseException as exc:
+            files.put(exc)  # the writer aborts the checkpoint
+            raise
+        files.put(_STOP)
+        future._snapshot_done.set()
+        if wait_for_snapshot:
+            future.wait_snapshot()
+        future.snapshot_seconds = time.perf_counter() - future._started
+        return future
+
+    def wait(self) -> None:
+        """Block until every save handed over so far has finished (either way)."""
+        with self._lock:
+            pending = list(self._in_flight)
+        for f in pending:
+            f._future.exception()  # waits; failures stay unobserved for the next save
+
+    def close(self, *, abort: bool = False) -> None:
+        """Finish (or, with abort, cleanly abandon) in-flight saves and stop the thread.
+
+        An aborted save leaves no trace on disk; its future raises
+        CheckpointAbortedError. A save already past its last data file commits.
+        Raises the failure of a save whose result nobody looked at.
+        """
+        if self._saving_in == threading.get_ident():
+            # A signal handler interrupted save() on this thread: waiting here
+            # for the writer, which waits for this save() to finish, would hang.
+            raise CheckpointError(
+                "close() was called from inside save() (from a signal handler?); set a flag "
+                "in the handler and call close() from the training loop instead"
+            )
+        self._closed = True
+        if abort:
+            self._abort.set()
+        self.wait()
+        if self._thread is not None:
+            self._jobs.put(_STOP)
+            self._thread.join()
+            self._thread = None
+        self._pool.clear()
+        # A failure nobody looked at is not dropped on the floor at shutdown
+        # (an abort's own CheckpointAbortedError is what the caller asked for).
+        with self._lock:
+            for f in self._in_flight:
+                if isinstance(f._future.exception(), CheckpointAbortedError):
+                    f._observed = True
+        self.raise_unobserved_failure()
+
+    @property
+    def max_in_flight(self) -> int:
+        return self._max_in_flight or current_knobs().max_in_flight
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._pool.allocated_bytes
+
+    def _wait_for_room(self) -> None:
+        while True:
+            # Also prunes the finished saves, after reporting an unobserved failure.
+            self.raise_unobserved_failure()
+            with self._lock:
+                if len(self._in_flight) < self.max_in_flight:
+                    return
+                oldest = self._in_flight[0]
+            oldest._future.exception()  # backpressure: wait for it to finish
+
+    def raise_unobserved_failure(self) -> None:
+        """Raise the failure of a finished save whose result nobody looked at."""
+        with self._lock:
+            failed = [f for f in self._in_flight if f.done() and not f._observed
+                      and f._future.exception() is not None]
+            for f in failed:
+                f._observed = True
+            self._in_flight = [f for f in self._in_flight if not f.done()]
+        if failed:
+            exc = failed[0]._future.exception()
+            raise CheckpointError(
+                f"an earlier async save to {failed[0].path} failed and nobody called its "
+                f"result(): {exc}"
+            ) from exc
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="fastpersist-writer",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- writer side ------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            future, writer, files, on_commit = job
+            self._persist(future, writer, files, on_commit)
+
+    def _persist(self, future: SaveFuture, writer: CheckpointWriter,
+                 files: queue.Queue[Any], on_commit: Callable[[Path], None] | None) -> None:
+        future._persist_started = time.perf_counter()
+        queue_done = False  # whether the caller's last item (stop or error) was taken
+        try:
+            while True:
+                item = files.get()
+                if item is _STOP:
+                    queue_done = True
+                    break
+                if isinstance(item, BaseException):
+                    queue_done = True
+                    raise CheckpointError(f"snapshot of {writer.target} failed: {item}") from item
+                staged, written = item
+                try:
+                    if self._abort.is_set():
+                        raise CheckpointAbortedError(f"save of {writer.target} was aborted")
+                    staged.wait_copied()
+                    writer.write_file(staged.tensors)
+                finally:
+                    if written is not None:
+                        written.set()
+                    if staged.buffer is not None:
+                        self._pool.release(staged.buffer, staged.pinned)
+            writer.commit()
+        except BaseException as exc:
+            writer.abort()
+            if not queue_done:
+                _drain(files, self._pool)
+            self._fail(future, exc)
+            return
+        try:
+            if on_commit is not None:
+                on_commit(writer.target)
+        except BaseException as exc:
+            self._fail(future, exc)
+            return
+        future.persist_seconds = time.perf_counter() - future._persist_started
+        future._future.set_result(None)
+
+    @staticmethod
+    def _fail(future: SaveFuture, exc: BaseException) -> None:
+        assert future._persist_started is not None
+        future.persist_seconds = time.perf_counter() - future._persist_started
+        future._future.set_exception(exc)
+
+
+def _drain(files: queue.Queue[Any], pool: StagingPool) -> None:
+    """After a failure: release the buffers still queued, unblock the caller."""
+    while True:
+        item = files.get()
+        if item is _STOP or isinstance(item, BaseException):
+            return
+        staged, written = item
+        if written is not None:
+            written.set()
+        if staged.buffer is not None:
+            pool.release(staged.buffer, staged.pinned)
+
+
+_default_saver: Saver | None = None
+_default_lock = threading.Lock()
+
+
+def default_saver() -> Saver:
+    global _default_saver
+    with _default_lock:
+        if _default_saver is None:
+            _default_saver = Saver()
+        return _default_saver
+
+
+def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
+               wait_for_snapshot: bool = True) -> SaveFuture:
+    """Save `obj` to `path` in the background; returns once the snapshot is taken.
+
+    On return every tensor has been copied into staging memory and the caller
+    may change the state freely (with wait_for_snapshot=False it returns as
+    soon as the device-to-host copies are queued: call future.wait_snapshot()
+    before changing CUDA tensors). `future.result()` returns when the
+    checkpoint is durable, with the same guarantees as save(), and raises the
+    background error if there was one. At most FASTPERSIST_MAX_IN_FLIGHT saves
+    (default 1) persist at once: the next call waits for the previous one.
+    """
+    return default_saver().save(obj, path, allow_pickle=allow_pickle,
+                                wait_for_snapshot=wait_for_snapshot)

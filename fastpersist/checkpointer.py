@@ -1,0 +1,175 @@
+"""Checkpointer: asynchronous checkpoints of a training loop, with retention.
+
+    ckpt = fastpersist.Checkpointer("ckpts", keep_last=3, keep_every=1000)
+    start = ckpt.load_latest()["step"] if ckpt.latest() else 0
+    for step in range(start, steps):
+        train_step()
+        if step % 100 == 0:
+            ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
+                             "step": step})
+    ckpt.close()
+
+Checkpoints are ROOT/step-NNNNNNNN. After each one is durable, and only then,
+ROOT/latest is updated (atomically) to name it, and retention deletes the
+checkpoints that are neither among the newest keep_last nor a multiple of
+keep_every. A crash at any moment leaves `latest` naming a complete
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import warnings
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from .api import MapLocation, load
+from .async_save import SaveFuture, Saver
+from .checkpoint import read_manifest
+from .commit import delete_checkpoint, fsync_dir, os_error, write_durably
+from .errors import CheckpointError, CheckpointNotFoundError
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _is_committed(path: Path) -> bool:
+    try:
+        read_manifest(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+class Checkpointer:
+    """Asynchronous, retained checkpoints under `root`; see the module docstring.
+
+    keep_last: keep this many newest checkpoints (None: keep all).
+    keep_every: also keep every checkpoint whose step is a multiple of this.
+    max_in_flight: saves persisting at once; the next save() waits for room
+        (backpressure), so staging memory is at most max_in_flight snapshots.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
+                 keep_every: int | None = None, max_in_flight: int = 1,
+                 allow_pickle: bool = False) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1 (or None to keep everything)")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError("keep_every must be at least 1")
+        self.root = Path(os.path.abspath(os.fspath(root)))
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.allow_pickle = allow_pickle
+        self._saver = Saver(max_in_flight)
+        self._lock = threading.Lock()  # latest pointer and retention
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def save(self, step: int, state: Any, *, wait_for_snapshot: bool = True) -> SaveFuture:
+        """Start an asynchronous checkpoint of `state` for `step`.
+
+        Returns once the snapshot is taken (see fastpersist.async_save); raises
+        an earlier save's failure if nobody has looked at it yet.
+        """
+        if step < 0:
+            raise ValueError("step must be >= 0")
+        return self._saver.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
+                                wait_for_snapshot=wait_for_snapshot,
+                                on_commit=self._committed)
+
+    def wait(self) -> None:
+        """Block until every save so far is durable; raise if one failed."""
+        self._saver.wait()
+        self._saver.raise_unobserved_failure()
+
+    def close(self, *, abort: bool = False) -> None:
+        """Finish the in-flight save (or with abort=True abandon it cleanly) and
+        free the staging memory; raises a save failure nobody looked at. From a
+        SIGTERM handler: set a flag there and call close() from the loop."""
+        self._saver.close(abort=abort)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Leaving on an error: abandon the save on KeyboardInterrupt/SystemExit,
+        # finish it otherwise, and let the original error propagate.
+        try:
+            self.close(abort=not issubclass(exc_type, Exception))
+        except CheckpointError as close_error:
+            warnings.warn(f"checkpoint save failed while leaving on an error: {close_error}",
+                          RuntimeWarning, stacklevel=2)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held for snapshots (reused by the next save)."""
+        return self._saver.staging_bytes
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints under root, ascending."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            m = _STEP_DIR.match(entry.name)
+            if m and _is_committed(entry):
+                found.append(int(m[1]))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        """The newest durable checkpoint, or None if there is none yet."""
+        try:
+            name = (self.root / LATEST).read_text().strip()
+        except OSError:
+            name = ""
+        if _STEP_DIR.match(name) and _is_committed(self.root / name):
+            return self.root / name
+        # No pointer (or it names something gone): fall back to a scan.
+        steps = self.steps()
+        return self.path_for(steps[-1]) if steps else None
+
+    def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
+        path = self.latest()
+        if path is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+        return load(path, map_location, allow_pickle=self.allow_pickle, **kwargs)
+
+    # -- runs on the writer thread, after a commit ------------------------
+
+    def _committed(self, path: Path) -> None:
+        with self._lock:
+            self._point_latest_at(path)
+            self._apply_retention(path)
+
+    def _point_latest_at(self, path: Path) -> None:
+        tmp = self.root / f".{LATEST}.tmp-{os.getpid()}"
+        try:
+            write_durably(tmp, (path.name + "\n").encode())
+            os.replace(tmp, self.root / LATEST)
+            fsync_dir(self.root)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise os_error(exc, f"cannot update {self.root / LATEST}") from exc
+
+    def _apply_retention(self, newest: Path) -> None:
+        if self.keep_last is None:
+            return
+        steps = self.steps()
+        keep = set(steps[-self.keep_last:])
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        for step in steps:
+            path = self.path_for(step)
+            if step not in keep and path != newest:
+                delete_checkpoint(path)

@@ -1,0 +1,127 @@
+"""Snapshots: a consistent copy of the state's tensors in staging memory.
+
+The stored tensors are cut into data files that each fit a staging buffer
+(one file when the whole state fits the budget). Each file's tensors are
+copied into a buffer laid out exactly as the file's data section, so the
+engine then writes the buffer as it is. CPU tensors are copied in the
+caller's thread; CUDA tensors are copied device-to-host on a side stream that
+first waits for the work already queued on the compute stream (so the copy
+sees the values as of the save call), and an event marks the copy's end: no
+global synchronize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .datafile import FileLayout, plan_file
+from .format import dtypes
+from .plan import StoredTensor
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    tensors: list[StoredTensor]
+    staged: bool  # False: too large for a staging buffer, written from the tensor itself
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def group_into_files(stored: list[StoredTensor], budget: int) -> list[FilePlan]:
+    """Data files for a snapshot under `budget` bytes of staging (0: no limit).
+
+    Everything fits one buffer: one file. Otherwise files of at most half the
+    budget, so that one can be copied while the previous one is written. A
+    tensor larger than that gets an unstaged file of its own, written straight
+    from the tensor while the caller waits: the stall grows, memory does not.
+    """
+    total = sum(t.nbytes for t in stored)
+    if not budget or total <= budget:
+        return [FilePlan(stored, staged=True)]
+    slot = budget // 2
+    files: list[FilePlan] = []
+    current: list[StoredTensor] = []
+    size = 0
+    for t in stored:
+        if t.nbytes > slot:
+            files.append(FilePlan([t], staged=False))
+            continue
+        if current and size + t.nbytes > slot:
+            files.append(FilePlan(current, staged=True))
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current:
+        files.append(FilePlan(current, staged=True))
+    return files
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return _side_streams[device]
+
+
+@dataclass
+class StagedFile:
+    """One data file's tensors, copied (or being copied) into `buffer`."""
+
+    tensors: list[StoredTensor]  # sources point into buffer
+    buffer: torch.Tensor | None  # None: unstaged, written from the live tensors
+    pinned: bool = False  # the buffer's kind, for returning it to the pool
+    events: list[torch.cuda.Event] = field(default_factory=list)
+
+    def wait_copied(self) -> None:
+        """Block until every device-to-host copy into the buffer has finished."""
+        for event in self.events:
+            event.synchronize()
+
+
+def stage_file(tensors: list[StoredTensor], buffer: torch.Tensor, pinned: bool) -> StagedFile:
+    """Copy `tensors` into `buffer` at their offsets in the file's data section."""
+    layout: FileLayout = plan_file(tensors)
+    data_start = layout.layout.data_start
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    staged = []
+    for t, offset in zip(layout.order, layout.layout.offsets, strict=True):
+        start = offset - data_start
+        view = buffer[start : start + t.nbytes].view(dtypes.from_name(t.dtype)).view(t.shape)
+        by_device.setdefault(t.source.device, []).append((view, t.source))
+        staged.append(StoredTensor(t.name, t.dtype, t.shape, view))
+    events = []
+    for device, pairs in by_device.items():
+        if device.type == "cpu":
+            for view, source in pairs:
+                view.copy_(source)
+        elif device.type == "cuda":
+            events.append(_copy_from_cuda(device, pairs))
+        else:
+            for view, source in pairs:  # other devices: a plain synchronous copy
+                view.copy_(source)
+    # The caller's order (not the file order) keeps manifest order stable.
+    by_name = {s.name: s for s in staged}
+    return StagedFile([by_name[t.name] for t in tensors], buffer, pinned, events)
+
+
+def _copy_from_cuda(device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> torch.cuda.Event:
+    compute = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    # The copy must see every kernel queued so far on the compute stream.
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        for view, source in pairs:
+            view.copy_(source, non_blocking=True)
+            # Keep the caching allocator from reusing the source's memory for
+            # compute-stream work before the copy has read it.
+            source.record_stream(side)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(side)
+    return event

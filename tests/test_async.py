@@ -1,0 +1,626 @@
+"""fastpersist.async_save: the caller pays for the snapshot, the write happens behind it.
+
+The contract (fastpersist/async_save.py): async_save returns once every tensor
+is copied into staging memory, so the caller may then change the state in
+place; future.result() returns once the checkpoint is durable (with save()'s
+guarantees) and raises the background error; a failure nobody looked at is
+raised by the next save; staging is allocated once, reused, and bounded by
+FASTPERSIST_STAGING_BUDGET (a smaller budget streams the snapshot through it in
+several data files); at most FASTPERSIST_MAX_IN_FLIGHT saves persist at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointExistsError,
+    DiskFullError,
+    UnsupportedValueError,
+    checkpoint,
+    datafile,
+    persist,
+)
+from fastpersist.async_save import Saver, default_saver
+from fastpersist.commit import find_leftovers
+
+KIB = 1 << 10
+MIB = 1 << 20
+# The module, not the function fastpersist.async_save that shadows it.
+_async_module = importlib.import_module("fastpersist.async_save")
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def assert_same(a: Any, b: Any, path: str = "<root>") -> None:
+    """Equal values and types, bit-exact tensors."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), path
+        if a.numel():
+            a_bytes = a.detach().contiguous().reshape(-1).view(torch.uint8)
+            b_bytes = b.detach().contiguous().reshape(-1).view(torch.uint8)
+            assert torch.equal(a_bytes, b_bytes), f"{path}: tensor bytes differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def mixed_state(big_numel: int = 1000) -> dict[str, Any]:
+    """A float32, a bf16, an int64 and an int32 tensor, a strided view of another
+    entry, a tied pair, a 0-d tensor, nested containers and plain values."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(8192, generator=g)
+    tied = torch.randn(10_000, generator=g)
+    return {
+        "f32": torch.randn(16_384, generator=g),
+        "bf16": torch.randn(20_000, generator=g).to(torch.bfloat16),
+        "i64": torch.arange(8192, dtype=torch.int64) * 3,
+        "i32": torch.randint(-1000, 1000, (4096,), dtype=torch.int32, generator=g),
+        "base": base,
+        "view": base[100:4000:3],
+        "tied_a": tied,
+        "tied_b": tied,
+        "scalar": torch.tensor(2.5),
+        "big": torch.randn(big_numel, generator=g),
+        "nested": {"list": [torch.randn(1000, generator=g), 3, "x"], "step": 7, "lr": 0.5},
+    }
+
+
+def mutate(state: dict[str, Any]) -> None:
+    """Change every tensor of mixed_state in place, as an optimizer step would."""
+    state["f32"].add_(1)
+    state["bf16"].zero_()
+    state["i64"].add_(7)
+    state["i32"].mul_(-1)
+    state["base"].mul_(-2)  # also changes "view"
+    state["tied_a"].add_(3)  # also "tied_b"
+    state["scalar"].fill_(-1)
+    state["big"].zero_()
+    state["nested"]["list"][0].fill_(5)
+
+
+def check_mixed(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert_same(loaded, expected)
+    assert loaded["tied_a"] is loaded["tied_b"]
+    # The view still shares its base's storage.
+    assert loaded["view"].untyped_storage().data_ptr() == loaded["base"].untyped_storage(
+    ).data_ptr()
+
+
+def data_files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.name.startswith("data-"))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        m = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.M)
+    assert m
+    return int(m[1]) * KIB
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class WriteLog:
+    """Wraps CheckpointWriter.begin/write_file to log the order of events and to
+    hold one data-file write (counted from 0 over all saves) until released."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, hold: int | None = None) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.writes = 0
+        self.hold = hold
+        self.held = threading.Event()
+        self.released = threading.Event()
+        real_write = persist.CheckpointWriter.write_file
+        real_begin = persist.CheckpointWriter.begin.__func__  # type: ignore[attr-defined]
+
+        def write_file(writer: persist.CheckpointWriter, tensors: Any) -> None:
+            n = self.writes
+            self.writes += 1
+            self.events.append(("write", writer.target.name))
+            if n == self.hold:
+                self.held.set()
+                assert self.released.wait(60), "the held write was never released"
+            real_write(writer, tensors)
+
+        def begin(cls: type, target: Path, tree: Any, stored: Any) -> persist.CheckpointWriter:
+            self.events.append(("begin", target.name))
+            return real_begin(cls, target, tree, stored)
+
+        monkeypatch.setattr(persist.CheckpointWriter, "write_file", write_file)
+        monkeypatch.setattr(persist.CheckpointWriter, "begin", classmethod(begin))
+
+    def watch(self, future: fastpersist.SaveFuture) -> fastpersist.SaveFuture:
+        future.add_done_callback(lambda f: self.events.append(("done", f.path.name)))
+        return future
+
+    def release_after(self, seconds: float) -> threading.Timer:
+        timer = threading.Timer(seconds, self.released.set)
+        timer.start()
+        return timer
+
+
+def inject_enospc(monkeypatch: pytest.MonkeyPatch, target_name: str,
+                  gate: threading.Event | None = None) -> None:
+    """Data-file writes of checkpoint `target_name` fail with ENOSPC after writing
+    a few bytes (after `gate` is set, if given), as on a full disk."""
+    real = datafile.write
+
+    def write(engine: Any, directory: str, file_name: str, tensors: Any) -> Any:
+        if f".{target_name}.fp-tmp-" in directory:
+            with open(os.path.join(directory, file_name), "wb") as f:
+                f.write(b"partial")
+            if gate is not None:
+                assert gate.wait(60)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                          os.path.join(directory, file_name))
+        return real(engine, directory, file_name, tensors)
+
+    monkeypatch.setattr(datafile, "write", write)
+
+
+def wait_done(future: fastpersist.SaveFuture, timeout: float = 60) -> None:
+    """Wait without looking at the result (done() does not count as observing)."""
+    deadline = time.monotonic() + timeout
+    while not future.done():
+        assert time.monotonic() < deadline, "the save never finished"
+        time.sleep(0.005)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_default_saver(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test gets its own process-wide Saver (fastpersist.async_save's), so that
+    no test sees another's staging buffers or unobserved failures."""
+    monkeypatch.setattr(_async_module, "_default_saver", None)
+    yield
+    if _async_module._default_saver is not None:
+        _async_module._default_saver.close()
+
+
+# --- the snapshot isolates the checkpoint from later changes ---------------------------------
+
+
+@pytest.mark.parametrize("budget", [0, 256 * KIB], ids=["unbounded", "small-budget"])
+def test_mutation_after_return_does_not_reach_the_checkpoint(
+        tmp_path: Path, engine_name: str, monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(budget))
+    # "big" (800 KiB) is larger than half the small budget: written unstaged.
+    state = mixed_state(big_numel=200_000)
+    expected = copy.deepcopy(state)
+    target = tmp_path / "ck"
+    future = fastpersist.async_save(state, target)
+    mutate(state)
+    assert not torch.equal(state["f32"], expected["f32"])  # the mutation did happen
+    future.result()
+    assert future.done()
+    loaded = fastpersist.load(target, verify=True)
+    check_mixed(loaded, expected)
+    files = data_files(target)
+    manifest = checkpoint.read_manifest(target)
+    if budget:
+        assert len(files) > 1, files
+        # The oversize tensor has a data file of its own.
+        big_file = {r.file for r in manifest.tensors if r.name.startswith("big")}
+        assert len(big_file) == 1
+        assert [r.name for r in manifest.tensors if r.file in big_file] == [
+            r.name for r in manifest.tensors if r.name.startswith("big")]
+    else:
+        assert files == ["data-00000.safetensors"]
+    assert [p.name for p in target.parent.iterdir()] == ["ck"]
+
+
+
+@pytest.mark.parametrize("budget", [
+    0,
+    256 * KIB,
+], ids=["unbounded", "small-budget"])
+def test_mutation_while_several_saves_are_queued(tmp_path: Path, engine_name: str,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 budget: int) -> None:
+    """Save, mutate, save, mutate ... on one Saver: every checkpoint holds exactly
+    the state of its save() call. (With the small budget the second save's first
+    data file best fits the buffer that was released last.)"""
+    monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(budget))
+    state = mixed_state(big_numel=200_000)
+    saves = []
+    for k in range(4):
+        expected = copy.deepcopy(state)
+        saves.append((fastpersist.async_save(state, tmp_path / f"ck{k}"), expected))
+        mutate(state)
+    for k, (future, expected) in enumerate(saves):
+        future.result()
+        check_mixed(fastpersist.load(tmp_path / f"ck{k}"), expected)
+
+
+@pytest.mark.parametrize("budget", [0, 256 * KIB], ids=["one-file", "several-files"])
+def test_result_equals_a_synchronous_save(tmp_path: Path, engine_name: str,
+                                          monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    state = mixed_state(big_numel=200_000)
+    fastpersist.save(state, tmp_path / "sync")
+    monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(budget))
+    fastpersist.async_save(state, tmp_path / "async").result()
+    sync, asynch = tmp_path / "sync", tmp_path / "async"
+    assert_same(fastpersist.load(asynch), fastpersist.load(sync))
+    m_sync, m_async = checkpoint.read_manifest(sync), checkpoint.read_manifest(asynch)
+    assert m_async.tree == m_sync.tree
+
+    def records(m: Any) -> dict[str, tuple[Any, ...]]:
+        return {r.name: (r.dtype, r.shape, r.length, r.crc32c) for r in m.tensors}
+
+    assert records(m_async) == records(m_sync)
+    if not budget:
+        assert data_files(asynch) == data_files(sync) == ["data-00000.safetensors"]
+        assert (asynch / "data-00000.safetensors").read_bytes() == (
+            sync / "data-00000.safetensors").read_bytes()
+        doc_sync = json.loads((sync / "manifest.json").read_bytes())
+        doc_async = json.loads((asynch / "manifest.json").read_bytes())
+        doc_sync.pop("created_unix")
+        doc_async.pop("created_unix")
+        assert doc_async == doc_sync
+    else:
+        assert len(data_files(asynch)) > 1
+
+
+def test_wait_for_snapshot_false_on_cpu(tmp_path: Path) -> None:
+    state = mixed_state()
+    expected = copy.deepcopy(state)
+    future = fastpersist.async_save(state, tmp_path / "ck", wait_for_snapshot=False)
+    future.wait_snapshot(timeout=30)
+    mutate(state)
+    future.result(timeout=60)
+    check_mixed(fastpersist.load(tmp_path / "ck"), expected)
+
+
+def test_future_api(tmp_path: Path) -> None:
+    calls: list[fastpersist.SaveFuture] = []
+    t0 = time.perf_counter()
+    future = fastpersist.async_save({"w": torch.randn(MIB), "step": 1}, tmp_path / "ck")
+    returned = time.perf_counter() - t0
+    future.add_done_callback(calls.append)
+    assert future.path == tmp_path / "ck"
+    assert isinstance(future.snapshot_seconds, float)
+    assert 0 < future.snapshot_seconds <= returned
+    future.wait_snapshot(timeout=0)  # already taken
+    future.result(timeout=60)
+    assert future.done() and future.exception() is None
+    assert isinstance(future.persist_seconds, float) and future.persist_seconds > 0
+    assert calls == [future]
+    assert "done" in repr(future)
+    assert fastpersist.load(tmp_path / "ck")["step"] == 1
+
+
+def test_errors_before_the_snapshot_raise_from_async_save(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedValueError):
+        fastpersist.async_save({"w": torch.ones(3), "bad": object()}, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+    not_a_ckpt = tmp_path / "file"
+    not_a_ckpt.write_text("precious")
+    with pytest.raises(CheckpointExistsError):
+        fastpersist.async_save({"w": torch.ones(3)}, not_a_ckpt)
+    assert not_a_ckpt.read_text() == "precious"
+
+    foreign = tmp_path / "dir"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointExistsError):
+        fastpersist.async_save({"w": torch.ones(3)}, foreign)
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]
+    # The Saver is still usable afterwards.
+    fastpersist.async_save({"w": torch.ones(3)}, tmp_path / "ok").result()
+
+
+def test_allow_pickle(tmp_path: Path) -> None:
+    state = {"w": torch.ones(3), "extra": {1, 2, 3}}
+    fastpersist.async_save(state, tmp_path / "ck", allow_pickle=True).result()
+    assert fastpersist.load(tmp_path / "ck", allow_pickle=True)["extra"] == {1, 2, 3}
+
+
+# --- staging memory -------------------------------------------------------------------------
+
+
+def test_staging_is_allocated_once_and_reused(tmp_path: Path, engine_name: str) -> None:
+    saver = Saver()
+    state = {f"w{i}": torch.randn(256 * KIB) for i in range(4)}  # 4 MiB
+    assert saver.staging_bytes == 0
+    for k in range(3):
+        saver.save(state, tmp_path / f"ck{k}").result()
+        assert saver.staging_bytes == 4 * MIB
+    saver.close()
+    assert saver.staging_bytes == 0
+
+
+def test_staging_stays_within_the_budget(tmp_path: Path, engine_name: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = 1 * MIB
+    monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(budget))
+    saver = Saver()
+    # 10 x 256 KiB (staged, two per file) and one 2 MiB tensor (unstaged).
+    state = {f"w{i:02d}": torch.full((64 * KIB,), float(i)) for i in range(10)}
+    state["huge"] = torch.randn(512 * KIB)
+    expected = copy.deepcopy(state)
+    sizes = []
+    for k in range(3):
+        future = saver.save(state, tmp_path / f"ck{k}")
+        sizes.append(saver.staging_bytes)
+        assert 0 < saver.staging_bytes <= budget
+        for t in state.values():
+            t.add_(1)
+        future.result()
+        assert_same(fastpersist.load(tmp_path / f"ck{k}"), expected)
+        assert len(data_files(tmp_path / f"ck{k}")) == 6
+        for t in expected.values():
+            t.add_(1)
+    assert saver.staging_bytes == sizes[0]  # reused, not reallocated
+    saver.close()
+
+
+def test_saves_after_the_state_grew(tmp_path: Path) -> None:
+    saver = Saver()
+    small = {"w": torch.randn(64 * KIB)}
+    large = {"w": torch.randn(256 * KIB), "v": torch.randn(64 * KIB)}
+    for k, state in enumerate([small, large, large, small, large]):
+        saver.save(state, tmp_path / f"ck{k}").result()
+        assert_same(fastpersist.load(tmp_path / f"ck{k}"), state)
+    saver.close()
+
+
+def test_staging_grows_instead_of_piling_up(tmp_path: Path) -> None:
+    saver = Saver()
+    for k, mib in enumerate([1, 2, 3]):
+        saver.save({"w": torch.zeros(mib * MIB // 4)}, tmp_path / f"ck{k}").result()
+        assert saver.staging_bytes == mib * MIB, k
+    saver.close()
+
+
+def test_staging_respects_a_budget_set_later(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    saver = Saver()
+    state = {f"w{i}": torch.randn(256 * KIB) for i in range(4)}  # 4 MiB
+    saver.save(state, tmp_path / "a").result()
+    monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(2 * MIB))
+    saver.save(state, tmp_path / "b").result()
+    assert saver.staging_bytes <= 2 * MIB
+    saver.close()
+
+
+def test_state_without_tensor_bytes(tmp_path: Path) -> None:
+    saver = Saver()
+    saver.save({"step": 3, "empty": torch.empty(0, 4)}, tmp_path / "ck").result()
+    loaded = fastpersist.load(tmp_path / "ck")
+    assert loaded["step"] == 3 and loaded["empty"].shape == (0, 4)
+    saver.close()
+
+
+def test_many_saves_do_not_grow_memory_or_fds(tmp_path: Path, engine_name: str) -> None:
+    state = {f"w{i}": torch.randn(512 * KIB) for i in range(4)}  # 8 MiB
+    with Checkpointer(tmp_path / "ckpts", keep_last=2) as ckpt:
+        samples = []
+        for step in range(36):
+            for t in state.values():
+                t.add_(1)
+            ckpt.save(step, state).result()
+            if step >= 5:  # after warm-up
+                samples.append((rss_bytes(), open_fds(), ckpt.staging_bytes))
+        rss0, fds0, staging0 = samples[0]
+        assert staging0 == 8 * MIB
+        for rss, fds, staging in samples:
+            assert staging == staging0
+            assert fds == fds0
+            assert rss - rss0 < 6 * MIB, f"RSS grew by {(rss - rss0) / MIB:.1f} MiB"
+        assert_same(ckpt.load_latest(), state)
+        assert ckpt.steps() == [34, 35]
+
+
+# --- failures in the background ------------------------------------------------------------
+
+
+def _sh(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs (as in tests/test_errors.py); skipped where mounting is not allowed."""
+    if os.geteuid() != 0 or not shutil.which("mount") or not shutil.which("umount"):
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = _sh("mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(mnt))
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if _sh("umount", str(mnt)).returncode != 0:
+            _sh("umount", "-l", str(mnt))
+
+
+def versioned(version: int, mib: int) -> dict[str, Any]:
+    return {"version": version,
+            "weights": [torch.full((MIB // 4,), float(version) + i) for i in range(mib)]}
+
+
+def free_bytes(d: Path) -> int:
+    st = os.statvfs(d)
+    return st.f_bfree * st.f_frsize
+
+
+@pytest.mark.parametrize("budget", [0, 2 * MIB], ids=["one-file", "several-files"])
+def test_background_disk_full(engine_name: str, small_tmpfs: Path,
+                              monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(budget))
+    ckpts = small_tmpfs / "ckpts"
+    target = ckpts / "ck"
+    fastpersist.async_save(versioned(1, 1), target).result()
+    before = free_bytes(small_tmpfs)
+    future = fastpersist.async_save(versioned(2, 12), target)  # returns: the snapshot fits
+    with pytest.raises(DiskFullError, match=r"(?i)no space") as info:
+        future.result()
+    assert info.value.errno in (errno.ENOSPC, errno.EDQUOT)
+    assert str(target) in str(info.value)
+    assert future.done() and isinstance(future.persist_seconds, float)
+    # Nothing half-written: no staging directory, the space is back, v1 intact.
+    assert [p.name for p in ckpts.iterdir()] == ["ck"]
+    assert find_leftovers(ckpts) == []
+    os.sync()
+    assert free_bytes(small_tmpfs) >= before
+    loaded = fastpersist.load(target, verify=True)
+    assert_same(loaded, versioned(1, 1))
+    # Observed on the future, so not raised again; the disk is usable.
+    fastpersist.async_save(versioned(3, 1), target).result()
+    assert fastpersist.load(target)["version"] == 3
+
+
+def test_unobserved_failure_is_raised_by_the_next_async_save(
+        tmp_path: Path, engine_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    inject_enospc(monkeypatch, "bad")
+    failed = fastpersist.async_save({"w": torch.ones(1000)}, tmp_path / "bad")
+    wait_done(failed)
+    with pytest.raises(CheckpointError) as info:
+        fastpersist.async_save({"w": torch.ones(10)}, tmp_path / "next")
+    assert isinstance(info.value.__cause__, DiskFullError)
+    assert "bad" in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither save left anything
+    # Raised once: the next save goes through.
+    fastpersist.async_save({"w": torch.ones(10)}, tmp_path / "next").result()
+    # And the failure is on its own future as well.
+    with pytest.raises(DiskFullError):
+        failed.result()
+
+
+def test_unobserved_failure_is_raised_by_the_next_checkpointer_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    inject_enospc(monkeypatch, "step-00000001")
+    with Checkpointer(tmp_path / "ckpts") as ckpt:
+        wait_done(ckpt.save(1, {"w": torch.ones(1000)}))
+        with pytest.raises(CheckpointError) as info:
+            ckpt.save(2, {"w": torch.ones(1000)})
+        assert isinstance(info.value.__cause__, DiskFullError)
+        ckpt.save(2, {"w": torch.ones(1000)}).result()
+        assert ckpt.steps() == [2]
+
+
+def test_failure_while_the_next_save_waits_for_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    inject_enospc(monkeypatch, "bad", gate)
+    failed = fastpersist.async_save({"w": torch.ones(1000)}, tmp_path / "bad")
+    timer = threading.Timer(0.3, gate.set)  # fails while the next save waits
+    timer.start()
+    try:
+        with pytest.raises(CheckpointError) as info:
+            fastpersist.async_save({"w": torch.ones(10)}, tmp_path / "next").result()
+        assert isinstance(info.value.__cause__, DiskFullError)
+    finally:
+        timer.join()
+        wait_done(failed)
+        failed.exception()
+
+
+# --- backpressure ----------------------------------------------------------------------------
+
+
+def test_max_in_flight_one_waits_for_the_previous_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTPERSIST_MAX_IN_FLIGHT", "1")
+    log = WriteLog(monkeypatch, hold=0)
+    first = log.watch(fastpersist.async_save({"w": torch.ones(1000)}, tmp_path / "a"))
+    assert log.held.wait(30)
+    assert not first.done()
+    timer = log.release_after(0.3)
+    second = log.watch(fastpersist.async_save({"w": torch.ones(1000)}, tmp_path / "b"))
+    assert first.done()  # async_save waited for room
+    first.result()
+    second.result()
+    timer.join()
+    assert log.events.index(("done", "a")) < log.events.index(("begin", "b")), log.events
+
+
+def test_max_in_flight_two_overlaps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saver = Saver(max_in_flight=2)
+    log = WriteLog(monkeypatch, hold=0)
+    first = log.watch(saver.save({"w": torch.ones(1000)}, tmp_path / "a"))
+    assert log.held.wait(30)
+    second = log.watch(saver.save({"w": torch.ones(1000)}, tmp_path / "b"))
+    assert not first.done()  # the second save started while the first persists
+    third = None
+    timer = log.release_after(0.3)
+    third = log.watch(saver.save({"w": torch.ones(1000)}, tmp_path / "c"))  # waits for room
+    assert first.done()
+    for f in (first, second, third):
+        f.result()
+    timer.join()
+    ev = log.events
+    assert ev.index(("begin", "b")) < ev.index(("done", "a")) < ev.index(("begin", "c")), ev
+    saver.close()
+
+
+def test_max_in_flight_is_read_at_each_save(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTPERSIST_MAX_IN_FLIGHT", "1")
+    fastpersist.async_save({"w": torch.ones(1000)}, tmp_path / "warm").result()
+    monkeypatch.setenv("FASTPERSIST_MAX_IN_FLIGHT", "2")
+    log = WriteLog(monkeypatch, hold=0)
+    first = log.watch(fastpersist.async_save({"w": torch.ones(1000)}, tmp_path / "a"))
+    assert log.held.wait(30)
+    timer = log.release_after(0.5)
+    try:
+        fastpersist.async_save({"w": torch.ones(1000)}, tmp_path / "b")
+        assert not first.done(), "the second save waited although 2 may be in flight"
+    finally:
+        timer.join()
+        default_saver().wait()
+
+
+def test_closed_saver_refuses_saves(tmp_path: Path) -> None:
+    saver = Saver()
+    saver.save({"w": torch.ones(3)}, tmp_path / "a")
+    saver.close()
+    assert fastpersist.load(tmp_path / "a")["w"].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(CheckpointError):
+        saver.save({"w": torch.ones(3)}, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_math_sanity_of_budget_split() -> None:
+    """The split that the budget tests rely on: 10 x 256 KiB into files of two, plus
+    one file per tensor above half the budget."""
+    from fastpersist import plan, state
+    from fastpersist.snapshot import group_into_files
+
+    s = {f"w{i:02d}": torch.zeros(64 * KIB) for i in range(10)}
+    s["huge"] = torch.zeros(512 * KIB)
+    _, leaves = state.encode(s)
+    files = group_into_files(plan.plan_tensors(leaves), MIB)
+    assert sorted((len(f.tensors), f.staged) for f in files) == [(1, False)] + [(2, True)] * 5
+    assert sum(f.nbytes for f in files) == 9 * MIB // 2
