@@ -271,15 +271,21 @@ def find_leftovers(root: Path) -> list[Leftover]:
     return found
 
 
-def collect(leftover: Leftover) -> str:
-    """Clean one leftover whose owner is gone; returns what was done."""
+def restores(leftover: Leftover) -> bool:
+    """Whether gc puts this leftover back instead of removing it: the old copy
+    of an interrupted replace, when it is the only copy left."""
     target = leftover.path.parent / leftover.target_name
-    if (
+    return (
         leftover.kind == "old"
         and not os.path.lexists(target)
         and (leftover.path / MANIFEST_NAME).exists()
-    ):
-        # Interrupted replace: the old checkpoint is the only copy. Put it back.
+    )
+
+
+def collect(leftover: Leftover) -> str:
+    """Clean one leftover whose owner is gone; returns what was done."""
+    target = leftover.path.parent / leftover.target_name
+    if restores(leftover):
         os.rename(leftover.path, target)
         fsync_dir(target.parent)
         return f"restored {target} from {leftover.path.name}"

@@ -101,12 +101,13 @@ def test_ls_shows_committed_corrupt_and_leftover_states(
     dead = leftover_dir(root, "step-200", "tmp", dead_pid)
     live = leftover_dir(root, "step-300", "tmp", os.getpid())
     old = leftover_dir(root, "step-100", "old", dead_pid)
+    deleting = leftover_dir(root, "step-050", "del", dead_pid)
 
     rc, out, _ = run(capsys, "ls", str(root))
     assert rc == 0
     lines = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert out.splitlines()[0].split() == ["NAME", "SIZE", "TENSORS", "CREATED", "STATE"]
-    assert set(lines) == {"step-100", "broken", dead.name, live.name, old.name}
+    assert set(lines) == {"step-100", "broken", dead.name, live.name, old.name, deleting.name}
     assert lines["step-100"].endswith("committed")
     assert " 7 " in lines["step-100"]  # seven stored tensors (the tied pair is one)
     assert "KiB" in lines["step-100"]
@@ -115,6 +116,7 @@ def test_ls_shows_committed_corrupt_and_leftover_states(
     assert f"incomplete (save by pid {dead_pid} on {host}, dead)" in lines[dead.name]
     assert f"incomplete (save by pid {os.getpid()} on {host}, running)" in lines[live.name]
     assert "replaced (old copy" in lines[old.name]
+    assert f"being deleted (by pid {dead_pid} on {host}, dead)" in lines[deleting.name]
 
     rc, out, _ = run(capsys, "ls", str(root), "--json")
     assert rc == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import read_manifest
-from ..commit import Leftover, collect, find_leftovers, os_error
+from ..commit import Leftover, collect, find_leftovers, os_error, restores
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ._output import EXIT_ERROR, EXIT_OK, human_size, local_time, print_json, print_table, warn
@@ -56,6 +56,8 @@ def _owner(leftover: Leftover) -> str:
 def _leftover_entry(leftover: Leftover) -> Entry:
     if leftover.kind == "old":
         state = f"replaced (old copy of {leftover.target_name})"
+    elif leftover.kind == "del":
+        state = f"being deleted (by pid {leftover.pid} on {leftover.host}, {_owner(leftover)})"
     else:
         state = f"incomplete (save by pid {leftover.pid} on {leftover.host}, {_owner(leftover)})"
     return Entry(leftover.path.name, str(leftover.path), state, _disk_usage(leftover.path),
@@ -105,10 +107,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _dry_run_action(leftover: Leftover) -> tuple[str, str]:
-    # Mirrors commit.collect, which decides the same way.
-    target = leftover.path.parent / leftover.target_name
-    if (leftover.kind == "old" and not os.path.lexists(target)
-            and (leftover.path / MANIFEST_NAME).exists()):
+    if restores(leftover):
+        target = leftover.path.parent / leftover.target_name
         return "would-restore", f"would restore {target} from {leftover.path.name}"
     return "would-remove", f"would remove {leftover.path.name}"
 
