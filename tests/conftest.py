@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,3 +25,10 @@ def engine_name(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """Run the test once with the C engine and once with the reference engine."""
     monkeypatch.setenv("FASTPERSIST_ENGINE", request.param)
     yield request.param
+
+
+@pytest.fixture
+def big_tmp(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, emptied afterwards: pytest keeps old tmp dirs, and these are large."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import WriteLog, inject_enospc
 
 import fastpersist
 from fastpersist import (
@@ -36,8 +37,6 @@ from fastpersist import (
     DiskFullError,
     UnsupportedValueError,
     checkpoint,
-    datafile,
-    persist,
 )
 from fastpersist.async_save import Saver, default_saver
 from fastpersist.commit import find_leftovers
@@ -127,64 +126,6 @@ def rss_bytes() -> int:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-class WriteLog:
-    """Wraps CheckpointWriter.begin/write_file to log the order of events and to
-    hold one data-file write (counted from 0 over all saves) until released."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, hold: int | None = None) -> None:
-        self.events: list[tuple[str, str]] = []
-        self.writes = 0
-        self.hold = hold
-        self.held = threading.Event()
-        self.released = threading.Event()
-        real_write = persist.CheckpointWriter.write_file
-        real_begin = persist.CheckpointWriter.begin.__func__  # type: ignore[attr-defined]
-
-        def write_file(writer: persist.CheckpointWriter, tensors: Any) -> None:
-            n = self.writes
-            self.writes += 1
-            self.events.append(("write", writer.target.name))
-            if n == self.hold:
-                self.held.set()
-                assert self.released.wait(60), "the held write was never released"
-            real_write(writer, tensors)
-
-        def begin(cls: type, target: Path, tree: Any, stored: Any) -> persist.CheckpointWriter:
-            self.events.append(("begin", target.name))
-            return real_begin(cls, target, tree, stored)
-
-        monkeypatch.setattr(persist.CheckpointWriter, "write_file", write_file)
-        monkeypatch.setattr(persist.CheckpointWriter, "begin", classmethod(begin))
-
-    def watch(self, future: fastpersist.SaveFuture) -> fastpersist.SaveFuture:
-        future.add_done_callback(lambda f: self.events.append(("done", f.path.name)))
-        return future
-
-    def release_after(self, seconds: float) -> threading.Timer:
-        timer = threading.Timer(seconds, self.released.set)
-        timer.start()
-        return timer
-
-
-def inject_enospc(monkeypatch: pytest.MonkeyPatch, target_name: str,
-                  gate: threading.Event | None = None) -> None:
-    """Data-file writes of checkpoint `target_name` fail with ENOSPC after writing
-    a few bytes (after `gate` is set, if given), as on a full disk."""
-    real = datafile.write
-
-    def write(engine: Any, directory: str, file_name: str, tensors: Any) -> Any:
-        if f".{target_name}.fp-tmp-" in directory:
-            with open(os.path.join(directory, file_name), "wb") as f:
-                f.write(b"partial")
-            if gate is not None:
-                assert gate.wait(60)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
-                          os.path.join(directory, file_name))
-        return real(engine, directory, file_name, tensors)
-
-    monkeypatch.setattr(datafile, "write", write)
 
 
 def wait_done(future: fastpersist.SaveFuture, timeout: float = 60) -> None:

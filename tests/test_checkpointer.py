@@ -14,25 +14,20 @@ and SIGKILL or SIGTERM it while it persists.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import os
-import queue
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support import Child, ForkServer, WriteLog, inject_enospc
 
 import fastpersist
 from fastpersist import (
@@ -42,8 +37,6 @@ from fastpersist import (
     CheckpointNotFoundError,
     DiskFullError,
     checkpoint,
-    datafile,
-    persist,
 )
 from fastpersist.commit import collect, find_leftovers
 
@@ -85,61 +78,6 @@ def pointer(root: Path) -> str | None:
 
 def names(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
-
-
-class WriteLog:
-    """Wraps CheckpointWriter.begin/write_file to log the order of events and to
-    hold one data-file write (counted over all saves, from 0) until `release()`."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, hold: int | None = None) -> None:
-        self.events: list[tuple[str, str]] = []
-        self.writes = 0
-        self.hold = hold
-        self.held = threading.Event()  # the held write has started
-        self.released = threading.Event()
-        real_write = persist.CheckpointWriter.write_file
-        real_begin = persist.CheckpointWriter.begin.__func__  # type: ignore[attr-defined]
-
-        def write_file(writer: persist.CheckpointWriter, tensors: Any) -> None:
-            n = self.writes
-            self.writes += 1
-            self.events.append(("write", writer.target.name))
-            if n == self.hold:
-                self.held.set()
-                assert self.released.wait(60), "the held write was never released"
-            real_write(writer, tensors)
-
-        def begin(cls: type, target: Path, tree: Any, stored: Any) -> persist.CheckpointWriter:
-            self.events.append(("begin", target.name))
-            return real_begin(cls, target, tree, stored)
-
-        monkeypatch.setattr(persist.CheckpointWriter, "write_file", write_file)
-        monkeypatch.setattr(persist.CheckpointWriter, "begin", classmethod(begin))
-
-    def watch(self, future: fastpersist.SaveFuture) -> fastpersist.SaveFuture:
-        future.add_done_callback(lambda f: self.events.append(("done", f.path.name)))
-        return future
-
-    def release_after(self, seconds: float) -> threading.Timer:
-        timer = threading.Timer(seconds, self.released.set)
-        timer.start()
-        return timer
-
-
-def inject_enospc(monkeypatch: pytest.MonkeyPatch, target_name: str) -> None:
-    """Data-file writes of checkpoint `target_name` fail with ENOSPC (after the
-    file was started, as a full disk would)."""
-    real = datafile.write
-
-    def write(engine: Any, directory: str, file_name: str, tensors: Any) -> Any:
-        if f".{target_name}.fp-tmp-" in directory:
-            with open(os.path.join(directory, file_name), "wb") as f:
-                f.write(b"partial")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
-                          os.path.join(directory, file_name))
-        return real(engine, directory, file_name, tensors)
-
-    monkeypatch.setattr(datafile, "write", write)
 
 
 # --- retention and the latest pointer ------------------------------------------------------
@@ -438,131 +376,22 @@ def test_failed_pointer_update_leaves_no_stray_file(
 # The crash tests' state: 4 float32 tensors of 12.5M elements (200 MB).
 KILL_TENSORS, KILL_NUMEL = 4, 12_500_000
 KEEP_LAST, KEEP_EVERY = 2, 3
-EVENT_TIMEOUT = 120.0
 
 
-@dataclass
-class Child:
-    zygote: Zygote
-    pid: int
-    events: list[tuple[float, list[str]]] = field(default_factory=list)
-    exit_status: int | None = None
-    cursor: int = 0
+class Zygote(ForkServer[Child]):
+    """The fork server of the training loops (tests/helpers/checkpointer_child.py)."""
 
-    def steps(self, kind: str) -> list[int]:
-        return [int(a[1]) for _, a in self.events if a[0] == kind]
-
-    def wait_for(self, kind: str, arg: str | None = None, timeout: float = EVENT_TIMEOUT
-                 ) -> tuple[float, list[str]]:
-        deadline = time.monotonic() + timeout
-        while True:
-            while self.cursor < len(self.events):
-                when, args = self.events[self.cursor]
-                self.cursor += 1
-                if args[0] == kind and (arg is None or args[1] == arg):
-                    return when, args
-                if args[0] in ("error", "exited"):
-                    pytest.fail(f"child {self.pid} stopped while waiting for {kind!r}: {args}")
-            self.zygote.next_event(self, deadline)
-
-    def wait_exit(self) -> int:
-        deadline = time.monotonic() + EVENT_TIMEOUT
-        while self.exit_status is None:
-            self.zygote.next_event(self, deadline)
-        errors = [a for _, a in self.events if a[0] == "error"]
-        assert not errors, f"child {self.pid} failed: {json.loads(errors[0][1])}"
-        return self.exit_status
-
-    def kill(self) -> None:
-        self.zygote.drain(self)
-        if self.exit_status is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-        self.wait_exit()
-
-
-class Zygote:
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(HELPER)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE)
-        self.lines: queue.Queue[tuple[float, bytes]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.current: Child | None = None
-        _, fields = self._next(time.monotonic() + EVENT_TIMEOUT)
-        assert fields[1:] == ["zygote-ready"], fields
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put((time.monotonic(), line))
-        self.lines.put((time.monotonic(), b""))
-
-    def _next(self, deadline: float, block: bool = True) -> tuple[float, list[str]]:
-        try:
-            if block:
-                when, line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            else:
-                when, line = self.lines.get_nowait()
-        except queue.Empty:
-            if block:
-                pytest.fail("timed out waiting for the child")
-            raise
-        if not line:
-            pytest.fail(f"the fork server exited (status {self.proc.poll()})")
-        return when, line.decode().split()
-
-    def next_event(self, child: Child, deadline: float, block: bool = True) -> None:
-        when, fields = self._next(deadline, block)
-        pid, args = int(fields[0]), fields[1:]
-        if args[0] == "exited":
-            assert int(args[1]) == child.pid, fields
-            child.exit_status = int(args[2])
-        else:
-            assert pid == child.pid, f"event from {pid} while {child.pid} runs: {fields}"
-        child.events.append((when, args))
-
-    def drain(self, child: Child) -> None:
-        while True:
-            try:
-                self.next_event(child, 0.0, block=False)
-            except queue.Empty:
-                return
+        super().__init__(HELPER, Child)
 
     def start(self, root: Path, *, start: int, mode: str, abort: bool = False) -> Child:
-        if self.current is not None and self.current.exit_status is None:
-            self.current.kill()  # left running by a failed test
-        job = {"root": str(root), "start": start, "mode": mode, "abort": abort,
-               "tensors": KILL_TENSORS, "numel": KILL_NUMEL,
-               "keep_last": KEEP_LAST, "keep_every": KEEP_EVERY,
-               "env": {"FASTPERSIST_ENGINE": "native", "FASTPERSIST_STAGING_BUDGET": "0",
-                       "FASTPERSIST_MAX_IN_FLIGHT": "1"}}
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(job).encode() + b"\n")
-        self.proc.stdin.flush()
-        early = []
-        deadline = time.monotonic() + EVENT_TIMEOUT
-        while True:
-            when, fields = self._next(deadline)
-            if fields[1] == "forked":
-                break
-            early.append((int(fields[0]), (when, fields[1:])))
-        child = Child(self, int(fields[2]))
-        assert all(pid == child.pid for pid, _ in early), early
-        child.events += [event for _, event in early]
-        self.current = child
-        return child
-
-    def close(self) -> None:
-        if self.current is not None and self.current.exit_status is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.current.pid, signal.SIGKILL)
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        return self.fork({
+            "root": str(root), "start": start, "mode": mode, "abort": abort,
+            "tensors": KILL_TENSORS, "numel": KILL_NUMEL,
+            "keep_last": KEEP_LAST, "keep_every": KEEP_EVERY,
+            "env": {"FASTPERSIST_ENGINE": "native", "FASTPERSIST_STAGING_BUDGET": "0",
+                    "FASTPERSIST_MAX_IN_FLIGHT": "1"},
+        })
 
 
 @pytest.fixture(scope="module")
@@ -570,13 +399,6 @@ def zygote() -> Iterator[Zygote]:
     z = Zygote()
     yield z
     z.close()
-
-
-@pytest.fixture
-def big_tmp(tmp_path: Path) -> Iterator[Path]:
-    """tmp_path, emptied afterwards: pytest keeps old tmp dirs, and these are large."""
-    yield tmp_path
-    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 _LATEST_TMP = re.compile(r"^\.latest\.tmp-(\d+)$")

@@ -16,21 +16,15 @@ save() has returned: a version reported done must never be lost.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import queue
 import shutil
-import signal
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from support import Child, ForkServer
 
 import fastpersist
 from fastpersist import CheckpointNotFoundError, checkpoint
@@ -45,114 +39,31 @@ TENSORS, NUMEL, STEP = 8, 10_000_000, 1 / 16
 # The small state of the hook tests: 2 tensors of 1 MiB.
 SMALL_TENSORS, SMALL_NUMEL = 2, 1 << 18
 
-EVENT_TIMEOUT = 120.0
 
-
-@dataclass
-class Saver:
+class Saver(Child):
     """One forked saver process and what it has reported."""
 
-    zygote: Zygote
-    pid: int
-    events: list[tuple[float, list[str]]] = field(default_factory=list)
-    exit_status: int | None = None
-    cursor: int = 0  # events before this one have been waited for
+    noun = "saver"
 
     @property
     def done(self) -> list[int]:
-        return [int(a[1]) for _, a in self.events if a[0] == "done"]
+        return self.steps("done")
 
     @property
     def started(self) -> list[int]:
-        return [int(a[1]) for _, a in self.events if a[0] == "start"]
-
-    def wait_for(self, kind: str, timeout: float = EVENT_TIMEOUT, fail_on: tuple[str, ...] = ()
-                 ) -> tuple[float, list[str]]:
-        """The next event of this kind; fails on an error or exit of the saver, or on
-        an event of a kind in fail_on."""
-        deadline = time.monotonic() + timeout
-        while True:
-            while self.cursor < len(self.events):
-                when, args = self.events[self.cursor]
-                self.cursor += 1
-                if args[0] == kind:
-                    return when, args
-                if args[0] in ("error", "exited", *fail_on):
-                    pytest.fail(f"saver {self.pid} stopped while waiting for {kind!r}: {args}")
-            self.zygote.next_event(self, deadline)
-
-    def kill(self) -> None:
-        """SIGKILL the saver and collect everything it reported before dying."""
-        self.zygote.drain(self)
-        if self.exit_status is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-        deadline = time.monotonic() + EVENT_TIMEOUT
-        while self.exit_status is None:
-            self.zygote.next_event(self, deadline)
-        errors = [a for _, a in self.events if a[0] == "error"]
-        assert not errors, f"saver {self.pid} failed: {json.loads(errors[0][1])}"
+        return self.steps("start")
 
 
-class Zygote:
-    """The fork server process and the reader of its event stream."""
+class Zygote(ForkServer[Saver]):
+    """The fork server of the savers (tests/helpers/kill_saver.py)."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        )
-        self.lines: queue.Queue[tuple[float, bytes]] = queue.Queue()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-        self.current: Saver | None = None
-        _, args = self._next(time.monotonic() + EVENT_TIMEOUT)
-        assert args[1:] == ["zygote-ready"], args
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put((time.monotonic(), line))
-        self.lines.put((time.monotonic(), b""))
-
-    def _next(self, deadline: float, block: bool = True) -> tuple[float, list[str]]:
-        try:
-            if block:
-                when, line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            else:
-                when, line = self.lines.get_nowait()
-        except queue.Empty:
-            if block:
-                pytest.fail("timed out waiting for the saver")
-            raise
-        if not line:
-            pytest.fail(f"the fork server exited (status {self.proc.poll()})")
-        return when, line.decode().split()
-
-    def next_event(self, saver: Saver, deadline: float, block: bool = True
-                   ) -> tuple[float, list[str]]:
-        when, fields = self._next(deadline, block)
-        pid, args = int(fields[0]), fields[1:]
-        if args[0] == "exited":
-            assert int(args[1]) == saver.pid, fields
-            saver.exit_status = int(args[2])
-        else:
-            assert pid == saver.pid, f"event from {pid} while {saver.pid} runs: {fields}"
-        saver.events.append((when, args))
-        return when, args
-
-    def drain(self, saver: Saver) -> None:
-        while True:
-            try:
-                self.next_event(saver, 0.0, block=False)
-            except queue.Empty:
-                return
+        super().__init__(HELPER, Saver)
 
     def start(self, target: Path, *, start: int = 1, count: int | None = None,
               small: bool = False, no_exchange: bool = False, hook: str | None = None,
               hook_from: int | None = None) -> Saver:
-        if self.current is not None and self.current.exit_status is None:
-            self.current.kill()  # left running by a failed test
-        job = {
+        return self.fork({
             "target": str(target), "start": start, "count": count, "step": STEP,
             "tensors": SMALL_TENSORS if small else TENSORS,
             "numel": SMALL_NUMEL if small else NUMEL,
@@ -160,35 +71,7 @@ class Zygote:
             # The savers use the default (native) engine and knobs, whatever the
             # environment of the test run says.
             "env": {"FASTPERSIST_ENGINE": "native", "FASTPERSIST_DIRECT": "auto"},
-        }
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(job).encode() + b"\n")
-        self.proc.stdin.flush()
-        # The saver may report before the server reports forking it.
-        early = []
-        deadline = time.monotonic() + EVENT_TIMEOUT
-        while True:
-            when, fields = self._next(deadline)
-            if fields[1] == "forked":
-                break
-            early.append((int(fields[0]), (when, fields[1:])))
-        saver = Saver(self, int(fields[2]))
-        assert all(pid == saver.pid for pid, _ in early), early
-        saver.events += [event for _, event in early]
-        self.current = saver
-        return saver
-
-    def close(self) -> None:
-        if self.current is not None and self.current.exit_status is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.current.pid, signal.SIGKILL)
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        })
 
 
 @pytest.fixture(scope="module")
@@ -217,13 +100,6 @@ def calibration(zygote, tmp_path_factory) -> Calibration:
         cycles.append(t_done - t_ready)
     shutil.rmtree(d)
     return Calibration(first_cycle_s=sorted(cycles)[1])
-
-
-@pytest.fixture
-def big_tmp(tmp_path: Path):
-    """tmp_path, emptied afterwards: pytest keeps old tmp dirs, and these are large."""
-    yield tmp_path
-    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 # --- checks ---------------------------------------------------------------------------
@@ -362,19 +238,13 @@ def assert_kills_landed(outcomes: list[Outcome]) -> None:
 
 
 @pytest.mark.slow
-def test_kill_while_replacing(zygote, calibration, big_tmp):
-    """Saves over one path, killed at 12 moments spread over 1.5 save cycles."""
-    delays = spread(12, 1.5 * calibration.first_cycle_s)
-    outcomes = kill_loop(zygote, big_tmp / "ckpts" / "ck", delays, no_exchange=False,
-                         fresh=False)
-    assert_kills_landed(outcomes)
-
-
-@pytest.mark.slow
-def test_kill_while_replacing_without_rename_exchange(zygote, calibration, big_tmp):
-    """The same where RENAME_EXCHANGE fails (EINVAL) and replace moves the old one aside."""
-    delays = spread(10, 1.5 * calibration.first_cycle_s)
-    outcomes = kill_loop(zygote, big_tmp / "ckpts" / "ck", delays, no_exchange=True,
+@pytest.mark.parametrize(("no_exchange", "kills"), [(False, 12), (True, 10)],
+                         ids=["exchange", "rename-aside"])
+def test_kill_while_replacing(zygote, calibration, big_tmp, no_exchange, kills):
+    """Saves over one path, killed at moments spread over 1.5 save cycles; with
+    no_exchange, RENAME_EXCHANGE fails (EINVAL) and replace moves the old one aside."""
+    delays = spread(kills, 1.5 * calibration.first_cycle_s)
+    outcomes = kill_loop(zygote, big_tmp / "ckpts" / "ck", delays, no_exchange=no_exchange,
                          fresh=False)
     assert_kills_landed(outcomes)
 

@@ -1,18 +1,11 @@
 """Fork server for the Checkpointer kill / SIGTERM tests in tests/test_checkpointer.py.
 
-Started once per test module (`python checkpointer_child.py`): it imports torch
-and fastpersist, then forks one training-loop process per job it reads on
-stdin, so a kill costs a fork instead of a fresh interpreter. It never runs a
-torch operation itself, so the forks start clean.
-
-stdin:  one JSON job per line (see run_job)
-stdout: "<pid> <event> [args]" lines, each written with one os.write so that
-        lines from the server and its children never interleave:
-          server: "zygote-ready", "forked PID", "exited PID STATUS"
-          child:  "ready", "saved STEP" (Checkpointer.save returned),
-                  "done STEP" (future.result() returned: durable),
-                  "term" (the SIGTERM handler ran), "closing STEP",
-                  "closed STEP committed|aborted", "error JSON-TRACEBACK"
+`python checkpointer_child.py` serves (forkserver.serve) one training-loop
+process per job; its events, besides forkserver's:
+  "ready", "saved STEP" (Checkpointer.save returned),
+  "done STEP" (future.result() returned: durable),
+  "term" (the SIGTERM handler ran), "closing STEP",
+  "closed STEP committed|aborted"
 
 A child runs a Checkpointer loop over steps start, start+1, ...: it fills
 tensor i with `step + i * STEP_FRACTION`, calls ckpt.save(step, state), then
@@ -24,28 +17,17 @@ its next save() and calls ckpt.close(abort=job["abort"]).
 
 from __future__ import annotations
 
-import ctypes
-import json
-import os
 import signal
-import sys
-import traceback
 
 import torch
+from forkserver import emit, serve
 
 import fastpersist
 
 STEP_FRACTION = 1 / 16
 
 
-def emit(msg: str) -> None:
-    os.write(1, f"{os.getpid()} {msg}\n".encode())
-
-
 def run_job(job: dict) -> None:
-    # Die with the server, so a crashed test leaves no child behind.
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    os.environ.update(job.get("env", {}))
     stop = [False]
     if job["mode"] == "term":
         def on_term(signum: int, frame: object) -> None:
@@ -83,26 +65,5 @@ def run_job(job: dict) -> None:
         emit(f"closed {step} committed")
 
 
-def main() -> None:
-    emit("zygote-ready")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                os.close(0)
-                run_job(job)
-            except BaseException:
-                emit("error " + json.dumps(traceback.format_exc()))
-                code = 1
-            os._exit(code)
-        emit(f"forked {pid}")
-        _, status = os.waitpid(pid, 0)
-        emit(f"exited {pid} {status}")
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_job)

@@ -1,15 +1,8 @@
 """Fork server for the SIGKILL tests in tests/test_durability.py.
 
-Started once per test module (`python kill_saver.py`): it imports torch and
-fastpersist, then forks one saver process per job it reads on stdin, so a kill
-costs a fork instead of a fresh interpreter. It never runs a torch operation
-itself, so the forks start clean.
-
-stdin:  one JSON job per line (see run_job)
-stdout: "<pid> <event> [args]" lines, each written with one os.write so that
-        lines from the server and its savers never interleave:
-          server: "zygote-ready", "forked PID", "exited PID STATUS"
-          saver:  "ready", "start V", "done V SECONDS", "hook NAME", "error JSON-TRACEBACK"
+`python kill_saver.py` serves (forkserver.serve) one saver process per job;
+its events, besides forkserver's:
+  "ready", "start V", "done V SECONDS", "hook NAME"
 
 A saver saves versions start, start+1, ... of a state over the same target
 (forever unless the job has a count) and reports each version once save()
@@ -18,25 +11,17 @@ has returned. Tensor i of version v is filled with v + i * step.
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import json
 import os
 import shutil
-import signal
-import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
+from forkserver import emit, serve
 
 import fastpersist
 import fastpersist.commit as commit
-
-
-def emit(msg: str) -> None:
-    os.write(1, f"{os.getpid()} {msg}\n".encode())
 
 
 def hang(name: str) -> None:
@@ -107,9 +92,6 @@ def install_hook(hook: str, target: Path, armed: list[bool]) -> None:
 
 
 def run_job(job: dict) -> None:
-    # Die with the server, so a crashed test leaves no saver hanging in a hook.
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    os.environ.update(job.get("env", {}))
     target = Path(job["target"])
     if job.get("no_exchange"):
         commit._exchange = _no_exchange
@@ -138,26 +120,5 @@ def run_job(job: dict) -> None:
         version += 1
 
 
-def main() -> None:
-    emit("zygote-ready")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                os.close(0)
-                run_job(job)
-            except BaseException:
-                emit("error " + json.dumps(traceback.format_exc()))
-                code = 1
-            os._exit(code)
-        emit(f"forked {pid}")
-        _, status = os.waitpid(pid, 0)
-        emit(f"exited {pid} {status}")
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_job)

@@ -1,0 +1,236 @@
+"""Helpers shared by several test modules (imported as `support`: pytest puts tests/
+on sys.path, there being no tests/__init__.py).
+
+WriteLog and inject_enospc patch fastpersist's writer; ForkServer is the test's
+side of the fork servers in tests/helpers (see forkserver.py there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+import pytest
+
+import fastpersist
+from fastpersist import datafile, persist
+
+# --- patches of the writer -----------------------------------------------------------------
+
+
+class WriteLog:
+    """Wraps CheckpointWriter.begin/write_file to log the order of events and to
+    hold one data-file write (counted from 0 over all saves) until `released` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, hold: int | None = None) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.writes = 0
+        self.hold = hold
+        self.held = threading.Event()  # the held write has started
+        self.released = threading.Event()
+        real_write = persist.CheckpointWriter.write_file
+        real_begin = persist.CheckpointWriter.begin.__func__  # type: ignore[attr-defined]
+
+        def write_file(writer: persist.CheckpointWriter, tensors: Any) -> None:
+            n = self.writes
+            self.writes += 1
+            self.events.append(("write", writer.target.name))
+            if n == self.hold:
+                self.held.set()
+                assert self.released.wait(60), "the held write was never released"
+            real_write(writer, tensors)
+
+        def begin(cls: type, target: Path, tree: Any, stored: Any) -> persist.CheckpointWriter:
+            self.events.append(("begin", target.name))
+            return real_begin(cls, target, tree, stored)
+
+        monkeypatch.setattr(persist.CheckpointWriter, "write_file", write_file)
+        monkeypatch.setattr(persist.CheckpointWriter, "begin", classmethod(begin))
+
+    def watch(self, future: fastpersist.SaveFuture) -> fastpersist.SaveFuture:
+        future.add_done_callback(lambda f: self.events.append(("done", f.path.name)))
+        return future
+
+    def release_after(self, seconds: float) -> threading.Timer:
+        timer = threading.Timer(seconds, self.released.set)
+        timer.start()
+        return timer
+
+
+def inject_enospc(monkeypatch: pytest.MonkeyPatch, target_name: str,
+                  gate: threading.Event | None = None) -> None:
+    """Data-file writes of checkpoint `target_name` fail with ENOSPC after writing
+    a few bytes (after `gate` is set, if given), as on a full disk."""
+    real = datafile.write
+
+    def write(engine: Any, directory: str, file_name: str, tensors: Any) -> Any:
+        if f".{target_name}.fp-tmp-" in directory:
+            with open(os.path.join(directory, file_name), "wb") as f:
+                f.write(b"partial")
+            if gate is not None:
+                assert gate.wait(60)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                          os.path.join(directory, file_name))
+        return real(engine, directory, file_name, tensors)
+
+    monkeypatch.setattr(datafile, "write", write)
+
+
+# --- the client of a fork server (tests/helpers/forkserver.py) -----------------------------
+
+EVENT_TIMEOUT = 120.0
+
+
+@dataclass
+class Child:
+    """One process forked by a ForkServer and what it has reported."""
+
+    noun: ClassVar[str] = "child"  # what the messages call it
+
+    server: ForkServer[Any]
+    pid: int
+    events: list[tuple[float, list[str]]] = field(default_factory=list)
+    exit_status: int | None = None
+    cursor: int = 0  # events before this one have been waited for
+
+    def steps(self, kind: str) -> list[int]:
+        """The first argument, as an int, of each event of this kind."""
+        return [int(a[1]) for _, a in self.events if a[0] == kind]
+
+    def wait_for(self, kind: str, arg: str | None = None, *, timeout: float = EVENT_TIMEOUT,
+                 fail_on: tuple[str, ...] = ()) -> tuple[float, list[str]]:
+        """The next event of this kind (with this first argument, if given); fails on
+        an error or exit of the child, or on an event of a kind in fail_on."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while self.cursor < len(self.events):
+                when, args = self.events[self.cursor]
+                self.cursor += 1
+                if args[0] == kind and (arg is None or args[1] == arg):
+                    return when, args
+                if args[0] in ("error", "exited", *fail_on):
+                    pytest.fail(f"{self.noun} {self.pid} stopped while waiting for {kind!r}: "
+                                f"{args}")
+            self.server.next_event(self, deadline)
+
+    def wait_exit(self) -> int:
+        """The exit status, after checking the child reported no error."""
+        deadline = time.monotonic() + EVENT_TIMEOUT
+        while self.exit_status is None:
+            self.server.next_event(self, deadline)
+        errors = [a for _, a in self.events if a[0] == "error"]
+        assert not errors, f"{self.noun} {self.pid} failed: {json.loads(errors[0][1])}"
+        return self.exit_status
+
+    def kill(self) -> None:
+        """SIGKILL the child and collect everything it reported before dying."""
+        self.server.drain(self)
+        if self.exit_status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.wait_exit()
+
+
+C = TypeVar("C", bound=Child)
+
+
+class ForkServer(Generic[C]):
+    """A fork server process (a script in tests/helpers) and the reader of its event
+    stream; fork() has it fork a child of type `child_type` for one job."""
+
+    def __init__(self, helper: Path, child_type: type[C]) -> None:
+        self.child_type = child_type
+        self.proc = subprocess.Popen(
+            [sys.executable, str(helper)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        self.lines: queue.Queue[tuple[float, bytes]] = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.current: C | None = None
+        _, fields = self._next(time.monotonic() + EVENT_TIMEOUT)
+        assert fields[1:] == ["zygote-ready"], fields
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put((time.monotonic(), line))
+        self.lines.put((time.monotonic(), b""))
+
+    def _next(self, deadline: float, block: bool = True) -> tuple[float, list[str]]:
+        try:
+            if block:
+                when, line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            else:
+                when, line = self.lines.get_nowait()
+        except queue.Empty:
+            if block:
+                pytest.fail(f"timed out waiting for the {self.child_type.noun}")
+            raise
+        if not line:
+            pytest.fail(f"the fork server exited (status {self.proc.poll()})")
+        return when, line.decode().split()
+
+    def next_event(self, child: Child, deadline: float, block: bool = True
+                   ) -> tuple[float, list[str]]:
+        """Read the next event, which must be the running child's, into child.events."""
+        when, fields = self._next(deadline, block)
+        pid, args = int(fields[0]), fields[1:]
+        if args[0] == "exited":
+            assert int(args[1]) == child.pid, fields
+            child.exit_status = int(args[2])
+        else:
+            assert pid == child.pid, f"event from {pid} while {child.pid} runs: {fields}"
+        child.events.append((when, args))
+        return when, args
+
+    def drain(self, child: Child) -> None:
+        """Read the events that have arrived, without waiting for more."""
+        while True:
+            try:
+                self.next_event(child, 0.0, block=False)
+            except queue.Empty:
+                return
+
+    def fork(self, job: dict[str, Any]) -> C:
+        """Have the server fork a child for the job (one child runs at a time)."""
+        if self.current is not None and self.current.exit_status is None:
+            self.current.kill()  # left running by a failed test
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(job).encode() + b"\n")
+        self.proc.stdin.flush()
+        # The child may report before the server reports forking it.
+        early = []
+        deadline = time.monotonic() + EVENT_TIMEOUT
+        while True:
+            when, fields = self._next(deadline)
+            if fields[1] == "forked":
+                break
+            early.append((int(fields[0]), (when, fields[1:])))
+        child = self.child_type(self, int(fields[2]))
+        assert all(pid == child.pid for pid, _ in early), early
+        child.events += [event for _, event in early]
+        self.current = child
+        return child
+
+    def close(self) -> None:
+        if self.current is not None and self.current.exit_status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.current.pid, signal.SIGKILL)
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
