@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,7 @@ def load(
     *,
     allow_pickle: bool = False,
     verify: bool | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Any:
     """Load the checkpoint at `path` and return an object equal to what was saved.
 
@@ -135,7 +136,8 @@ def load(
     otherwise. Every tensor's CRC32C is checked unless verify=False (default:
     FASTPERSIST_VERIFY_LOAD, on); a mismatch raises ChecksumMismatchError naming
     the file and tensor. Nothing from the checkpoint is unpickled unless
-    allow_pickle=True.
+    allow_pickle=True. progress(n), if given, is called as each n bytes of
+    tensors have been read (for progress bars).
     """
     _target_device(map_location, "cpu")  # a bad map_location fails before any I/O
     p = Path(os.path.abspath(os.fspath(path)))
@@ -145,6 +147,7 @@ def load(
     if state.contains_pickle(manifest.tree) and not allow_pickle:
         # Fail before reading gigabytes of tensors.
         state.decode(manifest.tree, lambda node: torch.empty(0), where=str(p))
-    entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify)
+    entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify,
+                                      progress=progress)
     factory = _TensorFactory(entries, map_location, str(p))
     return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=str(p))

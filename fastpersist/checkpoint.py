@@ -57,6 +57,11 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return Manifest.from_json(data, str(p))
 
 
+# Reads that report progress (and verify, to bound its memory) go in batches of
+# at most this many tensor bytes.
+_BATCH = 256 << 20
+
+
 def _records_by_file(manifest: Manifest) -> Iterator[tuple[FileRecord, list[int]]]:
     by_file: dict[str, list[int]] = {f.name: [] for f in manifest.files}
     for i, t in enumerate(manifest.tensors):
@@ -81,22 +86,32 @@ def _check_size(path: Path, f: FileRecord) -> None:
         )
 
 
-def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
-                 ) -> list[torch.Tensor]:
-    """Every stored tensor, on the CPU, in manifest order; raises on corruption."""
+def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool,
+                 progress: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """Every stored tensor, on the CPU, in manifest order; raises on corruption.
+
+    progress(n) is called as each batch of n tensor bytes has been read.
+    """
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     for f, indices in _records_by_file(manifest):
         _check_size(path, f)
+        by_name = {manifest.tensors[i].name: i for i in indices}
         records = [manifest.tensors[i] for i in indices]
-        try:
-            tensors, mismatches = datafile.read(engine, str(path), f, records, verify=verify)
-        except EOFError as exc:
-            raise TruncatedFileError(f"{path}: {exc}") from None
-        except OSError as exc:
-            raise os_error(exc, f"cannot read {path / f.name}") from exc
-        datafile.raise_for(mismatches, str(path))
-        for i, t in zip(indices, tensors, strict=True):
-            result[i] = t
+        # Batches only when someone watches; one engine call per file otherwise.
+        limit = _BATCH if progress else max(1, sum(r.length for r in records))
+        for n, batch in enumerate(_batches(records, limit)):
+            try:
+                tensors, mismatches = datafile.read(engine, str(path), f, batch, verify=verify,
+                                                    header=n == 0)
+            except EOFError as exc:
+                raise TruncatedFileError(f"{path}: {exc}") from None
+            except OSError as exc:
+                raise os_error(exc, f"cannot read {path / f.name}") from exc
+            datafile.raise_for(mismatches, str(path))
+            for r, t in zip(batch, tensors, strict=True):
+                result[by_name[r.name]] = t
+            if progress:
+                progress(sum(r.length for r in batch))
     return [t for t in result if t is not None]
 
 
@@ -135,8 +150,6 @@ def _check_header(path: Path, f: FileRecord, records: list[TensorRecord]) -> lis
     return problems
 
 
-# Verify reads at most this many bytes of tensors at once, so memory stays bounded.
-_VERIFY_BATCH = 256 << 20
 
 
 def verify(path: str | os.PathLike[str], engine: Engine,
@@ -158,7 +171,7 @@ def verify(path: str | os.PathLike[str], engine: Engine,
             report.problems.append(str(exc).removeprefix(f"{p}: "))
             continue
         report.problems += _check_header(p, f, records)
-        for n, batch in enumerate(_batches(records, _VERIFY_BATCH)):
+        for n, batch in enumerate(_batches(records, _BATCH)):
             report.problems += _verify_batch(p, f, batch, engine, header=n == 0)
             report.tensors += len(batch)
             done = sum(r.length for r in batch)

@@ -229,3 +229,15 @@ def test_random_states_identical_on_both_engines(tmp_path_factory, state: Any) -
     mb = json.loads((d / "python" / "manifest.json").read_bytes())
     ma.pop("created_unix"), mb.pop("created_unix")
     assert ma == mb
+
+
+def test_load_reports_progress_in_batches(tmp_path: Path, engine_name: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {f"t{i}": torch.randn(500 + i) for i in range(20)}
+    fastpersist.save(state, tmp_path / "ckpt")
+    monkeypatch.setattr(fastpersist.checkpoint, "_BATCH", 8 * 1024)  # many batches
+    seen: list[int] = []
+    out = fastpersist.load(tmp_path / "ckpt", progress=seen.append)
+    assert_same(state, out)
+    assert len(seen) > 3
+    assert sum(seen) == fastpersist.checkpoint.read_manifest(tmp_path / "ckpt").tensor_bytes

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ..api import load
+from ..checkpoint import read_manifest
 from ..commit import fsync_dir, fsync_file, os_error
 from ..errors import CheckpointError, CheckpointExistsError
 from ._output import EXIT_OK, human_size, warn
@@ -153,27 +154,28 @@ def cmd_restore(args: argparse.Namespace) -> int:
     target = Path(os.path.abspath(args.to))
     _check_target(target, args.force)
     start = time.perf_counter()
-    with tqdm(total=2, desc=f"restore {Path(args.ckpt).name}", disable=None, file=sys.stderr,
-              leave=False, bar_format="{desc}: {postfix} [{elapsed}]") as bar:
-        bar.set_postfix_str("loading")
-        obj = load(args.ckpt, map_location="cpu", allow_pickle=args.allow_pickle)
-        bar.update()
-        bar.set_postfix_str(f"writing {target.name}")
-        try:
-            if args.format == "torch":
-                count = len({id(t) for t in _tensors_in(obj)})
-                write_atomically(target, lambda tmp: torch.save(obj, tmp))
-            else:
-                flat = flatten(obj)
-                count = len(flat.tensors)
-                metadata = {"format": "pt", **flat.metadata}
-                write_atomically(target, lambda tmp: safetensors.torch.save_file(
-                    flat.tensors, str(tmp), metadata=metadata))
-        except OSError as exc:
-            raise os_error(exc, f"cannot write {target}") from exc
-        except safetensors.SafetensorError as exc:
-            raise CheckpointError(f"cannot write {target}: {exc}") from exc
-        bar.update()
+    total = read_manifest(args.ckpt).tensor_bytes
+    with tqdm(total=total, desc=f"load {Path(args.ckpt).name}", unit="B", unit_scale=True,
+              unit_divisor=1024, disable=None, file=sys.stderr, leave=False) as bar:
+        obj = load(args.ckpt, map_location="cpu", allow_pickle=args.allow_pickle,
+                   progress=bar.update)
+    # torch.save and safetensors report no progress; say what is going on.
+    if sys.stderr.isatty():
+        print(f"writing {target.name} ({args.format}) ...", file=sys.stderr, flush=True)
+    try:
+        if args.format == "torch":
+            count = len({id(t) for t in _tensors_in(obj)})
+            write_atomically(target, lambda tmp: torch.save(obj, tmp))
+        else:
+            flat = flatten(obj)
+            count = len(flat.tensors)
+            metadata = {"format": "pt", **flat.metadata}
+            write_atomically(target, lambda tmp: safetensors.torch.save_file(
+                flat.tensors, str(tmp), metadata=metadata))
+    except OSError as exc:
+        raise os_error(exc, f"cannot write {target}") from exc
+    except safetensors.SafetensorError as exc:
+        raise CheckpointError(f"cannot write {target}: {exc}") from exc
     seconds = time.perf_counter() - start
     if args.format == "safetensors" and flat.dropped:
         warn(f"{len(flat.dropped)} values have no JSON form and were not written: "
