@@ -94,6 +94,12 @@ typedef struct {
     size_t nios;
     size_t next_io; /* claimed with an atomic add */
     fp_status st;
+    /* Buffered reads: thread t reads ios [stream_first[t], stream_first[t+1])
+     * in order through its own descriptor of `path`. */
+    const char *path;
+    size_t *stream_first;
+    unsigned nstreams;
+    unsigned next_stream;
 } fp_read_job;
 
 /*

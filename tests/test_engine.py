@@ -108,8 +108,11 @@ def test_native_writes_the_same_bytes_as_the_reference(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+# DIRECT_OFF: buffered reads run as one sequential stream per thread instead.
+@pytest.mark.parametrize("direct", [_engine.DIRECT_AUTO, _engine.DIRECT_OFF],
+                         ids=["direct", "buffered"])
 @given(layout=layouts(), queue_depth=queue_depths, data=st.data())
-def test_native_reads_any_segment_list(tmp_path_factory, backend, layout, queue_depth,
+def test_native_reads_any_segment_list(tmp_path_factory, backend, direct, layout, queue_depth,
                                        data) -> None:
     segments, size, block_size, threads = layout
     path = tmp_path_factory.mktemp("read") / "f"
@@ -125,7 +128,7 @@ def test_native_reads_any_segment_list(tmp_path_factory, backend, layout, queue_
         pad = data.draw(st.sampled_from([0, 1, 64, 4095]))
         backing = bytearray(length + pad)
         reads.append((memoryview(backing)[pad:], start))
-    crcs, _ = native_read(path, reads, block_size, threads, backend=backend,
+    crcs, _ = native_read(path, reads, block_size, threads, direct=direct, backend=backend,
                           queue_depth=queue_depth)
     for (view, start), crc in zip(reads, crcs, strict=True):
         expected = content[start:start + len(view)]
