@@ -21,10 +21,12 @@ raised by future.result(); if nobody asks, the next save raises it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -104,6 +106,7 @@ class Saver:
         self._thread: threading.Thread | None = None
         self._abort = threading.Event()
         self._closed = False
+        _live_savers.add(self)
 
     # -- caller side ------------------------------------------------------
 
@@ -304,6 +307,18 @@ def _drain(files: queue.Queue[Any], pool: StagingPool) -> None:
             written.set()
         if staged.buffer is not None:
             pool.release(staged.buffer, staged.pinned)
+
+
+# The writer threads are daemons (a hung disk must not hang interpreter exit
+# forever), so a process that returns from async_save and exits would kill a
+# save halfway. At exit, wait for what is in flight instead.
+_live_savers: weakref.WeakSet[Saver] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_in_flight_saves() -> None:
+    for saver in list(_live_savers):
+        saver.wait()
 
 
 _default_saver: Saver | None = None

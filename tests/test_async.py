@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -565,3 +566,17 @@ def test_math_sanity_of_budget_split() -> None:
     files = group_into_files(plan.plan_tensors(leaves), MIB)
     assert sorted((len(f.tensors), f.staged) for f in files) == [(1, False)] + [(2, True)] * 5
     assert sum(f.nbytes for f in files) == 9 * MIB // 2
+
+
+def test_process_exit_waits_for_an_in_flight_save(tmp_path: Path) -> None:
+    """A script that calls async_save and exits at once still gets its checkpoint."""
+    script = (
+        "import sys, torch, fastpersist\n"
+        "state = {'w': torch.full((64 << 20,), 3.0), 'step': 9}\n"
+        "fastpersist.async_save(state, sys.argv[1])\n"
+    )
+    target = tmp_path / "ckpt"
+    subprocess.run([sys.executable, "-c", script, str(target)], check=True, timeout=300)
+    out = fastpersist.load(target)
+    assert out["step"] == 9 and bool((out["w"] == 3.0).all())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
