@@ -241,3 +241,19 @@ def test_load_reports_progress_in_batches(tmp_path: Path, engine_name: str,
     assert_same(state, out)
     assert len(seen) > 3
     assert sum(seen) == fastpersist.checkpoint.read_manifest(tmp_path / "ckpt").tensor_bytes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
+def test_cuda_checkpoint_on_a_machine_without_cuda(tmp_path: Path) -> None:
+    """A tensor saved from cuda:0 loads with map_location, and without it fails
+    with an error that says what to do (as torch.load does)."""
+    fastpersist.save({"w": torch.ones(3)}, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "manifest.json"
+    manifest = json.loads(path.read_bytes())
+    manifest["tree"]["v"][0]["device"] = "cuda:0"  # as if saved from a GPU
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(fastpersist.CheckpointError, match="map_location='cpu'"):
+        fastpersist.load(tmp_path / "ckpt")
+    assert fastpersist.load(tmp_path / "ckpt", map_location="cpu")["w"].device.type == "cpu"
+    out = fastpersist.load(tmp_path / "ckpt", map_location={"cuda:0": "cpu"})
+    assert torch.equal(out["w"], torch.ones(3))
