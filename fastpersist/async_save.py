@@ -154,6 +154,7 @@ class Saver:
                 files.put((staged, None))
         except BaseException as exc:
             files.put(exc)  # the writer aborts the checkpoint
+            future._observed = True  # the caller gets this error now, not at the next save
             raise
         files.put(_STOP)
         future._snapshot_done.set()

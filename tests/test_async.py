@@ -580,3 +580,26 @@ def test_process_exit_waits_for_an_in_flight_save(tmp_path: Path) -> None:
     out = fastpersist.load(target)
     assert out["step"] == 9 and bool((out["w"] == 3.0).all())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_snapshot_failure_is_raised_once_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error while copying into staging raises from async_save itself; the
+    next save is not blamed for it again, and nothing is left on disk."""
+    # The module, not the function that fastpersist re-exports under its name.
+    async_module = importlib.import_module("fastpersist.async_save")
+    saver = Saver()
+    real_stage = async_module.stage_file
+
+    def broken_stage(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(async_module, "stage_file", broken_stage)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        saver.save({"w": torch.ones(10)}, tmp_path / "a")
+    monkeypatch.setattr(async_module, "stage_file", real_stage)
+    saver.wait()
+    assert find_leftovers(tmp_path) == [] and not (tmp_path / "a").exists()
+    saver.save({"w": torch.ones(10)}, tmp_path / "b").result()  # not "an earlier save failed"
+    assert torch.equal(fastpersist.load(tmp_path / "b")["w"], torch.ones(10))
+    saver.close()
