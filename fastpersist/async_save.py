@@ -272,8 +272,7 @@ class Saver:
                 finally:
                     if written is not None:
                         written.set()
-                    if staged.buffer is not None:
-                        self._pool.release(staged.buffer, staged.pinned)
+                    _release(staged, self._pool)
             writer.commit()
         except BaseException as exc:
             writer.abort()
@@ -288,6 +287,7 @@ class Saver:
             self._fail(future, exc)
             return
         future.persist_seconds = time.perf_counter() - future._persist_started
+        future._staged = []  # every copy is done; do not pin the buffers' views
         future._future.set_result(None)
 
     @staticmethod
@@ -306,8 +306,19 @@ def _drain(files: queue.Queue[Any], pool: StagingPool) -> None:
         staged, written = item
         if written is not None:
             written.set()
-        if staged.buffer is not None:
-            pool.release(staged.buffer, staged.pinned)
+        _release(staged, pool)
+
+
+def _release(staged: StagedFile, pool: StagingPool) -> None:
+    """Return a staging buffer to the pool once no device copy still writes into it
+    (an aborted or failed save may not have waited for its copies)."""
+    if staged.buffer is None:
+        return
+    try:
+        staged.wait_copied()
+    except Exception:
+        return  # a failed device copy: drop the buffer rather than reuse it
+    pool.release(staged.buffer, staged.pinned)
 
 
 # The writer threads are daemons (a hung disk must not hang interpreter exit
