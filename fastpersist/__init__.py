@@ -4,11 +4,11 @@
     state = fastpersist.load("ckpt/step-100")
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .api import load, save
-from .async_save import CheckpointAbortedError, SaveFuture, async_save
-from .checkpointer import Checkpointer
 from .errors import (
+    CheckpointAbortedError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointIOError,
@@ -22,6 +22,37 @@ from .errors import (
     TruncatedFileError,
     UnsupportedValueError,
 )
+
+if TYPE_CHECKING:
+    from .api import load, save
+    from .checkpointer import Checkpointer
+    from .saver import SaveFuture, async_save
+
+# The torch-facing API is imported on first use, so that the parts that need no
+# torch (format, engine, commit) import without it.
+_LAZY = {
+    "load": ".api",
+    "save": ".api",
+    "async_save": ".saver",
+    "SaveFuture": ".saver",
+    "Checkpointer": ".checkpointer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastpersist' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "CheckpointAbortedError",

@@ -28,10 +28,10 @@ from types import TracebackType
 from typing import Any
 
 from .api import MapLocation, load
-from .async_save import SaveFuture, Saver
 from .checkpoint import read_manifest
 from .commit import delete_checkpoint, fsync_dir, os_error, write_durably
 from .errors import CheckpointError, CheckpointNotFoundError
+from .saver import SaveFuture, Saver
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -53,5 +53,9 @@ class UnsupportedValueError(CheckpointError, TypeError):
     """A value cannot be stored without pickle and pickle was not allowed."""
 
 
+class CheckpointAbortedError(CheckpointError):
+    """An asynchronous save was aborted (close(abort=True)) before it committed."""
+
+
 class PickleNotAllowedError(CheckpointError):
     """The checkpoint holds pickled values and the caller did not opt in to unpickling."""

@@ -1,6 +1,6 @@
 """fastpersist.async_save: the caller pays for the snapshot, the write happens behind it.
 
-The contract (fastpersist/async_save.py): async_save returns once every tensor
+The contract (fastpersist/saver.py): async_save returns once every tensor
 is copied into staging memory, so the caller may then change the state in
 place; future.result() returns once the checkpoint is durable (with save()'s
 guarantees) and raises the background error; a failure nobody looked at is
@@ -39,13 +39,12 @@ from fastpersist import (
     UnsupportedValueError,
     checkpoint,
 )
-from fastpersist.async_save import Saver, default_saver
 from fastpersist.commit import find_leftovers
+from fastpersist.saver import Saver, default_saver
 
 KIB = 1 << 10
 MIB = 1 << 20
-# The module, not the function fastpersist.async_save that shadows it.
-_async_module = importlib.import_module("fastpersist.async_save")
+saver_module = importlib.import_module("fastpersist.saver")
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -141,10 +140,10 @@ def wait_done(future: fastpersist.SaveFuture, timeout: float = 60) -> None:
 def _fresh_default_saver(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test gets its own process-wide Saver (fastpersist.async_save's), so that
     no test sees another's staging buffers or unobserved failures."""
-    monkeypatch.setattr(_async_module, "_default_saver", None)
+    monkeypatch.setattr(saver_module, "_default_saver", None)
     yield
-    if _async_module._default_saver is not None:
-        _async_module._default_saver.close()
+    if saver_module._default_saver is not None:
+        saver_module._default_saver.close()
 
 
 # --- the snapshot isolates the checkpoint from later changes ---------------------------------
@@ -586,18 +585,16 @@ def test_snapshot_failure_is_raised_once_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error while copying into staging raises from async_save itself; the
     next save is not blamed for it again, and nothing is left on disk."""
-    # The module, not the function that fastpersist re-exports under its name.
-    async_module = importlib.import_module("fastpersist.async_save")
     saver = Saver()
-    real_stage = async_module.stage_file
+    real_stage = saver_module.stage_file
 
     def broken_stage(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(async_module, "stage_file", broken_stage)
+    monkeypatch.setattr(saver_module, "stage_file", broken_stage)
     with pytest.raises(RuntimeError, match="copy failed"):
         saver.save({"w": torch.ones(10)}, tmp_path / "a")
-    monkeypatch.setattr(async_module, "stage_file", real_stage)
+    monkeypatch.setattr(saver_module, "stage_file", real_stage)
     saver.wait()
     assert find_leftovers(tmp_path) == [] and not (tmp_path / "a").exists()
     saver.save({"w": torch.ones(10)}, tmp_path / "b").result()  # not "an earlier save failed"

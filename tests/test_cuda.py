@@ -21,7 +21,7 @@ import torch
 
 import fastpersist
 from fastpersist import Checkpointer, checkpoint
-from fastpersist.async_save import Saver
+from fastpersist.saver import Saver
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
@@ -29,15 +29,15 @@ if not torch.cuda.is_available():
 DEV = torch.device("cuda", 0)
 KIB = 1 << 10
 MIB = 1 << 20
-_async_module = importlib.import_module("fastpersist.async_save")
+saver_module = importlib.import_module("fastpersist.saver")
 
 
 @pytest.fixture(autouse=True)
 def _fresh_default_saver(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(_async_module, "_default_saver", None)
+    monkeypatch.setattr(saver_module, "_default_saver", None)
     yield
-    if _async_module._default_saver is not None:
-        _async_module._default_saver.close()
+    if saver_module._default_saver is not None:
+        saver_module._default_saver.close()
     torch.cuda.synchronize()
 
 

@@ -1,50 +1,64 @@
-"""torch dtypes and their safetensors names: the dtypes a checkpoint can hold."""
+"""The dtypes a checkpoint can hold: safetensors names, sizes, and torch dtypes.
+
+The names and sizes need no torch, so the format can be read and validated
+without it (fastpersistd and fpctl's listing do); the torch dtypes are looked
+up on first use.
+"""
 
 from __future__ import annotations
 
-import torch
+import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Exactly the dtypes safetensors.torch can load back, so every data file we
-# write stays readable by safetensors.
-_BY_NAME: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
+# write stays readable by safetensors: name -> (bytes per element, torch name).
+_DTYPES: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "I16": (2, "int16"),
+    "I32": (4, "int32"),
+    "I64": (8, "int64"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F32": (4, "float32"),
+    "F64": (8, "float64"),
+    "C64": (8, "complex64"),
+    "U16": (2, "uint16"),
+    "U32": (4, "uint32"),
+    "U64": (8, "uint64"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "F8_E4M3FNUZ": (1, "float8_e4m3fnuz"),
+    "F8_E5M2FNUZ": (1, "float8_e5m2fnuz"),
 }
-for _name, _attr in (
-    ("U16", "uint16"),
-    ("U32", "uint32"),
-    ("U64", "uint64"),
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
-    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-):
-    if hasattr(torch, _attr):
-        _BY_NAME[_name] = getattr(torch, _attr)
 
-_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
+SUPPORTED_NAMES = frozenset(_DTYPES)
 
-SUPPORTED_NAMES = frozenset(_BY_NAME)
+
+def itemsize(name: str) -> int:
+    return _DTYPES[name][0]
+
+
+@functools.cache
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    import torch
+
+    by_name = {
+        name: getattr(torch, attr) for name, (_, attr) in _DTYPES.items() if hasattr(torch, attr)
+    }
+    return by_name, {v: k for k, v in by_name.items()}
 
 
 def to_name(dtype: torch.dtype) -> str | None:
     """The safetensors name of a torch dtype, or None if it cannot be stored."""
-    return _BY_DTYPE.get(dtype)
+    return _torch_tables()[1].get(dtype)
 
 
 def from_name(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors name; KeyError if unknown."""
-    return _BY_NAME[name]
-
-
-def itemsize(name: str) -> int:
-    return _BY_NAME[name].itemsize
+    """The torch dtype of a safetensors name; KeyError if unknown (or missing
+    from this torch)."""
+    return _torch_tables()[0][name]

@@ -33,15 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from . import plan, state
-from .errors import CheckpointError
+from .errors import CheckpointAbortedError, CheckpointError
 from .knobs import current as current_knobs
 from .persist import CheckpointWriter
 from .snapshot import StagedFile, group_into_files, stage_file
 from .staging import StagingPool
-
-
-class CheckpointAbortedError(CheckpointError):
-    """The save was aborted (Saver.close(abort=True)) before it committed."""
 
 
 class SaveFuture:
@@ -187,11 +183,7 @@ class Saver:
         self._closed = True
         if abort:
             self._abort.set()
-        self.wait()
-        if self._thread is not None:
-            self._jobs.put(_STOP)
-            self._thread.join()
-            self._thread = None
+        self._stop_thread()
         self._pool.clear()
         # A failure nobody looked at is not dropped on the floor at shutdown
         # (an abort's own CheckpointAbortedError is what the caller asked for).
@@ -200,6 +192,14 @@ class Saver:
                 if isinstance(f._future.exception(), CheckpointAbortedError):
                     f._observed = True
         self.raise_unobserved_failure()
+
+    def _stop_thread(self) -> None:
+        """Wait for the saves in flight, then stop the writer thread and join it."""
+        self.wait()
+        if self._thread is not None:
+            self._jobs.put(_STOP)
+            self._thread.join()
+            self._thread = None
 
     @property
     def max_in_flight(self) -> int:
@@ -321,16 +321,18 @@ def _release(staged: StagedFile, pool: StagingPool) -> None:
     pool.release(staged.buffer, staged.pinned)
 
 
-# The writer threads are daemons (a hung disk must not hang interpreter exit
-# forever), so a process that returns from async_save and exits would kill a
-# save halfway. At exit, wait for what is in flight instead.
+# The writer threads are daemons, so a process that returns from async_save and
+# exits would kill a save halfway. At exit, finish what is in flight and stop
+# the writer threads: a daemon thread still running Python while the
+# interpreter finalizes is killed by a forced unwind, which aborts the process
+# if it passes through C++ frames (torch's tensor destructors).
 _live_savers: weakref.WeakSet[Saver] = weakref.WeakSet()
 
 
 @atexit.register
 def _finish_in_flight_saves() -> None:
     for saver in list(_live_savers):
-        saver.wait()
+        saver._stop_thread()
 
 
 _default_saver: Saver | None = None

@@ -1,0 +1,42 @@
+"""The public surface of the package, and what imports without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import fastpersist
+
+PUBLIC = {
+    "CheckpointAbortedError", "CheckpointError", "CheckpointExistsError", "CheckpointIOError",
+    "CheckpointNotFoundError", "CheckpointPermissionError", "Checkpointer",
+    "ChecksumMismatchError", "CorruptCheckpointError", "DiskFullError", "ManifestError",
+    "PickleNotAllowedError", "SaveFuture", "TruncatedFileError", "UnsupportedValueError",
+    "__version__", "async_save", "load", "save",
+}
+
+
+def test_public_names_are_pinned() -> None:
+    assert set(fastpersist.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(fastpersist, name) is not None
+
+
+def test_api_functions_are_functions_even_after_their_modules_import() -> None:
+    import fastpersist.saver  # binds the submodule on the package; must not shadow the API
+
+    assert callable(fastpersist.async_save) and fastpersist.async_save.__name__ == "async_save"
+    assert callable(fastpersist.save) and callable(fastpersist.load)
+
+
+def test_format_engine_and_commit_import_without_torch() -> None:
+    # What a checkpoint daemon or a listing needs must not drag in torch (hundreds
+    # of MiB of resident memory and seconds of start-up).
+    code = (
+        "import sys\n"
+        "import fastpersist, fastpersist.format.manifest, fastpersist.format.safetensors_file\n"
+        "import fastpersist.engine, fastpersist.commit, fastpersist.knobs, fastpersist.errors\n"
+        "fastpersist.engine.get_engine()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
