@@ -34,30 +34,13 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig, train_step
+from gpt import GPT, GPTConfig, tensors_of, train_step, unique_bytes
 
 import fastpersist
 
 
 def state_of(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
-
-
-def tensors_of(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensors_of(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_of(v)]
-    return []
-
-
-def unique_bytes(obj: Any) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors_of(obj):
-        seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())
 
 
 def fsync_tree(path: Path) -> None:

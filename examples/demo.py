@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpt import GPT, GPTConfig, train_step
+from gpt import GPT, GPTConfig, train_step, unique_bytes
 
 import fastpersist
 from fastpersist.cli import main as fpctl
@@ -36,21 +36,6 @@ def make_model(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer]:
 def checkpoint_state(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
             "rng": torch.get_rng_state()}
-
-
-def state_bytes(obj: Any, seen: set[int] | None = None) -> int:
-    """Bytes of the distinct tensors in obj (a tied weight counts once)."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        if obj.data_ptr() in seen:
-            return 0
-        seen.add(obj.data_ptr())
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_bytes(v, seen) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_bytes(v, seen) for v in obj)
-    return 0
 
 
 def torch_save_durably(obj: Any, path: Path) -> None:
@@ -87,7 +72,7 @@ def main() -> int:
             t0 = time.perf_counter()
             fastpersist.save(state, root / f"step-{step:06d}")
             dt = time.perf_counter() - t0
-            nbytes = state_bytes(state)
+            nbytes = unique_bytes(state)
             print(f"step {step:4d} loss {loss:.4f}  saved {nbytes / 2**20:.0f} MiB in {dt:.2f} s "
                   f"({nbytes / dt / 1e9:.2f} GB/s, durable)")
             last_saved = step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,3 +76,20 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, step: int, batch: int) ->
     loss.backward()
     opt.step()
     return loss.item()
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested state, in order (aliases repeated)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_of(v)]
+    return []
+
+
+def unique_bytes(obj: Any) -> int:
+    """Bytes of the distinct tensors in a state (a tied weight counts once)."""
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors_of(obj)}
+    return sum(seen.values())
