@@ -69,9 +69,16 @@ uint64_t fp_fill_block(fp_write_job *job, uint64_t k, char *buf);
 /*
  * Where block k's bytes are to be written from: the caller's own memory when
  * it is laid out as the file (contiguous, aligned, no padding), else `buf`
- * after fp_fill_block. *wlen receives the bytes to write.
+ * after fp_fill_block. *wlen receives the bytes to write. NULL when reading
+ * the caller's memory faulted (a shared-memory segment truncated under us).
  */
 const char *fp_block_source(fp_write_job *job, uint64_t k, char *buf, uint64_t *wlen);
+
+/*
+ * Run fn(arg), turning a SIGBUS raised by its reads into a return of -EFAULT
+ * (fp_fault.c). fn must own no locks or allocations a jump out would leak.
+ */
+int fp_guarded(void (*fn)(void *), void *arg);
 
 /* One planned read: a piece read in place, or a group of bounce pieces. */
 typedef struct {

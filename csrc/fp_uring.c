@@ -376,7 +376,7 @@ static int write_start(loop *L, slot *s)
     s->off = k * job->block_size;
     s->got = 0;
     s->base = (char *)fp_block_source(job, k, s->buf, &s->left);
-    return 1;
+    return s->base != NULL; /* NULL: failed (fp_fail'ed), no more blocks */
 }
 
 static void write_finish(loop *L, slot *s)

@@ -76,13 +76,35 @@ static const char *in_place(fp_write_job *job, uint64_t k, uint64_t *wlen)
     return p0->mem;
 }
 
+typedef struct {
+    fp_write_job *job;
+    uint64_t k;
+    char *buf;
+    uint64_t wlen;
+    const char *src;
+} block_source_call;
+
+static void block_source(void *arg)
+{
+    block_source_call *c = arg;
+    c->src = in_place(c->job, c->k, &c->wlen);
+    if (!c->src) {
+        c->wlen = fp_fill_block(c->job, c->k, c->buf);
+        c->src = c->buf;
+    }
+}
+
 const char *fp_block_source(fp_write_job *job, uint64_t k, char *buf, uint64_t *wlen)
 {
-    const char *src = in_place(job, k, wlen);
-    if (src)
-        return src;
-    *wlen = fp_fill_block(job, k, buf);
-    return buf;
+    block_source_call c = {.job = job, .k = k, .buf = buf};
+    if (fp_guarded(block_source, &c) < 0) {
+        fp_fail(&job->st, EFAULT,
+                "reading the source memory of block %llu faulted (SIGBUS): was a shared-memory "
+                "segment truncated while it was being written?", (unsigned long long)k);
+        return NULL;
+    }
+    *wlen = c.wlen;
+    return c.src;
 }
 
 static void *write_worker(void *arg)
@@ -100,6 +122,8 @@ static void *write_worker(void *arg)
             break;
         uint64_t start = k * job->block_size, wlen;
         const char *src = fp_block_source(job, k, buf, &wlen);
+        if (!src)
+            break;
         int rc = fp_pwrite_full(job->fd, src, wlen, start);
         if (rc < 0)
             fp_fail(&job->st, -rc, "write of %llu bytes at offset %llu: %s",

@@ -408,3 +408,58 @@ def test_direct_io_used_on_the_test_disk(tmp_path: Path) -> None:
     if not direct:
         pytest.skip(f"{tmp_path} refuses O_DIRECT on this machine")
     assert direct is True
+
+
+_TRUNCATED_SOURCE = textwrap.dedent("""
+    import errno, mmap, os, sys
+    from fastpersist import _engine
+    src, dst, backend, offset = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    size = 4 << 20
+    with open(src, "wb") as f:
+        f.write(os.urandom(size))
+    fd = os.open(src, os.O_RDWR)
+    mm = mmap.mmap(fd, size)
+    os.ftruncate(fd, 0)  # the pages behind the mapping are gone: reads fault
+    try:
+        _engine.write_file(dst, [(memoryview(mm), offset)], offset + size, 1 << 20, 2,
+                           _engine.DIRECT_AUTO, backend=backend)
+    except OSError as exc:
+        print("errno", exc.errno, exc)
+    else:
+        print("no error")
+    print("alive")
+""")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offset", [0, 512], ids=["in-place", "copied"])
+def test_source_memory_that_faults_fails_the_write_not_the_process(
+        tmp_path: Path, backend: int, offset: int) -> None:
+    """fastpersistd writes from clients' shared memory; a client that truncates
+    its segment makes those reads SIGBUS. The engine must turn that into
+    EFAULT for this write (the daemon fails one checkpoint) and live on. Runs
+    in a child so that a regression kills the child, not the test run."""
+    out = subprocess.run(
+        [sys.executable, "-c", _TRUNCATED_SOURCE, str(tmp_path / "src"), str(tmp_path / "dst"),
+         str(backend), str(offset)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    assert f"errno {errno.EFAULT}" in out.stdout and "SIGBUS" in out.stdout, out.stdout
+    assert out.stdout.rstrip().endswith("alive")
+
+
+def test_sigbus_outside_the_engine_still_kills(tmp_path: Path) -> None:
+    """The guard must not swallow faults it does not own: a SIGBUS in Python
+    code after the engine installed its handler still terminates the process."""
+    script = textwrap.dedent("""
+        import mmap, os, sys
+        from fastpersist import _engine
+        _engine.write_file(sys.argv[2], [(b"x" * 4096, 0)], 4096, 4096, 1, _engine.DIRECT_AUTO)
+        fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+        os.ftruncate(fd, 4096)
+        mm = mmap.mmap(fd, 4096)
+        os.ftruncate(fd, 0)
+        print(mm[0])
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m"), str(tmp_path / "w")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGBUS, (out.returncode, out.stdout, out.stderr)
