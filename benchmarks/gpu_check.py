@@ -10,6 +10,8 @@
    floor), and the pinned D2H bandwidth.
 4. overlap: GPU compute (matmuls) running while the persist writes; the
    compute's time with and without a concurrent persist.
+5. through a locally started fastpersistd (unless --no-daemon): snapshot
+   consistency and the stall of a CUDA state copied into registered shared memory.
 
 Prints one line per check and exits non-zero if a correctness check fails.
 Performance lines are informational.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 import fastpersist
+from fastpersist.daemon_client import DaemonClient
 
 
 def cuda_state(nbytes: int) -> dict[str, object]:
@@ -68,10 +72,57 @@ def check(name: str, ok: bool, failures: list[str]) -> None:
         failures.append(name)
 
 
+def check_daemon(root: Path, big: dict[str, object], floor: float, failures: list[str]) -> None:
+    """5. through fastpersistd: the CUDA state is copied into shared memory that is
+    page-locked with cudaHostRegister; stall against the same D2H floor."""
+    sockdir = Path(tempfile.mkdtemp(prefix="fpd-"))
+    droot = root / "daemon"
+    droot.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "fastpersist.daemon", "--root", str(droot),
+                             "--socket", str(sockdir / "s"), "--log-level", "warning"])
+    address = f"unix://{sockdir / 's'}"
+    try:
+        client = DaemonClient(address)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if client.health() == "SERVING":
+                    break
+            except fastpersist.CheckpointError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
+        before = clone(big)
+        fut = fastpersist.async_save(big, droot / "ck", wait_for_snapshot=False, daemon=address)
+        fut.wait_snapshot()
+        for t in (big["model"]["w"], big["optim"]["exp_avg"]):  # type: ignore[index]
+            t.mul_(-1).add_(1)
+        fut.result()
+        check("daemon: async_save of a CUDA state, consistent under GPU mutation",
+              same(before, fastpersist.load(droot / "ck")), failures)
+        stalls, persists = [], []
+        for i in range(3):
+            t0 = time.perf_counter()
+            fut = fastpersist.async_save(big, droot / f"stall-{i}", daemon=address)
+            stalls.append(time.perf_counter() - t0)
+            fut.result()
+            persists.append(fut.persist_seconds or 0.0)
+            shutil.rmtree(droot / f"stall-{i}")
+        stall = statistics.median(stalls)
+        print(f"INFO  daemon: async_save stall {stall * 1000:.1f} ms = {stall / floor:.2f}x the "
+              f"D2H floor; persist {statistics.median(persists):.2f} s")
+    finally:
+        proc.terminate()
+        proc.wait(120)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--dir", default=None)
     p.add_argument("--gib", type=float, default=1.0, help="state size for the stall check")
+    p.add_argument("--no-daemon", action="store_true",
+                   help="skip the checks through a locally started fastpersistd")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -119,6 +170,9 @@ def main() -> int:
     floor, stall = statistics.median(floors), statistics.median(stalls)
     print(f"INFO  D2H floor {floor * 1000:.1f} ms ({nbytes / floor / 1e9:.1f} GB/s pinned); "
           f"async_save stall {stall * 1000:.1f} ms = {stall / floor:.2f}x the floor")
+
+    if not args.no_daemon:
+        check_daemon(root, big, floor, failures)
 
     a = torch.randn(8192, 8192, device="cuda")
     torch.cuda.synchronize()

@@ -7,7 +7,8 @@
 #
 #   run(command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=420)
 #
-# .whl holds wheels the machine lacks (crc32c for the reference engine).
+# .whl holds wheels the machine lacks or has too old: crc32c (the reference
+# engine), protobuf 7.36, grpcio 1.85 and grpcio-health-checking (the daemon).
 set -uo pipefail
 out=${OUT:-.bench/gpu}
 mkdir -p "$out"
@@ -24,5 +25,5 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 } 2>&1 | tee "$out/env.log"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -v 2>&1 | tee "$out/test_cuda.log"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_async.py tests/test_checkpointer.py \
-    tests/test_roundtrip.py 2>&1 | tail -15 | tee "$out/tests_cpu_paths.log"
+    tests/test_roundtrip.py tests/test_daemon.py 2>&1 | tail -15 | tee "$out/tests_cpu_paths.log"
 timeout 120 python3 benchmarks/gpu_check.py --gib 2 2>&1 | tee "$out/gpu_check.log"

@@ -1,12 +1,16 @@
-"""fastpersist demo: train, checkpoint, "crash", restore, and carry on bit-exactly.
+"""fastpersist demo: train, checkpoint through fastpersistd, restore, carry on bit-exactly.
 
-Trains a small GPT-style transformer (torch.nn, AdamW) on a synthetic token
-stream, checkpoints model + optimizer + RNG state with fastpersist.save, then
-restores the latest checkpoint into a fresh model and optimizer and checks that
-training continues with exactly the same losses as the run that never stopped.
-Finally it lists and verifies the checkpoints with fpctl.
+Starts a local fastpersistd (the per-node daemon) on a Unix socket with its root
+on local disk, trains a small GPT-style transformer (torch.nn, AdamW) on a
+synthetic token stream and checkpoints model + optimizer + RNG state through the
+daemon with a Checkpointer: each save copies the state into shared memory and
+returns; the daemon writes it with O_DIRECT and commits it. Then it restores the
+latest checkpoint into a fresh model and optimizer and checks that training
+continues with exactly the same losses as the run that never stopped. Finally
+fpctl asks the daemon for its status and lists and verifies the checkpoints.
 
     python examples/demo.py [--root demo-checkpoints] [--steps 12] [--every 4]
+                            [--daemon unix:///PATH | --in-process]
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +30,7 @@ from gpt import GPT, GPTConfig, train_step, unique_bytes
 
 import fastpersist
 from fastpersist.cli import main as fpctl
+from fastpersist.daemon_client import DaemonClient
 
 
 def make_model(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer]:
@@ -45,6 +53,32 @@ def torch_save_durably(obj: Any, path: Path) -> None:
     os.close(fd)
 
 
+def start_daemon(root: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """fastpersistd on a temporary socket, serving `root`, as a deployment would
+    run it (systemd or a DaemonSet; see deploy/)."""
+    sockdir = Path(tempfile.mkdtemp(prefix="fastpersistd-"))
+    socket = sockdir / "fastpersistd.sock"
+    root.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "fastpersist.daemon", "--root", str(root),
+                             "--socket", str(socket), "--log-format", "text",
+                             "--log-level", "warning"])
+    address = f"unix://{socket}"
+    deadline = time.monotonic() + 30
+    client = DaemonClient(address)
+    while True:
+        try:
+            if socket.exists() and client.health() == "SERVING":
+                break
+        except fastpersist.CheckpointError:
+            pass  # not listening yet
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"fastpersistd did not start (exit status {proc.poll()})")
+        time.sleep(0.1)
+    client.close()
+    print(f"started fastpersistd (pid {proc.pid}) at {address}, root {root}")
+    return proc, address, sockdir
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--root", default="demo-checkpoints", help="checkpoint directory (local disk)")
@@ -56,34 +90,55 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--ctx", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--daemon", help="use this running fastpersistd instead of starting one "
+                       "(--root must lie under its root)")
+    where.add_argument("--in-process", action="store_true", help="save without a daemon")
     args = p.parse_args()
     torch.manual_seed(0)
     root = Path(args.root).absolute()
     shutil.rmtree(root, ignore_errors=True)
+    daemon = None
+    address = args.daemon or ""
+    if not args.daemon and not args.in_process:
+        daemon, address, sockdir = start_daemon(root)
+    try:
+        return run(args, root, address)
+    finally:
+        if daemon is not None:
+            daemon.terminate()  # SIGTERM: finishes what it was handed, then exits
+            daemon.wait(60)
+            shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, root: Path, address: str) -> int:
 
     model, opt = make_model(args)
     params = sum(t.numel() for t in model.parameters())
-    print(f"model: {params / 1e6:.1f}M parameters; checkpoints in {root}")
-    last_saved = None
+    how = f"through fastpersistd at {address}" if address else "in-process"
+    print(f"model: {params / 1e6:.1f}M parameters; checkpoints in {root / 'run'}, {how}")
+    checkpointer = fastpersist.Checkpointer(root / "run", keep_last=2, daemon=address)
     for step in range(1, args.steps + 1):
         loss = train_step(model, opt, step, args.batch)
         if step % args.every == 0:
             state = checkpoint_state(model, opt, step)
-            t0 = time.perf_counter()
-            fastpersist.save(state, root / f"step-{step:06d}")
-            dt = time.perf_counter() - t0
+            future = checkpointer.save(step, state)  # returns once the snapshot is taken
             nbytes = unique_bytes(state)
-            print(f"step {step:4d} loss {loss:.4f}  saved {nbytes / 2**20:.0f} MiB in {dt:.2f} s "
-                  f"({nbytes / dt / 1e9:.2f} GB/s, durable)")
-            last_saved = step
-    assert last_saved is not None, "--steps must be at least --every"
+            stall = future.snapshot_seconds or 0.0
+            future.result()  # only so the demo can print the time; training need not wait
+            print(f"step {step:4d} loss {loss:.4f}  checkpoint {nbytes / 2**20:.0f} MiB: "
+                  f"training stalled {stall * 1e3:.0f} ms, durable after "
+                  f"{(future.persist_seconds or 0) + stall:.2f} s")
+    checkpointer.close()
+    latest = checkpointer.latest()
+    assert latest is not None, "--steps must be at least --every"
+    last_saved = int(latest.name.removeprefix("step-"))
 
     # The run that never stopped carries on for a few steps...
     after = range(args.steps + 1, args.steps + 4)
     reference = [train_step(model, opt, s, args.batch) for s in after]
 
     # ...and a fresh process restores the latest checkpoint and does the same.
-    latest = root / f"step-{last_saved:06d}"
     t0 = time.perf_counter()
     restored = fastpersist.load(latest)
     dt = time.perf_counter() - t0
@@ -107,16 +162,20 @@ def main() -> int:
     t0 = time.perf_counter()
     torch_save_durably(state, root / "torch-save.pt")
     dt_torch = time.perf_counter() - t0
+    fastpersist.save(state, root / "compare", daemon=address)  # first: allocates staging
     t0 = time.perf_counter()
-    fastpersist.save(state, root / "compare")
+    fastpersist.save(state, root / "compare", daemon=address)
     dt_fp = time.perf_counter() - t0
     print(f"same state: torch.save+fsync {dt_torch:.2f} s, fastpersist.save {dt_fp:.2f} s "
           "(one sample; see benchmarks/ for measurements)")
     (root / "torch-save.pt").unlink()
     shutil.rmtree(root / "compare")
 
-    print(f"\n$ fpctl ls {root}")
-    fpctl(["ls", str(root)])
+    if address:
+        print(f"\n$ fpctl daemon status --daemon {address}")
+        fpctl(["daemon", "status", "--daemon", address])
+    print(f"\n$ fpctl ls {root / 'run'}")
+    fpctl(["ls", str(root / "run")])
     print(f"\n$ fpctl verify {latest}")
     return fpctl(["verify", str(latest)])
 

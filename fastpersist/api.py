@@ -15,11 +15,13 @@ from .errors import CheckpointError, ManifestError
 from .format import dtypes
 from .knobs import current as current_knobs
 from .persist import CheckpointWriter
+from .snapshot import group_into_files
 
 MapLocation = None | str | torch.device | Mapping[str, str]
 
 
-def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> None:
+def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
+         daemon: str | None = None) -> None:
     """Save `obj` as a checkpoint directory at `path`.
 
     `obj` is what torch.save takes for checkpoints: nested dicts, OrderedDicts,
@@ -34,13 +36,25 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False) 
     and a crash at any moment leaves either the old or the new one. Missing
     parent directories are created. Errors are CheckpointError subclasses
     (DiskFullError, CheckpointPermissionError, ...) and leave nothing behind.
+
+    With a daemon (`daemon="unix:///PATH"` or FASTPERSIST_DAEMON; "" forces
+    in-process) fastpersistd writes it from shared memory, with the same
+    result on disk; `path` must lie under the daemon's --root.
     """
+    address = current_knobs().daemon if daemon is None else daemon
+    if address:
+        from .remote import remote_saver
+
+        remote_saver(address).save(obj, path, allow_pickle=allow_pickle).result()
+        return
     target = Path(os.path.abspath(os.fspath(path)))
     tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
     stored = plan.plan_tensors(leaves)
     writer = CheckpointWriter.begin(target, tree, stored)
     try:
-        writer.write_file(stored)
+        # The same cut into data files as async and daemon saves: one layout on disk.
+        for file in group_into_files(stored, 0, current_knobs().file_bytes):
+            writer.write_file(file.tensors)
         writer.commit()
     except BaseException:
         writer.abort()

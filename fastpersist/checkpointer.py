@@ -10,10 +10,11 @@
     ckpt.close()
 
 Checkpoints are ROOT/step-NNNNNNNN. After each one is durable, and only then,
-ROOT/latest is updated (atomically) to name it, and retention deletes the
-checkpoints that are neither among the newest keep_last nor a multiple of
-keep_every. A crash at any moment leaves `latest` naming a complete
-checkpoint.
+ROOT/latest is updated (atomically) to name it, for tools and people, and
+retention deletes the checkpoints that are neither among the newest keep_last
+nor a multiple of keep_every. A crash at any moment leaves `latest` naming a
+complete checkpoint; Checkpointer.latest() also finds a higher step committed
+after the pointer was written (by the daemon, after the trainer died).
 """
 
 from __future__ import annotations
@@ -31,10 +32,20 @@ from .api import MapLocation, load
 from .checkpoint import read_manifest
 from .commit import delete_checkpoint, fsync_dir, os_error, write_durably
 from .errors import CheckpointError, CheckpointNotFoundError
+from .format.manifest import MANIFEST_NAME
+from .knobs import current as current_knobs
 from .saver import SaveFuture, Saver
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _committed_at(path: Path) -> int:
+    """When the checkpoint at path was committed: its manifest is written last."""
+    try:
+        return os.stat(path / MANIFEST_NAME).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _is_committed(path: Path) -> bool:
@@ -52,11 +63,13 @@ class Checkpointer:
     keep_every: also keep every checkpoint whose step is a multiple of this.
     max_in_flight: saves persisting at once; the next save() waits for room
         (backpressure), so staging memory is at most max_in_flight snapshots.
+    daemon: save through fastpersistd at this address (None: FASTPERSIST_DAEMON
+        if set; "": in-process). `root` must lie under the daemon's --root.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
                  keep_every: int | None = None, max_in_flight: int = 1,
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False, daemon: str | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
@@ -65,7 +78,13 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.allow_pickle = allow_pickle
-        self._saver = Saver(max_in_flight)
+        address = current_knobs().daemon if daemon is None else daemon
+        if address:
+            from .remote import RemoteSaver
+
+            self._saver: Saver = RemoteSaver(address, max_in_flight)
+        else:
+            self._saver = Saver(max_in_flight)
         self._lock = threading.Lock()  # latest pointer and retention
 
     def path_for(self, step: int) -> Path:
@@ -127,16 +146,28 @@ class Checkpointer:
         return sorted(found)
 
     def latest(self) -> Path | None:
-        """The newest durable checkpoint, or None if there is none yet."""
-        try:
-            name = (self.root / LATEST).read_text().strip()
-        except OSError:
-            name = ""
-        if _STEP_DIR.match(name) and _is_committed(self.root / name):
-            return self.root / name
-        # No pointer (or it names something gone): fall back to a scan.
+        """The newest durable checkpoint, or None if there is none yet.
+
+        ROOT/latest is trusted (an operator may point it back at an older step
+        to roll back), except where a higher step was committed after the
+        pointer was written: with a daemon, a save handed over just before the
+        trainer died is committed after the trainer could move the pointer, and
+        it is the newest state there is."""
         steps = self.steps()
-        return self.path_for(steps[-1]) if steps else None
+        if not steps:
+            return None
+        pointer = self.root / LATEST
+        try:
+            name = pointer.read_text().strip()
+            pointed_at = os.stat(pointer).st_mtime_ns
+        except OSError:
+            name, pointed_at = "", 0
+        m = _STEP_DIR.match(name)
+        if not m or int(m[1]) not in steps:
+            # No pointer, or it names something gone: the highest step.
+            return self.path_for(steps[-1])
+        newer = [s for s in steps if s > int(m[1]) and _committed_at(self.path_for(s)) > pointed_at]
+        return self.path_for(newer[-1] if newer else int(m[1]))
 
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         path = self.latest()

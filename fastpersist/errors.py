@@ -59,3 +59,17 @@ class CheckpointAbortedError(CheckpointError):
 
 class PickleNotAllowedError(CheckpointError):
     """The checkpoint holds pickled values and the caller did not opt in to unpickling."""
+
+
+class DaemonError(CheckpointError):
+    """fastpersistd refused a request; `code` is the gRPC status code's name
+    (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a staging budget, ...)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DaemonUnavailableError(DaemonError):
+    """fastpersistd cannot be reached, or went away in the middle of a checkpoint
+    (which then was not committed; the daemon removes it when it restarts)."""

@@ -12,6 +12,12 @@
     FASTPERSIST_STAGING_BUDGET async-save staging memory, bytes; 0: as   0
                                large as the state
     FASTPERSIST_MAX_IN_FLIGHT  async saves persisting at once            1
+    FASTPERSIST_FILE_BYTES     data-file size cap (a larger tensor gets  256 MiB
+                               a file of its own)
+    FASTPERSIST_DAEMON         save through fastpersistd at this address (unset)
+                               (unix:///PATH; or https://HOST:PORT with
+                               FASTPERSIST_DAEMON_TOKEN_FILE and _CA_FILE)
+    FASTPERSIST_SHM_DIR        shared-memory segments for the daemon     /dev/shm
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
 thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for
@@ -64,6 +70,10 @@ class Knobs:
     max_in_flight: int
     io_backend: str = "pool"
     queue_depth: int = 8
+    daemon: str = ""
+    # Several files let the snapshot's copy of file k+1 overlap the write of file
+    # k (daemon mode), and keep any one file a manageable size.
+    file_bytes: int = 256 * _MIB
 
     @property
     def io_threads(self) -> int:
@@ -107,5 +117,7 @@ def current() -> Knobs:
         staging_budget=_int_env("FASTPERSIST_STAGING_BUDGET", 0, minimum=0),
         max_in_flight=_int_env("FASTPERSIST_MAX_IN_FLIGHT", 1),
         io_backend=_choice_env("FASTPERSIST_IO_BACKEND", "pool", ("pool", "uring", "auto")),
+        daemon=os.environ.get("FASTPERSIST_DAEMON", "").strip(),
+        file_bytes=_int_env("FASTPERSIST_FILE_BYTES", 256 * _MIB),
         queue_depth=queue_depth,
     )

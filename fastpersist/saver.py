@@ -137,7 +137,7 @@ class Saver:
         # Pinned staging only where there is something to copy from a GPU.
         pinned = any(t.source.device.type == "cuda" for t in stored)
         try:
-            for file in group_into_files(stored, knobs.staging_budget):
+            for file in group_into_files(stored, knobs.staging_budget, knobs.file_bytes):
                 if not file.staged:
                     # Written from the tensor itself while we wait.
                     written = threading.Event()
@@ -347,8 +347,19 @@ def default_saver() -> Saver:
         return _default_saver
 
 
+def saver_for(daemon: str | None) -> Saver:
+    """The process-wide Saver: through fastpersistd at `daemon` (None: the
+    FASTPERSIST_DAEMON address, if set), else in-process. "" forces in-process."""
+    address = current_knobs().daemon if daemon is None else daemon
+    if address:
+        from .remote import remote_saver
+
+        return remote_saver(address)
+    return default_saver()
+
+
 def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
-               wait_for_snapshot: bool = True) -> SaveFuture:
+               wait_for_snapshot: bool = True, daemon: str | None = None) -> SaveFuture:
     """Save `obj` to `path` in the background; returns once the snapshot is taken.
 
     On return every tensor has been copied into staging memory and the caller
@@ -358,6 +369,11 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     checkpoint is durable, with the same guarantees as save(), and raises the
     background error if there was one. At most FASTPERSIST_MAX_IN_FLIGHT saves
     (default 1) persist at once: the next call waits for the previous one.
+
+    With a daemon (`daemon="unix:///PATH"` or FASTPERSIST_DAEMON), the staging
+    memory is shared with fastpersistd, which writes the checkpoint; once this
+    returns (or wait_snapshot() does), the daemon commits it even if this
+    process dies. `path` must lie under the daemon's --root.
     """
-    return default_saver().save(obj, path, allow_pickle=allow_pickle,
-                                wait_for_snapshot=wait_for_snapshot)
+    return saver_for(daemon).save(obj, path, allow_pickle=allow_pickle,
+                                  wait_for_snapshot=wait_for_snapshot)

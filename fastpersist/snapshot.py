@@ -31,31 +31,35 @@ class FilePlan:
         return sum(t.nbytes for t in self.tensors)
 
 
-def group_into_files(stored: list[StoredTensor], budget: int) -> list[FilePlan]:
-    """Data files for a snapshot under `budget` bytes of staging (0: no limit).
-
-    Everything fits one buffer: one file. Otherwise files of at most half the
-    budget, so that one can be copied while the previous one is written. A
-    tensor larger than that gets an unstaged file of its own, written straight
-    from the tensor while the caller waits: the stall grows, memory does not.
+def group_into_files(stored: list[StoredTensor], budget: int, file_bytes: int) -> list[FilePlan]:
+    """Data files for a save: at most `file_bytes` each. With a staging
+    `budget` (0: no limit) that the snapshot exceeds, also at most half the
+    budget, so that one file can be copied while the previous one is written. A
+    tensor larger than the cap gets a file of its own; if it does not fit the
+    budget's slot either, that file is unstaged: written straight from the
+    tensor while the caller waits (the stall grows, memory does not). Files
+    follow the order of `stored`.
     """
     total = sum(t.nbytes for t in stored)
-    if not budget or total <= budget:
-        return [FilePlan(stored, staged=True)]
-    slot = budget // 2
+    # The whole snapshot fits the budget at once: files need not share it.
+    slot = (budget if total <= budget else budget // 2) if budget else 0
+    cap = max(min(file_bytes, slot) if budget else file_bytes, 1)
     files: list[FilePlan] = []
     current: list[StoredTensor] = []
     size = 0
     for t in stored:
-        if t.nbytes > slot:
-            files.append(FilePlan([t], staged=False))
+        if t.nbytes > cap:
+            if current:
+                files.append(FilePlan(current, staged=True))
+                current, size = [], 0
+            files.append(FilePlan([t], staged=not budget or t.nbytes <= slot))
             continue
-        if current and size + t.nbytes > slot:
+        if current and size + t.nbytes > cap:
             files.append(FilePlan(current, staged=True))
             current, size = [], 0
         current.append(t)
         size += t.nbytes
-    if current:
+    if current or not files:
         files.append(FilePlan(current, staged=True))
     return files
 
@@ -77,6 +81,7 @@ class StagedFile:
     buffer: torch.Tensor | None  # None: unstaged, written from the live tensors
     pinned: bool = False  # the buffer's kind, for returning it to the pool
     events: list[torch.cuda.Event] = field(default_factory=list)
+    layout: FileLayout | None = None  # as staged (its `order` holds the sources, not views)
 
     def wait_copied(self) -> None:
         """Block until every device-to-host copy into the buffer has finished."""
@@ -107,7 +112,7 @@ def stage_file(tensors: list[StoredTensor], buffer: torch.Tensor, pinned: bool) 
                 view.copy_(source)
     # The caller's order (not the file order) keeps manifest order stable.
     by_name = {s.name: s for s in staged}
-    return StagedFile([by_name[t.name] for t in tensors], buffer, pinned, events)
+    return StagedFile([by_name[t.name] for t in tensors], buffer, pinned, events, layout)
 
 
 def _copy_from_cuda(device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -29,9 +30,16 @@ def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
 
 
 class StagingPool:
-    """Reusable staging buffers, at most `budget` bytes in all (0: no limit)."""
+    """Reusable staging buffers, at most `budget` bytes in all (0: no limit).
 
-    def __init__(self) -> None:
+    `allocate(nbytes, pinned)` makes a buffer and `free(buffer)` runs when the
+    pool lets one go (daemon mode: shared-memory segments, unlinked on free).
+    """
+
+    def __init__(self, allocate: Callable[[int, bool], torch.Tensor] = _allocate,
+                 free: Callable[[torch.Tensor], None] | None = None) -> None:
+        self._allocate = allocate
+        self._free_fn = free
         self._cond = threading.Condition()
         self._free: list[tuple[torch.Tensor, bool]] = []  # (buffer, pinned)
         self._allocated = 0  # bytes in all buffers, free or in use
@@ -69,7 +77,7 @@ class StagingPool:
                     raise CheckpointError(f"timed out waiting for {nbytes} bytes of staging memory")
             self._allocated += nbytes
         try:
-            return _allocate(nbytes, pinned)
+            return self._allocate(nbytes, pinned)
         except BaseException:
             with self._cond:
                 self._allocated -= nbytes
@@ -79,6 +87,8 @@ class StagingPool:
     def _drop(self, entry: tuple[torch.Tensor, bool]) -> None:
         self._free = [e for e in self._free if e is not entry]
         self._allocated -= entry[0].numel()
+        if self._free_fn is not None:
+            self._free_fn(entry[0])
 
     def release(self, buf: torch.Tensor, pinned: bool) -> None:
         with self._cond:
@@ -88,6 +98,5 @@ class StagingPool:
     def clear(self) -> None:
         """Drop the free buffers (the memory goes back to the OS)."""
         with self._cond:
-            for buf, _ in self._free:
-                self._allocated -= buf.numel()
-            self._free.clear()
+            for entry in list(self._free):
+                self._drop(entry)

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,3 +34,28 @@ def big_tmp(tmp_path: Path) -> Iterator[Path]:
     """tmp_path, emptied afterwards: pytest keeps old tmp dirs, and these are large."""
     yield tmp_path
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A running fastpersistd (tests/daemon_support.py) on a temporary root, socket
+    and shared-memory directory; this process's clients use that directory."""
+    from daemon_support import Daemon
+
+    d = Daemon(tmp_path).start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    try:
+        yield d
+    finally:
+        _close_remote_savers()
+        d.cleanup()
+
+
+def _close_remote_savers() -> None:
+    """Drop the process-wide RemoteSavers, so their segments go with the test."""
+    import fastpersist.remote as remote
+
+    for saver in list(remote._remote_savers.values()):
+        with contextlib.suppress(Exception):
+            saver.close(abort=True)
+    remote._remote_savers.clear()

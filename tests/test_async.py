@@ -562,7 +562,7 @@ def test_math_sanity_of_budget_split() -> None:
     s = {f"w{i:02d}": torch.zeros(64 * KIB) for i in range(10)}
     s["huge"] = torch.zeros(512 * KIB)
     _, leaves = state.encode(s)
-    files = group_into_files(plan.plan_tensors(leaves), MIB)
+    files = group_into_files(plan.plan_tensors(leaves), MIB, 256 * MIB)
     assert sorted((len(f.tensors), f.staged) for f in files) == [(1, False)] + [(2, True)] * 5
     assert sum(f.nbytes for f in files) == 9 * MIB // 2
 

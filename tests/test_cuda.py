@@ -252,3 +252,33 @@ def test_checkpointer_with_gpu_state(tmp_path: Path, engine_name: str) -> None:
         assert torch.equal(latest["f32"].cpu(), saved[-1]["f32"])
         third = fastpersist.load(tmp_path / "ckpts" / "step-00000003", map_location="cpu")
         assert_same(third, saved[2], torch.device("cpu"))
+
+
+def test_daemon_save_of_gpu_state(daemon: Any) -> None:
+    """Through fastpersistd: D2H copies go into shared memory page-locked with
+    cudaHostRegister; the snapshot holds the values as of the call, and the
+    daemon's checkpoint equals an in-process save of the same state."""
+    from fastpersist.remote import RemoteSaver
+
+    state = gpu_state()
+    expected = to_cpu(state)
+    saver = RemoteSaver(daemon.address)
+    try:
+        future = saver.save(state, daemon.root / "ck", wait_for_snapshot=False)
+        future.wait_snapshot(timeout=60)
+        mutate_on_gpu(state)
+        future.result(timeout=120)
+        registered = list(saver._segments._registered.values())
+        assert registered and all(registered)  # pinned shared memory
+        assert_same(fastpersist.load(daemon.root / "ck", map_location="cpu"), expected,
+                    torch.device("cpu"))
+        restored = fastpersist.load(daemon.root / "ck")
+        assert restored["f32"].device == DEV
+        # A second save reuses the registered segments.
+        before = saver.staging_bytes
+        saver.save(state, daemon.root / "ck2").result(timeout=120)
+        assert saver.staging_bytes == before
+        assert_same(fastpersist.load(daemon.root / "ck2", map_location="cpu"), to_cpu(state),
+                    torch.device("cpu"))
+    finally:
+        saver.close()

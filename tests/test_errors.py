@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import Mounter
 
 import fastpersist
 from fastpersist import (
@@ -80,71 +80,6 @@ def listing(d: Path) -> dict[str, bytes | None]:
 
 
 # --- mounts -------------------------------------------------------------------------------
-
-
-def _sh(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
-
-
-@dataclass
-class Mounter:
-    mounted: list[Path]
-
-    def _need(self, *tools: str) -> None:
-        if os.geteuid() != 0:
-            pytest.skip("mounting a filesystem needs root")
-        for tool in tools:
-            if shutil.which(tool) is None:
-                pytest.skip(f"{tool} is not installed")
-
-    def _mount(self, what: str, *cmd: str) -> None:
-        r = _sh(*cmd)
-        if r.returncode != 0:
-            why = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
-            pytest.skip(f"cannot mount {what}: {why}")
-        self.mounted.append(Path(cmd[-1]))
-
-    def tmpfs(self, d: Path, size: str) -> Path:
-        self._need("mount", "umount")
-        d.mkdir(parents=True, exist_ok=True)
-        self._mount("a tmpfs", "mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
-                    str(d))
-        return d
-
-    def ext4(self, d: Path, image: Path, mib: int) -> Path:
-        self._need("mount", "umount", "mkfs.ext4")
-        d.mkdir(parents=True, exist_ok=True)
-        with open(image, "wb") as f:
-            f.truncate(mib * MIB)
-        # -m 0: no blocks reserved for root, so root sees the same free space as df.
-        r = _sh("mkfs.ext4", "-q", "-F", "-m", "0", str(image))
-        if r.returncode != 0:
-            pytest.skip(f"mkfs.ext4 failed: {r.stderr.strip()}")
-        self._mount("a loop ext4 image", "mount", "-o", "loop", str(image), str(d))
-        return d
-
-    def bind_ro(self, src: Path, d: Path) -> Path:
-        self._need("mount", "umount")
-        d.mkdir(parents=True, exist_ok=True)
-        self._mount("a bind mount", "mount", "--bind", str(src), str(d))
-        self.remount_ro(d, bind=True)
-        return d
-
-    def remount_ro(self, d: Path, *, bind: bool = False) -> None:
-        r = _sh("mount", "-o", "remount,bind,ro" if bind else "remount,ro", str(d))
-        if r.returncode != 0:
-            pytest.skip(f"cannot remount {d} read-only: {r.stderr.strip()}")
-        try:
-            (d / ".probe").mkdir()
-        except OSError:
-            return
-        pytest.skip(f"{d} is still writable after a read-only remount")
-
-    def unmount_all(self) -> None:
-        for d in reversed(self.mounted):
-            if _sh("umount", str(d)).returncode != 0:
-                _sh("umount", "-l", str(d))
-        self.mounted.clear()
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@
     fpctl verify CKPT                  re-read every byte; exit 1 on any corruption
     fpctl restore CKPT --to FILE       one torch.save (or safetensors) file
     fpctl gc ROOT                      remove what interrupted saves left behind
+    fpctl daemon status [--daemon ADDR]  is fastpersistd serving; its root, staging, work
 
 Exit status: 0 success, 1 corruption found by verify, 2 any other error.
 Everything goes through fastpersist's own reader (checkpoint.read_manifest,
@@ -14,6 +15,7 @@ checkpoint.verify, load); fpctl never parses the format itself.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -22,9 +24,9 @@ from .._version import __version__
 from ..commit import os_error
 from ..errors import CheckpointError
 from ._output import EXIT_ERROR, warn
-from .inspecting import cmd_inspect, cmd_verify
-from .listing import cmd_gc, cmd_ls
-from .restoring import cmd_restore
+
+# Commands are imported when run: most need torch, `daemon status` must not
+# (it is the health probe of a torch-free daemon image).
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "and the leftovers of interrupted saves that `gc` would clean.")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--json", action="store_true", help="print a JSON list")
-    p.set_defaults(func=cmd_ls)
+    p.set_defaults(func="listing:cmd_ls")
 
     p = sub.add_parser("inspect", help="show a checkpoint's files and tensors",
                        description="Show a checkpoint's manifest: files, every tensor "
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "non-tensor state.")
     p.add_argument("ckpt", metavar="CKPT")
     p.add_argument("--json", action="store_true", help="print the structured form")
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func="inspecting:cmd_inspect")
 
     p = sub.add_parser("verify", help="check every byte against its checksum",
                        description="Re-read every data file and check each tensor's CRC32C "
@@ -56,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "tensor on any corruption.")
     p.add_argument("ckpt", metavar="CKPT")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func="inspecting:cmd_verify")
 
     p = sub.add_parser("restore", help="write a checkpoint as one torch or safetensors file",
                        description="Load a checkpoint on the CPU and write it as one file, "
@@ -74,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")
     p.add_argument("--allow-pickle", action="store_true",
                    help="unpickle pickled values in the checkpoint (only if you trust it)")
-    p.set_defaults(func=cmd_restore)
+    p.set_defaults(func="restoring:cmd_restore")
 
     p = sub.add_parser("gc", help="clean up after interrupted saves",
                        description="Remove the staging directories of saves whose process "
@@ -83,7 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
     p.add_argument("--json", action="store_true", help="print the actions as JSON")
-    p.set_defaults(func=cmd_gc)
+    p.set_defaults(func="listing:cmd_gc")
+
+    p = sub.add_parser("daemon", help="ask fastpersistd how it is",
+                       description="fpctl daemon status: exit 0 if fastpersistd answers "
+                       "SERVING on the standard gRPC health service, 2 otherwise; prints its "
+                       "version, root, staging memory and checkpoints in flight. The "
+                       "liveness/readiness probe of deploy/.")
+    p.add_argument("action", choices=["status"])
+    p.add_argument("--daemon", metavar="ADDR",
+                   help="unix:///PATH or https://HOST:PORT (default $FASTPERSIST_DAEMON, else "
+                        "unix:///run/fastpersist/fastpersistd.sock)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.set_defaults(func="daemon:cmd_daemon")
     return parser
 
 
@@ -99,7 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run fpctl with `argv` (default: sys.argv[1:]); returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        status: int = args.func(args)
+        module, name = args.func.split(":")
+        func = getattr(importlib.import_module(f".{module}", __package__), name)
+        status: int = func(args)
         sys.stdout.flush()
     except BrokenPipeError:  # `fpctl ls | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -89,8 +89,8 @@ def parse_header(prefix: bytes) -> tuple[int, dict[str, ParsedEntry], dict[str, 
     if len(prefix) < 8 + n:
         raise HeaderError(f"header needs {8 + n} bytes but only {len(prefix)} are present")
     try:
-        raw = json.loads(prefix[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = json.loads(prefix[8 : 8 + n].decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # bad UTF-8, bad JSON, NaN, too deep
         raise HeaderError(f"header is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise HeaderError("header is not a JSON object")
@@ -99,13 +99,26 @@ def parse_header(prefix: bytes) -> tuple[int, dict[str, ParsedEntry], dict[str, 
     for name, info in raw.items():
         try:
             dtype = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(_int(d) for d in info["shape"])
+            begin, end = (_int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise HeaderError(f"header entry {name!r} is malformed") from None
-        if dtype not in dtypes.SUPPORTED_NAMES:
+        if not isinstance(dtype, str) or dtype not in dtypes.SUPPORTED_NAMES:
             raise HeaderError(f"header entry {name!r} has unknown dtype {dtype!r}")
+        if any(d < 0 for d in shape):
+            raise HeaderError(f"header entry {name!r} has a negative dimension {shape}")
         if not 0 <= begin <= end:
             raise HeaderError(f"header entry {name!r} has data_offsets {begin}..{end}")
         entries[name] = ParsedEntry(name, dtype, shape, begin, end)
     return 8 + n, entries, metadata
+
+
+def _int(value: object) -> int:
+    """A JSON integer (not a bool, float or string)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not allowed")

@@ -1,0 +1,202 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    STAGING_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
+    IO_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    root: str
+    staging_budget: int
+    staging_in_use: int
+    checkpoints_in_flight: int
+    direct_io: bool
+    io_backend: str
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ...) -> None: ...
+
+class BeginRequest(_message.Message):
+    __slots__ = ("path", "client_id", "staging_bytes", "file_count")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    client_id: str
+    staging_bytes: int
+    file_count: int
+    def __init__(self, path: _Optional[str] = ..., client_id: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., file_count: _Optional[int] = ...) -> None: ...
+
+class BeginResponse(_message.Message):
+    __slots__ = ("checkpoint_id",)
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    def __init__(self, checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class DataFile(_message.Message):
+    __slots__ = ("index", "header")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    header: bytes
+    def __init__(self, index: _Optional[int] = ..., header: _Optional[bytes] = ...) -> None: ...
+
+class ShmRef(_message.Message):
+    __slots__ = ("segment", "offset", "length")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    offset: int
+    length: int
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class SubmitShmRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "file", "data")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    file: DataFile
+    data: ShmRef
+    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[_Union[DataFile, _Mapping]] = ..., data: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
+
+class StreamChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: StreamHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StreamHeader(_message.Message):
+    __slots__ = ("checkpoint_id", "file", "data_length")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    DATA_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    file: DataFile
+    data_length: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[_Union[DataFile, _Mapping]] = ..., data_length: _Optional[int] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "tree_json", "tensor_order")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ORDER_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    tree_json: str
+    tensor_order: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, checkpoint_id: _Optional[str] = ..., tree_json: _Optional[str] = ..., tensor_order: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("checkpoint_id",)
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    def __init__(self, checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WaitRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "min_files_written")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_FILES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    min_files_written: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., min_files_written: _Optional[int] = ...) -> None: ...
+
+class CheckpointStatus(_message.Message):
+    __slots__ = ("checkpoint_id", "path", "state", "bytes_written", "bytes_total", "error", "files_written", "files_total", "error_code")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[CheckpointStatus.State]
+        RECEIVING: _ClassVar[CheckpointStatus.State]
+        WRITING: _ClassVar[CheckpointStatus.State]
+        COMMITTED: _ClassVar[CheckpointStatus.State]
+        FAILED: _ClassVar[CheckpointStatus.State]
+        ABORTED: _ClassVar[CheckpointStatus.State]
+    STATE_UNSPECIFIED: CheckpointStatus.State
+    RECEIVING: CheckpointStatus.State
+    WRITING: CheckpointStatus.State
+    COMMITTED: CheckpointStatus.State
+    FAILED: CheckpointStatus.State
+    ABORTED: CheckpointStatus.State
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FILES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    FILES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    path: str
+    state: CheckpointStatus.State
+    bytes_written: int
+    bytes_total: int
+    error: str
+    files_written: int
+    files_total: int
+    error_code: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[CheckpointStatus.State, str]] = ..., bytes_written: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., files_written: _Optional[int] = ..., files_total: _Optional[int] = ..., error_code: _Optional[str] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ListEntry(_message.Message):
+    __slots__ = ("name", "state", "bytes", "created_unix")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    bytes: int
+    created_unix: float
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("entries", "in_flight")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ListEntry]
+    in_flight: _containers.RepeatedCompositeFieldContainer[CheckpointStatus]
+    def __init__(self, entries: _Optional[_Iterable[_Union[ListEntry, _Mapping]]] = ..., in_flight: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

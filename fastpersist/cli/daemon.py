@@ -1,0 +1,47 @@
+"""`fpctl daemon status`: is fastpersistd serving, and what is it doing. Torch-free."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..daemon_client import DaemonClient, as_dict
+from ..errors import CheckpointError
+from ._output import EXIT_ERROR, EXIT_OK, human_size, print_json, warn
+
+DEFAULT_ADDRESS = "unix:///run/fastpersist/fastpersistd.sock"
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    address = args.daemon or os.environ.get("FASTPERSIST_DAEMON") or DEFAULT_ADDRESS
+    client = DaemonClient(address)
+    try:
+        health = client.health(timeout=args.timeout)
+        info = client.info() if health == "SERVING" else None
+        in_flight = client.list("").in_flight if info is not None else []
+    except CheckpointError as exc:
+        if args.json:
+            print_json({"address": address, "health": "UNREACHABLE", "error": str(exc)})
+        else:
+            warn(f"fastpersistd at {address}: not reachable ({exc})")
+        return EXIT_ERROR
+    finally:
+        client.close()
+    doc = {"address": address, "health": health}
+    if info is not None:
+        doc.update(version=info.version, root=info.root, direct_io=info.direct_io,
+                   io_backend=info.io_backend, staging_budget=info.staging_budget,
+                   staging_in_use=info.staging_in_use,
+                   checkpoints_in_flight=info.checkpoints_in_flight,
+                   in_flight=[as_dict(s) for s in in_flight])
+    if args.json:
+        print_json(doc)
+    else:
+        print(f"fastpersistd at {address}: {health}")
+        if info is not None:
+            budget = human_size(info.staging_budget) if info.staging_budget else "unlimited"
+            print(f"  version {info.version}, root {info.root} "
+                  f"({'O_DIRECT' if info.direct_io else 'buffered'}, {info.io_backend})")
+            print(f"  staging {human_size(info.staging_in_use)} in use of {budget}; "
+                  f"{info.checkpoints_in_flight} checkpoint(s) in flight")
+    return EXIT_OK if health == "SERVING" else EXIT_ERROR

@@ -1,0 +1,610 @@
+"""The daemon's checkpoints: their states, their memory, and their writes.
+
+One Checkpoint per Begin. Its life:
+
+    RECEIVING  files arrive (SubmitShm / SubmitStream) and are written as they
+               come, in submission order, by the write workers
+    WRITING    Commit received: every file is in the daemon's hands; from here
+               on the daemon finishes it whatever the client does
+    COMMITTED  manifest written last, renamed into place, fsynced (commit.py)
+    FAILED / ABORTED   the staging directory is removed; nothing is visible
+
+Fairness: the workers take the next file from the client served least
+recently, one file per checkpoint at a time, so one client with a large
+checkpoint cannot starve another. Memory: a checkpoint reserves, at Begin, the
+shared memory it will reference; the sum over checkpoints in flight is bounded
+by --staging-budget and per client by --client-budget.
+
+Torch-free: this runs in the daemon.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import mmap
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import knobs
+from .._version import __version__
+from ..commit import Staging, os_error
+from ..engine import Engine, Segment, get_engine
+from ..errors import CheckpointError
+from ..format import dtypes, safetensors_file
+from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
+from ..shm import Mapping
+from . import logs
+from .metrics import Metrics
+
+MAX_FILES = 100_000
+MAX_TENSORS = 10_000_000
+MAX_IN_FLIGHT_PER_CLIENT = 16
+# Terminal checkpoints stay known this long, so a late Wait still gets the result.
+KEEP_FINISHED_SECONDS = 600.0
+
+
+class State(enum.IntEnum):  # the values of CheckpointStatus.State
+    RECEIVING = 1
+    WRITING = 2
+    COMMITTED = 3
+    FAILED = 4
+    ABORTED = 5
+
+
+TERMINAL = (State.COMMITTED, State.FAILED, State.ABORTED)
+
+
+class RequestError(Exception):
+    """A request the daemon refuses; `code` is the gRPC status code's name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError("INVALID_ARGUMENT", message)
+
+
+@dataclass
+class PendingFile:
+    index: int
+    header: bytes
+    entries: list[safetensors_file.ParsedEntry]  # by offset in the data section
+    data: Mapping  # the data section's bytes: a shared-memory range or a stream buffer
+    nbytes: int = field(init=False)  # of the data section (the view is released after use)
+
+    def __post_init__(self) -> None:
+        self.nbytes = len(self.data.view)
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+
+def parse_data_file(index: int, header: bytes, data_length: int, files_total: int
+                    ) -> list[safetensors_file.ParsedEntry]:
+    """Check a submitted file's header against the data it comes with."""
+    if not 0 <= index < files_total:
+        raise invalid(f"file index {index} is outside 0..{files_total - 1}")
+    try:
+        data_start, entries, _ = safetensors_file.parse_header(header)
+    except safetensors_file.HeaderError as exc:
+        raise invalid(f"data file {index}: {exc}") from None
+    if data_start != len(header):
+        raise invalid(f"data file {index}: the header is {len(header)} bytes but says "
+                      f"{data_start}")
+    if data_start % knobs.ALIGNMENT:
+        raise invalid(f"data file {index}: the data section starts at {data_start}, not on a "
+                      f"{knobs.ALIGNMENT}-byte boundary")
+    ordered = sorted(entries.values(), key=lambda e: (e.begin, e.end))
+    cursor = 0
+    for e in ordered:
+        want = math.prod(e.shape) * dtypes.itemsize(e.dtype)
+        if e.end - e.begin != want:
+            raise invalid(f"data file {index}: tensor {e.name!r} spans {e.end - e.begin} bytes, "
+                          f"its shape and dtype need {want}")
+        if e.begin != cursor:
+            raise invalid(f"data file {index}: tensor {e.name!r} starts at {e.begin}, expected "
+                          f"{cursor} (tensors must tile the data section)")
+        cursor = e.end
+    if cursor != data_length:
+        raise invalid(f"data file {index}: the header's tensors cover {cursor} bytes, the data "
+                      f"is {data_length}")
+    return ordered
+
+
+class Checkpoint:
+    def __init__(self, ident: str, client: str, target: Path, relpath: str,
+                 staging: Staging, files_total: int, reserved: int) -> None:
+        self.id = ident
+        self.client = client
+        self.target = target
+        self.relpath = relpath
+        self.staging = staging
+        self.files_total = files_total
+        self.reserved = reserved
+        self.state = State.RECEIVING
+        self.error = ""
+        self.error_code = ""
+        self.pending: deque[PendingFile] = deque()
+        self.submitted: set[int] = set()
+        self.names: set[str] = set()  # tensor names over all submitted files
+        self.mapped_bytes = 0  # data of submitted files not yet written
+        self.file_records: dict[int, FileRecord] = {}
+        self.tensor_records: dict[str, TensorRecord] = {}
+        self.files_written = 0
+        self.bytes_written = 0
+        self.bytes_total = 0
+        self.handed_over = False  # Commit received
+        self.tree: Any = None
+        self.tensor_order: list[str] = []
+        self.busy = False  # a worker is writing one of its files or committing it
+        self.watchers = 0
+        self.last_activity = time.monotonic()
+        self.first_submit: float | None = None
+        self.finished_at: float | None = None
+        self.cleaned = False  # staging directory removed (after a failure or abort)
+
+    def clean_up(self) -> None:
+        if not self.cleaned:
+            self.cleaned = True
+            self.staging.abort()
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def runnable(self) -> bool:
+        if self.busy or self.terminal:
+            return False
+        return bool(self.pending) or (self.handed_over and self.files_written == self.files_total)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.id, "path": self.relpath, "state": int(self.state),
+            "bytes_written": self.bytes_written, "bytes_total": self.bytes_total,
+            "error": self.error, "files_written": self.files_written,
+            "files_total": self.files_total, "error_code": self.error_code,
+        }
+
+
+@dataclass(frozen=True)
+class Budgets:
+    staging: int  # bytes, all clients; 0: unlimited
+    client: int  # bytes, one client; 0: unlimited
+
+
+class Service:
+    """Everything the gRPC layer calls; thread-safe."""
+
+    def __init__(self, root: Path, shm_dir: Path, budgets: Budgets, metrics: Metrics,
+                 write_concurrency: int = 2, idle_timeout: float = 300.0,
+                 engine: Engine | None = None) -> None:
+        self.root = root
+        self.shm_dir = shm_dir
+        self.budgets = budgets
+        self.metrics = metrics
+        self.idle_timeout = idle_timeout
+        self.engine = engine or get_engine()
+        self._cond = threading.Condition()
+        self._checkpoints: dict[str, Checkpoint] = {}
+        self._served: dict[str, int] = {}  # client -> tick of its last file (fairness)
+        self._tick = 0
+        self._stopping = False
+        self._draining = False
+        self._workers = [threading.Thread(target=self._work, name=f"fpd-writer-{i}", daemon=True)
+                         for i in range(write_concurrency)]
+        for w in self._workers:
+            w.start()
+        metrics.staging_budget.set(budgets.staging)
+
+    # -- queries -----------------------------------------------------------
+
+    def reserved(self, client: str | None = None) -> int:
+        return sum(c.reserved for c in self._checkpoints.values()
+                   if not c.terminal and (client is None or c.client == client))
+
+    def in_flight(self) -> list[Checkpoint]:
+        with self._cond:
+            return [c for c in self._checkpoints.values() if not c.terminal]
+
+    def get(self, ident: str) -> Checkpoint:
+        ck = self._checkpoints.get(ident)
+        if ck is None:
+            raise RequestError("NOT_FOUND", f"no checkpoint {ident!r} (unknown or long finished)")
+        return ck
+
+    # -- Begin ---------------------------------------------------------------
+
+    def begin(self, target: Path, relpath: str, client: str, staging_bytes: int,
+              file_count: int) -> Checkpoint:
+        if not client or len(client) > 256:
+            raise invalid("client_id must be 1..256 characters")
+        if not 0 <= file_count <= MAX_FILES:
+            raise invalid(f"file_count {file_count} is outside 0..{MAX_FILES}")
+        with self._cond:
+            if self._draining:
+                raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
+            self._prune()
+            mine = [c for c in self._checkpoints.values() if not c.terminal and c.client == client]
+            if len(mine) >= MAX_IN_FLIGHT_PER_CLIENT:
+                raise RequestError("RESOURCE_EXHAUSTED",
+                                   f"client {client} has {len(mine)} checkpoints in flight, the "
+                                   f"most one client may have")
+            for c in self._checkpoints.values():
+                if not c.terminal and (c.target == target or c.target in target.parents
+                                       or target in c.target.parents):
+                    raise RequestError(
+                        "FAILED_PRECONDITION",
+                        f"a checkpoint of {c.relpath} is in flight; {relpath} may not be it, "
+                        "inside it or around it")
+            inside = next((p for p in target.parents
+                           if self.root in p.parents and (p / MANIFEST_NAME).exists()), None)
+            if inside is not None:
+                raise invalid(f"{relpath} lies inside the checkpoint "
+                              f"{inside.relative_to(self.root)}")
+            b = self.budgets
+            if b.client and self.reserved(client) + staging_bytes > b.client:
+                raise RequestError(
+                    "RESOURCE_EXHAUSTED",
+                    f"client {client} would hold {self.reserved(client) + staging_bytes} bytes "
+                    f"of staging, over the daemon's per-client budget of {b.client}")
+            if b.staging and self.reserved() + staging_bytes > b.staging:
+                raise RequestError(
+                    "RESOURCE_EXHAUSTED",
+                    f"{staging_bytes} bytes of staging do not fit the daemon's budget: "
+                    f"{self.reserved()} of {b.staging} are in use")
+            try:
+                staging = Staging.create(target)
+            except CheckpointError as exc:
+                raise RequestError(_code_for(exc), str(exc)) from None
+            ck = Checkpoint(secrets.token_hex(12), client, target, relpath, staging, file_count,
+                            staging_bytes)
+            self._checkpoints[ck.id] = ck
+            self._update_gauges()
+        logs.info("begin", checkpoint=ck.id, client=client, path=relpath, files=file_count,
+                  staging_bytes=staging_bytes)
+        return ck
+
+    # -- Submit ----------------------------------------------------------------
+
+    def check_submit(self, ident: str, index: int, header: bytes, data_length: int
+                     ) -> tuple[Checkpoint, list[safetensors_file.ParsedEntry]]:
+        """Validate a submission before its data is mapped or received."""
+        with self._cond:
+            ck = self.get(ident)
+            self._require_receiving(ck, "submit a file to")
+            entries = parse_data_file(index, header, data_length, ck.files_total)
+            if index in ck.submitted:
+                raise invalid(f"data file {index} was already submitted")
+            dup = next((e.name for e in entries if e.name in ck.names), None)
+            if dup is not None:
+                raise invalid(f"tensor {dup!r} is already in another data file")
+            if ck.mapped_bytes + data_length > ck.reserved:
+                raise RequestError(
+                    "RESOURCE_EXHAUSTED",
+                    f"data file {index} ({data_length} bytes) would exceed the {ck.reserved} "
+                    f"bytes of staging reserved at Begin ({ck.mapped_bytes} are still being "
+                    "written)")
+            return ck, entries
+
+    def submit(self, ck: Checkpoint, index: int, header: bytes,
+               entries: list[safetensors_file.ParsedEntry], data: Mapping) -> None:
+        with self._cond:
+            try:
+                self._require_receiving(ck, "submit a file to")
+                if index in ck.submitted:
+                    raise invalid(f"data file {index} was already submitted")
+                dup = next((e.name for e in entries if e.name in ck.names), None)
+                if dup is not None:
+                    raise invalid(f"tensor {dup!r} is already in another data file")
+                if ck.mapped_bytes + len(data.view) > ck.reserved:
+                    raise RequestError("RESOURCE_EXHAUSTED",
+                                       f"data file {index} would exceed the checkpoint's "
+                                       f"reserved staging of {ck.reserved} bytes")
+            except RequestError:
+                data.close()
+                raise
+            ck.submitted.add(index)
+            ck.names.update(e.name for e in entries)
+            ck.mapped_bytes += len(data.view)
+            ck.bytes_total += len(header) + len(data.view)
+            ck.pending.append(PendingFile(index, header, entries, data))
+            ck.last_activity = time.monotonic()
+            if ck.first_submit is None:
+                ck.first_submit = time.monotonic()
+            self._cond.notify_all()
+
+    # -- Commit / Abort --------------------------------------------------------
+
+    def commit(self, ident: str, tree_json: str, tensor_order: list[str]) -> None:
+        try:
+            # NaN and Infinity are not JSON (the manifest is written strictly).
+            tree = json.loads(tree_json, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise invalid(f"tree_json is not valid JSON: {exc}") from None
+        with self._cond:
+            ck = self.get(ident)
+            self._require_receiving(ck, "commit")
+            missing = sorted(set(range(ck.files_total)) - ck.submitted)
+            if missing:
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"data files {missing[:10]} were not submitted")
+            if len(tensor_order) != len(ck.names) or set(tensor_order) != ck.names:
+                raise invalid(f"tensor_order lists {len(tensor_order)} names; the data files "
+                              f"hold {len(ck.names)} different ones")
+            ck.tree = tree
+            ck.tensor_order = list(tensor_order)
+            ck.handed_over = True
+            ck.state = State.WRITING
+            ck.last_activity = time.monotonic()
+            self._cond.notify_all()
+        logs.info("handed-over", checkpoint=ident, path=ck.relpath)
+
+    def abort(self, ident: str, reason: str = "aborted by the client") -> None:
+        with self._cond:
+            ck = self.get(ident)
+            if ck.state in (State.ABORTED, State.FAILED):
+                return  # already gone: aborting again is a no-op
+            if ck.handed_over:
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"checkpoint {ident} was handed over (Commit); it cannot be "
+                                   "aborted")
+            self._finish(ck, State.ABORTED, reason, "CheckpointAbortedError")
+
+    # -- Wait / Watch ----------------------------------------------------------
+
+    def wait(self, ident: str, min_files: int = 0, *, alive: Callable[[], bool] = lambda: True
+             ) -> dict[str, Any]:
+        with self._cond:
+            ck = self.get(ident)
+            while not ck.terminal and not (min_files and ck.files_written >= min_files):
+                if not alive():
+                    break
+                self._cond.wait(1.0)
+            return ck.status()
+
+    def watch(self, ident: str, alive: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+        """Statuses as they change, ending with a terminal one. While a watch is
+        open the client is taken to be alive; see watch_ended."""
+        with self._cond:
+            ck = self.get(ident)
+            ck.watchers += 1
+            last: dict[str, Any] | None = None
+        try:
+            while True:
+                with self._cond:
+                    status = ck.status()
+                    while status == last and alive():
+                        self._cond.wait(1.0)
+                        status = ck.status()
+                if not alive():
+                    return
+                last = status
+                yield status
+                if status["state"] in TERMINAL:
+                    return
+        finally:
+            self.watch_ended(ck)
+
+    def watch_ended(self, ck: Checkpoint) -> None:
+        with self._cond:
+            ck.watchers -= 1
+            if ck.watchers == 0 and not ck.handed_over and not ck.terminal:
+                logs.warning("client-gone", checkpoint=ck.id, client=ck.client, path=ck.relpath)
+                self._finish(ck, State.ABORTED,
+                             "the client went away before handing the checkpoint over",
+                             "CheckpointAbortedError")
+
+    def reap_idle(self) -> None:
+        """Abort checkpoints nobody watches and nobody has touched for idle_timeout."""
+        now = time.monotonic()
+        with self._cond:
+            for ck in list(self._checkpoints.values()):
+                if (not ck.terminal and not ck.handed_over and ck.watchers == 0
+                        and now - ck.last_activity > self.idle_timeout):
+                    logs.warning("idle-abort", checkpoint=ck.id, client=ck.client)
+                    self._finish(ck, State.ABORTED,
+                                 f"no request for {self.idle_timeout:.0f} s before Commit",
+                                 "CheckpointAbortedError")
+
+    # -- shutdown ----------------------------------------------------------------
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new checkpoints, abort the ones not handed over, finish the
+        rest. True if everything finished within timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._draining = True
+            for ck in list(self._checkpoints.values()):
+                if not ck.terminal and not ck.handed_over:
+                    self._finish(ck, State.ABORTED, "fastpersistd is shutting down",
+                                 "CheckpointAbortedError")
+            while any(not c.terminal or c.busy for c in self._checkpoints.values()):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 1.0)
+            self._stopping = True
+            self._cond.notify_all()
+        for w in self._workers:
+            w.join()
+        return True
+
+    # -- workers -------------------------------------------------------------------
+
+    def _next(self) -> Checkpoint | None:
+        runnable = [c for c in self._checkpoints.values() if c.runnable()]
+        if not runnable:
+            return None
+        # Least recently served client first; within a client, oldest checkpoint.
+        return min(runnable, key=lambda c: self._served.get(c.client, -1))
+
+    def _work(self) -> None:
+        while not self._stopping:
+            try:
+                self._work_once()
+            except Exception as exc:  # a bug here must not silently stop a writer
+                logs.error("worker-error", error=repr(exc))
+
+    def _work_once(self) -> None:
+        while True:
+            with self._cond:
+                ck = self._next()
+                while ck is None:
+                    if self._stopping:
+                        return
+                    self._cond.wait()
+                    ck = self._next()
+                ck.busy = True
+                self._tick += 1
+                self._served[ck.client] = self._tick
+                job = ck.pending.popleft() if ck.pending else None
+            try:
+                if job is not None:
+                    self._write(ck, job)
+                else:
+                    self._commit(ck)
+            except BaseException as exc:
+                with self._cond:
+                    self._fail(ck, exc)
+            finally:
+                if job is not None:
+                    job.data.close()
+                with self._cond:
+                    ck.busy = False
+                    if job is not None:
+                        ck.mapped_bytes -= job.nbytes
+                    if ck.terminal and ck.state != State.COMMITTED:
+                        ck.clean_up()  # no worker writes into it any more
+                    self._cond.notify_all()
+
+    def _write(self, ck: Checkpoint, job: PendingFile) -> None:
+        name = f"data-{job.index:05d}.safetensors"
+        segments: list[Segment] = [(job.header, 0)]
+        segments += [(job.data.view[e.begin:e.end], job.data_start + e.begin)
+                     for e in job.entries]
+        started = time.perf_counter()
+        try:
+            result = self.engine.write_file(str(ck.staging.path / name), segments,
+                                            job.data_start + job.nbytes)
+        except OSError as exc:
+            raise os_error(exc, f"cannot save checkpoint {ck.relpath}") from exc
+        finally:
+            for view, _ in segments[1:]:
+                view.release()
+        self.metrics.write_seconds.observe(time.perf_counter() - started)
+        assert result.crcs is not None
+        size = job.data_start + job.nbytes
+        with self._cond:
+            ck.file_records[job.index] = FileRecord(name, size, job.data_start, result.crcs[0])
+            for e, crc in zip(job.entries, result.crcs[1:], strict=True):
+                ck.tensor_records[e.name] = TensorRecord(
+                    name=e.name, file=name, offset=job.data_start + e.begin,
+                    length=e.end - e.begin, dtype=e.dtype, shape=e.shape, crc32c=crc)
+            ck.files_written += 1
+            ck.bytes_written += size
+        self.metrics.bytes_written.inc(size)
+
+    def _commit(self, ck: Checkpoint) -> None:
+        manifest = Manifest(
+            files=tuple(ck.file_records[i] for i in range(ck.files_total)),
+            tensors=tuple(ck.tensor_records[n] for n in ck.tensor_order),
+            tree=ck.tree,
+            fastpersist_version=__version__,
+            created_unix=time.time(),
+        )
+        try:
+            data = manifest.to_json()
+        except ValueError as exc:  # NaN in a client's tree, say
+            raise invalid(f"the tree cannot be written as JSON: {exc}") from None
+        ck.staging.commit(data)
+        with self._cond:
+            self._finish(ck, State.COMMITTED, "", "")
+            seconds = time.monotonic() - (ck.first_submit or time.monotonic())
+            if seconds > 0:
+                self.metrics.throughput.set(ck.bytes_written / seconds)
+        logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,
+                  seconds=round(seconds, 3))
+
+    # -- helpers (called with the lock held) ------------------------------------------
+
+    def _require_receiving(self, ck: Checkpoint, what: str) -> None:
+        if ck.state != State.RECEIVING:
+            raise RequestError("FAILED_PRECONDITION",
+                               f"cannot {what} checkpoint {ck.id}: it is {ck.state.name.lower()}")
+
+    def _fail(self, ck: Checkpoint, exc: BaseException) -> None:
+        code = type(exc).__name__ if isinstance(exc, CheckpointError) else "CheckpointError"
+        logs.error("failed", checkpoint=ck.id, path=ck.relpath, error=str(exc), code=code)
+        self._finish(ck, State.FAILED, str(exc), code)
+
+    def _finish(self, ck: Checkpoint, state: State, error: str, code: str) -> None:
+        if ck.terminal:
+            return
+        ck.state = state
+        ck.error = error
+        ck.error_code = code
+        ck.finished_at = time.monotonic()
+        for job in ck.pending:
+            ck.mapped_bytes -= job.nbytes
+            job.data.close()
+        ck.pending.clear()
+        if state != State.COMMITTED and not ck.busy:
+            ck.clean_up()
+        self.metrics.checkpoints.labels(result=state.name.lower()).inc()
+        if state == State.ABORTED:
+            logs.info("aborted", checkpoint=ck.id, path=ck.relpath, reason=error)
+        self._update_gauges()
+        self._cond.notify_all()
+
+    def _update_gauges(self) -> None:
+        self.metrics.in_flight.set(sum(1 for c in self._checkpoints.values() if not c.terminal))
+        self.metrics.staging_reserved.set(self.reserved())
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for ident in [i for i, c in self._checkpoints.items()
+                      if c.finished_at is not None and not c.busy
+                      and now - c.finished_at > KEEP_FINISHED_SECONDS]:
+            del self._checkpoints[ident]
+
+
+def _code_for(exc: CheckpointError) -> str:
+    from ..errors import (
+        CheckpointExistsError,
+        CheckpointPermissionError,
+        DiskFullError,
+    )
+
+    if isinstance(exc, CheckpointExistsError):
+        return "ALREADY_EXISTS"
+    if isinstance(exc, CheckpointPermissionError):
+        return "PERMISSION_DENIED"
+    if isinstance(exc, DiskFullError):
+        return "RESOURCE_EXHAUSTED"
+    return "INTERNAL"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def anonymous_buffer(nbytes: int) -> Mapping:
+    """Memory for a streamed data file (SubmitStream): page-aligned, so the
+    engine writes it with O_DIRECT like a shared-memory segment."""
+    try:
+        m = mmap.mmap(-1, max(nbytes, 1))
+    except (OSError, OverflowError, MemoryError) as exc:
+        raise RequestError("RESOURCE_EXHAUSTED",
+                           f"cannot hold a {nbytes}-byte streamed file in memory: {exc}") from None
+    return Mapping(m, memoryview(m)[:nbytes])

@@ -1,0 +1,205 @@
+"""`fastpersistd`: start the daemon, clean up after a previous one, serve, drain.
+
+    fastpersistd --root DIR [--socket PATH] [--socket-group GROUP]
+                 [--listen HOST:PORT --tls-cert FILE --tls-key FILE --token-file FILE]
+                 [--staging-budget BYTES] [--client-budget BYTES] [--shm-dir DIR]
+                 [--metrics-listen HOST:PORT] [--write-concurrency N]
+                 [--idle-timeout SECONDS] [--drain-timeout SECONDS]
+                 [--log-format json|text] [--log-level LEVEL]
+
+SIGTERM or SIGINT: stop taking checkpoints, abort the ones not handed over,
+finish (commit) the handed-over ones, then exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import grp
+import os
+import re
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import shm
+from .._version import __version__
+from ..commit import collect, parse_leftover
+from ..format.manifest import MANIFEST_NAME
+from . import logs
+from .checkpoints import Budgets, Service
+from .metrics import Metrics
+from .server import (
+    Servicer,
+    TokenAuth,
+    bind_unix,
+    build_server,
+    health_servicer,
+    prepare_socket,
+    set_not_serving,
+    tls_credentials,
+)
+
+DEFAULT_SOCKET = "/run/fastpersist/fastpersistd.sock"
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'0', '1048576', '64M', '64MiB', '2G' -> bytes (binary multiples)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 64G)")
+    power = " kmgt".index(m[2][0].lower()) if m[2] else 0
+    return int(m[1]) << (10 * power)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fastpersistd", description=__doc__.splitlines()[0])
+    p.add_argument("--root", required=True, type=Path,
+                   help="directory the checkpoints live under; every request path is confined "
+                        "to it")
+    p.add_argument("--socket", type=Path, default=Path(DEFAULT_SOCKET),
+                   help=f"Unix socket to serve, created 0660 (default {DEFAULT_SOCKET})")
+    p.add_argument("--socket-group", help="group to give the socket (trainers in it may connect)")
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="also serve TCP; needs --tls-cert, --tls-key and --token-file")
+    p.add_argument("--tls-cert", type=Path)
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--token-file", type=Path,
+                   help="file holding the bearer token TCP clients must send")
+    p.add_argument("--staging-budget", type=parse_size, default=0,
+                   help="client shared memory accepted at once, all clients (0: no limit)")
+    p.add_argument("--client-budget", type=parse_size, default=0,
+                   help="the same for one client (0: no limit)")
+    p.add_argument("--shm-dir", type=Path, default=None,
+                   help="where clients' shared-memory segments live (default "
+                        "$FASTPERSIST_SHM_DIR or /dev/shm)")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="serve Prometheus metrics over HTTP here")
+    p.add_argument("--write-concurrency", type=int, default=2,
+                   help="data files written at once, over all clients (default 2)")
+    p.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="abort an unwatched checkpoint not handed over after this many seconds")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="at shutdown, wait at most this long for handed-over checkpoints "
+                        "(default: as long as they take)")
+    p.add_argument("--log-format", choices=("json", "text"), default="json")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--version", action="version", version=f"fastpersistd {__version__}")
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.root.is_dir():
+        p.error(f"--root {args.root} is not a directory")
+    if args.listen and not (args.tls_cert and args.tls_key and args.token_file):
+        p.error("--listen serves TCP only with TLS and a token: give --tls-cert, --tls-key and "
+                "--token-file")
+    if args.write_concurrency < 1:
+        p.error("--write-concurrency must be at least 1")
+    if args.shm_dir is None:
+        args.shm_dir = shm.shm_dir()
+    if not args.shm_dir.is_dir():
+        p.error(f"--shm-dir {args.shm_dir} is not a directory")
+
+
+def probe_direct_io(root: Path) -> bool:
+    """Whether the root's filesystem accepts O_DIRECT (tmpfs does not)."""
+    fd, name = tempfile.mkstemp(prefix=".fastpersistd-probe-", dir=root)
+    os.close(fd)
+    try:
+        fd = os.open(name, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+        os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.unlink(name)
+
+
+def clean_up_leftovers(root: Path) -> None:
+    """Remove what a killed daemon (or a crashed in-process save) left: staging
+    directories of saves that never committed, old copies of interrupted
+    replaces (put back where they are the only copy). Same rules as `fpctl gc`;
+    our own PID counts as dead: a container restarts with the same PID."""
+    host = socket.gethostname()
+    for dirpath, dirnames, filenames in os.walk(root):
+        if MANIFEST_NAME in filenames:
+            dirnames[:] = []  # a checkpoint: nothing of ours inside
+            continue
+        for name in list(dirnames):
+            leftover = parse_leftover(Path(dirpath) / name)
+            if leftover is None:
+                continue
+            dirnames.remove(name)
+            if leftover.host != host:
+                continue
+            if leftover.pid != os.getpid() and leftover.owner_alive:
+                continue
+            try:
+                logs.info("cleanup", action=collect(leftover), directory=dirpath)
+            except OSError as exc:
+                logs.warning("cleanup-failed", path=str(leftover.path), error=str(exc))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    logs.setup(args.log_format, args.log_level)
+    root = args.root.resolve()
+    group = grp.getgrnam(args.socket_group).gr_gid if args.socket_group else None
+
+    clean_up_leftovers(root)
+    metrics = Metrics()
+    for name in shm.reclaim_orphans(args.shm_dir):
+        metrics.reclaimed_segments.inc()
+        logs.info("reclaimed-segment", segment=name)
+    direct = probe_direct_io(root)
+    service = Service(root, args.shm_dir, Budgets(args.staging_budget, args.client_budget),
+                      metrics, write_concurrency=args.write_concurrency,
+                      idle_timeout=args.idle_timeout)
+    servicer = Servicer(service, direct)
+    health = health_servicer()
+
+    servers = []
+    prepare_socket(args.socket)
+    unix = build_server(servicer, health)
+    bind_unix(unix, args.socket, group)
+    servers.append(unix)
+    if args.listen:
+        token = args.token_file.read_text().strip()
+        if not token:
+            p.error(f"--token-file {args.token_file} is empty")
+        tcp = build_server(servicer, health, (TokenAuth(token),))
+        tcp.add_secure_port(args.listen, tls_credentials(args.tls_cert, args.tls_key))
+        tcp.start()
+        servers.append(tcp)
+    if args.metrics_listen:
+        metrics.serve(args.metrics_listen)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logs.info("ready", version=__version__, root=str(root), socket=str(args.socket),
+              listen=args.listen or "", direct_io=direct, staging_budget=args.staging_budget,
+              pid=os.getpid())
+    # Housekeeping until told to stop: idle checkpoints, orphaned segments.
+    while not stop.wait(2.0):
+        service.reap_idle()
+        for name in shm.reclaim_orphans(args.shm_dir):
+            metrics.reclaimed_segments.inc()
+            logs.info("reclaimed-segment", segment=name)
+
+    logs.info("draining", in_flight=len(service.in_flight()))
+    set_not_serving(health)
+    finished = service.drain(args.drain_timeout)
+    for server in servers:
+        server.stop(grace=2.0).wait()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)
+    logs.info("stopped", finished=finished)
+    return 0 if finished else 1

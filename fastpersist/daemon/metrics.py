@@ -1,0 +1,40 @@
+"""Prometheus metrics of one daemon (served on --metrics-listen)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.bytes_written = Counter(
+            "fastpersist_bytes_written", "Bytes of data files written (headers included)",
+            registry=r)
+        self.checkpoints = Counter(
+            "fastpersist_checkpoints", "Checkpoints finished, by result", ["result"], registry=r)
+        self.in_flight = Gauge(
+            "fastpersist_checkpoints_in_flight", "Checkpoints begun and not finished", registry=r)
+        self.staging_reserved = Gauge(
+            "fastpersist_staging_reserved_bytes",
+            "Client shared memory reserved by checkpoints in flight", registry=r)
+        self.staging_budget = Gauge(
+            "fastpersist_staging_budget_bytes", "The --staging-budget (0: unlimited)", registry=r)
+        self.throughput = Gauge(
+            "fastpersist_last_checkpoint_throughput_bytes_per_second",
+            "Bytes per second of the last committed checkpoint, first submit to commit",
+            registry=r)
+        self.write_seconds = Histogram(
+            "fastpersist_file_write_seconds", "Time to write and fsync one data file",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=r)
+        self.rejected = Counter(
+            "fastpersist_requests_rejected", "Requests refused, by gRPC status code", ["code"],
+            registry=r)
+        self.reclaimed_segments = Counter(
+            "fastpersist_reclaimed_segments", "Shared-memory segments of dead clients unlinked",
+            registry=r)
+
+    def serve(self, listen: str) -> None:
+        host, _, port = listen.rpartition(":")
+        start_http_server(int(port), addr=host or "0.0.0.0", registry=self.registry)

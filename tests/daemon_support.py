@@ -1,0 +1,108 @@
+"""A real fastpersistd process for tests: temporary root, socket and shared-memory
+directory; started, health-checked, stopped (SIGTERM) or killed (SIGKILL).
+
+Imported as `daemon_support` (tests/ is on sys.path). The `daemon` fixture in
+conftest.py starts one per test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fastpersist.daemon_client import DaemonClient
+from fastpersist.errors import CheckpointError
+
+
+class Daemon:
+    def __init__(self, workdir: Path, *args: str, root: Path | None = None,
+                 shm_dir: Path | None = None) -> None:
+        self.root = root or workdir / "root"
+        self.root.mkdir(parents=True, exist_ok=True)
+        # Socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+        self._sockdir = Path(tempfile.mkdtemp(prefix="fpd-"))
+        self.socket = self._sockdir / "fpd.sock"
+        # Segments live on a tmpfs as in production, in a directory of this test's own.
+        self.shm_dir = shm_dir or Path(tempfile.mkdtemp(prefix="fpt-", dir=_shm_base()))
+        self.args = list(args)
+        self.log_path = workdir / f"fastpersistd-{time.monotonic_ns()}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self, timeout: float = 30.0) -> Daemon:
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the process owns it)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fastpersist.daemon", "--root", str(self.root),
+             "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), *self.args],
+            stdout=log, stderr=log, env=os.environ.copy(),
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fastpersistd exited with {self.proc.returncode}:\n{self.log}")
+            if self.socket.exists():
+                client = DaemonClient(self.address)
+                try:
+                    if client.health(timeout=2.0) == "SERVING":
+                        return self
+                except CheckpointError:
+                    pass
+                finally:
+                    client.close()
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"fastpersistd did not become ready in {timeout} s:\n{self.log}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def client(self) -> DaemonClient:
+        return DaemonClient(self.address)
+
+    @property
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        """The JSON log lines (the daemon's default format), optionally of one event."""
+        out = []
+        for line in self.log.splitlines():
+            with contextlib.suppress(ValueError):
+                doc = json.loads(line)
+                if isinstance(doc, dict) and (name is None or doc.get("event") == name):
+                    out.append(doc)
+        return out
+
+    def cleanup(self) -> None:
+        self.kill()
+        shutil.rmtree(self._sockdir, ignore_errors=True)
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def _shm_base() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
