@@ -1,0 +1,148 @@
+"""The distributed save planner, in one process with simulated ranks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from fastpersist.distributed.planner import (
+    Item,
+    PlanCache,
+    PlanError,
+    RankInfo,
+    layout_digest,
+    make_plan,
+)
+
+MIB = 1 << 20
+
+
+def ranks_of(items_per_rank: list[tuple[Item, ...]], per_node: int) -> list[RankInfo]:
+    return [RankInfo(r, f"node{r // per_node}", items, layout_digest(items))
+            for r, items in enumerate(items_per_rank)]
+
+
+def dp(world: int, items: tuple[Item, ...], per_node: int = 2) -> list[RankInfo]:
+    return ranks_of([items] * world, per_node)
+
+
+def model(n: int, seed: int = 0) -> tuple[Item, ...]:
+    rng = random.Random(seed)
+    return tuple(Item.whole(f"layer{i}.weight", rng.choice(["F32", "BF16", "F16"]),
+                            (rng.randint(1, 2048), rng.randint(1, 512))) for i in range(n))
+
+
+def covered(plan, key: str, shape: tuple[int, ...]) -> int:  # type: ignore[no-untyped-def]
+    """Elements of `key` covered by the plan's pieces, checking they do not overlap."""
+    cells: set[tuple[int, ...]] = set()
+    total = 0
+    for p in plan.pieces:
+        if p.key != key:
+            continue
+        total += math.prod(p.shape)
+        if math.prod(shape) <= 10_000:  # small enough to check cell by cell
+            for idx in itertools.product(*(range(o, o + n)
+                                           for o, n in zip(p.offsets, p.shape, strict=True))):
+                assert idx not in cells, f"{key}: {idx} written twice"
+                cells.add(idx)
+    return total
+
+
+def test_every_unique_byte_has_exactly_one_writer_among_its_holders() -> None:
+    items = model(50)
+    plan = make_plan(dp(8, items), min_piece_bytes=64 << 10)
+    for item in items:
+        assert covered(plan, item.key, item.global_shape) == math.prod(item.global_shape)
+    assert plan.unique_bytes == sum(i.nbytes for i in items)
+    assert set(plan.bytes_per_rank()) == set(range(8))
+
+
+def test_balanced_per_node_then_per_rank() -> None:
+    items = model(200, seed=3)
+    # Uneven nodes: 3 ranks on node0, 1 on node1. Nodes get equal bytes (one set
+    # of drives each), so node1's single rank writes as much as node0's three.
+    ranks = ranks_of([items] * 4, per_node=1)
+    ranks = [RankInfo(r.rank, "node0" if r.rank < 3 else "node1", r.items, r.layout)
+             for r in ranks]
+    plan = make_plan(ranks, min_piece_bytes=256 << 10)
+    per_node = plan.bytes_per_node()
+    assert abs(per_node["node0"] - per_node["node1"]) / plan.unique_bytes < 0.02, per_node
+    per_rank = plan.bytes_per_rank()
+    node0 = [per_rank[r] for r in (0, 1, 2)]
+    assert max(node0) / min(node0) < 1.1, per_rank
+
+
+def test_a_few_huge_tensors_are_split_so_they_still_balance() -> None:
+    items = (Item.whole("huge", "F32", (10_000, 1000)), Item.whole("tiny", "F32", (3,)))
+    plan = make_plan(dp(4, items), min_piece_bytes=1 * MIB)
+    per_rank = plan.bytes_per_rank()
+    share = plan.unique_bytes / 4
+    assert all(abs(n - share) / share < 0.05 for n in per_rank.values()), per_rank
+    assert len([p for p in plan.pieces if p.key == "huge"]) >= 4
+
+
+def test_sharded_tensors_replicated_over_dp_split_among_their_replicas() -> None:
+    # DP=2 x TP=2: rank = dp * 2 + tp holds rows tp*50..tp*50+50 of "w"; "b" everywhere.
+    def items(tp: int) -> tuple[Item, ...]:
+        return (Item("w", "F32", (100, 64), (tp * 50, 0), (50, 64)),
+                Item.whole("b", "F32", (64,)))
+    ranks = ranks_of([items(r % 2) for r in range(4)], per_node=2)
+    plan = make_plan(ranks, min_piece_bytes=1 << 10)
+    assert covered(plan, "w", (100, 64)) == 100 * 64
+    for p in plan.pieces:
+        if p.key == "w":
+            tp = p.offsets[0] // 50
+            assert p.writer % 2 == tp, f"{p} written by a rank that does not hold it"
+            assert p.offsets[0] + p.shape[0] <= (tp + 1) * 50
+
+
+def test_the_plan_is_a_deterministic_function_of_the_descriptions() -> None:
+    items = model(300, seed=5)
+    a = make_plan(dp(16, items, per_node=4), min_piece_bytes=128 << 10)
+    shuffled = dp(16, items, per_node=4)
+    random.Random(1).shuffle(shuffled)
+    b = make_plan(shuffled, min_piece_bytes=128 << 10)
+    assert a.pieces == b.pieces
+
+
+def test_disagreeing_ranks_are_refused_by_name() -> None:
+    items = model(5)
+    other = (*items[:4], Item.whole("layer4.weight", "F32", (1, 1)))
+    with pytest.raises(PlanError, match=r"rank 3 and rank 0 disagree.*layer4.weight"):
+        make_plan(ranks_of([items, items, items, other], per_node=2))
+    missing = items[:4]
+    with pytest.raises(PlanError, match=r"4 tensors vs 5"):
+        make_plan(ranks_of([items, missing], per_node=2))
+
+
+def test_shards_that_overlap_or_leave_gaps_are_refused() -> None:
+    def ranks(boxes: list[tuple[int, int]]) -> list[RankInfo]:
+        return ranks_of([(Item("w", "F32", (10, 4), (o, 0), (n, 4)),) for o, n in boxes], 2)
+
+    with pytest.raises(PlanError, match="overlap or leave gaps"):
+        make_plan(ranks([(0, 5), (4, 5)]))  # rows 4 twice, row 9 never
+    with pytest.raises(PlanError, match="lies outside"):
+        make_plan(ranks([(0, 5), (5, 6)]))
+    make_plan(ranks([(0, 5), (5, 5)]))  # exactly tiled: fine
+
+
+def test_zero_size_and_scalar_tensors() -> None:
+    items = (Item.whole("s", "F32", ()), Item.whole("e", "F32", (0, 7)),
+             Item.whole("x", "I64", (5,)))
+    plan = make_plan(dp(3, items))
+    assert sorted(p.key for p in plan.pieces) == ["e", "s", "x"]
+
+
+def test_cache_returns_the_plan_only_for_the_same_descriptions() -> None:
+    cache = PlanCache()
+    items = model(10)
+    ranks = dp(4, items)
+    digests = [r.layout for r in ranks]
+    assert cache.get(digests) is None
+    plan = make_plan(ranks)
+    cache.put(digests, plan)
+    assert cache.get(digests) is plan
+    assert cache.get([*digests[:3], layout_digest(model(10, seed=9))]) is None
