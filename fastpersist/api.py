@@ -21,7 +21,8 @@ MapLocation = None | str | torch.device | Mapping[str, str]
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
-         daemon: str | None = None) -> None:
+         daemon: str | None = None, process_group: Any = None,
+         node_local: bool = False) -> None:
     """Save `obj` as a checkpoint directory at `path`.
 
     `obj` is what torch.save takes for checkpoints: nested dicts, OrderedDicts,
@@ -40,7 +41,23 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     With a daemon (`daemon="unix:///PATH"` or FASTPERSIST_DAEMON; "" forces
     in-process) fastpersistd writes it from shared memory, with the same
     result on disk; `path` must lie under the daemon's --root.
+
+    In a torch.distributed job, pass process_group (e.g. torch.distributed.group.WORLD)
+    and call save on every rank of it: each unique byte of the job is written by
+    exactly one rank, balanced over nodes and ranks, and rank 0 commits the
+    job manifest last (fastpersist/distributed/coordinator.py). DTensors are
+    saved as their global tensors. The tree's non-tensor values are taken from
+    rank 0. node_local=True: each rank passes its node's local path and each
+    node keeps the files its ranks wrote (the daemon is not used in this mode).
     """
+    if process_group is not None:
+        from .distributed import coordinator
+
+        group = None if process_group == "world" else process_group
+        coordinator.save(obj, path, group, node_local=node_local, allow_pickle=allow_pickle)
+        return
+    if node_local:
+        raise ValueError("node_local=True needs process_group (a distributed save)")
     address = current_knobs().daemon if daemon is None else daemon
     if address:
         from .remote import remote_saver
@@ -142,6 +159,7 @@ def load(
     allow_pickle: bool = False,
     verify: bool | None = None,
     progress: Callable[[int], None] | None = None,
+    like: Any = None,
 ) -> Any:
     """Load the checkpoint at `path` and return an object equal to what was saved.
 
@@ -161,6 +179,11 @@ def load(
     if state.contains_pickle(manifest.tree) and not allow_pickle:
         # Fail before reading gigabytes of tensors.
         state.decode(manifest.tree, lambda node: torch.empty(0), where=str(p))
+    if manifest.globals is not None:
+        from .distributed import restore
+
+        return restore.load(p, manifest, map_location, like, allow_pickle=allow_pickle,
+                            verify=verify, progress=progress)
     entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify,
                                       progress=progress)
     factory = _TensorFactory(entries, map_location, str(p))

@@ -73,3 +73,12 @@ class DaemonError(CheckpointError):
 class DaemonUnavailableError(DaemonError):
     """fastpersistd cannot be reached, or went away in the middle of a checkpoint
     (which then was not committed; the daemon removes it when it restarts)."""
+
+
+class DistributedCheckpointError(CheckpointError):
+    """A distributed save or load failed on one or more ranks. Raised on every
+    rank with the same message, which names each failed rank and phase."""
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or {}

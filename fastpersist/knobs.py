@@ -18,6 +18,12 @@
                                (unix:///PATH; or https://HOST:PORT with
                                FASTPERSIST_DAEMON_TOKEN_FILE and _CA_FILE)
     FASTPERSIST_SHM_DIR        shared-memory segments for the daemon     /dev/shm
+    FASTPERSIST_NODE           this process's node in a distributed save  hostname
+                               (ranks on one node share its drives)
+    FASTPERSIST_DIST_TIMEOUT   seconds a distributed save waits for the   600
+                               other ranks before failing
+    FASTPERSIST_PIECE_BYTES    smallest piece a large replicated tensor   4 MiB
+                               is cut into across writers
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
 thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for
@@ -32,6 +38,7 @@ environment between saves.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 ALIGNMENT = 4096
@@ -74,6 +81,9 @@ class Knobs:
     # Several files let the snapshot's copy of file k+1 overlap the write of file
     # k (daemon mode), and keep any one file a manageable size.
     file_bytes: int = 256 * _MIB
+    node: str = ""
+    dist_timeout: int = 600
+    piece_bytes: int = 4 * _MIB
 
     @property
     def io_threads(self) -> int:
@@ -119,5 +129,8 @@ def current() -> Knobs:
         io_backend=_choice_env("FASTPERSIST_IO_BACKEND", "pool", ("pool", "uring", "auto")),
         daemon=os.environ.get("FASTPERSIST_DAEMON", "").strip(),
         file_bytes=_int_env("FASTPERSIST_FILE_BYTES", 256 * _MIB),
+        node=os.environ.get("FASTPERSIST_NODE", "").strip() or socket.gethostname(),
+        dist_timeout=_int_env("FASTPERSIST_DIST_TIMEOUT", 600),
+        piece_bytes=_int_env("FASTPERSIST_PIECE_BYTES", 4 * _MIB),
         queue_depth=queue_depth,
     )

@@ -51,8 +51,9 @@ def _path(parent: str, key: object) -> str:
 
 
 class _Encoder:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, sharded: bool = False) -> None:
         self.allow_pickle = allow_pickle
+        self.sharded = sharded
         self.leaves: list[TensorLeaf] = []
         self._active: set[int] = set()  # containers on the current path: cycles
 
@@ -118,6 +119,13 @@ class _Encoder:
         }
 
     def _tensor(self, t: torch.Tensor, path: str) -> Node:
+        if self.sharded and _is_dtensor(t):
+            # A shard of a global tensor: the distributed save stores its box.
+            shard: dict[str, Any] = {"t": "tensor", "sharded": True}
+            if t.device.type != "cpu":
+                shard["device"] = str(t.device)
+            self.leaves.append(TensorLeaf(path or "<root>", t.detach(), shard))
+            return shard
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             return self._pickled(t, path, f"a tensor subclass ({type(t).__qualname__})")
         if t.layout != torch.strided or t.is_quantized:
@@ -136,13 +144,23 @@ class _Encoder:
         return node
 
 
-def encode(obj: Any, *, allow_pickle: bool = False) -> tuple[Node, list[TensorLeaf]]:
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def encode(obj: Any, *, allow_pickle: bool = False, sharded: bool = False
+           ) -> tuple[Node, list[TensorLeaf]]:
     """The tree for `obj` and its tensors, in the order met.
 
     Raises UnsupportedValueError, naming the path, for anything that would need
-    pickle when allow_pickle is False.
+    pickle when allow_pickle is False. sharded=True (distributed saves) admits
+    DTensors as leaves.
     """
-    enc = _Encoder(allow_pickle)
+    enc = _Encoder(allow_pickle, sharded)
     return enc.encode(obj, ""), enc.leaves
 
 

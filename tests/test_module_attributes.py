@@ -10,8 +10,9 @@ import fastpersist
 PUBLIC = {
     "CheckpointAbortedError", "CheckpointError", "CheckpointExistsError", "CheckpointIOError",
     "CheckpointNotFoundError", "CheckpointPermissionError", "Checkpointer",
-    "ChecksumMismatchError", "CorruptCheckpointError", "DiskFullError", "ManifestError",
-    "PickleNotAllowedError", "SaveFuture", "TruncatedFileError", "UnsupportedValueError",
+    "ChecksumMismatchError", "CorruptCheckpointError", "DiskFullError",
+    "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "SaveFuture",
+    "TruncatedFileError", "UnsupportedValueError",
     "__version__", "async_save", "load", "save",
 }
 

@@ -5,6 +5,7 @@
     fpctl verify CKPT                  re-read every byte; exit 1 on any corruption
     fpctl restore CKPT --to FILE       one torch.save (or safetensors) file
     fpctl gc ROOT                      remove what interrupted saves left behind
+    fpctl gather DIR... --to CKPT      one checkpoint from a node-local one's node dirs
     fpctl daemon status [--daemon ADDR]  is fastpersistd serving; its root, staging, work
 
 Exit status: 0 success, 1 corruption found by verify, 2 any other error.
@@ -86,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
     p.add_argument("--json", action="store_true", help="print the actions as JSON")
     p.set_defaults(func="listing:cmd_gc")
+
+    p = sub.add_parser("gather", help="collect a node-local checkpoint into one directory",
+                       description="A distributed save with node_local=True leaves on each "
+                       "node a directory with that node's data files and the job manifest. "
+                       "Copy every node's directory somewhere visible (or mount them), then "
+                       "gather writes one checkpoint with all the files, committed "
+                       "atomically, that loads anywhere.")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="the node directories")
+    p.add_argument("--to", required=True, metavar="CKPT", help="the checkpoint to write")
+    p.set_defaults(func="gathering:cmd_gather")
 
     p = sub.add_parser("daemon", help="ask fastpersistd how it is",
                        description="fpctl daemon status: exit 0 if fastpersistd answers "

@@ -16,6 +16,18 @@ checkpoint. Schema (version 1):
 
 `offset` is the tensor's absolute offset in its file; `encoding` is "raw"
 (room for compressed encodings later without a format break).
+
+Schema version 2 (a checkpoint saved by a torch.distributed job) adds:
+
+      "files":   [{..., "node"}]   the node that wrote the file, when each
+                                   node keeps its files on its own disk
+      "globals": [{"name", "dtype", "shape", "chunks": [{"tensor", "offsets"}]}]
+
+The job's tensors are the globals; the tree's tensor nodes refer to them. A
+global is stored as chunks: each is a box of it (its shape is the tensor
+record's shape) starting at `offsets`, stored as tensor record `tensor`; the
+chunks tile the global exactly once. Single-process saves keep writing
+version 1.
 """
 
 from __future__ import annotations
@@ -31,7 +43,8 @@ from ..errors import ManifestError
 from . import dtypes
 
 FORMAT_NAME = "fastpersist-checkpoint"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+DISTRIBUTED_SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 ENCODINGS = frozenset({"raw"})
 # Data file names are plain names inside the checkpoint directory: a manifest
@@ -45,6 +58,21 @@ class FileRecord:
     size: int
     data_start: int
     header_crc32c: int
+    node: str | None = None  # node-local checkpoints: the node that holds it
+
+
+@dataclass(frozen=True)
+class Chunk:
+    tensor: int  # index into Manifest.tensors
+    offsets: tuple[int, ...]  # where the chunk starts in the global tensor
+
+
+@dataclass(frozen=True)
+class GlobalTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
 
 
 @dataclass(frozen=True)
@@ -66,7 +94,8 @@ class Manifest:
     tree: Any
     fastpersist_version: str
     created_unix: float
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = 1
+    globals: tuple[GlobalTensor, ...] | None = None  # distributed checkpoints only
 
     @property
     def tensor_bytes(self) -> int:
@@ -82,10 +111,16 @@ class Manifest:
             "schema_version": self.schema_version,
             "fastpersist_version": self.fastpersist_version,
             "created_unix": self.created_unix,
-            "files": [vars(f) for f in self.files],
+            "files": [{k: v for k, v in vars(f).items() if k != "node" or v is not None}
+                      for f in self.files],
             "tensors": [{**vars(t), "shape": list(t.shape)} for t in self.tensors],
             "tree": self.tree,
         }
+        if self.globals is not None:
+            doc["globals"] = [
+                {"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
+                 "chunks": [{"tensor": c.tensor, "offsets": list(c.offsets)} for c in g.chunks]}
+                for g in self.globals]
         return json.dumps(doc, indent=1, allow_nan=False).encode() + b"\n"
 
     @staticmethod
@@ -138,11 +173,15 @@ def _validate(doc: Any, where: str) -> Manifest:
         name = _str(f, "name", where, ctx)
         if not _FILE_NAME.match(name) or name == MANIFEST_NAME or name in files:
             raise _fail(where, f"{ctx}: bad or duplicate file name {name!r}")
+        node = f.get("node")
+        if node is not None and (version < 2 or not isinstance(node, str) or not node):
+            raise _fail(where, f"{ctx}: 'node' must be a non-empty string (schema 2)")
         rec = FileRecord(
             name=name,
             size=_int(f, "size", where, ctx),
             data_start=_int(f, "data_start", where, ctx, lo=8),
             header_crc32c=_int(f, "header_crc32c", where, ctx),
+            node=node,
         )
         if rec.data_start > rec.size:
             raise _fail(where, f"{ctx}: data_start {rec.data_start} is past size {rec.size}")
@@ -186,6 +225,9 @@ def _validate(doc: Any, where: str) -> Manifest:
         raise _fail(where, "'created_unix' must be a number")
     if "tree" not in doc:
         raise _fail(where, "'tree' is missing")
+    globals_ = _globals(doc, tensors, where) if "globals" in doc else None
+    if globals_ is not None and version < 2:
+        raise _fail(where, "'globals' needs schema version 2")
     return Manifest(
         files=tuple(files.values()),
         tensors=tuple(tensors),
@@ -193,4 +235,43 @@ def _validate(doc: Any, where: str) -> Manifest:
         fastpersist_version=_str(doc, "fastpersist_version", where, "top level"),
         created_unix=float(created),
         schema_version=version,
+        globals=globals_,
     )
+
+
+def _int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v)
+
+
+def _globals(doc: dict[str, Any], tensors: list[TensorRecord], where: str
+             ) -> tuple[GlobalTensor, ...]:
+    raw = doc["globals"]
+    if not isinstance(raw, list):
+        raise _fail(where, "'globals' must be a list")
+    out = []
+    for i, g in enumerate(raw):
+        ctx = f"globals[{i}]"
+        if not isinstance(g, dict) or not _int_list(g.get("shape")) or not isinstance(
+                g.get("chunks"), list):
+            raise _fail(where, f"{ctx}: needs 'shape' (integers >= 0) and 'chunks' (a list)")
+        name, dtype = _str(g, "name", where, ctx), _str(g, "dtype", where, ctx)
+        shape = tuple(g["shape"])
+        chunks, volume = [], 0
+        for c in g["chunks"]:
+            if not isinstance(c, dict) or not _int_list(c.get("offsets")):
+                raise _fail(where, f"{ctx} ({name!r}): a chunk needs 'offsets' (integers >= 0)")
+            index = _int(c, "tensor", where, f"{ctx} ({name!r}) chunk")
+            if index >= len(tensors):
+                raise _fail(where, f"{ctx} ({name!r}): chunk refers to tensor {index}")
+            t, offsets = tensors[index], tuple(c["offsets"])
+            if t.dtype != dtype or len(offsets) != len(shape) or len(t.shape) != len(shape) or any(
+                    o + n > d for o, n, d in zip(offsets, t.shape, shape, strict=True)):
+                raise _fail(where, f"{ctx} ({name!r}): chunk {t.name!r} does not fit the tensor")
+            volume += math.prod(t.shape)
+            chunks.append(Chunk(index, offsets))
+        if volume != math.prod(shape):
+            raise _fail(where, f"{ctx} ({name!r}): chunks hold {volume} elements of "
+                        f"{math.prod(shape)}")
+        out.append(GlobalTensor(name, dtype, shape, tuple(chunks)))
+    return tuple(out)

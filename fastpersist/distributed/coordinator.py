@@ -1,0 +1,339 @@
+"""A distributed save: every rank writes the bytes it was assigned, rank 0 commits.
+
+    1 describe  each rank: its tensors as boxes of global tensors (describe.py)
+                and a digest of that layout; all-gather (node, layout, target)
+    2 plan      rank 0, only when some rank's layout changed: gather the items,
+                make_plan (planner.py), broadcast; every rank caches the plan
+    3 stage     the first rank of each storage domain (the job, or each node
+                when files stay node-local) makes the staging directory
+    4 write     each rank writes its pieces into data-rRRRRR-NNN files there,
+                fsynced; gather the file and tensor records to rank 0
+    5 commit    rank 0 builds the job manifest (schema 2) and broadcasts it;
+                node-local: other nodes publish their part first, then rank 0
+                publishes its own, last, so a crash before that leaves no
+                checkpoint under the name on rank 0's node
+
+All of it runs over a gloo group of its own, made once per process group, so
+checkpoint traffic never queues behind (or blocks) training collectives, and
+with a timeout (FASTPERSIST_DIST_TIMEOUT), so a dead or hung rank makes the
+others fail instead of hanging. Every phase ends in a collective that carries
+each rank's error, if any: a failure anywhere raises the same
+DistributedCheckpointError on every rank, naming each failed rank and phase,
+and the staging directories are removed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from .. import datafile, state
+from .._version import __version__
+from ..commit import Staging, delete_checkpoint, os_error
+from ..engine import get_engine
+from ..errors import CheckpointError, DistributedCheckpointError
+from ..format.manifest import (
+    DISTRIBUTED_SCHEMA_VERSION,
+    Chunk,
+    FileRecord,
+    GlobalTensor,
+    Manifest,
+    TensorRecord,
+)
+from ..knobs import current as current_knobs
+from ..plan import StoredTensor
+from ..snapshot import group_into_files
+from .describe import Held, describe, piece_source
+from .planner import Piece, Plan, PlanCache, RankInfo, layout_digest, make_plan
+
+T = TypeVar("T")
+
+
+class _Coordinator:
+    """The gloo group and plan cache for one process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        timeout = datetime.timedelta(seconds=current_knobs().dist_timeout)
+        # Collective over the whole world: every rank must make its first
+        # distributed save (or load) at the same point, as with any new_group.
+        self.group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        self.ranks = ranks
+        self.rank = dist.get_rank(self.group)
+        self.size = len(ranks)
+        self.cache = PlanCache()
+        self.plans_made = 0  # for tests and benchmarks: cache hits make none
+
+    def all_gather(self, value: T) -> list[T]:
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def gather(self, value: T) -> list[T] | None:
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(value, out, dst=self.ranks[0], group=self.group)
+        return out
+
+    def broadcast(self, value: T | None) -> T:
+        box = [value]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
+        return box[0]  # type: ignore[return-value]
+
+
+_coordinators: dict[Any, _Coordinator] = {}
+
+
+def coordinator_for(group: dist.ProcessGroup | None) -> _Coordinator:
+    key = group if group is not None else "world"
+    if key not in _coordinators:
+        _coordinators[key] = _Coordinator(group)
+    return _coordinators[key]
+
+
+@dataclass
+class _Failure:
+    rank: int
+    phase: str
+    error: str
+
+
+class _Phase:
+    """Runs one phase's local work, then agrees with every rank on the outcome."""
+
+    def __init__(self, co: _Coordinator, on_failure: Callable[[], None]) -> None:
+        self.co = co
+        self.on_failure = on_failure
+
+    def collective(self, phase: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # a peer died, hung, or the group broke
+            self.on_failure()
+            raise DistributedCheckpointError(
+                f"rank {self.co.rank}: the checkpoint's {phase} exchange with the other ranks "
+                f"failed ({exc}); a rank may have died or hung (FASTPERSIST_DIST_TIMEOUT="
+                f"{current_knobs().dist_timeout} s)") from exc
+
+    def agree(self, phase: str, error: _Failure | None) -> None:
+        """Every rank learns every failure of this phase; all raise the same error."""
+        failures = [f for f in self.collective(phase, lambda: self.co.all_gather(error)) if f]
+        if failures:
+            self.on_failure()
+            raise DistributedCheckpointError(
+                "distributed checkpoint failed: " + "; ".join(
+                    f"rank {f.rank} ({f.phase}): {f.error}" for f in failures),
+                {f.rank: f"{f.phase}: {f.error}" for f in failures})
+
+
+def _failure(rank: int, phase: str, exc: BaseException) -> _Failure:
+    if isinstance(exc, CheckpointError | OSError | ValueError | TypeError):
+        return _Failure(rank, phase, f"{type(exc).__name__}: {exc}")
+    return _Failure(rank, phase, "".join(traceback.format_exception_only(exc)).strip())
+
+
+def data_file_name(rank: int, index: int) -> str:
+    return f"data-r{rank:05d}-{index:03d}.safetensors"
+
+
+def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None, *,
+         node_local: bool = False, allow_pickle: bool = False) -> None:
+    """fastpersist.save(..., process_group=...): see the module docstring.
+
+    Shared storage (default): every rank passes the same `path`, on a
+    filesystem they all see. node_local=True: each rank passes its node's local
+    path (ranks of one node the same); each node keeps the files its ranks
+    wrote, and every node's directory carries the job manifest.
+    """
+    co = coordinator_for(group)
+    knobs = current_knobs()
+    target = Path(os.path.abspath(os.fspath(path)))
+    staging: Staging | None = None
+    published = False
+
+    def clean_up() -> None:
+        if staging is not None and not published:
+            staging.abort()
+        elif staging is not None and published and co.rank != 0:
+            delete_checkpoint(target)  # node-local: the job failed after this node published
+
+    phase = _Phase(co, clean_up)
+
+    # 1 describe
+    error = None
+    held: list[Held] = []
+    tree: Any = None
+    try:
+        tree, leaves = state.encode(obj, allow_pickle=allow_pickle, sharded=True)
+        for index, leaf in enumerate(leaves):
+            leaf.node["e"] = index
+        held = describe(leaves)
+        items = tuple(h.item for h in held)
+        me = (knobs.node, layout_digest(items), str(target))
+    except Exception as exc:
+        error = _failure(co.rank, "describe", exc)
+        me = (knobs.node, "", str(target))
+    phase.agree("describe", error)
+    everyone = phase.collective("describe", lambda: co.all_gather(me))
+    nodes = [n for n, _, _ in everyone]
+    domain = _domains(everyone, node_local)
+    _check_targets(everyone, domain, co.rank, phase)
+
+    # 2 plan (cached while no rank's layout changes)
+    key = [(n, lay) for n, lay, _ in everyone] + [("piece_bytes", str(knobs.piece_bytes))]
+    plan = co.cache.get([repr(k) for k in key])
+    if plan is None:
+        infos = phase.collective("plan", lambda: co.gather(items))
+        made: Plan | _Failure | None = None
+        if co.rank == 0:
+            assert infos is not None
+            try:
+                made = make_plan([RankInfo(r, nodes[r], tuple(infos[r]), key[r][1])
+                                  for r in range(co.size)], min_piece_bytes=knobs.piece_bytes)
+            except CheckpointError as exc:
+                made = _failure(0, "plan", exc)
+        result = phase.collective("plan", lambda: co.broadcast(made))
+        if isinstance(result, _Failure):
+            phase.agree("plan", result if co.rank == 0 else None)
+        assert isinstance(result, Plan)
+        plan = result
+        co.cache.put([repr(k) for k in key], plan)
+        co.plans_made += 1
+
+    # 3 stage: the first rank of each domain makes the directory
+    leaders = {d: min(r for r in range(co.size) if domain[r] == d) for d in set(domain)}
+    error, made_path = None, ""
+    if leaders[domain[co.rank]] == co.rank:
+        try:
+            staging = Staging.create(target)
+            made_path = str(staging.path)
+        except Exception as exc:
+            error = _failure(co.rank, "stage", exc)
+    phase.agree("stage", error)
+    paths = phase.collective("stage", lambda: co.all_gather(made_path))
+    directory = paths[leaders[domain[co.rank]]]
+
+    # 4 write this rank's pieces
+    error, written = None, None
+    try:
+        written = _write_pieces(plan, held, co.rank, directory, knobs.file_bytes,
+                                nodes[co.rank] if node_local else None)
+    except Exception as exc:
+        error = _failure(co.rank, "write", exc)
+    phase.agree("write", error)
+    gathered = phase.collective("write", lambda: co.gather(written))
+
+    # 5 commit
+    manifest: bytes | None = None
+    if co.rank == 0:
+        assert gathered is not None
+        manifest = _manifest(plan, tree, gathered)
+    manifest = phase.collective("commit", lambda: co.broadcast(manifest))
+    assert manifest is not None
+    # Other domains publish first; rank 0's domain publishes last: the commit point.
+    error = None
+    if staging is not None and co.rank != 0:
+        try:
+            staging.commit(manifest)
+            published = True
+        except Exception as exc:
+            error = _failure(co.rank, "commit", exc)
+    phase.agree("commit", error)
+    if staging is not None and co.rank == 0:
+        try:
+            staging.commit(manifest)
+            published = True
+        except Exception as exc:
+            error = _failure(co.rank, "commit", exc)
+    # Returns only once the checkpoint is durable everywhere (or raises everywhere).
+    phase.agree("commit", error)
+
+
+def _domains(everyone: list[tuple[str, str, str]], node_local: bool) -> list[str]:
+    """Storage domain of each rank: its node's disk, or the one shared filesystem."""
+    return [node if node_local else "shared" for node, _, _ in everyone]
+
+
+def _check_targets(everyone: list[tuple[str, str, str]], domain: list[str], rank: int,
+                   phase: _Phase) -> None:
+    """Ranks that share storage must name the same checkpoint directory."""
+    first: dict[str, tuple[int, str]] = {}
+    for r, (_, _, target) in enumerate(everyone):
+        d = domain[r]
+        if d in first and first[d][1] != target:
+            other, path = first[d]
+            msg = (f"rank {r} saves to {target} but rank {other}, which shares its storage "
+                   f"({'node ' + d if d != 'shared' else 'shared filesystem'}), saves to {path}")
+            phase.on_failure()
+            raise DistributedCheckpointError(f"distributed checkpoint failed: {msg}",
+                                             {r: f"describe: {msg}"})
+        first.setdefault(d, (r, target))
+    del rank
+
+
+def _write_pieces(plan: Plan, held: list[Held], rank: int, directory: str, file_bytes: int,
+                  node: str | None) -> list[tuple[FileRecord, list[TensorRecord]]]:
+    by_key = {h.item.key: h for h in held}
+    stored = []
+    for piece in plan.for_rank(rank):
+        h = by_key[piece.key]
+        if not _within(piece, h):
+            raise AssertionError(f"{piece.name}: planned from a box this rank does not hold")
+        stored.append(StoredTensor(piece.name, piece.dtype, piece.shape, piece_source(h, piece)))
+    engine = get_engine()
+    out = []
+    for n, file in enumerate(group_into_files(stored, 0, file_bytes)):
+        if not file.tensors:
+            continue
+        name = data_file_name(rank, n)
+        try:
+            record, tensors = datafile.write(engine, directory, name, file.tensors)
+        except OSError as exc:
+            raise os_error(exc, f"cannot write {name} of the checkpoint") from exc
+        if node is not None:
+            record = FileRecord(record.name, record.size, record.data_start,
+                                record.header_crc32c, node)
+        out.append((record, tensors))
+    return out
+
+
+def _within(piece: Piece, held: Held) -> bool:
+    """Pieces are row ranges of the box a writer holds."""
+    item = held.item
+    if not piece.shape:
+        return not item.shape
+    return (item.offsets[0] <= piece.offsets[0]
+            and piece.offsets[0] + piece.shape[0] <= item.offsets[0] + item.shape[0]
+            and piece.offsets[1:] == item.offsets[1:] and piece.shape[1:] == item.shape[1:])
+
+
+def _manifest(plan: Plan, tree: Any, gathered: list[Any]) -> bytes:
+    files: list[FileRecord] = []
+    records: list[TensorRecord] = []
+    index_of: dict[str, int] = {}
+    for per_rank in gathered:
+        for record, tensors in per_rank:
+            files.append(record)
+            for t in tensors:
+                index_of[t.name] = len(records)
+                records.append(t)
+    chunks: dict[str, list[Chunk]] = {k: [] for k in plan.keys}
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for piece in plan.pieces:
+        chunks[piece.key].append(Chunk(index_of[piece.name], piece.offsets))
+        meta[piece.key] = (piece.dtype, piece.global_shape)
+    globals_ = tuple(GlobalTensor(k, meta[k][0], meta[k][1], tuple(chunks[k])) for k in plan.keys)
+    return Manifest(files=tuple(files), tensors=tuple(records), tree=tree,
+                    fastpersist_version=__version__, created_unix=time.time(),
+                    schema_version=DISTRIBUTED_SCHEMA_VERSION, globals=globals_).to_json()
+
+
+
+__all__ = ["coordinator_for", "data_file_name", "save"]

@@ -1,0 +1,174 @@
+"""Loading a distributed checkpoint, in any job size or layout.
+
+A distributed checkpoint stores each global tensor as chunks (boxes) that
+several ranks wrote. Loading rebuilds what the caller asks for:
+
+- by default, every tensor whole (a single process, or any number of
+  data-parallel ranks, each with the full state);
+- with `like=`, a state of the new job's layout: where it holds a DTensor,
+  that rank gets a DTensor with the same mesh and placements, built from the
+  chunks that overlap its shard only (other chunks are not read).
+
+Chunks are read whole, so that each one's CRC32C is checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import checkpoint, state
+from ..engine import get_engine
+from ..errors import CheckpointNotFoundError, ManifestError
+from ..format import dtypes
+from ..format.manifest import GlobalTensor, Manifest
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
+
+
+@dataclass(frozen=True)
+class _Target:
+    """A DTensor of the caller's layout to rebuild."""
+
+    box: Box
+    mesh: Any
+    placements: tuple[Any, ...]
+
+
+def targets_of(like: Any) -> dict[str, _Target]:
+    """The DTensors in `like` by state path, each with this rank's box."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, leaves = state.encode(like, allow_pickle=True, sharded=True)
+    out = {}
+    for leaf in leaves:
+        if leaf.node.get("sharded"):
+            t = leaf.tensor
+            shape, offsets = compute_local_shape_and_global_offset(
+                t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
+            out[leaf.path] = _Target((tuple(offsets), tuple(shape)), t.device_mesh,  # type: ignore[attr-defined]
+                                     tuple(t.placements))  # type: ignore[attr-defined]
+    return out
+
+
+def _overlap(a: Box, b: Box) -> Box | None:
+    """The intersection of two boxes, or None."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0], strict=True))
+    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1], strict=True))
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None  # disjoint, or one of them holds no elements
+    return lo, tuple(h - low for low, h in zip(lo, hi, strict=True))
+
+
+def _slices(inner: Box, outer_offsets: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o - base, o - base + n)
+                 for o, n, base in zip(inner[0], inner[1], outer_offsets, strict=True))
+
+
+def read_boxes(path: Path, manifest: Manifest, wanted: dict[int, Box], *, verify: bool,
+               progress: Callable[[int], None] | None = None) -> dict[int, torch.Tensor]:
+    """For each global index -> box, a CPU tensor of that box, read from the
+    chunks that overlap it."""
+    assert manifest.globals is not None
+    needed: set[int] = set()
+    for index, box in wanted.items():
+        g = manifest.globals[index]
+        for c in g.chunks:
+            if _overlap(box, (c.offsets, manifest.tensors[c.tensor].shape)) is not None:
+                needed.add(c.tensor)
+    _check_files_here(path, manifest, needed)
+    records = sorted(needed)
+    files = {manifest.tensors[i].file for i in records}
+    sub = replace(manifest, files=tuple(f for f in manifest.files if f.name in files),
+                  tensors=tuple(manifest.tensors[i] for i in records))
+    read = checkpoint.read_tensors(path, sub, get_engine(), verify=verify, progress=progress)
+    chunk_data = dict(zip(records, read, strict=True))
+    out = {}
+    for index, box in wanted.items():
+        g = manifest.globals[index]
+        t = torch.empty(box[1], dtype=dtypes.from_name(g.dtype))
+        for c in g.chunks:
+            data = chunk_data.get(c.tensor)
+            if data is None:
+                continue
+            part = _overlap(box, (c.offsets, tuple(data.shape)))
+            if part is not None:
+                t[_slices(part, box[0])] = data[_slices(part, c.offsets)]
+        out[index] = t
+    return out
+
+
+def _check_files_here(path: Path, manifest: Manifest, needed: set[int]) -> None:
+    missing = sorted({manifest.tensors[i].file for i in needed
+                      if not (path / manifest.tensors[i].file).exists()})
+    if not missing:
+        return
+    nodes = sorted({f.node for f in manifest.files if f.name in missing and f.node})
+    where = f" (written on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
+    raise CheckpointNotFoundError(
+        f"{path}: {len(missing)} data file{'s' if len(missing) > 1 else ''} of this node-local "
+        f"checkpoint {'are' if len(missing) > 1 else 'is'} not here{where}, e.g. {missing[0]}; "
+        "load it on a layout that needs only this node's files, or collect every node's "
+        "directory into one with `fpctl gather`")
+
+
+def load(path: Path, manifest: Manifest, map_location: Any, like: Any, *, allow_pickle: bool,
+         verify: bool, progress: Callable[[int], None] | None) -> Any:
+    from ..api import _TensorFactory
+
+    assert manifest.globals is not None
+    globals_ = manifest.globals
+    index_of = {g.name: i for i, g in enumerate(globals_)}
+    targets = targets_of(like) if like is not None else {}
+    for name in targets:
+        if name not in index_of:
+            raise ManifestError(f"{path}: `like` holds a DTensor at {name!r}, which the "
+                                "checkpoint does not have")
+    wanted: dict[int, Box] = {i: ((0,) * len(g.shape), g.shape) for i, g in enumerate(globals_)}
+    for name, target in targets.items():
+        i = index_of[name]
+        _check_same(globals_[i], target, path)
+        wanted[i] = target.box
+    tensors = read_boxes(path, manifest, wanted, verify=verify, progress=progress)
+    entries = [tensors[i] for i in range(len(globals_))]
+    plain = _TensorFactory(entries, map_location, str(path))
+    made: dict[int, torch.Tensor] = {}
+
+    def factory(node: dict[str, Any]) -> torch.Tensor:
+        index = node.get("e")
+        if not isinstance(index, int) or not 0 <= index < len(entries):
+            raise ManifestError(f"{path}: tensor node refers to entry {index!r}")
+        target = targets.get(globals_[index].name)
+        if target is None:
+            return plain(node)
+        if index not in made:
+            from torch.distributed.tensor import DTensor
+
+            g = globals_[index]
+            local = entries[index].to(target.mesh.device_type)
+            made[index] = DTensor.from_local(local, target.mesh, target.placements,
+                                             run_check=False, shape=torch.Size(g.shape),
+                                             stride=_contiguous_stride(g.shape))
+        return made[index]
+
+    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=str(path))
+
+
+def _check_same(g: GlobalTensor, target: _Target, path: Path) -> None:
+    offsets, shape = target.box
+    if len(offsets) != len(g.shape) or any(
+            o + n > d for o, n, d in zip(offsets, shape, g.shape, strict=True)):
+        raise ManifestError(f"{path}: {g.name!r} is {list(g.shape)} in the checkpoint; `like` "
+                            f"wants a shard at {list(offsets)} of shape {list(shape)}")
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))

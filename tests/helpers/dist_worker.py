@@ -1,0 +1,181 @@
+"""One rank of a torch.distributed (gloo) job for tests/test_distributed.py.
+
+    python dist_worker.py SCENARIO OUT_DIR ARGS_JSON
+
+Rank, world size and rendezvous come from the environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), the node from FASTPERSIST_NODE. Each rank writes
+OUT_DIR/rank-R.json with what it saw, or the error it raised.
+
+Scenarios:
+    save       save the test state (replicated, plus DTensors when args["tp"])
+    load       load a checkpoint; report checksums of what came back
+    fail       save, with one rank's write failing (args["fail_rank"])
+    die        save, with one rank killing itself in the write phase
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import hashlib
+import json
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fastpersist
+from fastpersist.distributed import coordinator
+
+GEN_SEED = 1234
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    """The job's global tensors, the same on every rank (a fixed seed)."""
+    g = torch.Generator().manual_seed(GEN_SEED)
+    return {
+        "embed": torch.randn(1000, 256, generator=g),          # 1 MB: split over writers
+        "big": torch.randn(3000, 200, generator=g),            # 2.4 MB
+        "w1": torch.randn(512, 128, generator=g).to(torch.bfloat16),
+        "b1": torch.randn(512, generator=g),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "ids": torch.randint(0, 1 << 40, (4096,), generator=g),
+    }
+
+
+def sharded_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(GEN_SEED + 1)
+    return {"rows": torch.randn(64, 48, generator=g), "cols": torch.randn(40, 64, generator=g)}
+
+
+def build_state(args: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": full_tensors(), "step": 7, "name": "test-run"}
+    if args.get("tp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        dp, tp = args["dp"], args["tp"]
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        s = sharded_tensors()
+        state["tp"] = {
+            "rows": distribute_tensor(s["rows"], mesh, [Replicate(), Shard(0)]),
+            "cols": distribute_tensor(s["cols"], mesh, [Replicate(), Shard(1)]),
+        }
+    return state
+
+
+def like_state(args: dict[str, Any]) -> dict[str, Any]:
+    """This rank's state in the load job's layout (args["like"]: "rows<->cols" swaps)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    s = sharded_tensors()
+    # The opposite of how they were saved: rows column-sharded, cols row-sharded.
+    return {"model": full_tensors(), "step": 0, "name": "",
+            "tp": {"rows": distribute_tensor(s["rows"] * 0, mesh, [Shard(1)]),
+                   "cols": distribute_tensor(s["cols"] * 0, mesh, [Shard(0)])}}
+
+
+def digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous()
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def describe_loaded(obj: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {"step": obj["step"], "name": obj["name"], "tensors": {}}
+    expected = full_tensors()
+    for k, t in obj["model"].items():
+        out["tensors"][f"model.{k}"] = {
+            "equal": bool(t.dtype == expected[k].dtype and t.shape == expected[k].shape
+                          and torch.equal(t, expected[k])), "digest": digest(t)}
+    if "tp" in obj:
+        s = sharded_tensors()
+        for k, t in obj["tp"].items():
+            if isinstance(t, DTensor):
+                local = t.to_local()
+                full = t.full_tensor()
+                out["tensors"][f"tp.{k}"] = {
+                    "dtensor": True, "placements": [str(p) for p in t.placements],
+                    "local_shape": list(local.shape), "equal": bool(torch.equal(full, s[k])),
+                    "local_equal": bool(torch.equal(local, _expected_local(t, s[k])))}
+            else:
+                out["tensors"][f"tp.{k}"] = {"dtensor": False, "equal": bool(torch.equal(t, s[k]))}
+    return out
+
+
+def _expected_local(t: Any, full: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(full.shape, t.device_mesh, t.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))]
+
+
+def main() -> int:
+    scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    result: dict[str, Any] = {"rank": rank, "node": os.environ.get("FASTPERSIST_NODE")}
+    path = args["path"].format(node=os.environ.get("FASTPERSIST_NODE", ""))
+    try:
+        if scenario in ("save", "fail", "die"):
+            if scenario == "fail" and rank == args["fail_rank"]:
+                _fail_writes()
+            if scenario == "die" and rank == args["die_rank"]:
+                _die_in_writes()
+            state = build_state(args)
+            for _ in range(args.get("saves", 1)):
+                fastpersist.save(state, path, process_group=dist.group.WORLD,
+                                 node_local=args.get("node_local", False))
+            co = coordinator.coordinator_for(dist.group.WORLD)
+            result["plans_made"] = co.plans_made
+            result["plan_bytes"] = {str(r): n for r, n in co.cache.plan.bytes_per_rank().items()}  # type: ignore[union-attr]
+            result["ok"] = True
+        elif scenario == "load":
+            like = like_state(args) if args.get("like") else None
+            obj = fastpersist.load(path, like=like)
+            result.update(describe_loaded(obj), ok=True)
+    except fastpersist.CheckpointError as exc:
+        result.update(ok=False, error_type=type(exc).__name__, error=str(exc),
+                      failures={str(k): v for k, v in getattr(exc, "failures", {}).items()})
+    except Exception as exc:
+        result.update(ok=False, error_type=type(exc).__name__, error=str(exc),
+                      traceback=traceback.format_exc())
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(result))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    return 0
+
+
+def _fail_writes() -> None:
+    """This rank's data-file writes fail as a full disk would."""
+    from fastpersist import datafile
+
+    def full(*a: Any, **k: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    datafile.write = full  # type: ignore[assignment]
+
+
+def _die_in_writes() -> None:
+    """This rank is SIGKILLed as it starts writing its pieces."""
+    original = coordinator._write_pieces
+
+    def die(*a: Any, **k: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return original(*a, **k)
+
+    coordinator._write_pieces = die  # type: ignore[assignment]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

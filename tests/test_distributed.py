@@ -1,0 +1,244 @@
+"""Distributed save and load across torch.distributed (gloo) processes on this machine.
+
+Each test starts real rank processes (tests/helpers/dist_worker.py); "nodes"
+are simulated with FASTPERSIST_NODE, and node-local storage with a directory
+per node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist.checkpoint import read_manifest
+from fastpersist.cli import main as fpctl
+
+WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
+# Small pieces, so that the test state's tensors are cut over the writers.
+PIECES = str(64 << 10)
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="torch without distributed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(tmp_path: Path, scenario: str, nodes: list[str], args: dict[str, Any],
+            env: dict[str, str] | None = None, timeout: float = 120) -> list[dict[str, Any]]:
+    """Run len(nodes) ranks (rank r on node nodes[r]); their reports, by rank."""
+    out = tmp_path / f"out-{scenario}-{len(os.listdir(tmp_path))}"
+    out.mkdir()
+    port = _free_port()
+    procs = []
+    for rank, node in enumerate(nodes):
+        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(nodes)),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTPERSIST_NODE=node,
+                 FASTPERSIST_PIECE_BYTES=PIECES, OMP_NUM_THREADS="1", **(env or {}))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(out), json.dumps(args)], env=e,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a rank hung: {[q.args for q in procs]}") from None
+    reports = []
+    for rank in range(len(nodes)):
+        f = out / f"rank-{rank}.json"
+        reports.append(json.loads(f.read_text()) if f.exists() else {
+            "rank": rank, "missing": True, "returncode": procs[rank].returncode,
+            "log": logs[rank][-3000:]})
+    return reports
+
+
+def _ok(reports: list[dict[str, Any]]) -> None:
+    bad = [r for r in reports if not r.get("ok")]
+    assert not bad, json.dumps(bad, indent=1)[:6000]
+
+
+def _data_bytes_by_rank(ckpt: Path) -> dict[int, int]:
+    m = read_manifest(ckpt)
+    out: dict[int, int] = {}
+    by_file = {f.name: f for f in m.files}
+    for t in m.tensors:
+        rank = int(by_file[t.file].name.split("-r")[1].split("-")[0])
+        out[rank] = out.get(rank, 0) + t.length
+    return out
+
+
+def _unique_bytes(tp: bool) -> int:
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        import dist_worker
+    finally:
+        sys.path.pop(0)
+    tensors = list(dist_worker.full_tensors().values())
+    if tp:
+        tensors += list(dist_worker.sharded_tensors().values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _check_loaded(report: dict[str, Any], tp: bool) -> None:
+    assert report["ok"], report
+    assert report["step"] == 7 and report["name"] == "test-run"
+    bad = {k: v for k, v in report["tensors"].items() if not v["equal"]}
+    assert not bad, bad
+    assert len(report["tensors"]) == 7 + (2 if tp else 0)
+
+
+# --- pure data parallelism on shared storage ----------------------------------------------
+
+
+def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_path: Path) -> None:
+    ckpt = tmp_path / "shared" / "ckpt"
+    reports = run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
+                      {"path": str(ckpt), "saves": 2})
+    _ok(reports)
+    # The second save reused the cached plan on every rank.
+    assert [r["plans_made"] for r in reports] == [1, 1, 1, 1]
+    per_rank = _data_bytes_by_rank(ckpt)
+    unique = _unique_bytes(tp=False)
+    assert sum(per_rank.values()) == unique  # each unique byte exactly once
+    assert sorted(per_rank) == [0, 1, 2, 3]
+    quarter = unique / 4
+    assert all(abs(n - quarter) / quarter < 0.05 for n in per_rank.values()), per_rank
+    nodes = {0: per_rank[0] + per_rank[1], 1: per_rank[2] + per_rank[3]}
+    assert all(abs(n - unique / 2) / (unique / 2) < 0.05 for n in nodes.values()), nodes
+    # The plan's bytes are what landed on disk.
+    assert {int(k): v for k, v in reports[0]["plan_bytes"].items()} == per_rank
+    on_disk = sum(f.stat().st_size for f in ckpt.iterdir())
+    assert on_disk - unique < 64 << 10, "more than data + headers + manifest on disk"
+    assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".")], "staging left"
+
+    # Restore: one process (full tensors), and jobs of 2 and 4 ranks.
+    loaded = fastpersist.load(ckpt)
+    _check_loaded(_describe_here(loaded), tp=False)
+    for world in (2, 4):
+        for report in run_job(tmp_path, "load", ["n0"] * world, {"path": str(ckpt)}):
+            _check_loaded(report, tp=False)
+    assert fpctl(["verify", str(ckpt)]) == 0
+    # fpctl restore: one full torch.save file.
+    assert fpctl(["restore", str(ckpt), "--to", str(tmp_path / "full.pt")]) == 0
+    _check_loaded(_describe_here(torch.load(tmp_path / "full.pt")), tp=False)
+
+
+def _describe_here(obj: Any) -> dict[str, Any]:
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        import dist_worker
+    finally:
+        sys.path.pop(0)
+    return {**dist_worker.describe_loaded(obj), "ok": True}
+
+
+# --- two nodes with node-local disks -------------------------------------------------------
+
+
+def test_node_local_two_nodes_each_write_half_then_gather(tmp_path: Path) -> None:
+    base = tmp_path / "disks"
+    reports = run_job(tmp_path, "save", ["a", "a", "b", "b"],
+                      {"path": str(base / "{node}" / "ckpt"), "node_local": True})
+    _ok(reports)
+    unique = _unique_bytes(tp=False)
+    held = {}
+    for node in ("a", "b"):
+        d = base / node / "ckpt"
+        m = read_manifest(d)  # every node's directory carries the job manifest
+        mine = [f for f in m.files if f.node == node]
+        assert sorted(p.name for p in d.iterdir() if p.name != "manifest.json") == sorted(
+            f.name for f in mine)
+        held[node] = sum(t.length for t in m.tensors if t.file in {f.name for f in mine})
+    assert sum(held.values()) == unique
+    assert all(abs(n - unique / 2) / (unique / 2) < 0.05 for n in held.values()), held
+
+    # One node's directory alone cannot give whole tensors: a clear error.
+    with pytest.raises(fastpersist.CheckpointNotFoundError, match="fpctl gather"):
+        fastpersist.load(base / "a" / "ckpt")
+    assert fpctl(["gather", str(base / "a" / "ckpt"), str(base / "b" / "ckpt"),
+                  "--to", str(tmp_path / "gathered")]) == 0
+    _check_loaded(_describe_here(fastpersist.load(tmp_path / "gathered")), tp=False)
+
+
+# --- DP x TP with DTensors, and resharding on load -------------------------------------------
+
+
+def test_dp2_tp2_dtensors_save_and_reshard(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
+                {"path": str(ckpt), "dp": 2, "tp": 2}))
+    per_rank = _data_bytes_by_rank(ckpt)
+    unique = _unique_bytes(tp=True)
+    assert sum(per_rank.values()) == unique
+    assert all(abs(n - unique / 4) / (unique / 4) < 0.05 for n in per_rank.values()), per_rank
+    m = read_manifest(ckpt)
+    assert m.globals is not None
+    shapes = {g.name: g.shape for g in m.globals}
+    assert shapes["tp.rows"] == (64, 48) and shapes["tp.cols"] == (40, 64)
+
+    # One process: every tensor whole, DTensors as their global tensors.
+    _check_loaded(_describe_here(fastpersist.load(ckpt)), tp=True)
+    # Two ranks with the opposite sharding (rows column-sharded, cols row-sharded).
+    reports = run_job(tmp_path, "load", ["n0", "n0"], {"path": str(ckpt), "like": True})
+    for r in reports:
+        _check_loaded(r, tp=True)
+        assert r["tensors"]["tp.rows"]["dtensor"] and r["tensors"]["tp.rows"]["local_equal"]
+        assert r["tensors"]["tp.rows"]["local_shape"] == [64, 24]
+        assert r["tensors"]["tp.cols"]["local_shape"] == [20, 64]
+        assert r["tensors"]["tp.cols"]["local_equal"]
+    # And four.
+    for r in run_job(tmp_path, "load", ["n0"] * 4, {"path": str(ckpt), "like": True}):
+        _check_loaded(r, tp=True)
+        assert r["tensors"]["tp.rows"]["local_shape"] == [64, 12]
+
+
+# --- failures ---------------------------------------------------------------------------
+
+
+def test_a_failing_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    reports = run_job(tmp_path, "fail", ["n0", "n0", "n1", "n1"],
+                      {"path": str(ckpt), "fail_rank": 2})
+    errors = {r["error"] for r in reports}
+    assert len(errors) == 1, errors  # the same error everywhere
+    (error,) = errors
+    assert all(r["error_type"] == "DistributedCheckpointError" for r in reports)
+    assert "rank 2 (write)" in error and "no space left" in error.lower()
+    assert all(r["failures"] == {"2": reports[0]["failures"]["2"]} for r in reports)
+    assert not ckpt.exists()
+    assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"
+
+
+def test_a_rank_killed_mid_save_fails_the_others_after_the_timeout(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    reports = run_job(tmp_path, "die", ["n0", "n0", "n1", "n1"],
+                      {"path": str(ckpt), "die_rank": 1},
+                      env={"FASTPERSIST_DIST_TIMEOUT": "5"}, timeout=120)
+    assert reports[1].get("missing") and reports[1]["returncode"] == -9
+    for r in (reports[0], reports[2], reports[3]):
+        assert r["ok"] is False and r["error_type"] == "DistributedCheckpointError", r
+        assert "a rank may have died or hung" in r["error"]
+    assert not ckpt.exists()
+    assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"
+
+
+def test_ranks_that_share_storage_must_name_one_path(tmp_path: Path) -> None:
+    reports = run_job(tmp_path, "save", ["n0", "n1"], {"path": str(tmp_path / "ck-{node}")})
+    assert all(r["ok"] is False for r in reports)
+    assert all("shares its storage" in r["error"] for r in reports), reports
+    assert not list(tmp_path.glob("ck-*")) and not list(tmp_path.glob(".ck-*"))
