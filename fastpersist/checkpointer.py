@@ -26,7 +26,7 @@ import threading
 import warnings
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .api import MapLocation, load
 from .checkpoint import read_manifest
@@ -35,6 +35,9 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
 from .saver import SaveFuture, Saver
+
+if TYPE_CHECKING:
+    from .distributed.saver import DistributedSaver
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -65,11 +68,15 @@ class Checkpointer:
         (backpressure), so staging memory is at most max_in_flight snapshots.
     daemon: save through fastpersistd at this address (None: FASTPERSIST_DAEMON
         if set; "": in-process). `root` must lie under the daemon's --root.
+    process_group: a torch.distributed job (call save() on every rank; `root`
+        on storage they all see): distributed saves, each unique byte written
+        once; rank 0 moves `latest` and applies retention.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
                  keep_every: int | None = None, max_in_flight: int = 1,
-                 allow_pickle: bool = False, daemon: str | None = None) -> None:
+                 allow_pickle: bool = False, daemon: str | None = None,
+                 process_group: Any = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
@@ -79,10 +86,15 @@ class Checkpointer:
         self.keep_every = keep_every
         self.allow_pickle = allow_pickle
         address = current_knobs().daemon if daemon is None else daemon
-        if address:
+        self._saver: Saver | DistributedSaver
+        if process_group is not None:
+            from .distributed.saver import DistributedSaver
+
+            self._saver = DistributedSaver(process_group)
+        elif address:
             from .remote import RemoteSaver
 
-            self._saver: Saver = RemoteSaver(address, max_in_flight)
+            self._saver = RemoteSaver(address, max_in_flight)
         else:
             self._saver = Saver(max_in_flight)
         self._lock = threading.Lock()  # latest pointer and retention

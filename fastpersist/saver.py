@@ -359,7 +359,8 @@ def saver_for(daemon: str | None) -> Saver:
 
 
 def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
-               wait_for_snapshot: bool = True, daemon: str | None = None) -> SaveFuture:
+               wait_for_snapshot: bool = True, daemon: str | None = None,
+               process_group: Any = None, node_local: bool = False) -> SaveFuture:
     """Save `obj` to `path` in the background; returns once the snapshot is taken.
 
     On return every tensor has been copied into staging memory and the caller
@@ -374,6 +375,18 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     memory is shared with fastpersistd, which writes the checkpoint; once this
     returns (or wait_snapshot() does), the daemon commits it even if this
     process dies. `path` must lie under the daemon's --root.
+
+    With process_group (call it on every rank), a distributed save as in
+    fastpersist.save: each rank snapshots only the pieces it was assigned, and
+    the writes and the global commit run in the background (the next call
+    waits for them).
     """
+    if process_group is not None:
+        from .distributed.saver import saver_for as distributed_saver_for
+
+        return distributed_saver_for(process_group, node_local).save(
+            obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot)
+    if node_local:
+        raise ValueError("node_local=True needs process_group (a distributed save)")
     return saver_for(daemon).save(obj, path, allow_pickle=allow_pickle,
                                   wait_for_snapshot=wait_for_snapshot)

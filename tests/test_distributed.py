@@ -242,3 +242,56 @@ def test_ranks_that_share_storage_must_name_one_path(tmp_path: Path) -> None:
     assert all(r["ok"] is False for r in reports)
     assert all("shares its storage" in r["error"] for r in reports), reports
     assert not list(tmp_path.glob("ck-*")) and not list(tmp_path.glob(".ck-*"))
+
+
+# --- async_save and Checkpointer -------------------------------------------------------------
+
+
+def test_async_save_and_checkpointer_over_a_process_group(tmp_path: Path) -> None:
+    reports = run_job(tmp_path, "async", ["n0", "n0", "n1", "n1"], {"path": str(tmp_path)})
+    _ok(reports)
+    assert all(r["steps"] == [1, 2] for r in reports), reports  # keep_last=2, by rank 0
+    assert all(r["latest"] == str(tmp_path / "run" / "step-00000002") for r in reports)
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-00000002"
+    # What was saved is the state when each call returned, not the later changes.
+    _check_loaded(_describe_here(fastpersist.load(tmp_path / "single")), tp=False)
+    loaded = fastpersist.load(tmp_path / "run" / "step-00000002")
+    assert loaded["step"] == 2
+    expected = _full_tensors()
+    for k, t in loaded["model"].items():
+        assert torch.equal(t, expected[k] + 2), k
+    assert sum(_data_bytes_by_rank(tmp_path / "run" / "step-00000002").values()) == (
+        _unique_bytes(tp=False))
+
+
+def _full_tensors() -> dict[str, torch.Tensor]:
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        import dist_worker
+    finally:
+        sys.path.pop(0)
+    return dist_worker.full_tensors()
+
+
+# --- the schema-2 manifest refuses what does not fit ---------------------------------------
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d["globals"][0]["chunks"][0].update(tensor=10_000), "refers to tensor"),
+    (lambda d: d["globals"][0]["chunks"].pop(), "chunks hold"),
+    (lambda d: d["globals"][0]["chunks"][0].update(offsets=[10_000, 0]), "does not fit"),
+    (lambda d: d["globals"][0].update(dtype="F16"), "does not fit"),
+    (lambda d: d.update(schema_version=1), "needs schema version 2"),
+    (lambda d: d["files"][0].update(node=""), "'node' must be"),
+])
+def test_malformed_distributed_manifests_are_refused(tmp_path: Path, damage: Any,
+                                                     message: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    _ok(run_job(tmp_path, "save", ["n0", "n0"], {"path": str(ckpt)}))
+    doc = json.loads((ckpt / "manifest.json").read_text())
+    assert doc["schema_version"] == 2 and doc["globals"][0]["name"] == "model.embed"
+    assert len(doc["globals"][0]["chunks"]) > 1  # cut over the two writers
+    damage(doc)
+    (ckpt / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(fastpersist.ManifestError, match=message):
+        fastpersist.load(ckpt)

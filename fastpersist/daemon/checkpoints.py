@@ -502,7 +502,10 @@ class Service:
         finally:
             for view, _ in segments[1:]:
                 view.release()
-        self.metrics.write_seconds.observe(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.metrics.write_seconds.observe(seconds)
+        logs.debug("file-written", checkpoint=ck.id, file=name, bytes=job.nbytes,
+                   seconds=round(seconds, 4))
         assert result.crcs is not None
         size = job.data_start + job.nbytes
         with self._cond:

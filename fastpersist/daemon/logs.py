@@ -48,6 +48,10 @@ def event(level: int, name: str, **fields: Any) -> None:
     logger.log(level, name, extra={"fields": fields})
 
 
+def debug(name: str, **fields: Any) -> None:
+    event(logging.DEBUG, name, **fields)
+
+
 def info(name: str, **fields: Any) -> None:
     event(logging.INFO, name, **fields)
 

@@ -52,7 +52,7 @@ from ..knobs import current as current_knobs
 from ..plan import StoredTensor
 from ..snapshot import group_into_files
 from .describe import Held, describe, piece_source
-from .planner import Piece, Plan, PlanCache, RankInfo, layout_digest, make_plan
+from .planner import Item, Piece, Plan, PlanCache, RankInfo, layout_digest, make_plan
 
 T = TypeVar("T")
 
@@ -152,108 +152,160 @@ def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None
     path (ranks of one node the same); each node keeps the files its ranks
     wrote, and every node's directory carries the job manifest.
     """
-    co = coordinator_for(group)
-    knobs = current_knobs()
-    target = Path(os.path.abspath(os.fspath(path)))
-    staging: Staging | None = None
-    published = False
+    job = Save(coordinator_for(group), obj, path, node_local=node_local,
+               allow_pickle=allow_pickle)
+    job.prepare()
+    pieces = job.my_pieces()
+    job.finish([f.tensors for f in group_into_files(pieces, 0, current_knobs().file_bytes)])
 
-    def clean_up() -> None:
-        if staging is not None and not published:
-            staging.abort()
-        elif staging is not None and published and co.rank != 0:
-            delete_checkpoint(target)  # node-local: the job failed after this node published
 
-    phase = _Phase(co, clean_up)
+class Save:
+    """One distributed save, in two halves: prepare() (describe, plan, stage:
+    quick, in the caller) and finish() (write, commit: in the caller for save,
+    in the background for async_save). Every rank runs both halves of its
+    saves in the same order; a finish must end before the next prepare."""
 
-    # 1 describe
-    error = None
-    held: list[Held] = []
-    tree: Any = None
-    try:
-        tree, leaves = state.encode(obj, allow_pickle=allow_pickle, sharded=True)
-        for index, leaf in enumerate(leaves):
-            leaf.node["e"] = index
-        held = describe(leaves)
-        items = tuple(h.item for h in held)
-        me = (knobs.node, layout_digest(items), str(target))
-    except Exception as exc:
-        error = _failure(co.rank, "describe", exc)
-        me = (knobs.node, "", str(target))
-    phase.agree("describe", error)
-    everyone = phase.collective("describe", lambda: co.all_gather(me))
-    nodes = [n for n, _, _ in everyone]
-    domain = _domains(everyone, node_local)
-    _check_targets(everyone, domain, co.rank, phase)
+    def __init__(self, co: _Coordinator, obj: Any, path: str | os.PathLike[str], *,
+                 node_local: bool, allow_pickle: bool) -> None:
+        self.co = co
+        self.obj = obj
+        self.node_local = node_local
+        self.allow_pickle = allow_pickle
+        self.knobs = current_knobs()
+        self.target = Path(os.path.abspath(os.fspath(path)))
+        self.staging: Staging | None = None
+        self.published = False
+        self.phase = _Phase(co, self._clean_up)
 
-    # 2 plan (cached while no rank's layout changes)
-    key = [(n, lay) for n, lay, _ in everyone] + [("piece_bytes", str(knobs.piece_bytes))]
-    plan = co.cache.get([repr(k) for k in key])
-    if plan is None:
-        infos = phase.collective("plan", lambda: co.gather(items))
-        made: Plan | _Failure | None = None
-        if co.rank == 0:
-            assert infos is not None
+    def _clean_up(self) -> None:
+        if self.staging is not None and not self.published:
+            self.staging.abort()
+        elif self.staging is not None and self.published and self.co.rank != 0:
+            delete_checkpoint(self.target)  # node-local: the job failed after this node published
+
+    def prepare(self) -> None:
+        co, phase, knobs = self.co, self.phase, self.knobs
+        # 1 describe
+        error = None
+        self.held: list[Held] = []
+        items: tuple[Item, ...] = ()
+        try:
+            tree, leaves = state.encode(self.obj, allow_pickle=self.allow_pickle, sharded=True)
+            for index, leaf in enumerate(leaves):
+                leaf.node["e"] = index
+            self.tree = tree
+            self.held = describe(leaves)
+            items = tuple(h.item for h in self.held)
+            me = (knobs.node, layout_digest(items), str(self.target))
+        except Exception as exc:
+            error = _failure(co.rank, "describe", exc)
+            me = (knobs.node, "", str(self.target))
+        self.obj = None  # the tensors live on in self.held; the rest is in the tree
+        phase.agree("describe", error)
+        everyone = phase.collective("describe", lambda: co.all_gather(me))
+        self.nodes = [n for n, _, _ in everyone]
+        domain = _domains(everyone, self.node_local)
+        _check_targets(everyone, domain, phase)
+
+        # 2 plan (cached while no rank's layout changes)
+        key = [repr((n, lay)) for n, lay, _ in everyone] + [f"piece_bytes={knobs.piece_bytes}"]
+        plan = co.cache.get(key)
+        if plan is None:
+            infos = phase.collective("plan", lambda: co.gather(items))
+            made: Plan | _Failure | None = None
+            if co.rank == 0:
+                assert infos is not None
+                try:
+                    made = make_plan([RankInfo(r, self.nodes[r], tuple(infos[r]), everyone[r][1])
+                                      for r in range(co.size)],
+                                     min_piece_bytes=knobs.piece_bytes)
+                except CheckpointError as exc:
+                    made = _failure(0, "plan", exc)
+            result = phase.collective("plan", lambda: co.broadcast(made))
+            if isinstance(result, _Failure):
+                phase.agree("plan", result if co.rank == 0 else None)
+            assert isinstance(result, Plan)
+            plan = result
+            co.cache.put(key, plan)
+            co.plans_made += 1
+        self.plan = plan
+
+        # 3 stage: the first rank of each domain makes the directory
+        leaders = {d: min(r for r in range(co.size) if domain[r] == d) for d in set(domain)}
+        error, made_path = None, ""
+        if leaders[domain[co.rank]] == co.rank:
             try:
-                made = make_plan([RankInfo(r, nodes[r], tuple(infos[r]), key[r][1])
-                                  for r in range(co.size)], min_piece_bytes=knobs.piece_bytes)
-            except CheckpointError as exc:
-                made = _failure(0, "plan", exc)
-        result = phase.collective("plan", lambda: co.broadcast(made))
-        if isinstance(result, _Failure):
-            phase.agree("plan", result if co.rank == 0 else None)
-        assert isinstance(result, Plan)
-        plan = result
-        co.cache.put([repr(k) for k in key], plan)
-        co.plans_made += 1
+                self.staging = Staging.create(self.target)
+                made_path = str(self.staging.path)
+            except Exception as exc:
+                error = _failure(co.rank, "stage", exc)
+        phase.agree("stage", error)
+        paths = phase.collective("stage", lambda: co.all_gather(made_path))
+        self.directory = paths[leaders[domain[co.rank]]]
 
-    # 3 stage: the first rank of each domain makes the directory
-    leaders = {d: min(r for r in range(co.size) if domain[r] == d) for d in set(domain)}
-    error, made_path = None, ""
-    if leaders[domain[co.rank]] == co.rank:
-        try:
-            staging = Staging.create(target)
-            made_path = str(staging.path)
-        except Exception as exc:
-            error = _failure(co.rank, "stage", exc)
-    phase.agree("stage", error)
-    paths = phase.collective("stage", lambda: co.all_gather(made_path))
-    directory = paths[leaders[domain[co.rank]]]
+    def my_pieces(self) -> list[StoredTensor]:
+        """This rank's pieces, as tensors to write (views of the live state)."""
+        by_key = {h.item.key: h for h in self.held}
+        stored = []
+        for piece in self.plan.for_rank(self.co.rank):
+            h = by_key[piece.key]
+            if not _within(piece, h):
+                raise AssertionError(f"{piece.name}: planned from a box this rank does not hold")
+            stored.append(StoredTensor(piece.name, piece.dtype, piece.shape,
+                                       piece_source(h, piece)))
+        return stored
 
-    # 4 write this rank's pieces
-    error, written = None, None
-    try:
-        written = _write_pieces(plan, held, co.rank, directory, knobs.file_bytes,
-                                nodes[co.rank] if node_local else None)
-    except Exception as exc:
-        error = _failure(co.rank, "write", exc)
-    phase.agree("write", error)
-    gathered = phase.collective("write", lambda: co.gather(written))
+    def finish(self, files: list[list[StoredTensor]] | BaseException) -> None:
+        """Write this rank's files (or report why it has none) and commit."""
+        co, phase = self.co, self.phase
+        self.held = []
+        # 4 write this rank's pieces
+        error, written = None, None
+        try:
+            if isinstance(files, BaseException):
+                raise files
+            written = _write_files(files, co.rank, self.directory,
+                                   self.nodes[co.rank] if self.node_local else None)
+        except Exception as exc:
+            error = _failure(co.rank, "write", exc)
+        phase.agree("write", error)
+        gathered = phase.collective("write", lambda: co.gather(written))
 
-    # 5 commit
-    manifest: bytes | None = None
-    if co.rank == 0:
-        assert gathered is not None
-        manifest = _manifest(plan, tree, gathered)
-    manifest = phase.collective("commit", lambda: co.broadcast(manifest))
-    assert manifest is not None
-    # Other domains publish first; rank 0's domain publishes last: the commit point.
-    error = None
-    if staging is not None and co.rank != 0:
-        try:
-            staging.commit(manifest)
-            published = True
-        except Exception as exc:
-            error = _failure(co.rank, "commit", exc)
-    phase.agree("commit", error)
-    if staging is not None and co.rank == 0:
-        try:
-            staging.commit(manifest)
-            published = True
-        except Exception as exc:
-            error = _failure(co.rank, "commit", exc)
-    # Returns only once the checkpoint is durable everywhere (or raises everywhere).
-    phase.agree("commit", error)
+        # 5 commit
+        manifest: bytes | None = None
+        if co.rank == 0:
+            assert gathered is not None
+            manifest = _manifest(self.plan, self.tree, gathered)
+        manifest = phase.collective("commit", lambda: co.broadcast(manifest))
+        assert manifest is not None
+        # Other domains publish first; rank 0's domain publishes last: the commit point.
+        error = None
+        if self.staging is not None and co.rank != 0:
+            try:
+                self.staging.commit(manifest)
+                self.published = True
+            except Exception as exc:
+                error = _failure(co.rank, "commit", exc)
+        phase.agree("commit", error)
+        if self.staging is not None and co.rank == 0:
+            try:
+                self.staging.commit(manifest)
+                self.published = True
+            except Exception as exc:
+                error = _failure(co.rank, "commit", exc)
+        # Returns only once the checkpoint is durable everywhere (or raises everywhere).
+        phase.agree("commit", error)
+
+    def after_commit(self, fn: Callable[[Path], None]) -> None:
+        """Run fn(target) on rank 0 after the commit (Checkpointer: the `latest`
+        pointer, retention); every rank returns when it is done, or raises its error."""
+        error = None
+        if self.co.rank == 0:
+            try:
+                fn(self.target)
+            except Exception as exc:
+                error = _failure(0, "after commit", exc)
+        self.phase.agree("after commit", error)
 
 
 def _domains(everyone: list[tuple[str, str, str]], node_local: bool) -> list[str]:
@@ -261,7 +313,7 @@ def _domains(everyone: list[tuple[str, str, str]], node_local: bool) -> list[str
     return [node if node_local else "shared" for node, _, _ in everyone]
 
 
-def _check_targets(everyone: list[tuple[str, str, str]], domain: list[str], rank: int,
+def _check_targets(everyone: list[tuple[str, str, str]], domain: list[str],
                    phase: _Phase) -> None:
     """Ranks that share storage must name the same checkpoint directory."""
     first: dict[str, tuple[int, str]] = {}
@@ -275,32 +327,22 @@ def _check_targets(everyone: list[tuple[str, str, str]], domain: list[str], rank
             raise DistributedCheckpointError(f"distributed checkpoint failed: {msg}",
                                              {r: f"describe: {msg}"})
         first.setdefault(d, (r, target))
-    del rank
 
 
-def _write_pieces(plan: Plan, held: list[Held], rank: int, directory: str, file_bytes: int,
-                  node: str | None) -> list[tuple[FileRecord, list[TensorRecord]]]:
-    by_key = {h.item.key: h for h in held}
-    stored = []
-    for piece in plan.for_rank(rank):
-        h = by_key[piece.key]
-        if not _within(piece, h):
-            raise AssertionError(f"{piece.name}: planned from a box this rank does not hold")
-        stored.append(StoredTensor(piece.name, piece.dtype, piece.shape, piece_source(h, piece)))
+def _write_files(files: list[list[StoredTensor]], rank: int, directory: str,
+                 node: str | None) -> list[tuple[FileRecord, list[TensorRecord]]]:
     engine = get_engine()
     out = []
-    for n, file in enumerate(group_into_files(stored, 0, file_bytes)):
-        if not file.tensors:
-            continue
+    for n, tensors in enumerate(f for f in files if f):
         name = data_file_name(rank, n)
         try:
-            record, tensors = datafile.write(engine, directory, name, file.tensors)
+            record, records = datafile.write(engine, directory, name, tensors)
         except OSError as exc:
             raise os_error(exc, f"cannot write {name} of the checkpoint") from exc
         if node is not None:
             record = FileRecord(record.name, record.size, record.data_start,
                                 record.header_crc32c, node)
-        out.append((record, tensors))
+        out.append((record, records))
     return out
 
 
@@ -336,4 +378,4 @@ def _manifest(plan: Plan, tree: Any, gathered: list[Any]) -> bytes:
 
 
 
-__all__ = ["coordinator_for", "data_file_name", "save"]
+__all__ = ["Save", "coordinator_for", "data_file_name", "save"]

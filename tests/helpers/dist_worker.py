@@ -11,6 +11,8 @@ Scenarios:
     load       load a checkpoint; report checksums of what came back
     fail       save, with one rank's write failing (args["fail_rank"])
     die        save, with one rank killing itself in the write phase
+    async      async_save, then a Checkpointer (keep_last=2) over 3 steps; the
+               state is changed as soon as each call returns
 """
 
 from __future__ import annotations
@@ -140,6 +142,25 @@ def main() -> int:
             result["plans_made"] = co.plans_made
             result["plan_bytes"] = {str(r): n for r, n in co.cache.plan.bytes_per_rank().items()}  # type: ignore[union-attr]
             result["ok"] = True
+        elif scenario == "async":
+            state = build_state(args)
+            future = fastpersist.async_save(state, path + "/single", process_group=dist.group.WORLD)
+            _scribble(state)  # after the snapshot: must not reach the checkpoint
+            future.result()
+            ckpt = fastpersist.Checkpointer(path + "/run", keep_last=2,
+                                            process_group=dist.group.WORLD)
+            full = full_tensors()
+            for step in range(3):
+                for k, t in state["model"].items():
+                    t.copy_(full[k] + step)  # the state of step s is full + s
+                state["step"] = step
+                ckpt.save(step, state)
+                _scribble(state)
+            ckpt.close()
+            result["steps"] = ckpt.steps()
+            result["latest"] = str(ckpt.latest())
+            result["staging_bytes_after_close"] = ckpt.staging_bytes
+            result["ok"] = True
         elif scenario == "load":
             like = like_state(args) if args.get("like") else None
             obj = fastpersist.load(path, like=like)
@@ -156,6 +177,11 @@ def main() -> int:
     return 0
 
 
+def _scribble(state: dict[str, Any]) -> None:
+    for t in state["model"].values():
+        t.fill_(-7)
+
+
 def _fail_writes() -> None:
     """This rank's data-file writes fail as a full disk would."""
     from fastpersist import datafile
@@ -168,13 +194,13 @@ def _fail_writes() -> None:
 
 def _die_in_writes() -> None:
     """This rank is SIGKILLed as it starts writing its pieces."""
-    original = coordinator._write_pieces
+    original = coordinator._write_files
 
     def die(*a: Any, **k: Any) -> Any:
         os.kill(os.getpid(), signal.SIGKILL)
         return original(*a, **k)
 
-    coordinator._write_pieces = die  # type: ignore[assignment]
+    coordinator._write_files = die  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""Asynchronous distributed saves: async_save and Checkpointer with a process group.
+
+save() runs the quick half of a distributed save in the caller (describe,
+plan, stage: a few small collectives), copies this rank's pieces, and only
+those, into staging memory, and hands the rest (write, commit) to one
+background thread. The next save first waits for the previous one: every
+rank must run the job's collectives in the same order, and the background
+thread's and the caller's share one gloo group. That group is not the
+training group, so the background exchanges never block training collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from ..knobs import current as current_knobs
+from ..saver import SaveFuture
+from ..snapshot import StagedFile, group_into_files, stage_file
+from ..staging import StagingPool
+from .coordinator import Save, coordinator_for
+
+
+class DistributedSaver:
+    """The Saver interface (save, wait, close) for saves over a process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None, *, node_local: bool = False) -> None:
+        self.co = coordinator_for(group)
+        self.node_local = node_local
+        self._pool = StagingPool()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-dist-writer")
+        self._lock = threading.Lock()
+        self._futures: list[SaveFuture] = []
+        self._closed = False
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._pool.allocated_bytes
+
+    def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
+             wait_for_snapshot: bool = True,
+             on_commit: Callable[[Path], None] | None = None) -> SaveFuture:
+        if self._closed:
+            raise CheckpointError("this saver is closed")
+        self.raise_unobserved_failure()
+        self.wait()  # the previous save's collectives end before this one's begin
+        job = Save(self.co, obj, path, node_local=self.node_local, allow_pickle=allow_pickle)
+        future = SaveFuture(job.target)
+        job.prepare()  # raises the same error on every rank
+        staged: list[StagedFile] = []
+        files: list[StagedFile] | BaseException
+        try:
+            pieces = job.my_pieces()
+            pinned = any(t.source.device.type == "cuda" for t in pieces)
+            for file in group_into_files(pieces, 0, current_knobs().file_bytes):
+                buffer = self._pool.acquire(file.nbytes, 0, pinned)
+                staged.append(stage_file(file.tensors, buffer, pinned))
+            files = staged
+        except Exception as exc:
+            # The other ranks go on to write: this rank reports there, so that
+            # every rank fails the save together.
+            files = exc
+        future._staged = staged
+        future._snapshot_done.set()
+        with self._lock:
+            self._futures.append(future)
+        self._writer.submit(self._finish, job, files, future, on_commit)
+        if isinstance(files, BaseException):
+            future._observed = True
+            future._future.exception()  # the job's error, raised on every rank, names it
+            future.result()
+        if wait_for_snapshot:
+            future.wait_snapshot()
+        future.snapshot_seconds = time.perf_counter() - future._started
+        return future
+
+    def _finish(self, job: Save, files: list[StagedFile] | BaseException, future: SaveFuture,
+                on_commit: Callable[[Path], None] | None) -> None:
+        future._persist_started = time.perf_counter()
+        try:
+            if isinstance(files, list):
+                for f in files:
+                    f.wait_copied()
+            job.finish([f.tensors for f in files] if isinstance(files, list) else files)
+            if on_commit is not None:
+                # Rank 0 moves `latest` and applies retention; every rank returns after.
+                job.after_commit(on_commit)
+        except BaseException as exc:
+            future._future.set_exception(exc)
+        else:
+            future._future.set_result(None)
+        finally:
+            if isinstance(files, list):
+                for f in files:
+                    if f.buffer is not None:
+                        self._pool.release(f.buffer, f.pinned)
+            future.persist_seconds = time.perf_counter() - future._persist_started
+
+    def wait(self) -> None:
+        """Until every save so far has finished (either way)."""
+        with self._lock:
+            pending = list(self._futures)
+        for f in pending:
+            f._future.exception()
+
+    def raise_unobserved_failure(self) -> None:
+        with self._lock:
+            failed = [f for f in self._futures if f.done() and not f._observed
+                      and f._future.exception() is not None]
+            for f in failed:
+                f._observed = True
+            self._futures = [f for f in self._futures if not f.done()]
+        if failed:
+            exc = failed[0]._future.exception()
+            raise CheckpointError(f"an earlier async save to {failed[0].path} failed and "
+                                  f"nobody called its result(): {exc}") from exc
+
+    def close(self, *, abort: bool = False) -> None:
+        """Finish the save in flight (a distributed save cannot be abandoned by
+        one rank alone: abort waits too) and free the staging memory."""
+        del abort
+        self._closed = True
+        self.wait()
+        self._writer.shutdown(wait=True)
+        self._pool.clear()
+        self.raise_unobserved_failure()
+
+
+_savers: dict[tuple[Any, bool], DistributedSaver] = {}
+
+
+def saver_for(group: dist.ProcessGroup | None, node_local: bool) -> DistributedSaver:
+    key = (group if group is not None else "world", node_local)
+    saver = _savers.get(key)
+    if saver is None or saver._closed:
+        saver = _savers[key] = DistributedSaver(group, node_local=node_local)
+    return saver
