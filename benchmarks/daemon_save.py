@@ -11,7 +11,8 @@ Measures, interleaved within each repeat (medians reported):
 3. daemon memory: peak anonymous + file-backed RSS of the daemon process beyond its
    shared-memory staging (RssShmem), sampled every 20 ms (target <= 256 MiB);
 4. four clients at once (4 processes, a quarter of the state each) vs one client with all
-   of it: aggregate throughput (target: the same, >= ~0.9x).
+   of it: aggregate throughput (target: the same, >= ~0.9x). Each client's
+   OMP_NUM_THREADS is its share of the cores, as torchrun sets it.
 """
 
 from __future__ import annotations
@@ -146,10 +147,15 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 def concurrent(clients: int, total: int, root: Path, tag: str, env: dict[str, str]) -> float:
     """Aggregate bytes/s of `clients` processes saving total/clients bytes each at once."""
     go = root / f".go-{tag}"
+    # Each client gets its share of the cores for torch's intra-op threads, as
+    # torchrun arranges for several processes per node (OMP_NUM_THREADS=1):
+    # four processes spinning two OpenMP threads each on two cores halve the
+    # copy's speed, which measures the oversubscription, not the daemon.
+    threads = str(max(1, (os.cpu_count() or 1) // clients))
     procs = [subprocess.Popen(
         [sys.executable, "-c", CLIENT, str(HERE), str(total // clients), str(100 + c),
-         str(root / f"{tag}-client{c}"), str(go)], stdout=subprocess.PIPE, text=True, env=env)
-        for c in range(clients)]
+         str(root / f"{tag}-client{c}"), str(go)], stdout=subprocess.PIPE, text=True,
+        env=dict(env, OMP_NUM_THREADS=threads)) for c in range(clients)]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     go.touch()

@@ -62,7 +62,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     if address:
         from .remote import remote_saver
 
-        remote_saver(address).save(obj, path, allow_pickle=allow_pickle).result()
+        remote_saver(address).save(obj, path, allow_pickle=allow_pickle,
+                                   overlap_writes=True).result()
         return
     target = Path(os.path.abspath(os.fspath(path)))
     tree, leaves = state.encode(obj, allow_pickle=allow_pickle)

@@ -190,8 +190,27 @@ class RemoteSaver(Saver):
 
     # -- caller side ------------------------------------------------------
 
+    def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
+             wait_for_snapshot: bool = True, on_commit: Callable[[Path], None] | None = None,
+             overlap_writes: bool = False) -> SaveFuture:
+        """See Saver.save. overlap_writes: let the daemon write each file while
+        the next is copied (fastpersist.save, whose caller waits for the whole
+        save anyway). Otherwise, when the whole snapshot fits the staging budget,
+        files are handed over once the copy is done, so that the daemon's writes
+        do not compete with the caller's copy for cores and memory bandwidth:
+        the stall is the copy, and the writes follow in the background."""
+        if self._closed:
+            raise CheckpointError("this Saver is closed")
+        self._saving_in = threading.get_ident()
+        try:
+            return self._save(obj, path, allow_pickle, wait_for_snapshot, on_commit,
+                              overlap_writes)
+        finally:
+            self._saving_in = None
+
     def _save(self, obj: Any, path: str | os.PathLike[str], allow_pickle: bool,
-              wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None) -> SaveFuture:
+              wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None,
+              overlap_writes: bool = False) -> SaveFuture:
         self.raise_unobserved_failure()
         target = Path(os.path.abspath(os.fspath(path)))
         relative = self.client.relative(target)
@@ -215,6 +234,10 @@ class RemoteSaver(Saver):
         self._jobs.put(job)
         pinned = torch.cuda.is_available() and any(t.source.device.type == "cuda"
                                                    for t in stored)
+        # Without a budget nothing waits for a write to free memory, so the
+        # hand-over may wait for the end of the copy (see save()).
+        deferred: list[tuple[int, StagedFile, None]] | None = (
+            [] if not overlap_writes and not budget else None)
         try:
             for index, file in enumerate(files):
                 if not file.staged:
@@ -225,7 +248,12 @@ class RemoteSaver(Saver):
                 buffer = self._pool.acquire(file.nbytes, budget, pinned)
                 staged = stage_file(file.tensors, buffer, pinned)
                 future._staged.append(staged)
-                job.handoff.put((index, staged, None))
+                if deferred is not None:
+                    deferred.append((index, staged, None))
+                else:
+                    job.handoff.put((index, staged, None))
+            for item in deferred or ():
+                job.handoff.put(item)
         except BaseException as exc:
             job.handoff.put(exc)  # the writer aborts the checkpoint
             future._observed = True
