@@ -32,6 +32,7 @@ import torch
 
 import fastpersist
 from fastpersist.daemon_client import DaemonClient
+from fastpersist.saver import default_saver
 
 
 def cuda_state(nbytes: int) -> dict[str, object]:
@@ -110,7 +111,8 @@ def check_daemon(root: Path, big: dict[str, object], floor: float, failures: lis
             shutil.rmtree(droot / f"stall-{i}")
         stall = statistics.median(stalls)
         print(f"INFO  daemon: async_save stall {stall * 1000:.1f} ms = {stall / floor:.2f}x the "
-              f"D2H floor; persist {statistics.median(persists):.2f} s")
+              f"D2H floor (samples {', '.join(f'{s * 1000:.0f}' for s in stalls)} ms); "
+              f"persist {statistics.median(persists):.2f} s")
     finally:
         proc.terminate()
         proc.wait(120)
@@ -169,7 +171,9 @@ def main() -> int:
         shutil.rmtree(root / f"stall-{i}")
     floor, stall = statistics.median(floors), statistics.median(stalls)
     print(f"INFO  D2H floor {floor * 1000:.1f} ms ({nbytes / floor / 1e9:.1f} GB/s pinned); "
-          f"async_save stall {stall * 1000:.1f} ms = {stall / floor:.2f}x the floor")
+          f"async_save stall {stall * 1000:.1f} ms = {stall / floor:.2f}x the floor "
+          f"(samples {', '.join(f'{s * 1000:.0f}' for s in stalls)} ms; staging "
+          f"{default_saver().staging_bytes / 2**30:.2f} GiB)")
 
     if not args.no_daemon:
         check_daemon(root, big, floor, failures)
