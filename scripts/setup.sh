@@ -20,8 +20,13 @@ fi
 pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "BuildBackendWarning\|^ *!!\|^ *\*\|Please be careful\|name as your package\|with strategy\|^\s*$" || true
 python -c "import fastpersist._engine" || { echo "setup: the C engine did not build" >&2; exit 1; }
 
-# The ENOSPC tests mount small ext4 images; install mkfs.ext4 where we may.
-if ! command -v mkfs.ext4 >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    (apt-get update -qq && apt-get install -y -qq e2fsprogs >/dev/null) || \
-        echo "setup: could not install e2fsprogs; the ext4 ENOSPC tests will skip" >&2
+# The ENOSPC tests mount small ext4 images (mkfs.ext4); the deploy/ tests run
+# systemd-analyze and systemd-sysusers on the unit. Install them where we may.
+missing=()
+command -v mkfs.ext4 >/dev/null || missing+=(e2fsprogs)
+command -v systemd-analyze >/dev/null || missing+=(systemd)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends "${missing[@]}" >/dev/null) || \
+        echo "setup: could not install ${missing[*]}; the tests that need them will skip" >&2
 fi

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -372,12 +373,17 @@ def test_many_saves_do_not_grow_memory_or_fds(tmp_path: Path, engine_name: str) 
             ckpt.save(step, state).result()
             if step >= 5:  # after warm-up
                 samples.append((rss_bytes(), open_fds(), ckpt.staging_bytes))
-        rss0, fds0, staging0 = samples[0]
+        _, fds0, staging0 = samples[0]
         assert staging0 == 8 * MIB
-        for rss, fds, staging in samples:
+        for _, fds, staging in samples:
             assert staging == staging0
             assert fds == fds0
-            assert rss - rss0 < 6 * MIB, f"RSS grew by {(rss - rss0) / MIB:.1f} MiB"
+        # A leak grows with the saves; one allocator step (a malloc arena, on a
+        # busy machine) does not: compare the typical RSS early and late.
+        third = len(samples) // 3
+        early = statistics.median(rss for rss, _, _ in samples[:third])
+        late = statistics.median(rss for rss, _, _ in samples[-third:])
+        assert late - early < 6 * MIB, f"RSS grew by {(late - early) / MIB:.1f} MiB"
         assert_same(ckpt.load_latest(), state)
         assert ckpt.steps() == [34, 35]
 

@@ -237,6 +237,16 @@ def test_a_rank_killed_mid_save_fails_the_others_after_the_timeout(tmp_path: Pat
     assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"
 
 
+def test_ranks_with_different_states_are_refused_on_every_rank(tmp_path: Path) -> None:
+    reports = run_job(tmp_path, "mismatch", ["n0", "n0", "n1"],
+                      {"path": str(tmp_path / "ckpt"), "odd_rank": 2})
+    assert {r.get("error_type") for r in reports} == {"DistributedCheckpointError"}, reports
+    assert len({r["error"] for r in reports}) == 1
+    assert "rank 0 (plan)" in reports[0]["error"] and "rank 2 and rank 0 disagree" in (
+        reports[0]["error"]), reports[0]["error"]
+    assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt.fp-*"))
+
+
 def test_ranks_that_share_storage_must_name_one_path(tmp_path: Path) -> None:
     reports = run_job(tmp_path, "save", ["n0", "n1"], {"path": str(tmp_path / "ck-{node}")})
     assert all(r["ok"] is False for r in reports)

@@ -279,22 +279,20 @@ class Save:
         manifest = phase.collective("commit", lambda: co.broadcast(manifest))
         assert manifest is not None
         # Other domains publish first; rank 0's domain publishes last: the commit point.
-        error = None
-        if self.staging is not None and co.rank != 0:
-            try:
-                self.staging.commit(manifest)
-                self.published = True
-            except Exception as exc:
-                error = _failure(co.rank, "commit", exc)
-        phase.agree("commit", error)
-        if self.staging is not None and co.rank == 0:
-            try:
-                self.staging.commit(manifest)
-                self.published = True
-            except Exception as exc:
-                error = _failure(co.rank, "commit", exc)
+        phase.agree("commit", self._publish(manifest) if co.rank != 0 else None)
         # Returns only once the checkpoint is durable everywhere (or raises everywhere).
-        phase.agree("commit", error)
+        phase.agree("commit", self._publish(manifest) if co.rank == 0 else None)
+
+    def _publish(self, manifest: bytes) -> _Failure | None:
+        """Commit this domain's staging directory, if this rank made it."""
+        if self.staging is None:
+            return None
+        try:
+            self.staging.commit(manifest)
+        except Exception as exc:
+            return _failure(self.co.rank, "commit", exc)
+        self.published = True
+        return None
 
     def after_commit(self, fn: Callable[[Path], None]) -> None:
         """Run fn(target) on rank 0 after the commit (Checkpointer: the `latest`

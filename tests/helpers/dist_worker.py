@@ -11,6 +11,7 @@ Scenarios:
     load       load a checkpoint; report checksums of what came back
     fail       save, with one rank's write failing (args["fail_rank"])
     die        save, with one rank killing itself in the write phase
+    mismatch   save, with one rank holding a tensor the others do not
     async      async_save, then a Checkpointer (keep_last=2) over 3 steps; the
                state is changed as soon as each call returns
 """
@@ -129,12 +130,14 @@ def main() -> int:
     result: dict[str, Any] = {"rank": rank, "node": os.environ.get("FASTPERSIST_NODE")}
     path = args["path"].format(node=os.environ.get("FASTPERSIST_NODE", ""))
     try:
-        if scenario in ("save", "fail", "die"):
+        if scenario in ("save", "fail", "die", "mismatch"):
             if scenario == "fail" and rank == args["fail_rank"]:
                 _fail_writes()
             if scenario == "die" and rank == args["die_rank"]:
                 _die_in_writes()
             state = build_state(args)
+            if scenario == "mismatch" and rank == args["odd_rank"]:
+                state["model"]["extra"] = torch.zeros(3)  # a state the others do not have
             for _ in range(args.get("saves", 1)):
                 fastpersist.save(state, path, process_group=dist.group.WORLD,
                                  node_local=args.get("node_local", False))
