@@ -305,3 +305,16 @@ def test_malformed_distributed_manifests_are_refused(tmp_path: Path, damage: Any
     (ckpt / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(fastpersist.ManifestError, match=message):
         fastpersist.load(ckpt)
+
+
+def test_the_torchrun_example_runs(tmp_path: Path) -> None:
+    """README: torchrun --nproc-per-node 4 examples/dist_train.py (2 ranks here)."""
+    example = Path(__file__).parent.parent / "examples" / "dist_train.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), str(example), "--root", str(tmp_path / "ck"),
+         "--steps", "4", "--every", "2"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "bit-exact on all: True" in out.stdout, out.stdout
+    assert "checkpoints kept: [2, 3]" in out.stdout, out.stdout
