@@ -133,6 +133,11 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
         for report in run_job(tmp_path, "load", ["n0"] * world, {"path": str(ckpt)}):
             _check_loaded(report, tp=False)
     assert fpctl(["verify", str(ckpt)]) == 0
+    from fastpersist.cli.inspecting import describe
+    info = describe(ckpt, read_manifest(ckpt))
+    assert [g["name"] for g in info["globals"]] == [f"model.{k}" for k in (
+        "embed", "big", "w1", "b1", "scalar", "empty", "ids")]
+    assert info["totals"]["tensors"] > len(info["globals"])  # big ones cut into chunks
     # fpctl restore: one full torch.save file.
     assert fpctl(["restore", str(ckpt), "--to", str(tmp_path / "full.pt")]) == 0
     _check_loaded(_describe_here(torch.load(tmp_path / "full.pt")), tp=False)

@@ -84,7 +84,8 @@ def describe(path: Path, manifest: Manifest) -> dict[str, Any]:
         "fastpersist_version": manifest.fastpersist_version,
         "created_unix": manifest.created_unix,
         "files": [{"name": f.name, "size": f.size, "data_start": f.data_start,
-                   "header_crc32c": f"{f.header_crc32c:08x}"} for f in manifest.files],
+                   "header_crc32c": f"{f.header_crc32c:08x}",
+                   **({"node": f.node} if f.node else {})} for f in manifest.files],
         "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                      "bytes": t.length, "file": t.file, "offset": t.offset,
                      "crc32c": f"{t.crc32c:08x}", "encoding": t.encoding}
@@ -92,6 +93,9 @@ def describe(path: Path, manifest: Manifest) -> dict[str, Any]:
         "totals": {"files": len(manifest.files), "tensors": len(manifest.tensors),
                    "tensor_bytes": manifest.tensor_bytes, "bytes": manifest.total_bytes},
         "tree": tree_summary(manifest),
+        **({"globals": [{"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
+                         "chunks": len(g.chunks)} for g in manifest.globals]}
+           if manifest.globals is not None else {}),
     }
 
 
@@ -123,6 +127,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     tree = info["tree"]
     print(f"tree: {tree['type']}, {tree['tensor_refs']} tensor references"
           + (f", {tree['pickled_values']} pickled values" if tree["pickled_values"] else ""))
+    if "globals" in info:
+        nodes = sorted({f["node"] for f in info["files"] if "node" in f})
+        print(f"distributed: {len(info['globals'])} job tensors stored as {totals['tensors']} "
+              "chunks" + (f"; node-local files on {', '.join(nodes)}" if nodes else ""))
     for item in tree.get("keys", []):
         print(f"  {item['key']}: {item['value']}")
     return EXIT_OK

@@ -72,7 +72,9 @@ def _checkpoint_entry(path: Path) -> Entry:
         return Entry(path.name, str(path), f"corrupt: {reason}", _disk_usage(path), None, None)
     except CheckpointError as exc:
         return Entry(path.name, str(path), f"unreadable: {exc}", None, None, None)
-    return Entry(path.name, str(path), "committed", m.total_bytes, len(m.tensors), m.created_unix)
+    # A distributed checkpoint's tensors are its job tensors, not their chunks.
+    count = len(m.globals) if m.globals is not None else len(m.tensors)
+    return Entry(path.name, str(path), "committed", m.total_bytes, count, m.created_unix)
 
 
 def list_entries(root: Path) -> list[Entry]:
