@@ -99,7 +99,8 @@ def _check_loaded(report: dict[str, Any], tp: bool) -> None:
     assert report["step"] == 7 and report["name"] == "test-run"
     bad = {k: v for k, v in report["tensors"].items() if not v["equal"]}
     assert not bad, bad
-    assert len(report["tensors"]) == 7 + (2 if tp else 0)
+    assert len(report["tensors"]) == 8 + (2 if tp else 0)
+    assert report["tied"], "tied weights came back as two tensors"
 
 
 # --- pure data parallelism on shared storage ----------------------------------------------
@@ -273,6 +274,8 @@ def test_async_save_and_checkpointer_over_a_process_group(tmp_path: Path) -> Non
     loaded = fastpersist.load(tmp_path / "run" / "step-00000002")
     assert loaded["step"] == 2
     expected = _full_tensors()
+    expected["tied"] = expected["embed"]
+    assert loaded["model"]["tied"] is loaded["model"]["embed"]
     for k, t in loaded["model"].items():
         assert torch.equal(t, expected[k] + 2), k
     assert sum(_data_bytes_by_rank(tmp_path / "run" / "step-00000002").values()) == (

@@ -51,6 +51,7 @@ from ..format.manifest import (
 from ..knobs import current as current_knobs
 from ..plan import StoredTensor
 from ..snapshot import group_into_files
+from ..state import TensorLeaf
 from .describe import Held, describe, piece_source
 from .planner import Item, Piece, Plan, PlanCache, RankInfo, layout_digest, make_plan
 
@@ -191,10 +192,8 @@ class Save:
         items: tuple[Item, ...] = ()
         try:
             tree, leaves = state.encode(self.obj, allow_pickle=self.allow_pickle, sharded=True)
-            for index, leaf in enumerate(leaves):
-                leaf.node["e"] = index
             self.tree = tree
-            self.held = describe(leaves)
+            self.held = describe(_unaliased(leaves))
             items = tuple(h.item for h in self.held)
             me = (knobs.node, layout_digest(items), str(self.target))
         except Exception as exc:
@@ -304,6 +303,27 @@ class Save:
             except Exception as exc:
                 error = _failure(0, "after commit", exc)
         self.phase.agree("after commit", error)
+
+
+def _unaliased(leaves: list[TensorLeaf]) -> list[TensorLeaf]:
+    """Number the tree's tensors (node["e"]); a tensor that appears under several
+    keys (tied weights) is stored once, under its first key, and every key
+    refers to it, so load gives back one tensor. (Different views of one
+    storage are stored separately, each its own bytes.)"""
+    first: dict[tuple[Any, ...], int] = {}
+    unique: list[TensorLeaf] = []
+    for leaf in leaves:
+        t = leaf.tensor
+        same = None if leaf.node.get("sharded") or t.numel() == 0 else (
+            str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if same is not None and same in first:
+            leaf.node["e"] = first[same]
+            continue
+        leaf.node["e"] = len(unique)
+        if same is not None:
+            first[same] = len(unique)
+        unique.append(leaf)
+    return unique
 
 
 def _domains(everyone: list[tuple[str, str, str]], node_local: bool) -> list[str]:

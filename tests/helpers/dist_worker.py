@@ -60,6 +60,7 @@ def sharded_tensors() -> dict[str, torch.Tensor]:
 
 def build_state(args: dict[str, Any]) -> dict[str, Any]:
     state: dict[str, Any] = {"model": full_tensors(), "step": 7, "name": "test-run"}
+    state["model"]["tied"] = state["model"]["embed"]  # tied weights: stored once
     if args.get("tp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -82,7 +83,9 @@ def like_state(args: dict[str, Any]) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     s = sharded_tensors()
     # The opposite of how they were saved: rows column-sharded, cols row-sharded.
-    return {"model": full_tensors(), "step": 0, "name": "",
+    model = full_tensors()
+    model["tied"] = model["embed"]
+    return {"model": model, "step": 0, "name": "",
             "tp": {"rows": distribute_tensor(s["rows"] * 0, mesh, [Shard(1)]),
                    "cols": distribute_tensor(s["cols"] * 0, mesh, [Shard(0)])}}
 
@@ -95,8 +98,10 @@ def digest(t: torch.Tensor) -> str:
 def describe_loaded(obj: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    out: dict[str, Any] = {"step": obj["step"], "name": obj["name"], "tensors": {}}
+    out: dict[str, Any] = {"step": obj["step"], "name": obj["name"], "tensors": {},
+                           "tied": obj["model"].get("tied") is obj["model"]["embed"]}
     expected = full_tensors()
+    expected["tied"] = expected["embed"]
     for k, t in obj["model"].items():
         out["tensors"][f"model.{k}"] = {
             "equal": bool(t.dtype == expected[k].dtype and t.shape == expected[k].shape
@@ -154,8 +159,8 @@ def main() -> int:
                                             process_group=dist.group.WORLD)
             full = full_tensors()
             for step in range(3):
-                for k, t in state["model"].items():
-                    t.copy_(full[k] + step)  # the state of step s is full + s
+                for k, t in full.items():
+                    state["model"][k].copy_(t + step)  # the state of step s is full + s
                 state["step"] = step
                 ckpt.save(step, state)
                 _scribble(state)
