@@ -28,6 +28,7 @@ import datetime
 import os
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,8 @@ class Save:
         self.node_local = node_local
         self.allow_pickle = allow_pickle
         self.knobs = current_knobs()
+        if self.knobs.daemon:
+            _warn_daemon_unused(self.knobs.daemon)
         self.target = Path(os.path.abspath(os.fspath(path)))
         self.staging: Staging | None = None
         self.published = False
@@ -303,6 +306,18 @@ class Save:
             except Exception as exc:
                 error = _failure(0, "after commit", exc)
         self.phase.agree("after commit", error)
+
+
+_warned_daemon = False
+
+
+def _warn_daemon_unused(address: str) -> None:
+    global _warned_daemon
+    if not _warned_daemon:
+        _warned_daemon = True
+        warnings.warn(f"FASTPERSIST_DAEMON={address} is set, but distributed saves write "
+                      "in-process: each rank writes its own files (the daemon is not used "
+                      "for them yet)", RuntimeWarning, stacklevel=4)
 
 
 def _unaliased(leaves: list[TensorLeaf]) -> list[TensorLeaf]:
