@@ -140,9 +140,41 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
     assert [g["name"] for g in info["globals"]] == [f"model.{k}" for k in (
         "embed", "big", "w1", "b1", "scalar", "empty", "ids")]
     assert info["totals"]["tensors"] > len(info["globals"])  # big ones cut into chunks
+    _check_partial_reads(ckpt)
     # fpctl restore: one full torch.save file.
     assert fpctl(["restore", str(ckpt), "--to", str(tmp_path / "full.pt")]) == 0
     _check_loaded(_describe_here(torch.load(tmp_path / "full.pt")), tp=False)
+
+
+def _check_partial_reads(ckpt: Path) -> None:
+    """A box of a global tensor is built from the chunks that overlap it, and
+    only those are read."""
+    from fastpersist import checkpoint
+    from fastpersist.distributed import restore
+
+    m = read_manifest(ckpt)
+    assert m.globals is not None
+    index = next(i for i, g in enumerate(m.globals) if g.name == "model.embed")
+    g = m.globals[index]
+    rows = sorted((c.offsets[0], m.tensors[c.tensor].shape[0], c.tensor) for c in g.chunks)
+    assert len(rows) >= 4
+    # Rows from inside the second chunk to inside the third.
+    lo, hi = rows[1][0] + 1, rows[2][0] + 2
+    box = ((lo, 0), (hi - lo, g.shape[1]))
+    read: list[str] = []
+    original = checkpoint.read_tensors
+
+    def spy(path: Path, manifest: Any, *a: Any, **k: Any) -> Any:
+        read.extend(t.name for t in manifest.tensors)
+        return original(path, manifest, *a, **k)
+
+    checkpoint.read_tensors = spy  # type: ignore[assignment]
+    try:
+        got = restore.read_boxes(ckpt, m, {index: box}, verify=True)[index]
+    finally:
+        checkpoint.read_tensors = original  # type: ignore[assignment]
+    assert sorted(read) == sorted(m.tensors[r[2]].name for r in rows[1:3]), read
+    assert torch.equal(got, _full_tensors()["embed"][lo:hi])
 
 
 def _describe_here(obj: Any) -> dict[str, Any]:
