@@ -276,6 +276,22 @@ def test_a_rank_killed_mid_save_fails_the_others_after_the_timeout(tmp_path: Pat
     assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"
 
 
+@pytest.mark.parametrize("fail_rank", [2, 0], ids=["other-node-first", "rank0-last"])
+def test_a_failed_publish_leaves_nothing_on_any_node(tmp_path: Path, fail_rank: int) -> None:
+    """Node-local: node b (rank 2) publishes before rank 0's node. If b fails,
+    nothing is published; if rank 0 fails after b published, b takes its part back."""
+    base = tmp_path / "disks"
+    reports = run_job(tmp_path, "fail_commit", ["a", "a", "b", "b"],
+                      {"path": str(base / "{node}" / "ckpt"), "node_local": True,
+                       "fail_rank": fail_rank})
+    assert {r.get("error_type") for r in reports} == {"DistributedCheckpointError"}, reports
+    assert len({r["error"] for r in reports}) == 1
+    assert f"rank {fail_rank} (commit)" in reports[0]["error"], reports[0]["error"]
+    for node in ("a", "b"):
+        left = sorted(os.listdir(base / node)) if (base / node).exists() else []
+        assert left == [], f"node {node}: {left}"
+
+
 def test_ranks_with_different_states_are_refused_on_every_rank(tmp_path: Path) -> None:
     reports = run_job(tmp_path, "mismatch", ["n0", "n0", "n1"],
                       {"path": str(tmp_path / "ckpt"), "odd_rank": 2})

@@ -12,6 +12,7 @@ Scenarios:
     fail       save, with one rank's write failing (args["fail_rank"])
     die        save, with one rank killing itself in the write phase
     mismatch   save, with one rank holding a tensor the others do not
+    fail_commit  save, with one rank's publishing of its directory failing
     async      async_save, then a Checkpointer (keep_last=2) over 3 steps; the
                state is changed as soon as each call returns
 """
@@ -135,9 +136,11 @@ def main() -> int:
     result: dict[str, Any] = {"rank": rank, "node": os.environ.get("FASTPERSIST_NODE")}
     path = args["path"].format(node=os.environ.get("FASTPERSIST_NODE", ""))
     try:
-        if scenario in ("save", "fail", "die", "mismatch"):
+        if scenario in ("save", "fail", "die", "mismatch", "fail_commit"):
             if scenario == "fail" and rank == args["fail_rank"]:
                 _fail_writes()
+            if scenario == "fail_commit" and rank == args["fail_rank"]:
+                _fail_commits()
             if scenario == "die" and rank == args["die_rank"]:
                 _die_in_writes()
             state = build_state(args)
@@ -198,6 +201,16 @@ def _fail_writes() -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     datafile.write = full  # type: ignore[assignment]
+
+
+def _fail_commits() -> None:
+    """This rank's commit of its staging directory fails as an I/O error would."""
+    from fastpersist.commit import Staging
+
+    def broken(self: Any, manifest: bytes) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    Staging.commit = broken  # type: ignore[method-assign]
 
 
 def _die_in_writes() -> None:
