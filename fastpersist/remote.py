@@ -199,14 +199,8 @@ class RemoteSaver(Saver):
         files are handed over once the copy is done, so that the daemon's writes
         do not compete with the caller's copy for cores and memory bandwidth:
         the stall is the copy, and the writes follow in the background."""
-        if self._closed:
-            raise CheckpointError("this Saver is closed")
-        self._saving_in = threading.get_ident()
-        try:
-            return self._save(obj, path, allow_pickle, wait_for_snapshot, on_commit,
-                              overlap_writes)
-        finally:
-            self._saving_in = None
+        return self._entered(lambda: self._save(obj, path, allow_pickle, wait_for_snapshot,
+                                                on_commit, overlap_writes))
 
     def _save(self, obj: Any, path: str | os.PathLike[str], allow_pickle: bool,
               wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None,

@@ -111,11 +111,17 @@ class Saver:
              on_commit: Callable[[Path], None] | None = None) -> SaveFuture:
         """See async_save. on_commit(path) runs on the writer thread after the
         commit and before the future resolves; its failure fails the future."""
+        return self._entered(lambda: self._save(obj, path, allow_pickle, wait_for_snapshot,
+                                                on_commit))
+
+    def _entered(self, save: Callable[[], SaveFuture]) -> SaveFuture:
+        """Run one save() call: refused once closed, and marked as running on this
+        thread (see close())."""
         if self._closed:
             raise CheckpointError("this Saver is closed")
         self._saving_in = threading.get_ident()
         try:
-            return self._save(obj, path, allow_pickle, wait_for_snapshot, on_commit)
+            return save()
         finally:
             self._saving_in = None
 
@@ -222,17 +228,8 @@ class Saver:
     def raise_unobserved_failure(self) -> None:
         """Raise the failure of a finished save whose result nobody looked at."""
         with self._lock:
-            failed = [f for f in self._in_flight if f.done() and not f._observed
-                      and f._future.exception() is not None]
-            for f in failed:
-                f._observed = True
-            self._in_flight = [f for f in self._in_flight if not f.done()]
-        if failed:
-            exc = failed[0]._future.exception()
-            raise CheckpointError(
-                f"an earlier async save to {failed[0].path} failed and nobody called its "
-                f"result(): {exc}"
-            ) from exc
+            self._in_flight, failed = take_unobserved_failure(self._in_flight)
+        raise_failure_of(failed)
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -295,6 +292,27 @@ class Saver:
         assert future._persist_started is not None
         future.persist_seconds = time.perf_counter() - future._persist_started
         future._future.set_exception(exc)
+
+
+def take_unobserved_failure(futures: list[SaveFuture]
+                            ) -> tuple[list[SaveFuture], SaveFuture | None]:
+    """The saves still running, and the first finished one that failed without
+    anybody looking (marked as looked at now, so it is reported once)."""
+    failed = [f for f in futures if f.done() and not f._observed
+              and f._future.exception() is not None]
+    for f in failed:
+        f._observed = True
+    return [f for f in futures if not f.done()], failed[0] if failed else None
+
+
+def raise_failure_of(failed: SaveFuture | None) -> None:
+    """Raise an unobserved failure (take_unobserved_failure) in the caller's thread."""
+    if failed is not None:
+        exc = failed._future.exception()
+        raise CheckpointError(
+            f"an earlier async save to {failed.path} failed and nobody called its "
+            f"result(): {exc}"
+        ) from exc
 
 
 def _drain(files: queue.Queue[Any], pool: StagingPool) -> None:

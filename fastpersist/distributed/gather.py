@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..checkpoint import read_manifest
-from ..commit import Staging, os_error
+from ..commit import Staging, fsync_file, os_error
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 
@@ -52,11 +52,7 @@ def gather(sources: list[Path], to: Path) -> int:
         for name, src in where.items():
             dst = staging.path / name
             shutil.copyfile(src, dst)
-            fd = os.open(dst, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(dst)
             copied += dst.stat().st_size
         files = tuple(replace(f, node=None) for f in manifest.files)
         staging.commit(replace(manifest, files=files).to_json())

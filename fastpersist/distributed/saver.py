@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from ..knobs import current as current_knobs
-from ..saver import SaveFuture
+from ..saver import SaveFuture, raise_failure_of, take_unobserved_failure
 from ..snapshot import StagedFile, group_into_files, stage_file
 from ..staging import StagingPool
 from .coordinator import Save, coordinator_for
@@ -113,15 +113,8 @@ class DistributedSaver:
 
     def raise_unobserved_failure(self) -> None:
         with self._lock:
-            failed = [f for f in self._futures if f.done() and not f._observed
-                      and f._future.exception() is not None]
-            for f in failed:
-                f._observed = True
-            self._futures = [f for f in self._futures if not f.done()]
-        if failed:
-            exc = failed[0]._future.exception()
-            raise CheckpointError(f"an earlier async save to {failed[0].path} failed and "
-                                  f"nobody called its result(): {exc}") from exc
+            self._futures, failed = take_unobserved_failure(self._futures)
+        raise_failure_of(failed)
 
     def close(self, *, abort: bool = False) -> None:
         """Finish the save in flight (a distributed save cannot be abandoned by
