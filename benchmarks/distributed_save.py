@@ -116,10 +116,12 @@ def worker(work: Path, nbytes: int, repeats: int, out: Path) -> None:
 
 def per_rank_bytes(name: str, files: dict[str, int]) -> dict[str, int]:
     """Bytes each rank wrote, from the file names each method gives its ranks' files."""
+    from fastpersist.distributed.coordinator import rank_of_data_file
+
     out: dict[str, int] = {}
     for f, n in files.items():
-        if name == "fastpersist" and f.startswith("data-r"):
-            rank = str(int(f[6:11]))
+        if name == "fastpersist" and rank_of_data_file(f) is not None:
+            rank = str(rank_of_data_file(f))
         elif name == "dcp" and f.endswith(".distcp"):
             rank = f.split("_")[2].split(".")[0] if f.startswith("__") else "?"
         elif name == "rank0_torch_save":
@@ -137,11 +139,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", type=Path, default=Path("/var/tmp"))
     p.add_argument("--json", type=Path)
-    p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # WORK_DIR RESULT_FILE
     args = p.parse_args()
     nbytes = int(args.size_gib * 2**30)
     if args.worker:
-        worker(Path(args.worker[0]), nbytes, args.repeats, Path(args.worker[2]))
+        worker(Path(args.worker[0]), nbytes, args.repeats, Path(args.worker[1]))
         return 0
 
     sys.path.insert(0, str(HERE))
@@ -161,7 +163,7 @@ def main() -> int:
                        PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--size-gib", str(args.size_gib), "--repeats",
-                 str(args.repeats), "--worker", str(work), "-", str(result_file)], env=env))
+                 str(args.repeats), "--worker", str(work), str(result_file)], env=env))
         for proc in procs:
             if proc.wait() != 0:
                 raise SystemExit(f"a rank exited with {proc.returncode}")

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fastpersist
 from fastpersist.checkpoint import read_manifest
+from fastpersist.distributed.coordinator import tensor_bytes_by_rank
 
 
 def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
@@ -78,15 +79,11 @@ def main() -> int:
     flags = [None] * world
     dist.all_gather_object(flags, same)
     if rank == 0:
-        manifest = read_manifest(latest)
-        per_rank: dict[str, int] = {}
-        for t in manifest.tensors:
-            writer = t.file.split("-r")[1].split("-")[0]
-            per_rank[writer] = per_rank.get(writer, 0) + t.length
+        per_rank = tensor_bytes_by_rank(read_manifest(latest))
         total = sum(per_rank.values())
         print(f"checkpoints kept: {ckpt.steps()}; latest {latest.name}: {total / 2**20:.1f} MiB "
               f"of unique tensor bytes, written by rank: "
-              + ", ".join(f"{int(r)}: {n / 2**20:.1f} MiB" for r, n in sorted(per_rank.items())))
+              + ", ".join(f"{r}: {n / 2**20:.1f} MiB" for r, n in per_rank.items()))
         print(f"restored step {restored['step']} on {world} ranks, bit-exact on all: {all(flags)}")
     dist.destroy_process_group()
     return 0 if all(flags) else 1

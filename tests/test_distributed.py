@@ -21,6 +21,7 @@ import torch
 import fastpersist
 from fastpersist.checkpoint import read_manifest
 from fastpersist.cli import main as fpctl
+from fastpersist.distributed.coordinator import tensor_bytes_by_rank
 
 WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
 # Small pieces, so that the test state's tensors are cut over the writers.
@@ -74,21 +75,21 @@ def _ok(reports: list[dict[str, Any]]) -> None:
 
 
 def _data_bytes_by_rank(ckpt: Path) -> dict[int, int]:
-    m = read_manifest(ckpt)
-    out: dict[int, int] = {}
-    by_file = {f.name: f for f in m.files}
-    for t in m.tensors:
-        rank = int(by_file[t.file].name.split("-r")[1].split("-")[0])
-        out[rank] = out.get(rank, 0) + t.length
-    return out
+    return tensor_bytes_by_rank(read_manifest(ckpt))
 
 
-def _unique_bytes(tp: bool) -> int:
+def _worker_module() -> Any:
+    """tests/helpers/dist_worker.py, imported here for its state and checks."""
     sys.path.insert(0, str(WORKER.parent))
     try:
         import dist_worker
     finally:
         sys.path.pop(0)
+    return dist_worker
+
+
+def _unique_bytes(tp: bool) -> int:
+    dist_worker = _worker_module()
     tensors = list(dist_worker.full_tensors().values())
     if tp:
         tensors += list(dist_worker.sharded_tensors().values())
@@ -178,12 +179,7 @@ def _check_partial_reads(ckpt: Path) -> None:
 
 
 def _describe_here(obj: Any) -> dict[str, Any]:
-    sys.path.insert(0, str(WORKER.parent))
-    try:
-        import dist_worker
-    finally:
-        sys.path.pop(0)
-    return {**dist_worker.describe_loaded(obj), "ok": True}
+    return {**_worker_module().describe_loaded(obj), "ok": True}
 
 
 # --- two nodes with node-local disks -------------------------------------------------------
@@ -332,12 +328,7 @@ def test_async_save_and_checkpointer_over_a_process_group(tmp_path: Path) -> Non
 
 
 def _full_tensors() -> dict[str, torch.Tensor]:
-    sys.path.insert(0, str(WORKER.parent))
-    try:
-        import dist_worker
-    finally:
-        sys.path.pop(0)
-    return dist_worker.full_tensors()
+    return _worker_module().full_tensors()  # type: ignore[no-any-return]
 
 
 # --- the schema-2 manifest refuses what does not fit ---------------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 import traceback
 import warnings
@@ -143,6 +144,25 @@ def _failure(rank: int, phase: str, exc: BaseException) -> _Failure:
 
 def data_file_name(rank: int, index: int) -> str:
     return f"data-r{rank:05d}-{index:03d}.safetensors"
+
+
+_DATA_FILE = re.compile(r"^data-r(\d{5,})-\d{3,}\.safetensors$")
+
+
+def rank_of_data_file(name: str) -> int | None:
+    """The rank that wrote a distributed checkpoint's data file (None: not one)."""
+    m = _DATA_FILE.match(name)
+    return int(m[1]) if m else None
+
+
+def tensor_bytes_by_rank(manifest: Manifest) -> dict[int, int]:
+    """Tensor bytes each rank wrote into a distributed checkpoint, by rank."""
+    out: dict[int, int] = {}
+    for t in manifest.tensors:
+        rank = rank_of_data_file(t.file)
+        if rank is not None:
+            out[rank] = out.get(rank, 0) + t.length
+    return dict(sorted(out.items()))
 
 
 def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None, *,
@@ -411,4 +431,5 @@ def _manifest(plan: Plan, tree: Any, gathered: list[Any]) -> bytes:
 
 
 
-__all__ = ["Save", "coordinator_for", "data_file_name", "save"]
+__all__ = ["Save", "coordinator_for", "data_file_name", "rank_of_data_file", "save",
+           "tensor_bytes_by_rank"]
