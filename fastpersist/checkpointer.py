@@ -146,16 +146,17 @@ class Checkpointer:
         """Host memory held for snapshots (reused by the next save)."""
         return self._saver.staging_bytes
 
-    def steps(self) -> list[int]:
-        """Steps of the committed checkpoints under root, ascending."""
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        """(step, directory) of every step-N entry under root, committed or not,
+        by ascending step: names only, no manifest is read."""
         if not self.root.is_dir():
             return []
-        found = []
-        for entry in self.root.iterdir():
-            m = _STEP_DIR.match(entry.name)
-            if m and _is_committed(entry):
-                found.append(int(m[1]))
-        return sorted(found)
+        return sorted((int(m[1]), entry) for entry in self.root.iterdir()
+                      if (m := _STEP_DIR.match(entry.name)))
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints under root, ascending."""
+        return [step for step, entry in self._step_dirs() if _is_committed(entry)]
 
     def latest(self) -> Path | None:
         """The newest durable checkpoint, or None if there is none yet.
@@ -164,10 +165,9 @@ class Checkpointer:
         to roll back), except where a higher step was committed after the
         pointer was written: with a daemon, a save handed over just before the
         trainer died is committed after the trainer could move the pointer, and
-        it is the newest state there is."""
-        steps = self.steps()
-        if not steps:
-            return None
+        it is the newest state there is. Reads only the manifests it needs:
+        newest first, stopping at the answer."""
+        dirs = self._step_dirs()
         pointer = self.root / LATEST
         try:
             name = pointer.read_text().strip()
@@ -175,11 +175,16 @@ class Checkpointer:
         except OSError:
             name, pointed_at = "", 0
         m = _STEP_DIR.match(name)
-        if not m or int(m[1]) not in steps:
-            # No pointer, or it names something gone: the highest step.
-            return self.path_for(steps[-1])
-        newer = [s for s in steps if s > int(m[1]) and _committed_at(self.path_for(s)) > pointed_at]
-        return self.path_for(newer[-1] if newer else int(m[1]))
+        pointed = int(m[1]) if m else None
+        if pointed is None or not any(s == pointed and _is_committed(e) for s, e in dirs):
+            # No pointer, or it names something gone: the highest committed step.
+            return next((self.path_for(s) for s, e in reversed(dirs) if _is_committed(e)), None)
+        for step, entry in reversed(dirs):
+            if step <= pointed:
+                break
+            if _committed_at(self.path_for(step)) > pointed_at and _is_committed(entry):
+                return self.path_for(step)
+        return self.path_for(pointed)
 
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         path = self.latest()
