@@ -48,17 +48,25 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     job manifest last (fastpersist/distributed/coordinator.py). DTensors are
     saved as their global tensors. The tree's non-tensor values are taken from
     rank 0. node_local=True: each rank passes its node's local path and each
-    node keeps the files its ranks wrote (the daemon is not used in this mode).
+    node keeps the files its ranks wrote. With a daemon, each rank hands its
+    part to its own node's daemon and the job is committed there.
     """
+    address = current_knobs().daemon if daemon is None else daemon
     if process_group is not None:
+        group = None if process_group == "world" else process_group
+        if address:
+            # Staged in shared memory, and each node's daemon writes its ranks' parts.
+            from .distributed.saver import saver_for
+
+            saver_for(group, node_local, address).save(
+                obj, path, allow_pickle=allow_pickle).result()
+            return
         from .distributed import coordinator
 
-        group = None if process_group == "world" else process_group
         coordinator.save(obj, path, group, node_local=node_local, allow_pickle=allow_pickle)
         return
     if node_local:
         raise ValueError("node_local=True needs process_group (a distributed save)")
-    address = current_knobs().daemon if daemon is None else daemon
     if address:
         from .remote import remote_saver
 

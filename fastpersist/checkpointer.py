@@ -90,7 +90,7 @@ class Checkpointer:
         if process_group is not None:
             from .distributed.saver import DistributedSaver
 
-            self._saver = DistributedSaver(process_group)
+            self._saver = DistributedSaver(process_group, daemon=address)
         elif address:
             from .remote import RemoteSaver
 

@@ -152,11 +152,30 @@ class DaemonClient:
                               "INVALID_ARGUMENT")
         return rel.as_posix()
 
-    def begin(self, relative: str, staging_bytes: int, file_count: int) -> str:
-        reply = self._call(f"cannot begin checkpoint {relative}", lambda: self.stub.Begin(
+    def begin(self, relative: str, staging_bytes: int, file_count: int, *, job_id: str = "",
+              rank: int = 0) -> str:
+        part = f"the part of rank {rank} of " if job_id else ""
+        what = f"cannot begin {part}checkpoint {relative}"
+        reply = self._call(what, lambda: self.stub.Begin(
             pb.BeginRequest(path=relative, client_id=CLIENT_ID, staging_bytes=staging_bytes,
-                            file_count=file_count), timeout=CALL_TIMEOUT))
+                            file_count=file_count, job_id=job_id, rank=rank),
+            timeout=CALL_TIMEOUT))
         return str(reply.checkpoint_id)
+
+    def begin_job(self, relative: str) -> str:
+        reply = self._call(f"cannot begin distributed checkpoint {relative}",
+                           lambda: self.stub.BeginJob(pb.BeginJobRequest(
+                               path=relative, client_id=CLIENT_ID), timeout=CALL_TIMEOUT))
+        return str(reply.job_id)
+
+    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
+        self._call("cannot commit the distributed checkpoint", lambda: self.stub.CommitJob(
+            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node),
+            timeout=CALL_TIMEOUT))
+
+    def abort_job(self, job_id: str) -> None:
+        self._call("cannot abort the distributed checkpoint", lambda: self.stub.AbortJob(
+            pb.AbortJobRequest(job_id=job_id), timeout=CALL_TIMEOUT))
 
     def submit_shm(self, ident: str, index: int, header: bytes, segment: str, offset: int,
                    length: int) -> None:

@@ -21,11 +21,8 @@ from ._version import __version__
 from .commit import Staging, os_error
 from .engine import Engine, get_engine
 from .format.manifest import FileRecord, Manifest, TensorRecord
+from .format.names import data_file_name
 from .plan import StoredTensor
-
-
-def data_file_name(index: int) -> str:
-    return f"data-{index:05d}.safetensors"
 
 
 class CheckpointWriter:

@@ -74,7 +74,7 @@ class _Job:
     error: BaseException | None = None
 
 
-class _Progress:
+class Progress:
     """Follows a checkpoint's Watch stream on a thread of its own. The open
     stream is also the daemon's sign that this client is alive: if it closes
     before Commit (this process died), the daemon aborts the checkpoint."""
@@ -126,7 +126,7 @@ class _Progress:
         self._thread.join(timeout=5)
 
 
-class _SegmentBuffers:
+class SegmentBuffers:
     """Staging buffers backed by shared-memory segments the daemon can map."""
 
     def __init__(self, group: int | None) -> None:
@@ -167,7 +167,7 @@ class _SegmentBuffers:
             return self._by_ptr[buffer.data_ptr()]
 
 
-def _socket_group(address: str) -> int | None:
+def socket_group(address: str) -> int | None:
     """The daemon socket's group: segments are made readable to it."""
     target, tls = grpc_target(address)
     if tls:
@@ -184,7 +184,7 @@ class RemoteSaver(Saver):
     def __init__(self, address: str, max_in_flight: int | None = None) -> None:
         super().__init__(max_in_flight)
         self.client = DaemonClient(address)
-        self._segments = _SegmentBuffers(_socket_group(address))
+        self._segments = SegmentBuffers(socket_group(address))
         self._pool = StagingPool(self._segments.allocate, self._segments.free)
         _live_remote_savers.add(self)
 
@@ -284,9 +284,9 @@ class RemoteSaver(Saver):
         future._persist_started = time.perf_counter()
         queue_done = False
         sent: list[StagedFile] = []  # buffers the daemon may still read
-        progress: _Progress | None = None
+        progress: Progress | None = None
         try:
-            progress = _Progress(self.client, job.ident)
+            progress = Progress(self.client, job.ident)
             while True:
                 item = job.handoff.get()
                 if item is _STOP:
@@ -359,15 +359,7 @@ class RemoteSaver(Saver):
         self._fail(job.future, exc)
 
     def _submit(self, job: _Job, index: int, staged: StagedFile) -> None:
-        staged.wait_copied()
-        layout = staged.layout or plan_file(staged.tensors)
-        length = layout.data_bytes
-        if staged.buffer is None:
-            self.client.submit_stream(job.ident, index, layout.layout.header, length,
-                                      _chunks(layout.order))
-            return
-        segment = self._segments.segment_of(staged.buffer)
-        self.client.submit_shm(job.ident, index, layout.layout.header, segment.name, 0, length)
+        submit_staged(self.client, self._segments, job.ident, index, staged)
 
     def _release(self, staged: StagedFile) -> None:
         if staged.buffer is not None:
@@ -386,6 +378,20 @@ class RemoteSaver(Saver):
     def close(self, *, abort: bool = False) -> None:
         super().close(abort=abort)
         self.client.close()
+
+
+def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, index: int,
+                  staged: StagedFile) -> None:
+    """Hand one data file to the daemon: by reference to its shared-memory
+    buffer, or streamed from the tensors when it was not staged."""
+    staged.wait_copied()
+    layout = staged.layout or plan_file(staged.tensors)
+    length = layout.data_bytes
+    if staged.buffer is None:
+        client.submit_stream(ident, index, layout.layout.header, length, _chunks(layout.order))
+        return
+    segment = segments.segment_of(staged.buffer)
+    client.submit_shm(ident, index, layout.layout.header, segment.name, 0, length)
 
 
 class _HandOver:

@@ -397,12 +397,13 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     With process_group (call it on every rank), a distributed save as in
     fastpersist.save: each rank snapshots only the pieces it was assigned, and
     the writes and the global commit run in the background (the next call
-    waits for them).
+    waits for them); with a daemon, each rank's node's daemon writes its part.
     """
     if process_group is not None:
         from .distributed.saver import saver_for as distributed_saver_for
 
-        return distributed_saver_for(process_group, node_local).save(
+        address = current_knobs().daemon if daemon is None else daemon
+        return distributed_saver_for(process_group, node_local, address).save(
             obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot)
     if node_local:
         raise ValueError("node_local=True needs process_group (a distributed save)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,92 +16,37 @@ from typing import Any
 
 import pytest
 import torch
+from dist_support import (
+    check_loaded as _check_loaded,
+)
+from dist_support import (
+    data_bytes_by_rank as _data_bytes_by_rank,
+)
+from dist_support import (
+    describe_here as _describe_here,
+)
+from dist_support import (
+    free_port as _free_port,
+)
+from dist_support import (
+    full_tensors as _full_tensors,
+)
+from dist_support import (
+    ok as _ok,
+)
+from dist_support import (
+    run_job,
+)
+from dist_support import (
+    unique_bytes as _unique_bytes,
+)
 
 import fastpersist
 from fastpersist.checkpoint import read_manifest
 from fastpersist.cli import main as fpctl
-from fastpersist.distributed.coordinator import tensor_bytes_by_rank
-
-WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
-# Small pieces, so that the test state's tensors are cut over the writers.
-PIECES = str(64 << 10)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch without distributed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_job(tmp_path: Path, scenario: str, nodes: list[str], args: dict[str, Any],
-            env: dict[str, str] | None = None, timeout: float = 120) -> list[dict[str, Any]]:
-    """Run len(nodes) ranks (rank r on node nodes[r]); their reports, by rank."""
-    out = tmp_path / f"out-{scenario}-{len(os.listdir(tmp_path))}"
-    out.mkdir()
-    port = _free_port()
-    procs = []
-    for rank, node in enumerate(nodes):
-        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(nodes)),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTPERSIST_NODE=node,
-                 FASTPERSIST_PIECE_BYTES=PIECES, OMP_NUM_THREADS="1", **(env or {}))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(out), json.dumps(args)], env=e,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"a rank hung: {[q.args for q in procs]}") from None
-    reports = []
-    for rank in range(len(nodes)):
-        f = out / f"rank-{rank}.json"
-        reports.append({**json.loads(f.read_text()), "log": logs[rank][-3000:]}
-                       if f.exists() else {
-            "rank": rank, "missing": True, "returncode": procs[rank].returncode,
-            "log": logs[rank][-3000:]})
-    return reports
-
-
-def _ok(reports: list[dict[str, Any]]) -> None:
-    bad = [r for r in reports if not r.get("ok")]
-    assert not bad, json.dumps(bad, indent=1)[:6000]
-
-
-def _data_bytes_by_rank(ckpt: Path) -> dict[int, int]:
-    return tensor_bytes_by_rank(read_manifest(ckpt))
-
-
-def _worker_module() -> Any:
-    """tests/helpers/dist_worker.py, imported here for its state and checks."""
-    sys.path.insert(0, str(WORKER.parent))
-    try:
-        import dist_worker
-    finally:
-        sys.path.pop(0)
-    return dist_worker
-
-
-def _unique_bytes(tp: bool) -> int:
-    dist_worker = _worker_module()
-    tensors = list(dist_worker.full_tensors().values())
-    if tp:
-        tensors += list(dist_worker.sharded_tensors().values())
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _check_loaded(report: dict[str, Any], tp: bool) -> None:
-    assert report["ok"], report
-    assert report["step"] == 7 and report["name"] == "test-run"
-    bad = {k: v for k, v in report["tensors"].items() if not v["equal"]}
-    assert not bad, bad
-    assert len(report["tensors"]) == 8 + (2 if tp else 0)
-    assert report["tied"], "tied weights came back as two tensors"
 
 
 # --- pure data parallelism on shared storage ----------------------------------------------
@@ -176,10 +120,6 @@ def _check_partial_reads(ckpt: Path) -> None:
         checkpoint.read_tensors = original  # type: ignore[assignment]
     assert sorted(read) == sorted(m.tensors[r[2]].name for r in rows[1:3]), read
     assert torch.equal(got, _full_tensors()["embed"][lo:hi])
-
-
-def _describe_here(obj: Any) -> dict[str, Any]:
-    return {**_worker_module().describe_loaded(obj), "ok": True}
 
 
 # --- two nodes with node-local disks -------------------------------------------------------
@@ -327,10 +267,6 @@ def test_async_save_and_checkpointer_over_a_process_group(tmp_path: Path) -> Non
         _unique_bytes(tp=False))
 
 
-def _full_tensors() -> dict[str, torch.Tensor]:
-    return _worker_module().full_tensors()  # type: ignore[no-any-return]
-
-
 # --- the schema-2 manifest refuses what does not fit ---------------------------------------
 
 
@@ -366,13 +302,3 @@ def test_the_torchrun_example_runs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "bit-exact on all: True" in out.stdout, out.stdout
     assert "checkpoints kept: [2, 3]" in out.stdout, out.stdout
-
-
-def test_a_configured_daemon_is_not_silently_ignored(tmp_path: Path) -> None:
-    """Distributed saves write in-process for now: with FASTPERSIST_DAEMON set,
-    each rank says so once, and the save still works."""
-    reports = run_job(tmp_path, "save", ["n0", "n0"], {"path": str(tmp_path / "ck")},
-                      env={"FASTPERSIST_DAEMON": "unix:///nonexistent/fpd.sock"})
-    _ok(reports)
-    assert all("distributed saves write in-process" in r["log"] for r in reports), reports
-    assert read_manifest(tmp_path / "ck").globals is not None

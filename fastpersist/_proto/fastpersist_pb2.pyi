@@ -30,16 +30,20 @@ class InfoResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("path", "client_id", "staging_bytes", "file_count")
+    __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank")
     PATH_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     FILE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     path: str
     client_id: str
     staging_bytes: int
     file_count: int
-    def __init__(self, path: _Optional[str] = ..., client_id: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., file_count: _Optional[int] = ...) -> None: ...
+    job_id: str
+    rank: int
+    def __init__(self, path: _Optional[str] = ..., client_id: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class BeginResponse(_message.Message):
     __slots__ = ("checkpoint_id",)
@@ -130,7 +134,7 @@ class WaitRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., min_files_written: _Optional[int] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("checkpoint_id", "path", "state", "bytes_written", "bytes_total", "error", "files_written", "files_total", "error_code")
+    __slots__ = ("checkpoint_id", "path", "state", "bytes_written", "bytes_total", "error", "files_written", "files_total", "error_code", "part_json")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[CheckpointStatus.State]
@@ -154,6 +158,7 @@ class CheckpointStatus(_message.Message):
     FILES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     FILES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    PART_JSON_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     path: str
     state: CheckpointStatus.State
@@ -163,7 +168,8 @@ class CheckpointStatus(_message.Message):
     files_written: int
     files_total: int
     error_code: str
-    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[CheckpointStatus.State, str]] = ..., bytes_written: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., files_written: _Optional[int] = ..., files_total: _Optional[int] = ..., error_code: _Optional[str] = ...) -> None: ...
+    part_json: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[CheckpointStatus.State, str]] = ..., bytes_written: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., files_written: _Optional[int] = ..., files_total: _Optional[int] = ..., error_code: _Optional[str] = ..., part_json: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("path",)
@@ -198,5 +204,43 @@ class DeleteRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BeginJobRequest(_message.Message):
+    __slots__ = ("path", "client_id")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    client_id: str
+    def __init__(self, path: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class BeginJobResponse(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CommitJobRequest(_message.Message):
+    __slots__ = ("job_id", "manifest", "node")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    manifest: bytes
+    node: str
+    def __init__(self, job_id: _Optional[str] = ..., manifest: _Optional[bytes] = ..., node: _Optional[str] = ...) -> None: ...
+
+class CommitJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class AbortJobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -84,6 +84,21 @@ class FastPersistStub:
                 request_serializer=fastpersist__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=fastpersist__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.BeginJob = channel.unary_unary(
+                '/fastpersist.v1.FastPersist/BeginJob',
+                request_serializer=fastpersist__pb2.BeginJobRequest.SerializeToString,
+                response_deserializer=fastpersist__pb2.BeginJobResponse.FromString,
+                _registered_method=True)
+        self.CommitJob = channel.unary_unary(
+                '/fastpersist.v1.FastPersist/CommitJob',
+                request_serializer=fastpersist__pb2.CommitJobRequest.SerializeToString,
+                response_deserializer=fastpersist__pb2.CommitJobResponse.FromString,
+                _registered_method=True)
+        self.AbortJob = channel.unary_unary(
+                '/fastpersist.v1.FastPersist/AbortJob',
+                request_serializer=fastpersist__pb2.AbortJobRequest.SerializeToString,
+                response_deserializer=fastpersist__pb2.AbortJobResponse.FromString,
+                _registered_method=True)
 
 
 class FastPersistServicer:
@@ -149,6 +164,24 @@ class FastPersistServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FastPersistServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +234,21 @@ def add_FastPersistServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=fastpersist__pb2.DeleteRequest.FromString,
                     response_serializer=fastpersist__pb2.DeleteResponse.SerializeToString,
+            ),
+            'BeginJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginJob,
+                    request_deserializer=fastpersist__pb2.BeginJobRequest.FromString,
+                    response_serializer=fastpersist__pb2.BeginJobResponse.SerializeToString,
+            ),
+            'CommitJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitJob,
+                    request_deserializer=fastpersist__pb2.CommitJobRequest.FromString,
+                    response_serializer=fastpersist__pb2.CommitJobResponse.SerializeToString,
+            ),
+            'AbortJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortJob,
+                    request_deserializer=fastpersist__pb2.AbortJobRequest.FromString,
+                    response_serializer=fastpersist__pb2.AbortJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +521,87 @@ class FastPersist:
             '/fastpersist.v1.FastPersist/Delete',
             fastpersist__pb2.DeleteRequest.SerializeToString,
             fastpersist__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastpersist.v1.FastPersist/BeginJob',
+            fastpersist__pb2.BeginJobRequest.SerializeToString,
+            fastpersist__pb2.BeginJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastpersist.v1.FastPersist/CommitJob',
+            fastpersist__pb2.CommitJobRequest.SerializeToString,
+            fastpersist__pb2.CommitJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastpersist.v1.FastPersist/AbortJob',
+            fastpersist__pb2.AbortJobRequest.SerializeToString,
+            fastpersist__pb2.AbortJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,8 +40,10 @@ from ..engine import Engine, Segment, get_engine
 from ..errors import CheckpointError
 from ..format import dtypes, safetensors_file
 from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
+from ..format.names import data_file_name, part_file_name
 from ..shm import Mapping
 from . import logs
+from .jobs import Job, JobState, check_job_manifest, job_staging, part_json
 from .metrics import Metrics
 
 MAX_FILES = 100_000
@@ -124,8 +126,12 @@ def parse_data_file(index: int, header: bytes, data_length: int, files_total: in
 
 class Checkpoint:
     def __init__(self, ident: str, client: str, target: Path, relpath: str,
-                 staging: Staging, files_total: int, reserved: int) -> None:
+                 staging: Staging, files_total: int, reserved: int,
+                 job: Job | None = None, rank: int = 0) -> None:
         self.id = ident
+        self.job = job  # a part of this distributed checkpoint (jobs.py)
+        self.rank = rank  # the part's rank: its files are part_file_name(rank, i)
+        self.part_json = ""  # the part's records, once its files are durable
         self.client = client
         self.target = target
         self.relpath = relpath
@@ -155,9 +161,14 @@ class Checkpoint:
         self.cleaned = False  # staging directory removed (after a failure or abort)
 
     def clean_up(self) -> None:
-        if not self.cleaned:
+        if self.job is not None:
+            self.job.remove_if_idle()  # a part's files go with its job's directory
+        elif not self.cleaned:
             self.cleaned = True
             self.staging.abort()
+
+    def file_name(self, index: int) -> str:
+        return part_file_name(self.rank, index) if self.job else data_file_name(index)
 
     @property
     def terminal(self) -> bool:
@@ -174,6 +185,7 @@ class Checkpoint:
             "bytes_written": self.bytes_written, "bytes_total": self.bytes_total,
             "error": self.error, "files_written": self.files_written,
             "files_total": self.files_total, "error_code": self.error_code,
+            "part_json": self.part_json,
         }
 
 
@@ -197,6 +209,7 @@ class Service:
         self.engine = engine or get_engine()
         self._cond = threading.Condition()
         self._checkpoints: dict[str, Checkpoint] = {}
+        self._jobs: dict[str, Job] = {}
         self._served: dict[str, int] = {}  # client -> tick of its last file (fairness)
         self._tick = 0
         self._stopping = False
@@ -217,6 +230,19 @@ class Service:
         with self._cond:
             return [c for c in self._checkpoints.values() if not c.terminal]
 
+    def busy_at(self, target: Path) -> bool:
+        """Whether a checkpoint or job of `target` is in flight (Delete waits)."""
+        with self._cond:
+            return any(c.target == target for c in self._checkpoints.values()
+                       if not c.terminal) or any(j.target == target and j.open and j.owner
+                                                 for j in self._jobs.values())
+
+    def get_job(self, ident: str) -> Job:
+        job = self._jobs.get(ident)
+        if job is None:
+            raise RequestError("NOT_FOUND", f"no job {ident!r} (unknown or long finished)")
+        return job
+
     def get(self, ident: str) -> Checkpoint:
         ck = self._checkpoints.get(ident)
         if ck is None:
@@ -226,9 +252,8 @@ class Service:
     # -- Begin ---------------------------------------------------------------
 
     def begin(self, target: Path, relpath: str, client: str, staging_bytes: int,
-              file_count: int) -> Checkpoint:
-        if not client or len(client) > 256:
-            raise invalid("client_id must be 1..256 characters")
+              file_count: int, job_id: str = "", rank: int = 0) -> Checkpoint:
+        _check_client(client)
         if not 0 <= file_count <= MAX_FILES:
             raise invalid(f"file_count {file_count} is outside 0..{MAX_FILES}")
         with self._cond:
@@ -240,18 +265,8 @@ class Service:
                 raise RequestError("RESOURCE_EXHAUSTED",
                                    f"client {client} has {len(mine)} checkpoints in flight, the "
                                    f"most one client may have")
-            for c in self._checkpoints.values():
-                if not c.terminal and (c.target == target or c.target in target.parents
-                                       or target in c.target.parents):
-                    raise RequestError(
-                        "FAILED_PRECONDITION",
-                        f"a checkpoint of {c.relpath} is in flight; {relpath} may not be it, "
-                        "inside it or around it")
-            inside = next((p for p in target.parents
-                           if self.root in p.parents and (p / MANIFEST_NAME).exists()), None)
-            if inside is not None:
-                raise invalid(f"{relpath} lies inside the checkpoint "
-                              f"{inside.relative_to(self.root)}")
+            job = self._join_job(target, relpath, job_id) if job_id else None
+            self._check_target_free(target, relpath, job)
             b = self.budgets
             if b.client and self.reserved(client) + staging_bytes > b.client:
                 raise RequestError(
@@ -263,17 +278,152 @@ class Service:
                     "RESOURCE_EXHAUSTED",
                     f"{staging_bytes} bytes of staging do not fit the daemon's budget: "
                     f"{self.reserved()} of {b.staging} are in use")
+            if job is not None:
+                staging = job.staging
+            else:
+                try:
+                    staging = Staging.create(target)
+                except CheckpointError as exc:
+                    raise RequestError(_code_for(exc), str(exc)) from None
+            ck = Checkpoint(secrets.token_hex(12), client, target, relpath, staging, file_count,
+                            staging_bytes, job, rank)
+            if job is not None:
+                job.parts.append(ck)
+                job.touch()
+            self._checkpoints[ck.id] = ck
+            self._update_gauges()
+        logs.info("begin", checkpoint=ck.id, client=client, path=relpath, files=file_count,
+                  staging_bytes=staging_bytes, **({"job": job_id, "rank": rank} if job else {}))
+        return ck
+
+    def _check_target_free(self, target: Path, relpath: str, job: Job | None) -> None:
+        """No other save of, inside or around `target` in flight (but the parts
+        of one job share it); not inside a checkpoint. Called with the lock held."""
+        def clash(other: Path) -> bool:
+            return other == target or other in target.parents or target in other.parents
+
+        for c in self._checkpoints.values():
+            if not c.terminal and clash(c.target) and (job is None or c.job is not job):
+                raise RequestError(
+                    "FAILED_PRECONDITION",
+                    f"a checkpoint of {c.relpath} is in flight; {relpath} may not be it, "
+                    "inside it or around it")
+        # A job another daemon began is that daemon's to guard (and to finish:
+        # this one never learns when it is committed).
+        for j in self._jobs.values():
+            if j.open and j.owner and clash(j.target) and j is not job:
+                raise RequestError(
+                    "FAILED_PRECONDITION",
+                    f"a distributed checkpoint of {j.relpath} is in flight; {relpath} may not "
+                    "be it, inside it or around it")
+        inside = next((p for p in target.parents
+                       if self.root in p.parents and (p / MANIFEST_NAME).exists()), None)
+        if inside is not None:
+            raise invalid(f"{relpath} lies inside the checkpoint "
+                          f"{inside.relative_to(self.root)}")
+
+    # -- jobs (distributed checkpoints, jobs.py) ---------------------------------
+
+    def begin_job(self, target: Path, relpath: str, client: str) -> Job:
+        _check_client(client)
+        with self._cond:
+            if self._draining:
+                raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
+            self._prune()
+            self._check_target_free(target, relpath, None)
             try:
                 staging = Staging.create(target)
             except CheckpointError as exc:
                 raise RequestError(_code_for(exc), str(exc)) from None
-            ck = Checkpoint(secrets.token_hex(12), client, target, relpath, staging, file_count,
-                            staging_bytes)
-            self._checkpoints[ck.id] = ck
-            self._update_gauges()
-        logs.info("begin", checkpoint=ck.id, client=client, path=relpath, files=file_count,
-                  staging_bytes=staging_bytes)
-        return ck
+            job = Job(target, relpath, staging, owner=True)
+            self._jobs[job.id] = job
+        logs.info("begin-job", job=job.id, client=client, path=relpath)
+        return job
+
+    def _join_job(self, target: Path, relpath: str, job_id: str) -> Job:
+        """The job a part belongs to; one begun by another node's daemon (shared
+        storage) is taken on by its directory. Called with the lock held."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            try:
+                job = Job(target, relpath, job_staging(target, job_id), owner=False)
+            except LookupError as exc:
+                raise RequestError("NOT_FOUND", str(exc)) from None
+            except ValueError as exc:
+                raise invalid(str(exc)) from None
+            self._jobs[job.id] = job
+        if job.target != target:
+            raise invalid(f"job {job_id} saves {job.relpath}, not {relpath}")
+        self._require_open(job)
+        return job
+
+    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
+        """Check the job manifest against the directory, write it, publish.
+        The checks and the I/O run outside the lock, as a worker's commit does;
+        meanwhile `committing` keeps parts out and aborts off."""
+        with self._cond:
+            job = self.get_job(job_id)
+            if not job.owner:
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"job {job_id} was begun by another daemon; commit it there")
+            self._require_open(job)
+            unfinished = [p.rank for p in job.parts if p.state != State.COMMITTED]
+            if unfinished:
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"the parts of ranks {sorted(unfinished)[:10]} are not "
+                                   "durable yet")
+            job.committing = True
+            job.touch()
+        try:
+            check_job_manifest(job, manifest, node)
+            job.staging.commit(manifest)
+        except ValueError as exc:  # refused: the job stays open for a good manifest
+            with self._cond:
+                job.committing = False
+                job.touch()
+                self._cond.notify_all()
+            raise invalid(f"job {job_id}: {exc}") from None
+        except (OSError, CheckpointError) as exc:  # the commit failed: the job is lost
+            with self._cond:
+                job.committing = False
+                self._abort_job(job, f"commit failed: {exc}")
+                self._cond.notify_all()
+            code = _code_for(exc) if isinstance(exc, CheckpointError) else "INTERNAL"
+            raise RequestError(code, f"cannot commit {job.relpath}: {exc}") from None
+        with self._cond:
+            job.committing = False
+            job.finish(JobState.COMMITTED)
+            self.metrics.checkpoints.labels(result="committed").inc()
+            self._cond.notify_all()
+        logs.info("committed-job", job=job_id, path=job.relpath, parts=len(job.parts))
+
+    def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
+        with self._cond:
+            job = self.get_job(job_id)
+            if job.state == JobState.COMMITTED or job.committing:
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"job {job_id} is committed or being committed; delete the "
+                                   "checkpoint instead")
+            self._abort_job(job, reason)
+
+    def _require_open(self, job: Job) -> None:
+        if not job.open or job.committing:
+            state = "being committed" if job.open else job.state.value
+            raise RequestError("FAILED_PRECONDITION", f"job {job.id} is {state}" + (
+                f": {job.error}" if job.error else ""))
+
+    def _abort_job(self, job: Job, reason: str) -> None:
+        """Called with the lock held. A job being committed is left to its commit."""
+        if not job.open or job.committing:
+            return
+        job.finish(JobState.ABORTED, reason)
+        for part in job.parts:
+            if not part.terminal:
+                self._finish(part, State.ABORTED, f"job aborted: {reason}",
+                             "CheckpointAbortedError")
+        job.remove_if_idle()
+        self.metrics.checkpoints.labels(result="aborted").inc()
+        logs.info("aborted-job", job=job.id, path=job.relpath, reason=reason)
 
     # -- Submit ----------------------------------------------------------------
 
@@ -347,6 +497,8 @@ class Service:
             ck.handed_over = True
             ck.state = State.WRITING
             ck.last_activity = time.monotonic()
+            if ck.job is not None:
+                ck.job.touch()
             self._cond.notify_all()
         logs.info("handed-over", checkpoint=ident, path=ck.relpath)
 
@@ -416,6 +568,16 @@ class Service:
                     self._finish(ck, State.ABORTED,
                                  f"no request for {self.idle_timeout:.0f} s before Commit",
                                  "CheckpointAbortedError")
+            for job in list(self._jobs.values()):
+                idle = job.idle_since(now)
+                if idle is not None and idle > self.idle_timeout and not job.owner:
+                    # Its parts are written; the daemon that began it commits it.
+                    job.finish(JobState.RELEASED)
+                    logs.debug("released-job", job=job.id, path=job.relpath)
+                elif idle is not None and idle > self.idle_timeout:
+                    logs.warning("idle-abort-job", job=job.id, path=job.relpath)
+                    self._abort_job(job, f"no rank committed it for {self.idle_timeout:.0f} s "
+                                         "after its parts were written")
 
     # -- shutdown ----------------------------------------------------------------
 
@@ -429,11 +591,16 @@ class Service:
                 if not ck.terminal and not ck.handed_over:
                     self._finish(ck, State.ABORTED, "fastpersistd is shutting down",
                                  "CheckpointAbortedError")
-            while any(not c.terminal or c.busy for c in self._checkpoints.values()):
+            while any(not c.terminal or c.busy for c in self._checkpoints.values()) or any(
+                    j.committing for j in self._jobs.values()):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(left if left is not None else 1.0)
+            # Only the ranks can commit a job (they hold its manifest); the ones
+            # not committed by now are dropped with the daemon.
+            for job in list(self._jobs.values()):
+                self._abort_job(job, "fastpersistd is shutting down")
             self._stopping = True
             self._cond.notify_all()
         for w in self._workers:
@@ -489,7 +656,7 @@ class Service:
                     self._cond.notify_all()
 
     def _write(self, ck: Checkpoint, job: PendingFile) -> None:
-        name = f"data-{job.index:05d}.safetensors"
+        name = ck.file_name(job.index)
         segments: list[Segment] = [(job.header, 0)]
         segments += [(job.data.view[e.begin:e.end], job.data_start + e.begin)
                      for e in job.entries]
@@ -519,6 +686,9 @@ class Service:
         self.metrics.bytes_written.inc(size)
 
     def _commit(self, ck: Checkpoint) -> None:
+        if ck.job is not None:
+            self._part_durable(ck)
+            return
         manifest = Manifest(
             files=tuple(ck.file_records[i] for i in range(ck.files_total)),
             tensors=tuple(ck.tensor_records[n] for n in ck.tensor_order),
@@ -538,6 +708,19 @@ class Service:
                 self.metrics.throughput.set(ck.bytes_written / seconds)
         logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,
                   seconds=round(seconds, 3))
+
+    def _part_durable(self, ck: Checkpoint) -> None:
+        """A part's files are durable in its job's directory: report their
+        records (CommitJob publishes them with the rest of the job)."""
+        records = [ck.tensor_records[n] for n in ck.tensor_order]
+        with self._cond:
+            ck.part_json = part_json([ck.file_records[i] for i in range(ck.files_total)],
+                                     records)
+            assert ck.job is not None
+            ck.job.touch()
+            self._finish(ck, State.COMMITTED, "", "")
+        logs.info("part-written", checkpoint=ck.id, job=ck.job.id, rank=ck.rank,
+                  bytes=ck.bytes_written)
 
     # -- helpers (called with the lock held) ------------------------------------------
 
@@ -562,9 +745,14 @@ class Service:
             ck.mapped_bytes -= job.nbytes
             job.data.close()
         ck.pending.clear()
+        if state != State.COMMITTED and ck.job is not None:
+            # The job cannot be committed without this part.
+            self._abort_job(ck.job, f"the part of rank {ck.rank} is {state.name.lower()}: "
+                                    f"{error}")
         if state != State.COMMITTED and not ck.busy:
             ck.clean_up()
-        self.metrics.checkpoints.labels(result=state.name.lower()).inc()
+        if ck.job is None:  # a job is counted once, when it ends
+            self.metrics.checkpoints.labels(result=state.name.lower()).inc()
         if state == State.ABORTED:
             logs.info("aborted", checkpoint=ck.id, path=ck.relpath, reason=error)
         self._update_gauges()
@@ -580,6 +768,15 @@ class Service:
                       if c.finished_at is not None and not c.busy
                       and now - c.finished_at > KEEP_FINISHED_SECONDS]:
             del self._checkpoints[ident]
+        for ident in [i for i, j in self._jobs.items()
+                      if j.finished_at is not None and now - j.finished_at > KEEP_FINISHED_SECONDS
+                      and all(p.id not in self._checkpoints for p in j.parts)]:
+            del self._jobs[ident]
+
+
+def _check_client(client: str) -> None:
+    if not client or len(client) > 256:
+        raise invalid("client_id must be 1..256 characters")
 
 
 def _code_for(exc: CheckpointError) -> str:

@@ -100,7 +100,8 @@ class Servicer(pb_grpc.FastPersistServicer):
         def run() -> pb.BeginResponse:
             target = self._path(request.path)
             ck = self.service.begin(target, request.path.strip("/"), request.client_id,
-                                    request.staging_bytes, request.file_count)
+                                    request.staging_bytes, request.file_count,
+                                    request.job_id, request.rank)
             return pb.BeginResponse(checkpoint_id=ck.id)
         return self._guard(context, run)
 
@@ -202,12 +203,34 @@ class Servicer(pb_grpc.FastPersistServicer):
             target = self._path(request.path)
             if not (target / MANIFEST_NAME).is_file():
                 raise RequestError("NOT_FOUND", f"{request.path} is not a committed checkpoint")
-            if any(c.target == target for c in self.service.in_flight()):
+            if self.service.busy_at(target):
                 raise RequestError("FAILED_PRECONDITION",
                                    f"a checkpoint of {request.path} is in flight")
             delete_checkpoint(target)
             logs.info("deleted", path=request.path)
             return pb.DeleteResponse()
+        return self._guard(context, run)
+
+    def BeginJob(self, request: pb.BeginJobRequest, context: grpc.ServicerContext
+                 ) -> pb.BeginJobResponse:
+        def run() -> pb.BeginJobResponse:
+            target = self._path(request.path)
+            job = self.service.begin_job(target, request.path.strip("/"), request.client_id)
+            return pb.BeginJobResponse(job_id=job.id)
+        return self._guard(context, run)
+
+    def CommitJob(self, request: pb.CommitJobRequest, context: grpc.ServicerContext
+                  ) -> pb.CommitJobResponse:
+        def run() -> pb.CommitJobResponse:
+            self.service.commit_job(request.job_id, request.manifest, request.node)
+            return pb.CommitJobResponse()
+        return self._guard(context, run)
+
+    def AbortJob(self, request: pb.AbortJobRequest, context: grpc.ServicerContext
+                 ) -> pb.AbortJobResponse:
+        def run() -> pb.AbortJobResponse:
+            self.service.abort_job(request.job_id)
+            return pb.AbortJobResponse()
         return self._guard(context, run)
 
 

@@ -7,7 +7,8 @@
     3 stage     the first rank of each storage domain (the job, or each node
                 when files stay node-local) makes the staging directory
     4 write     each rank writes its pieces into data-rRRRRR-NNN files there,
-                fsynced; gather the file and tensor records to rank 0
+                fsynced (itself, or through its node's daemon); gather the
+                file and tensor records to rank 0
     5 commit    rank 0 builds the job manifest (schema 2) and broadcasts it;
                 node-local: other nodes publish their part first, then rank 0
                 publishes its own, last, so a crash before that leaves no
@@ -20,16 +21,17 @@ others fail instead of hanging. Every phase ends in a collective that carries
 each rank's error, if any: a failure anywhere raises the same
 DistributedCheckpointError on every rank, naming each failed rank and phase,
 and the staging directories are removed.
+
+Where the bytes go is a storage.Storage: written in-process, or handed to
+each node's fastpersistd as parts of one job that the daemon commits.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import re
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +39,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .. import datafile, state
+from .. import state
 from .._version import __version__
-from ..commit import Staging, delete_checkpoint, os_error
-from ..engine import get_engine
 from ..errors import CheckpointError, DistributedCheckpointError
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
@@ -50,12 +50,14 @@ from ..format.manifest import (
     Manifest,
     TensorRecord,
 )
+from ..format.names import rank_of_part_file
 from ..knobs import current as current_knobs
 from ..plan import StoredTensor
-from ..snapshot import group_into_files
+from ..snapshot import StagedFile, group_into_files
 from ..state import TensorLeaf
 from .describe import Held, describe, piece_source
 from .planner import Item, Piece, Plan, PlanCache, RankInfo, layout_digest, make_plan
+from .storage import InProcess, Storage
 
 T = TypeVar("T")
 
@@ -142,24 +144,11 @@ def _failure(rank: int, phase: str, exc: BaseException) -> _Failure:
     return _Failure(rank, phase, "".join(traceback.format_exception_only(exc)).strip())
 
 
-def data_file_name(rank: int, index: int) -> str:
-    return f"data-r{rank:05d}-{index:03d}.safetensors"
-
-
-_DATA_FILE = re.compile(r"^data-r(\d{5,})-\d{3,}\.safetensors$")
-
-
-def rank_of_data_file(name: str) -> int | None:
-    """The rank that wrote a distributed checkpoint's data file (None: not one)."""
-    m = _DATA_FILE.match(name)
-    return int(m[1]) if m else None
-
-
 def tensor_bytes_by_rank(manifest: Manifest) -> dict[int, int]:
     """Tensor bytes each rank wrote into a distributed checkpoint, by rank."""
     out: dict[int, int] = {}
     for t in manifest.tensors:
-        rank = rank_of_data_file(t.file)
+        rank = rank_of_part_file(t.file)
         if rank is not None:
             out[rank] = out.get(rank, 0) + t.length
     return dict(sorted(out.items()))
@@ -167,18 +156,25 @@ def tensor_bytes_by_rank(manifest: Manifest) -> dict[int, int]:
 
 def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None, *,
          node_local: bool = False, allow_pickle: bool = False) -> None:
-    """fastpersist.save(..., process_group=...): see the module docstring.
+    """fastpersist.save(..., process_group=...) in-process: see the module docstring.
 
     Shared storage (default): every rank passes the same `path`, on a
     filesystem they all see. node_local=True: each rank passes its node's local
     path (ranks of one node the same); each node keeps the files its ranks
     wrote, and every node's directory carries the job manifest.
+    (Through a daemon, saver.DistributedSaver stages the pieces in shared memory.)
     """
-    job = Save(coordinator_for(group), obj, path, node_local=node_local,
+    storage = InProcess()
+    job = Save(coordinator_for(group), obj, path, storage, node_local=node_local,
                allow_pickle=allow_pickle)
     job.prepare()
-    pieces = job.my_pieces()
-    job.finish([f.tensors for f in group_into_files(pieces, 0, current_knobs().file_bytes)])
+    try:
+        files: list[StagedFile] | BaseException = [
+            StagedFile(f.tensors, None)
+            for f in group_into_files(job.my_pieces(), 0, current_knobs().file_bytes)]
+    except Exception as exc:
+        files = exc  # reported in the write phase, so that every rank fails together
+    job.finish(files)
 
 
 class Save:
@@ -187,25 +183,25 @@ class Save:
     in the background for async_save). Every rank runs both halves of its
     saves in the same order; a finish must end before the next prepare."""
 
-    def __init__(self, co: _Coordinator, obj: Any, path: str | os.PathLike[str], *,
-                 node_local: bool, allow_pickle: bool) -> None:
+    def __init__(self, co: _Coordinator, obj: Any, path: str | os.PathLike[str],
+                 storage: Storage, *, node_local: bool, allow_pickle: bool) -> None:
         self.co = co
         self.obj = obj
+        self.storage = storage
         self.node_local = node_local
         self.allow_pickle = allow_pickle
         self.knobs = current_knobs()
-        if self.knobs.daemon:
-            _warn_daemon_unused(self.knobs.daemon)
         self.target = Path(os.path.abspath(os.fspath(path)))
-        self.staging: Staging | None = None
+        self.staged: str | None = None  # this rank staged its domain (storage.stage)
         self.published = False
         self.phase = _Phase(co, self._clean_up)
 
     def _clean_up(self) -> None:
-        if self.staging is not None and not self.published:
-            self.staging.abort()
-        elif self.staging is not None and self.published and self.co.rank != 0:
-            delete_checkpoint(self.target)  # node-local: the job failed after this node published
+        if self.staged is not None and not self.published:
+            self.storage.abort(self.staged)
+        elif self.staged is not None and self.published and self.co.rank != 0:
+            # node-local: the job failed after this node published
+            self.storage.unpublish(self.target)
 
     def prepare(self) -> None:
         co, phase, knobs = self.co, self.phase, self.knobs
@@ -257,8 +253,7 @@ class Save:
         error, made_path = None, ""
         if leaders[domain[co.rank]] == co.rank:
             try:
-                self.staging = Staging.create(self.target)
-                made_path = str(self.staging.path)
+                self.staged = made_path = self.storage.stage(self.target)
             except Exception as exc:
                 error = _failure(co.rank, "stage", exc)
         phase.agree("stage", error)
@@ -277,7 +272,7 @@ class Save:
                                        piece_source(h, piece)))
         return stored
 
-    def finish(self, files: list[list[StoredTensor]] | BaseException) -> None:
+    def finish(self, files: list[StagedFile] | BaseException) -> None:
         """Write this rank's files (or report why it has none) and commit."""
         co, phase = self.co, self.phase
         self.held = []
@@ -286,8 +281,8 @@ class Save:
         try:
             if isinstance(files, BaseException):
                 raise files
-            written = _write_files(files, co.rank, self.directory,
-                                   self.nodes[co.rank] if self.node_local else None)
+            written = self.storage.write(self.target, self.directory, co.rank, files,
+                                         self.nodes[co.rank] if self.node_local else None)
         except Exception as exc:
             error = _failure(co.rank, "write", exc)
         phase.agree("write", error)
@@ -307,10 +302,11 @@ class Save:
 
     def _publish(self, manifest: bytes) -> _Failure | None:
         """Commit this domain's staging directory, if this rank made it."""
-        if self.staging is None:
+        if self.staged is None:
             return None
         try:
-            self.staging.commit(manifest)
+            self.storage.publish(self.staged, manifest,
+                                 self.nodes[self.co.rank] if self.node_local else None)
         except Exception as exc:
             return _failure(self.co.rank, "commit", exc)
         self.published = True
@@ -326,18 +322,6 @@ class Save:
             except Exception as exc:
                 error = _failure(0, "after commit", exc)
         self.phase.agree("after commit", error)
-
-
-_warned_daemon = False
-
-
-def _warn_daemon_unused(address: str) -> None:
-    global _warned_daemon
-    if not _warned_daemon:
-        _warned_daemon = True
-        warnings.warn(f"FASTPERSIST_DAEMON={address} is set, but distributed saves write "
-                      "in-process: each rank writes its own files (the daemon is not used "
-                      "for them yet)", RuntimeWarning, stacklevel=4)
 
 
 def _unaliased(leaves: list[TensorLeaf]) -> list[TensorLeaf]:
@@ -382,23 +366,6 @@ def _check_targets(everyone: list[tuple[str, str, str]], domain: list[str],
         first.setdefault(d, (r, target))
 
 
-def _write_files(files: list[list[StoredTensor]], rank: int, directory: str,
-                 node: str | None) -> list[tuple[FileRecord, list[TensorRecord]]]:
-    engine = get_engine()
-    out = []
-    for n, tensors in enumerate(f for f in files if f):
-        name = data_file_name(rank, n)
-        try:
-            record, records = datafile.write(engine, directory, name, tensors)
-        except OSError as exc:
-            raise os_error(exc, f"cannot write {name} of the checkpoint") from exc
-        if node is not None:
-            record = FileRecord(record.name, record.size, record.data_start,
-                                record.header_crc32c, node)
-        out.append((record, records))
-    return out
-
-
 def _within(piece: Piece, held: Held) -> bool:
     """Pieces are row ranges of the box a writer holds."""
     item = held.item
@@ -431,5 +398,4 @@ def _manifest(plan: Plan, tree: Any, gathered: list[Any]) -> bytes:
 
 
 
-__all__ = ["Save", "coordinator_for", "data_file_name", "rank_of_data_file", "save",
-           "tensor_bytes_by_rank"]
+__all__ = ["Save", "coordinator_for", "save", "tensor_bytes_by_rank"]

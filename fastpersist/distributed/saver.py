@@ -7,13 +7,20 @@ background thread. The next save first waits for the previous one: every
 rank must run the job's collectives in the same order, and the background
 thread's and the caller's share one gloo group. That group is not the
 training group, so the background exchanges never block training collectives.
+
+With a daemon (FASTPERSIST_DAEMON, or Checkpointer's daemon=), the pieces are
+copied into shared memory and each rank hands them to its node's fastpersistd
+as one part of the job (storage.ThroughDaemon).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,17 +32,20 @@ from ..errors import CheckpointError
 from ..knobs import current as current_knobs
 from ..saver import SaveFuture, raise_failure_of, take_unobserved_failure
 from ..snapshot import StagedFile, group_into_files, stage_file
-from ..staging import StagingPool
 from .coordinator import Save, coordinator_for
+from .storage import storage_for
 
 
 class DistributedSaver:
     """The Saver interface (save, wait, close) for saves over a process group."""
 
-    def __init__(self, group: dist.ProcessGroup | None, *, node_local: bool = False) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, *, node_local: bool = False,
+                 daemon: str = "") -> None:
         self.co = coordinator_for(group)
         self.node_local = node_local
-        self._pool = StagingPool()
+        self.storage = storage_for(daemon)
+        self._pool = self.storage.pool
+        _live_savers.add(self)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-dist-writer")
         self._lock = threading.Lock()
         self._futures: list[SaveFuture] = []
@@ -52,7 +62,8 @@ class DistributedSaver:
             raise CheckpointError("this saver is closed")
         self.raise_unobserved_failure()
         self.wait()  # the previous save's collectives end before this one's begin
-        job = Save(self.co, obj, path, node_local=self.node_local, allow_pickle=allow_pickle)
+        job = Save(self.co, obj, path, self.storage, node_local=self.node_local,
+                   allow_pickle=allow_pickle)
         future = SaveFuture(job.target)
         job.prepare()  # raises the same error on every rank
         staged: list[StagedFile] = []
@@ -89,7 +100,7 @@ class DistributedSaver:
             if isinstance(files, list):
                 for f in files:
                     f.wait_copied()
-            job.finish([f.tensors for f in files] if isinstance(files, list) else files)
+            job.finish(files)
             if on_commit is not None:
                 # Rank 0 moves `latest` and applies retention; every rank returns after.
                 job.after_commit(on_commit)
@@ -123,16 +134,32 @@ class DistributedSaver:
         self._closed = True
         self.wait()
         self._writer.shutdown(wait=True)
-        self._pool.clear()
+        self.storage.close()
         self.raise_unobserved_failure()
 
 
-_savers: dict[tuple[Any, bool], DistributedSaver] = {}
+_savers: dict[tuple[Any, bool, str], DistributedSaver] = {}
 
 
-def saver_for(group: dist.ProcessGroup | None, node_local: bool) -> DistributedSaver:
-    key = (group if group is not None else "world", node_local)
+def saver_for(group: dist.ProcessGroup | None, node_local: bool, daemon: str = ""
+              ) -> DistributedSaver:
+    """The process-wide saver for async_save (and save, through a daemon)."""
+    key = (group if group is not None else "world", node_local, daemon)
     saver = _savers.get(key)
     if saver is None or saver._closed:
-        saver = _savers[key] = DistributedSaver(group, node_local=node_local)
+        saver = _savers[key] = DistributedSaver(group, node_local=node_local, daemon=daemon)
     return saver
+
+
+# Through a daemon, staging buffers are shared-memory files: they outlive a
+# process that exits without unlinking them (the daemon reclaims those, but
+# only while it runs). At exit, after the writer threads ended (concurrent
+# futures joins them before atexit handlers run), unlink ours.
+_live_savers: weakref.WeakSet[DistributedSaver] = weakref.WeakSet()
+
+
+@atexit.register
+def _free_staging_at_exit() -> None:
+    for saver in list(_live_savers):
+        with contextlib.suppress(Exception):
+            saver.storage.close()

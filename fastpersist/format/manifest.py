@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,9 +111,7 @@ class Manifest:
             "schema_version": self.schema_version,
             "fastpersist_version": self.fastpersist_version,
             "created_unix": self.created_unix,
-            "files": [{k: v for k, v in vars(f).items() if k != "node" or v is not None}
-                      for f in self.files],
-            "tensors": [{**vars(t), "shape": list(t.shape)} for t in self.tensors],
+            **records_to_json(self.files, self.tensors),
             "tree": self.tree,
         }
         if self.globals is not None:
@@ -131,6 +129,25 @@ class Manifest:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ManifestError(f"{where}: manifest is not valid JSON ({exc})") from None
         return _validate(doc, where)
+
+
+def records_to_json(files: Iterable[FileRecord], tensors: Iterable[TensorRecord]
+                    ) -> dict[str, Any]:
+    """The "files" and "tensors" of a manifest (also a daemon's part report)."""
+    return {
+        "files": [{k: v for k, v in vars(f).items() if k != "node" or v is not None}
+                  for f in files],
+        "tensors": [{**vars(t), "shape": list(t.shape)} for t in tensors],
+    }
+
+
+def records_from_json(doc: Any, where: str, schema_version: int = SCHEMA_VERSION
+                      ) -> tuple[tuple[FileRecord, ...], tuple[TensorRecord, ...]]:
+    """records_to_json's output, parsed and checked as a manifest's are."""
+    if not isinstance(doc, dict):
+        raise _fail(where, "top level is not an object")
+    files, tensors = _records(doc.get("files"), doc.get("tensors"), schema_version, where)
+    return tuple(files.values()), tuple(tensors)
 
 
 def _fail(where: str, msg: str) -> ManifestError:
@@ -162,7 +179,28 @@ def _validate(doc: Any, where: str) -> Manifest:
             f"{where}: schema version {version} is newer than this fastpersist understands "
             f"({SCHEMA_VERSION}); upgrade fastpersist to read it"
         )
-    files_raw, tensors_raw = doc.get("files"), doc.get("tensors")
+    files, tensors = _records(doc.get("files"), doc.get("tensors"), version, where)
+    created = doc.get("created_unix")
+    if not isinstance(created, (int, float)) or isinstance(created, bool):
+        raise _fail(where, "'created_unix' must be a number")
+    if "tree" not in doc:
+        raise _fail(where, "'tree' is missing")
+    globals_ = _globals(doc, tensors, where) if "globals" in doc else None
+    if globals_ is not None and version < 2:
+        raise _fail(where, "'globals' needs schema version 2")
+    return Manifest(
+        files=tuple(files.values()),
+        tensors=tuple(tensors),
+        tree=doc["tree"],
+        fastpersist_version=_str(doc, "fastpersist_version", where, "top level"),
+        created_unix=float(created),
+        schema_version=version,
+        globals=globals_,
+    )
+
+
+def _records(files_raw: Any, tensors_raw: Any, version: int, where: str
+             ) -> tuple[dict[str, FileRecord], list[TensorRecord]]:
     if not isinstance(files_raw, list) or not isinstance(tensors_raw, list):
         raise _fail(where, "'files' and 'tensors' must be lists")
     files: dict[str, FileRecord] = {}
@@ -220,23 +258,7 @@ def _validate(doc: Any, where: str) -> Manifest:
             raise _fail(where, f"{ctx}: bytes {rec_t.offset}..{rec_t.offset + rec_t.length} "
                         f"lie outside the data section of {rec_t.file!r}")
         tensors.append(rec_t)
-    created = doc.get("created_unix")
-    if not isinstance(created, (int, float)) or isinstance(created, bool):
-        raise _fail(where, "'created_unix' must be a number")
-    if "tree" not in doc:
-        raise _fail(where, "'tree' is missing")
-    globals_ = _globals(doc, tensors, where) if "globals" in doc else None
-    if globals_ is not None and version < 2:
-        raise _fail(where, "'globals' needs schema version 2")
-    return Manifest(
-        files=tuple(files.values()),
-        tensors=tuple(tensors),
-        tree=doc["tree"],
-        fastpersist_version=_str(doc, "fastpersist_version", where, "top level"),
-        created_unix=float(created),
-        schema_version=version,
-        globals=globals_,
-    )
+    return files, tensors
 
 
 def _int_list(v: Any) -> bool:

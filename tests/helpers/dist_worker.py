@@ -136,13 +136,15 @@ def main() -> int:
     result: dict[str, Any] = {"rank": rank, "node": os.environ.get("FASTPERSIST_NODE")}
     path = args["path"].format(node=os.environ.get("FASTPERSIST_NODE", ""))
     try:
-        if scenario in ("save", "fail", "die", "mismatch", "fail_commit"):
+        if scenario in ("save", "fail", "die", "mismatch", "fail_commit", "die_handed_over"):
             if scenario == "fail" and rank == args["fail_rank"]:
                 _fail_writes()
             if scenario == "fail_commit" and rank == args["fail_rank"]:
                 _fail_commits()
             if scenario == "die" and rank == args["die_rank"]:
                 _die_in_writes()
+            if scenario == "die_handed_over" and rank in args["die_ranks"]:
+                _die_after_hand_over()
             state = build_state(args)
             if scenario == "mismatch" and rank == args["odd_rank"]:
                 state["model"]["extra"] = torch.zeros(3)  # a state the others do not have
@@ -204,24 +206,46 @@ def _fail_writes() -> None:
 
 
 def _fail_commits() -> None:
-    """This rank's commit of its staging directory fails as an I/O error would."""
+    """This rank's commit of its staging directory fails as an I/O error would
+    (in-process, or as the daemon's answer to CommitJob)."""
     from fastpersist.commit import Staging
+    from fastpersist.distributed import storage
+    from fastpersist.errors import DaemonError
 
     def broken(self: Any, manifest: bytes) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
+    def refused(self: Any, *a: Any) -> None:
+        raise DaemonError("cannot commit the distributed checkpoint: Input/output error",
+                          "INTERNAL")
+
     Staging.commit = broken  # type: ignore[method-assign]
+    storage.ThroughDaemon.publish = refused  # type: ignore[method-assign]
 
 
 def _die_in_writes() -> None:
-    """This rank is SIGKILLed as it starts writing its pieces."""
-    original = coordinator._write_files
+    """This rank is SIGKILLed as it starts writing its pieces (in-process or
+    through a daemon: before its part is begun there)."""
+    from fastpersist.distributed import storage
 
     def die(*a: Any, **k: Any) -> Any:
         os.kill(os.getpid(), signal.SIGKILL)
-        return original(*a, **k)
 
-    coordinator._write_files = die  # type: ignore[assignment]
+    storage.InProcess.write = die  # type: ignore[method-assign]
+    storage.ThroughDaemon.write = die  # type: ignore[method-assign]
+
+
+def _die_after_hand_over() -> None:
+    """This rank is SIGKILLed once the daemon holds its part (Commit answered)."""
+    from fastpersist.daemon_client import DaemonClient
+
+    original = DaemonClient.commit
+
+    def commit_then_die(self: Any, *a: Any, **k: Any) -> None:
+        original(self, *a, **k)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    DaemonClient.commit = commit_then_die  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

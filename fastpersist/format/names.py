@@ -1,0 +1,27 @@
+"""Names of the files inside a checkpoint directory that more than one module makes.
+
+Torch-free: the daemon writes distributed checkpoints' parts under these names.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+def data_file_name(index: int) -> str:
+    """A single-process checkpoint's data file."""
+    return f"data-{index:05d}.safetensors"
+
+
+def part_file_name(rank: int, index: int) -> str:
+    """A distributed checkpoint's data file: the index-th that `rank` wrote."""
+    return f"data-r{rank:05d}-{index:03d}.safetensors"
+
+
+_PART_FILE = re.compile(r"^data-r(\d{5,})-\d{3,}\.safetensors$")
+
+
+def rank_of_part_file(name: str) -> int | None:
+    """The rank that wrote a distributed checkpoint's data file (None: not one)."""
+    m = _PART_FILE.match(name)
+    return int(m[1]) if m else None

@@ -1,0 +1,109 @@
+"""Running torch.distributed (gloo) jobs of real rank processes for tests.
+
+Imported as `dist_support` (tests/ is on sys.path). Each rank runs
+tests/helpers/dist_worker.py with a scenario and writes a JSON report; "nodes"
+are simulated with FASTPERSIST_NODE, node-local storage with a directory per
+node, and a node's daemon with per-node environment (env_by_node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from fastpersist.checkpoint import read_manifest
+from fastpersist.distributed.coordinator import tensor_bytes_by_rank
+
+WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
+# Small pieces, so that the test state's tensors are cut over the writers.
+PIECES = str(64 << 10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(tmp_path: Path, scenario: str, nodes: list[str], args: dict[str, Any],
+            env: dict[str, str] | None = None, timeout: float = 120,
+            env_by_node: dict[str, dict[str, str]] | None = None) -> list[dict[str, Any]]:
+    """Run len(nodes) ranks (rank r on node nodes[r]); their reports, by rank."""
+    out = tmp_path / f"out-{scenario}-{len(os.listdir(tmp_path))}"
+    out.mkdir()
+    port = free_port()
+    procs = []
+    for rank, node in enumerate(nodes):
+        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(nodes)),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTPERSIST_NODE=node,
+                 FASTPERSIST_PIECE_BYTES=PIECES, OMP_NUM_THREADS="1", **(env or {}),
+                 **(env_by_node or {}).get(node, {}))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(out), json.dumps(args)], env=e,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a rank hung: {[q.args for q in procs]}") from None
+    reports = []
+    for rank in range(len(nodes)):
+        f = out / f"rank-{rank}.json"
+        reports.append({**json.loads(f.read_text()), "log": logs[rank][-3000:]}
+                       if f.exists() else {
+            "rank": rank, "missing": True, "returncode": procs[rank].returncode,
+            "log": logs[rank][-3000:]})
+    return reports
+
+
+def ok(reports: list[dict[str, Any]]) -> None:
+    bad = [r for r in reports if not r.get("ok")]
+    assert not bad, json.dumps(bad, indent=1)[:6000]
+
+
+def data_bytes_by_rank(ckpt: Path) -> dict[int, int]:
+    return tensor_bytes_by_rank(read_manifest(ckpt))
+
+
+def worker_module() -> Any:
+    """tests/helpers/dist_worker.py, imported here for its state and checks."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        import dist_worker
+    finally:
+        sys.path.pop(0)
+    return dist_worker
+
+
+def full_tensors() -> Any:
+    return worker_module().full_tensors()
+
+
+def unique_bytes(tp: bool) -> int:
+    dist_worker = worker_module()
+    tensors = list(dist_worker.full_tensors().values())
+    if tp:
+        tensors += list(dist_worker.sharded_tensors().values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def check_loaded(report: dict[str, Any], tp: bool) -> None:
+    assert report["ok"], report
+    assert report["step"] == 7 and report["name"] == "test-run"
+    bad = {k: v for k, v in report["tensors"].items() if not v["equal"]}
+    assert not bad, bad
+    assert len(report["tensors"]) == 8 + (2 if tp else 0)
+    assert report["tied"], "tied weights came back as two tensors"
+
+
+def describe_here(obj: Any) -> dict[str, Any]:
+    """What a rank's report says of a loaded state, for a state loaded here."""
+    return {**worker_module().describe_loaded(obj), "ok": True}

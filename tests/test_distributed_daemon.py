@@ -1,0 +1,319 @@
+"""Distributed saves through fastpersistd: each rank hands its part to its node's
+daemon, and the job is committed there once (proto/fastpersist.proto: BeginJob,
+Begin with a job_id, CommitJob, AbortJob).
+
+The jobs are real gloo processes (dist_support.run_job) and the daemons real
+daemon processes (daemon_support.Daemon); the job-manifest checks are driven
+from this process with the storage layer the ranks use.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from daemon_support import Daemon
+from dist_support import (
+    check_loaded,
+    data_bytes_by_rank,
+    describe_here,
+    full_tensors,
+    ok,
+    run_job,
+    unique_bytes,
+)
+
+import fastpersist
+from fastpersist import state
+from fastpersist._version import __version__
+from fastpersist.checkpoint import read_manifest
+from fastpersist.cli import main as fpctl
+from fastpersist.distributed.storage import Records, ThroughDaemon
+from fastpersist.errors import CheckpointNotFoundError, DaemonError
+from fastpersist.format.manifest import (
+    DISTRIBUTED_SCHEMA_VERSION,
+    Chunk,
+    FileRecord,
+    GlobalTensor,
+    Manifest,
+    TensorRecord,
+)
+from fastpersist.plan import StoredTensor
+from fastpersist.snapshot import stage_file
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="torch without distributed")
+
+
+def _daemon(workdir: Path, *args: str, **kwargs: Any) -> Daemon:
+    workdir.mkdir(parents=True, exist_ok=True)
+    return Daemon(workdir, *args, **kwargs).start()
+
+
+def _hidden(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def _segments(d: Daemon) -> list[str]:
+    return sorted(p.name for p in d.shm_dir.iterdir())
+
+
+def test_dp4_through_the_daemon_writes_parts_and_commits_once(daemon: Daemon,
+                                                              tmp_path: Path) -> None:
+    ckpt = daemon.root / "shared" / "ckpt"
+    reports = run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
+                      {"path": str(ckpt), "saves": 2},
+                      env={"FASTPERSIST_DAEMON": daemon.address})
+    ok(reports)
+    # The daemon wrote every rank's part, twice, and committed each job once.
+    assert sorted(e["rank"] for e in daemon.events("part-written")) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert len(daemon.events("committed-job")) == 2
+    assert daemon.events("committed") == []  # no part was published on its own
+    per_rank = data_bytes_by_rank(ckpt)
+    unique = unique_bytes(tp=False)
+    assert sum(per_rank.values()) == unique and sorted(per_rank) == [0, 1, 2, 3]
+    assert all(abs(n - unique / 4) / (unique / 4) < 0.05 for n in per_rank.values()), per_rank
+    assert _hidden(ckpt.parent) == [], "staging left"
+    assert _segments(daemon) == [], "the ranks left shared-memory segments"
+    check_loaded(describe_here(fastpersist.load(ckpt)), tp=False)
+    assert fpctl(["verify", str(ckpt)]) == 0
+
+
+def test_node_local_each_node_through_its_own_daemon(tmp_path: Path) -> None:
+    daemons = {n: _daemon(tmp_path / f"daemon-{n}", root=tmp_path / "disks" / n)
+               for n in ("a", "b")}
+    try:
+        reports = run_job(
+            tmp_path, "save", ["a", "a", "b", "b"],
+            {"path": str(tmp_path / "disks" / "{node}" / "ckpt"), "node_local": True},
+            env_by_node={n: {"FASTPERSIST_DAEMON": d.address,
+                             "FASTPERSIST_SHM_DIR": str(d.shm_dir)}
+                         for n, d in daemons.items()})
+        ok(reports)
+        held = {}
+        for node, d in daemons.items():
+            assert len(d.events("part-written")) == 2  # its own node's two ranks
+            assert len(d.events("committed-job")) == 1
+            ck = d.root / "ckpt"
+            mine = {f.name for f in read_manifest(ck).files if f.node == node}
+            assert {p.name for p in ck.iterdir()} == mine | {"manifest.json"}
+            held[node] = sum(f.stat().st_size for f in ck.iterdir() if f.name in mine)
+        unique = unique_bytes(tp=False)
+        assert all(abs(n - unique / 2) / (unique / 2) < 0.06 for n in held.values()), held
+        assert fpctl(["gather", str(daemons["a"].root / "ckpt"), str(daemons["b"].root / "ckpt"),
+                      "--to", str(tmp_path / "gathered")]) == 0
+        check_loaded(describe_here(fastpersist.load(tmp_path / "gathered")), tp=False)
+    finally:
+        for d in daemons.values():
+            d.cleanup()
+
+
+@pytest.mark.parametrize("fail_rank", [2, 0], ids=["other-node-first", "rank0-last"])
+def test_a_failed_job_commit_leaves_nothing_on_any_node(tmp_path: Path, fail_rank: int) -> None:
+    """Node-local through two daemons: node b commits its job before rank 0's
+    node. If b's commit fails, a's job is aborted; if rank 0's fails after b
+    committed, b deletes its checkpoint again through its daemon."""
+    daemons = {n: _daemon(tmp_path / f"daemon-{n}", root=tmp_path / "disks" / n)
+               for n in ("a", "b")}
+    try:
+        reports = run_job(
+            tmp_path, "fail_commit", ["a", "a", "b", "b"],
+            {"path": str(tmp_path / "disks" / "{node}" / "ckpt"), "node_local": True,
+             "fail_rank": fail_rank},
+            env_by_node={n: {"FASTPERSIST_DAEMON": d.address,
+                             "FASTPERSIST_SHM_DIR": str(d.shm_dir)}
+                         for n, d in daemons.items()})
+        assert {r.get("error_type") for r in reports} == {"DistributedCheckpointError"}, reports
+        assert f"rank {fail_rank} (commit)" in reports[0]["error"], reports[0]["error"]
+        for node, d in daemons.items():
+            assert sorted(os.listdir(d.root)) == [], f"node {node}: {os.listdir(d.root)}"
+        if fail_rank == 0:
+            assert daemons["b"].events("committed-job") and daemons["b"].events("deleted")
+        else:
+            assert daemons["a"].events("aborted-job")
+    finally:
+        for d in daemons.values():
+            d.cleanup()
+
+
+def test_async_save_and_checkpointer_through_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
+    root = daemon.root
+    reports = run_job(tmp_path, "async", ["n0", "n0", "n1", "n1"], {"path": str(root)},
+                      env={"FASTPERSIST_DAEMON": daemon.address})
+    ok(reports)
+    assert all(r["steps"] == [1, 2] for r in reports), reports
+    assert len(daemon.events("committed-job")) == 4  # single + three steps
+    # The state when each call returned, not the later scribbles.
+    check_loaded(describe_here(fastpersist.load(root / "single")), tp=False)
+    loaded = fastpersist.load(root / "run" / "step-00000002")
+    expected = full_tensors()
+    for k, t in expected.items():
+        assert torch.equal(loaded["model"][k], t + 2), k
+    assert _segments(daemon) == []
+
+
+def test_a_rank_killed_after_its_hand_over_fails_the_job_and_leaves_nothing(
+        daemon: Daemon, tmp_path: Path) -> None:
+    """Rank 1 dies once the daemon holds its part: the daemon finishes the part,
+    rank 0 fails after the timeout and drops the job; nothing is visible."""
+    ckpt = daemon.root / "ckpt"
+    reports = run_job(tmp_path, "die_handed_over", ["n0", "n0"],
+                      {"path": str(ckpt), "die_ranks": [1]},
+                      env={"FASTPERSIST_DAEMON": daemon.address,
+                           "FASTPERSIST_DIST_TIMEOUT": "5"})
+    assert reports[1].get("missing") and reports[1]["returncode"] == -9
+    assert reports[0]["error_type"] == "DistributedCheckpointError", reports[0]
+    assert "a rank may have died or hung" in reports[0]["error"]
+    assert not ckpt.exists() and _hidden(daemon.root) == []
+    assert [e["job"] for e in daemon.events("aborted-job")], daemon.log[-2000:]
+
+
+def test_a_job_whose_ranks_all_died_is_dropped_after_the_idle_timeout(tmp_path: Path) -> None:
+    """Every rank dies after handing its part over: no rank is left to commit
+    the job (only the ranks together have its manifest), so the daemon finishes
+    the parts, then removes the job's directory after --idle-timeout."""
+    d = _daemon(tmp_path / "daemon", "--idle-timeout", "1")
+    try:
+        ckpt = d.root / "ckpt"
+        reports = run_job(tmp_path, "die_handed_over", ["n0", "n0"],
+                          {"path": str(ckpt), "die_ranks": [0, 1]},
+                          env={"FASTPERSIST_DAEMON": d.address,
+                               "FASTPERSIST_SHM_DIR": str(d.shm_dir)})
+        assert all(r.get("missing") and r["returncode"] == -9 for r in reports), reports
+        deadline = time.monotonic() + 30
+        while _hidden(d.root) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _hidden(d.root) == [] and not ckpt.exists()
+        assert len(d.events("part-written")) == 2  # handed over: finished all the same
+        assert d.events("idle-abort-job"), d.log[-2000:]
+        # The dead ranks' segments are reclaimed too (nobody holds their locks).
+        deadline = time.monotonic() + 10
+        while _segments(d) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _segments(d) == []
+    finally:
+        d.cleanup()
+
+
+# --- the job manifest is checked against what the daemon wrote ------------------------------
+
+
+def _part(storage: ThroughDaemon, target: Path, job: str, rank: int,
+          tensors: dict[str, torch.Tensor]) -> Records:
+    stored = [StoredTensor(k, "F32", tuple(t.shape), t) for k, t in tensors.items()]
+    nbytes = sum(t.numel() * 4 for t in tensors.values())
+    buffer = storage.pool.acquire(nbytes, 0, False)
+    return storage.write(target, job, rank, [stage_file(stored, buffer, False)], None)
+
+
+def _manifest(records: Records, full: torch.Tensor, rows: list[tuple[str, int]]) -> Manifest:
+    """A job manifest for one global tensor `w` stored as row chunks."""
+    tree, leaves = state.encode({"w": full}, sharded=True)
+    leaves[0].node["e"] = 0
+    files = tuple(f for f, _ in records)
+    tensors = tuple(t for _, ts in records for t in ts)
+    index = {t.name: i for i, t in enumerate(tensors)}
+    chunks = tuple(Chunk(index[name], (row, 0)) for name, row in rows)
+    return Manifest(files=files, tensors=tensors, tree=tree, fastpersist_version=__version__,
+                    created_unix=time.time(), schema_version=DISTRIBUTED_SCHEMA_VERSION,
+                    globals=(GlobalTensor("w", "F32", tuple(full.shape), chunks),))
+
+
+def _retouched(m: Manifest, **changes: Any) -> bytes:
+    return Manifest(**{**vars(m), **changes}).to_json()
+
+
+def test_job_manifests_that_do_not_match_the_directory_are_refused(daemon: Daemon,
+                                                                   tmp_path: Path) -> None:
+    """Two daemons on one root stand for two nodes on shared storage: the second
+    joins the job the first began, by its id; the first checks and commits it."""
+    other = _daemon(tmp_path / "other", root=daemon.root, shm_dir=daemon.shm_dir)
+    first, second = ThroughDaemon(daemon.address), ThroughDaemon(other.address)
+    try:
+        target = daemon.root / "ckpt"
+        full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+        job = first.stage(target)
+        records = _part(first, target, job, 0, {"w.0": full[:4].clone()})
+        records += _part(second, target, job, 1, {"w.1": full[4:].clone()})
+        assert [f.name for f, _ in records] == ["data-r00000-000.safetensors",
+                                                 "data-r00001-000.safetensors"]
+        good = _manifest(records, full, [("w.0", 0), ("w.1", 4)])
+        t0 = good.tensors[0]
+        bad_crc = TensorRecord(**{**vars(t0), "crc32c": t0.crc32c ^ 1})
+        f0 = good.files[0]
+        refused = [
+            (b"{not json", "not valid JSON"),
+            (_retouched(good, tensors=(bad_crc, *good.tensors[1:])),
+             "differs from the one this daemon wrote"),
+            (_retouched(good, files=(FileRecord(f0.name, f0.size + 1, f0.data_start,
+                                                f0.header_crc32c), good.files[1])),
+             "bytes; the manifest says"),
+            (_retouched(good, schema_version=1, globals=None), "not a distributed"),
+        ]
+        for manifest, message in refused:
+            with pytest.raises(DaemonError, match=message) as caught:
+                first.publish(job, manifest, None)
+            assert caught.value.code == "INVALID_ARGUMENT"
+        with pytest.raises(DaemonError, match="commit it there"):
+            second.publish(job, good.to_json(), None)  # only the daemon that began it
+        assert not target.exists()  # nothing refused was published
+        first.publish(job, good.to_json(), None)
+        assert torch.equal(fastpersist.load(target)["w"], full)
+        assert _hidden(daemon.root) == []
+        # The joining daemon does not hold the path: the next save of it may start there.
+        second.abort(second.stage(target))
+    finally:
+        first.close()
+        second.close()
+        other.cleanup()
+
+
+def test_jobs_refuse_bad_ids_and_calls_out_of_order(daemon: Daemon) -> None:
+    storage = ThroughDaemon(daemon.address)
+    client = storage.client
+    try:
+        target = daemon.root / "ckpt"
+        with pytest.raises(DaemonError, match="is not a directory name") as caught:
+            client.begin("ckpt", 4096, 1, job_id="../../etc", rank=0)
+        assert caught.value.code == "INVALID_ARGUMENT"
+        with pytest.raises(CheckpointNotFoundError):
+            client.begin("ckpt", 4096, 1, job_id=".ckpt.fp-tmp-1-00000000@nohost", rank=0)
+        with pytest.raises(CheckpointNotFoundError):
+            client.commit_job("no-such-job", b"{}", "")
+        job = storage.stage(target)
+        with pytest.raises(DaemonError, match="in flight"):
+            client.begin_job("ckpt")  # one save of a path at a time
+        with pytest.raises(DaemonError, match="saves ckpt, not"):
+            client.begin("other", 4096, 1, job_id=job, rank=0)
+        storage.abort(job)
+        assert _hidden(daemon.root) == []
+        with pytest.raises(DaemonError, match="aborted"):
+            client.commit_job(job, b"{}", "")
+    finally:
+        storage.close()
+
+
+def test_a_job_commit_that_fails_drops_the_job_and_keeps_what_was_there(daemon: Daemon) -> None:
+    """A directory that is not a checkpoint appeared under the name while the
+    job ran: the commit refuses to replace it, the job is dropped, and the
+    directory is left as it was."""
+    storage = ThroughDaemon(daemon.address)
+    try:
+        target = daemon.root / "ckpt"
+        full = torch.ones(4, 4)
+        job = storage.stage(target)
+        manifest = _manifest(_part(storage, target, job, 0, {"w.0": full}), full, [("w.0", 0)])
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+        with pytest.raises(fastpersist.CheckpointExistsError, match="not a fastpersist"):
+            storage.publish(job, manifest.to_json(), None)
+        assert (target / "notes.txt").read_text() == "mine"
+        assert _hidden(daemon.root) == []
+        with pytest.raises(DaemonError, match="aborted: commit failed"):
+            storage.publish(job, manifest.to_json(), None)
+    finally:
+        storage.close()
