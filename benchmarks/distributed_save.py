@@ -9,6 +9,8 @@ and the wall time is from a barrier before to a barrier after:
 
 - fastpersist.save(state, path, process_group=WORLD): each unique byte written
   once, split over the ranks (2 simulated nodes x 2 ranks);
+- the same through fastpersistd (one daemon, as on one node): each rank
+  copies its pieces into shared memory and the daemon writes its part;
 - torch.distributed.checkpoint.save (its own dedup of replicated tensors,
   FileSystemWriter with sync_files);
 - rank 0 alone: torch.save + fsync while the others wait (the common pattern);
@@ -80,7 +82,11 @@ def worker(work: Path, nbytes: int, repeats: int, out: Path) -> None:
     state = build_state(make_spec(nbytes, seed=0))  # identical on every rank
 
     def fp(path: Path) -> None:
-        fastpersist.save(state, path, process_group=dist.group.WORLD)
+        fastpersist.save(state, path, process_group=dist.group.WORLD, daemon="")
+
+    def fp_daemon(path: Path) -> None:
+        fastpersist.save(state, path, process_group=dist.group.WORLD,
+                         daemon=os.environ["FP_BENCH_DAEMON"])
 
     def dcp_save(path: Path) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True))
@@ -90,7 +96,8 @@ def worker(work: Path, nbytes: int, repeats: int, out: Path) -> None:
             torch.save(state, path)
             fsync_path(path)
 
-    methods = {"fastpersist": fp, "dcp": dcp_save, "rank0_torch_save": rank0}
+    methods = {"fastpersist": fp, "fastpersist_daemon": fp_daemon, "dcp": dcp_save,
+               "rank0_torch_save": rank0}
     times: dict[str, list[float]] = {k: [] for k in methods}
     written: dict[str, dict[str, int]] = {}
     for r in range(repeats):
@@ -116,12 +123,12 @@ def worker(work: Path, nbytes: int, repeats: int, out: Path) -> None:
 
 def per_rank_bytes(name: str, files: dict[str, int]) -> dict[str, int]:
     """Bytes each rank wrote, from the file names each method gives its ranks' files."""
-    from fastpersist.distributed.coordinator import rank_of_data_file
+    from fastpersist.format.names import rank_of_part_file
 
     out: dict[str, int] = {}
     for f, n in files.items():
-        if name == "fastpersist" and rank_of_data_file(f) is not None:
-            rank = str(rank_of_data_file(f))
+        if name.startswith("fastpersist") and rank_of_part_file(f) is not None:
+            rank = str(rank_of_part_file(f))
         elif name == "dcp" and f.endswith(".distcp"):
             rank = f.split("_")[2].split(".")[0] if f.startswith("__") else "?"
         elif name == "rank0_torch_save":
@@ -149,9 +156,12 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     import _fio
     from _system import machine_facts
+    from daemon_save import DaemonProcess
 
     work = Path(tempfile.mkdtemp(prefix="fp-dist-bench-", dir=args.dir))
+    shm_dir = Path(tempfile.mkdtemp(prefix="fp-dist-bench-", dir="/dev/shm"))
     result_file = work / "result.json"
+    daemon = DaemonProcess(work, shm_dir, work)
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -160,6 +170,7 @@ def main() -> int:
         for rank in range(WORLD):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), FASTPERSIST_NODE=f"node{rank // 2}",
+                       FP_BENCH_DAEMON=daemon.address, FASTPERSIST_SHM_DIR=str(shm_dir),
                        PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--size-gib", str(args.size_gib), "--repeats",
@@ -174,7 +185,10 @@ def main() -> int:
                 res = _fio.run(_fio.WRITE_SHAPES[2], work / "fio.dat", _fio.fio_size(nbytes))
                 fio_s.append(res.seconds * nbytes / res.nbytes)
     finally:
+        daemon.proc.terminate()
+        daemon.proc.wait()
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in job["times"].items()}
     if fio_s:
@@ -188,6 +202,8 @@ def main() -> int:
         "fio_samples_s": fio_s, "bytes_per_rank": ranks,
         "ratios": {
             "dcp_over_fastpersist": med["dcp"] / med["fastpersist"],
+            "dcp_over_fastpersist_daemon": med["dcp"] / med["fastpersist_daemon"],
+            "fastpersist_daemon_over_in_process": med["fastpersist_daemon"] / med["fastpersist"],
             "rank0_over_fastpersist": med["rank0_torch_save"] / med["fastpersist"],
             **({"fio_over_fastpersist": med["fio_direct"] / med["fastpersist"]} if fio_s else {}),
             "fastpersist_rank_max_over_mean": max(fp_ranks) / (sum(fp_ranks) / len(fp_ranks)),
@@ -202,6 +218,9 @@ def main() -> int:
     for k, v in med.items():
         print(f"  {k:18s} {v:6.3f} s  {nbytes / v / 1e9:5.2f} GB/s")
     print(f"  fastpersist vs DCP          {r['dcp_over_fastpersist']:.2f}x faster (target >= 2)")
+    print(f"  through the daemon vs DCP   {r['dcp_over_fastpersist_daemon']:.2f}x faster")
+    print(f"  through the daemon vs in-process  {r['fastpersist_daemon_over_in_process']:.2f}x "
+          "the time")
     print(f"  fastpersist vs rank-0 save  {r['rank0_over_fastpersist']:.2f}x faster")
     if "fio_over_fastpersist" in r:
         print(f"  fastpersist vs fio ceiling  {r['fio_over_fastpersist']:.2f}x")
