@@ -11,6 +11,8 @@ and the wall time is from a barrier before to a barrier after:
   once, split over the ranks (2 simulated nodes x 2 ranks);
 - the same through fastpersistd (one daemon, as on one node): each rank
   copies its pieces into shared memory and the daemon writes its part;
+- fastpersist.async_save, in-process and through the daemon: the wall time
+  until durable, and the caller's stall (until async_save returned);
 - torch.distributed.checkpoint.save (its own dedup of replicated tensors,
   FileSystemWriter with sync_files);
 - rank 0 alone: torch.save + fsync while the others wait (the common pattern);
@@ -88,6 +90,16 @@ def worker(work: Path, nbytes: int, repeats: int, out: Path) -> None:
         fastpersist.save(state, path, process_group=dist.group.WORLD,
                          daemon=os.environ["FP_BENCH_DAEMON"])
 
+    stalls: dict[str, list[float]] = {"fastpersist_async": [], "fastpersist_daemon_async": []}
+
+    def fp_async(name: str, daemon: str) -> Any:
+        def run(path: Path) -> None:
+            future = fastpersist.async_save(state, path, process_group=dist.group.WORLD,
+                                            daemon=daemon)
+            stalls[name].append(future.snapshot_seconds)
+            future.result()
+        return run
+
     def dcp_save(path: Path) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True))
 
@@ -96,8 +108,11 @@ def worker(work: Path, nbytes: int, repeats: int, out: Path) -> None:
             torch.save(state, path)
             fsync_path(path)
 
-    methods = {"fastpersist": fp, "fastpersist_daemon": fp_daemon, "dcp": dcp_save,
-               "rank0_torch_save": rank0}
+    methods = {"fastpersist": fp, "fastpersist_daemon": fp_daemon,
+               "fastpersist_async": fp_async("fastpersist_async", ""),
+               "fastpersist_daemon_async": fp_async("fastpersist_daemon_async",
+                                                    os.environ["FP_BENCH_DAEMON"]),
+               "dcp": dcp_save, "rank0_torch_save": rank0}
     times: dict[str, list[float]] = {k: [] for k in methods}
     written: dict[str, dict[str, int]] = {}
     for r in range(repeats):
@@ -114,7 +129,7 @@ def worker(work: Path, nbytes: int, repeats: int, out: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
             dist.barrier()
     if rank == 0:
-        out.write_text(json.dumps({"times": times, "written": written}))
+        out.write_text(json.dumps({"times": times, "written": written, "stalls": stalls}))
     dist.destroy_process_group()
 
 
@@ -195,11 +210,13 @@ def main() -> int:
         med["fio_direct"] = statistics.median(fio_s)
     ranks = {k: per_rank_bytes(k, files) for k, files in job["written"].items()}
     fp_ranks = list(ranks["fastpersist"].values())
+    stall = {k: statistics.median(v) for k, v in job["stalls"].items()}
     planning = planning_seconds()
     report = {
         "state_bytes": nbytes, "world": WORLD, "repeats": args.repeats,
         "machine": machine_facts(args.dir), "medians_s": med, "samples_s": job["times"],
-        "fio_samples_s": fio_s, "bytes_per_rank": ranks,
+        "fio_samples_s": fio_s, "bytes_per_rank": ranks, "async_stall_medians_s": stall,
+        "async_stall_samples_s": job["stalls"],
         "ratios": {
             "dcp_over_fastpersist": med["dcp"] / med["fastpersist"],
             "dcp_over_fastpersist_daemon": med["dcp"] / med["fastpersist_daemon"],
@@ -217,6 +234,8 @@ def main() -> int:
           "medians")
     for k, v in med.items():
         print(f"  {k:18s} {v:6.3f} s  {nbytes / v / 1e9:5.2f} GB/s")
+    for k, v in stall.items():
+        print(f"  {k:26s} caller stall {v:6.3f} s (rank 0)")
     print(f"  fastpersist vs DCP          {r['dcp_over_fastpersist']:.2f}x faster (target >= 2)")
     print(f"  through the daemon vs DCP   {r['dcp_over_fastpersist_daemon']:.2f}x faster")
     print(f"  through the daemon vs in-process  {r['fastpersist_daemon_over_in_process']:.2f}x "
