@@ -17,28 +17,14 @@ from typing import Any
 import pytest
 import torch
 from dist_support import (
-    check_loaded as _check_loaded,
-)
-from dist_support import (
-    data_bytes_by_rank as _data_bytes_by_rank,
-)
-from dist_support import (
-    describe_here as _describe_here,
-)
-from dist_support import (
-    free_port as _free_port,
-)
-from dist_support import (
-    full_tensors as _full_tensors,
-)
-from dist_support import (
-    ok as _ok,
-)
-from dist_support import (
+    check_loaded,
+    data_bytes_by_rank,
+    describe_here,
+    free_port,
+    full_tensors,
+    ok,
     run_job,
-)
-from dist_support import (
-    unique_bytes as _unique_bytes,
+    unique_bytes,
 )
 
 import fastpersist
@@ -56,11 +42,11 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
     ckpt = tmp_path / "shared" / "ckpt"
     reports = run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
                       {"path": str(ckpt), "saves": 2})
-    _ok(reports)
+    ok(reports)
     # The second save reused the cached plan on every rank.
     assert [r["plans_made"] for r in reports] == [1, 1, 1, 1]
-    per_rank = _data_bytes_by_rank(ckpt)
-    unique = _unique_bytes(tp=False)
+    per_rank = data_bytes_by_rank(ckpt)
+    unique = unique_bytes(tp=False)
     assert sum(per_rank.values()) == unique  # each unique byte exactly once
     assert sorted(per_rank) == [0, 1, 2, 3]
     quarter = unique / 4
@@ -75,10 +61,10 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
 
     # Restore: one process (full tensors), and jobs of 2 and 4 ranks.
     loaded = fastpersist.load(ckpt)
-    _check_loaded(_describe_here(loaded), tp=False)
+    check_loaded(describe_here(loaded), tp=False)
     for world in (2, 4):
         for report in run_job(tmp_path, "load", ["n0"] * world, {"path": str(ckpt)}):
-            _check_loaded(report, tp=False)
+            check_loaded(report, tp=False)
     assert fpctl(["verify", str(ckpt)]) == 0
     from fastpersist.cli.inspecting import describe
     info = describe(ckpt, read_manifest(ckpt))
@@ -88,7 +74,7 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
     _check_partial_reads(ckpt)
     # fpctl restore: one full torch.save file.
     assert fpctl(["restore", str(ckpt), "--to", str(tmp_path / "full.pt")]) == 0
-    _check_loaded(_describe_here(torch.load(tmp_path / "full.pt")), tp=False)
+    check_loaded(describe_here(torch.load(tmp_path / "full.pt")), tp=False)
 
 
 def _check_partial_reads(ckpt: Path) -> None:
@@ -119,7 +105,7 @@ def _check_partial_reads(ckpt: Path) -> None:
     finally:
         checkpoint.read_tensors = original  # type: ignore[assignment]
     assert sorted(read) == sorted(m.tensors[r[2]].name for r in rows[1:3]), read
-    assert torch.equal(got, _full_tensors()["embed"][lo:hi])
+    assert torch.equal(got, full_tensors()["embed"][lo:hi])
 
 
 # --- two nodes with node-local disks -------------------------------------------------------
@@ -129,8 +115,8 @@ def test_node_local_two_nodes_each_write_half_then_gather(tmp_path: Path) -> Non
     base = tmp_path / "disks"
     reports = run_job(tmp_path, "save", ["a", "a", "b", "b"],
                       {"path": str(base / "{node}" / "ckpt"), "node_local": True})
-    _ok(reports)
-    unique = _unique_bytes(tp=False)
+    ok(reports)
+    unique = unique_bytes(tp=False)
     held = {}
     for node in ("a", "b"):
         d = base / node / "ckpt"
@@ -147,7 +133,7 @@ def test_node_local_two_nodes_each_write_half_then_gather(tmp_path: Path) -> Non
         fastpersist.load(base / "a" / "ckpt")
     assert fpctl(["gather", str(base / "a" / "ckpt"), str(base / "b" / "ckpt"),
                   "--to", str(tmp_path / "gathered")]) == 0
-    _check_loaded(_describe_here(fastpersist.load(tmp_path / "gathered")), tp=False)
+    check_loaded(describe_here(fastpersist.load(tmp_path / "gathered")), tp=False)
 
 
 # --- DP x TP with DTensors, and resharding on load -------------------------------------------
@@ -155,10 +141,10 @@ def test_node_local_two_nodes_each_write_half_then_gather(tmp_path: Path) -> Non
 
 def test_dp2_tp2_dtensors_save_and_reshard(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    _ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
+    ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
                 {"path": str(ckpt), "dp": 2, "tp": 2}))
-    per_rank = _data_bytes_by_rank(ckpt)
-    unique = _unique_bytes(tp=True)
+    per_rank = data_bytes_by_rank(ckpt)
+    unique = unique_bytes(tp=True)
     assert sum(per_rank.values()) == unique
     assert all(abs(n - unique / 4) / (unique / 4) < 0.05 for n in per_rank.values()), per_rank
     m = read_manifest(ckpt)
@@ -167,18 +153,18 @@ def test_dp2_tp2_dtensors_save_and_reshard(tmp_path: Path) -> None:
     assert shapes["tp.rows"] == (64, 48) and shapes["tp.cols"] == (40, 64)
 
     # One process: every tensor whole, DTensors as their global tensors.
-    _check_loaded(_describe_here(fastpersist.load(ckpt)), tp=True)
+    check_loaded(describe_here(fastpersist.load(ckpt)), tp=True)
     # Two ranks with the opposite sharding (rows column-sharded, cols row-sharded).
     reports = run_job(tmp_path, "load", ["n0", "n0"], {"path": str(ckpt), "like": True})
     for r in reports:
-        _check_loaded(r, tp=True)
+        check_loaded(r, tp=True)
         assert r["tensors"]["tp.rows"]["dtensor"] and r["tensors"]["tp.rows"]["local_equal"]
         assert r["tensors"]["tp.rows"]["local_shape"] == [64, 24]
         assert r["tensors"]["tp.cols"]["local_shape"] == [20, 64]
         assert r["tensors"]["tp.cols"]["local_equal"]
     # And four.
     for r in run_job(tmp_path, "load", ["n0"] * 4, {"path": str(ckpt), "like": True}):
-        _check_loaded(r, tp=True)
+        check_loaded(r, tp=True)
         assert r["tensors"]["tp.rows"]["local_shape"] == [64, 12]
 
 
@@ -210,6 +196,19 @@ def test_a_rank_killed_mid_save_fails_the_others_after_the_timeout(tmp_path: Pat
         assert "a rank may have died or hung" in r["error"]
     assert not ckpt.exists()
     assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"
+
+
+def test_one_rank_aborting_fails_the_save_everywhere_and_leaves_nothing(tmp_path: Path) -> None:
+    reports = run_job(tmp_path, "abort", ["n0", "n0", "n1"],
+                      {"path": str(tmp_path / "run"), "abort_rank": 1})
+    ok(reports)
+    assert reports[1]["error_type"] == "CheckpointAbortedError", reports[1]
+    for r in (reports[0], reports[2]):
+        assert r["error_type"] == "DistributedCheckpointError", r
+        assert list(r["failures"]) == ["1"] and "aborted the save" in r["failures"]["1"], r
+    assert all(r["steps"] == [] for r in reports)
+    # Nothing left: the staging directory went, and with it the parent it had made.
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run*"))
 
 
 @pytest.mark.parametrize("fail_rank", [2, 0], ids=["other-node-first", "rank0-last"])
@@ -250,21 +249,21 @@ def test_ranks_that_share_storage_must_name_one_path(tmp_path: Path) -> None:
 
 def test_async_save_and_checkpointer_over_a_process_group(tmp_path: Path) -> None:
     reports = run_job(tmp_path, "async", ["n0", "n0", "n1", "n1"], {"path": str(tmp_path)})
-    _ok(reports)
+    ok(reports)
     assert all(r["steps"] == [1, 2] for r in reports), reports  # keep_last=2, by rank 0
     assert all(r["latest"] == str(tmp_path / "run" / "step-00000002") for r in reports)
     assert (tmp_path / "run" / "latest").read_text().strip() == "step-00000002"
     # What was saved is the state when each call returned, not the later changes.
-    _check_loaded(_describe_here(fastpersist.load(tmp_path / "single")), tp=False)
+    check_loaded(describe_here(fastpersist.load(tmp_path / "single")), tp=False)
     loaded = fastpersist.load(tmp_path / "run" / "step-00000002")
     assert loaded["step"] == 2
-    expected = _full_tensors()
+    expected = full_tensors()
     expected["tied"] = expected["embed"]
     assert loaded["model"]["tied"] is loaded["model"]["embed"]
     for k, t in loaded["model"].items():
         assert torch.equal(t, expected[k] + 2), k
-    assert sum(_data_bytes_by_rank(tmp_path / "run" / "step-00000002").values()) == (
-        _unique_bytes(tp=False))
+    assert sum(data_bytes_by_rank(tmp_path / "run" / "step-00000002").values()) == (
+        unique_bytes(tp=False))
 
 
 # --- the schema-2 manifest refuses what does not fit ---------------------------------------
@@ -281,7 +280,7 @@ def test_async_save_and_checkpointer_over_a_process_group(tmp_path: Path) -> Non
 def test_malformed_distributed_manifests_are_refused(tmp_path: Path, damage: Any,
                                                      message: str) -> None:
     ckpt = tmp_path / "ckpt"
-    _ok(run_job(tmp_path, "save", ["n0", "n0"], {"path": str(ckpt)}))
+    ok(run_job(tmp_path, "save", ["n0", "n0"], {"path": str(ckpt)}))
     doc = json.loads((ckpt / "manifest.json").read_text())
     assert doc["schema_version"] == 2 and doc["globals"][0]["name"] == "model.embed"
     assert len(doc["globals"][0]["chunks"]) > 1  # cut over the two writers
@@ -296,7 +295,7 @@ def test_the_torchrun_example_runs(tmp_path: Path) -> None:
     example = Path(__file__).parent.parent / "examples" / "dist_train.py"
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), str(example), "--root", str(tmp_path / "ck"),
+         "--master-port", str(free_port()), str(example), "--root", str(tmp_path / "ck"),
          "--steps", "4", "--every", "2"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -172,6 +172,17 @@ def test_a_rank_killed_after_its_hand_over_fails_the_job_and_leaves_nothing(
     assert [e["job"] for e in daemon.events("aborted-job")], daemon.log[-2000:]
 
 
+def test_one_rank_aborting_drops_the_job_in_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
+    reports = run_job(tmp_path, "abort", ["n0", "n0"],
+                      {"path": str(daemon.root / "run"), "abort_rank": 1},
+                      env={"FASTPERSIST_DAEMON": daemon.address})
+    ok(reports)
+    assert reports[1]["error_type"] == "CheckpointAbortedError", reports[1]
+    assert reports[0]["error_type"] == "DistributedCheckpointError", reports[0]
+    assert daemon.events("aborted-job") and not daemon.events("committed-job")
+    assert not (daemon.root / "run").exists() and _hidden(daemon.root) == []
+
+
 def test_a_job_whose_ranks_all_died_is_dropped_after_the_idle_timeout(tmp_path: Path) -> None:
     """Every rank dies after handing its part over: no rank is left to commit
     the job (only the ranks together have its manifest), so the daemon finishes

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .. import state
 from .._version import __version__
-from ..errors import CheckpointError, DistributedCheckpointError
+from ..errors import CheckpointAbortedError, CheckpointError, DistributedCheckpointError
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
     Chunk,
@@ -184,8 +184,10 @@ class Save:
     saves in the same order; a finish must end before the next prepare."""
 
     def __init__(self, co: _Coordinator, obj: Any, path: str | os.PathLike[str],
-                 storage: Storage, *, node_local: bool, allow_pickle: bool) -> None:
+                 storage: Storage, *, node_local: bool, allow_pickle: bool,
+                 aborted: Callable[[], bool] = lambda: False) -> None:
         self.co = co
+        self.aborted = aborted  # this rank gave the save up (DistributedSaver.close(abort=True))
         self.obj = obj
         self.storage = storage
         self.node_local = node_local
@@ -281,8 +283,10 @@ class Save:
         try:
             if isinstance(files, BaseException):
                 raise files
+            self._raise_if_aborted()
             written = self.storage.write(self.target, self.directory, co.rank, files,
                                          self.nodes[co.rank] if self.node_local else None)
+            self._raise_if_aborted()  # the last moment at which one rank can stop the job
         except Exception as exc:
             error = _failure(co.rank, "write", exc)
         phase.agree("write", error)
@@ -299,6 +303,10 @@ class Save:
         phase.agree("commit", self._publish(manifest) if co.rank != 0 else None)
         # Returns only once the checkpoint is durable everywhere (or raises everywhere).
         phase.agree("commit", self._publish(manifest) if co.rank == 0 else None)
+
+    def _raise_if_aborted(self) -> None:
+        if self.aborted():
+            raise CheckpointAbortedError(f"rank {self.co.rank} aborted the save of {self.target}")
 
     def _publish(self, manifest: bytes) -> _Failure | None:
         """Commit this domain's staging directory, if this rank made it."""

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError
+from ..errors import CheckpointAbortedError, CheckpointError, DistributedCheckpointError
 from ..knobs import current as current_knobs
 from ..saver import SaveFuture, raise_failure_of, take_unobserved_failure
 from ..snapshot import StagedFile, group_into_files, stage_file
@@ -50,6 +50,7 @@ class DistributedSaver:
         self._lock = threading.Lock()
         self._futures: list[SaveFuture] = []
         self._closed = False
+        self._abort = threading.Event()
 
     @property
     def staging_bytes(self) -> int:
@@ -63,7 +64,7 @@ class DistributedSaver:
         self.raise_unobserved_failure()
         self.wait()  # the previous save's collectives end before this one's begin
         job = Save(self.co, obj, path, self.storage, node_local=self.node_local,
-                   allow_pickle=allow_pickle)
+                   allow_pickle=allow_pickle, aborted=self._abort.is_set)
         future = SaveFuture(job.target)
         job.prepare()  # raises the same error on every rank
         staged: list[StagedFile] = []
@@ -104,6 +105,14 @@ class DistributedSaver:
             if on_commit is not None:
                 # Rank 0 moves `latest` and applies retention; every rank returns after.
                 job.after_commit(on_commit)
+        except DistributedCheckpointError as exc:
+            if self._abort.is_set() and set(exc.failures) == {self.co.rank}:
+                # Failed only because we gave it up: to us, that is an abort.
+                aborted = CheckpointAbortedError(f"save of {future.path} was aborted")
+                aborted.__cause__ = exc
+                future._future.set_exception(aborted)
+            else:
+                future._future.set_exception(exc)
         except BaseException as exc:
             future._future.set_exception(exc)
         else:
@@ -128,13 +137,22 @@ class DistributedSaver:
         raise_failure_of(failed)
 
     def close(self, *, abort: bool = False) -> None:
-        """Finish the save in flight (a distributed save cannot be abandoned by
-        one rank alone: abort waits too) and free the staging memory."""
-        del abort
+        """Finish the save in flight, or with abort give it up, and free the
+        staging memory. An abort fails the job on every rank (the others get a
+        DistributedCheckpointError naming this rank) and leaves nothing on
+        disk, unless the save was already past its write phase: then it still
+        commits. Either way this waits for the job's last exchange, so that
+        the other ranks are not left waiting for this one."""
         self._closed = True
+        if abort:
+            self._abort.set()
         self.wait()
         self._writer.shutdown(wait=True)
         self.storage.close()
+        with self._lock:
+            for f in self._futures:
+                if isinstance(f._future.exception(), CheckpointAbortedError):
+                    f._observed = True  # what the caller asked for
         self.raise_unobserved_failure()
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,20 @@ def main() -> int:
             result["latest"] = str(ckpt.latest())
             result["staging_bytes_after_close"] = ckpt.staging_bytes
             result["ok"] = True
+        elif scenario == "abort":
+            # Every rank's writes are slow, so that the abort comes in mid-save.
+            _slow_writes()
+            ckpt = fastpersist.Checkpointer(path, process_group=dist.group.WORLD)
+            future = ckpt.save(5, build_state(args))
+            if rank == args["abort_rank"]:
+                ckpt.close(abort=True)  # must not raise: an abort is what we asked for
+                error = future.exception()
+            else:
+                error = future.exception()
+                ckpt.close()  # the failure was looked at: nothing more to raise
+            result.update(ok=True, error_type=type(error).__name__, error=str(error),
+                          failures={str(k): v for k, v in getattr(error, "failures", {}).items()},
+                          steps=ckpt.steps())
         elif scenario == "load":
             like = like_state(args) if args.get("like") else None
             obj = fastpersist.load(path, like=like)
@@ -221,6 +236,18 @@ def _fail_commits() -> None:
 
     Staging.commit = broken  # type: ignore[method-assign]
     storage.ThroughDaemon.publish = refused  # type: ignore[method-assign]
+
+
+def _slow_writes() -> None:
+    """This rank's writes start after a second (in-process or through a daemon)."""
+    from fastpersist.distributed import storage
+
+    for cls in (storage.InProcess, storage.ThroughDaemon):
+        def slow(self: Any, *a: Any, _write: Any = cls.write, **k: Any) -> Any:
+            time.sleep(1.0)
+            return _write(self, *a, **k)
+
+        cls.write = slow  # type: ignore[method-assign]
 
 
 def _die_in_writes() -> None:
