@@ -10,6 +10,8 @@ from this process with the storage layer the ranks use.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from dist_support import (
     check_loaded,
     data_bytes_by_rank,
     describe_here,
+    free_port,
     full_tensors,
     ok,
     run_job,
@@ -138,6 +141,22 @@ def test_a_failed_job_commit_leaves_nothing_on_any_node(tmp_path: Path, fail_ran
     finally:
         for d in daemons.values():
             d.cleanup()
+
+
+def test_the_torchrun_example_runs_through_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
+    """README: FASTPERSIST_DAEMON=... torchrun ... examples/dist_train.py (2 ranks here)."""
+    example = Path(__file__).parent.parent / "examples" / "dist_train.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(example), "--root", str(daemon.root / "ck"),
+         "--steps", "4", "--every", "2"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", FASTPERSIST_DAEMON=daemon.address))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "bit-exact on all: True" in out.stdout, out.stdout
+    assert "checkpoints kept: [2, 3]" in out.stdout, out.stdout
+    assert len(daemon.events("committed-job")) == 3  # steps 0, 2 and the last, 3
+    assert _segments(daemon) == []
 
 
 def test_async_save_and_checkpointer_through_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
