@@ -169,8 +169,10 @@ class Staging:
             raise os_error(exc, f"cannot create a checkpoint in {parent}") from exc
         return cls(target=target, path=path, created=created)
 
-    def commit(self, manifest: bytes) -> None:
-        """Steps 2-4 above. On return the checkpoint is durable under its name."""
+    def commit(self, manifest: bytes, *, remove_replaced: bool = True) -> Path | None:
+        """Steps 2-4 above. On return the checkpoint is durable under its name.
+        A checkpoint it replaced is removed, or with remove_replaced=False left
+        for the caller under the returned (hidden, leftover) path."""
         try:
             write_durably(self.path / MANIFEST_NAME, manifest)
             fsync_dir(self.path)
@@ -180,9 +182,13 @@ class Staging:
             raise  # already specific (CheckpointExistsError from _publish)
         except OSError as exc:
             raise os_error(exc, f"cannot commit checkpoint {self.target}") from exc
-        if replaced:
-            # The old checkpoint now lives at self.path; gc would find it if we died here.
-            shutil.rmtree(self.path, ignore_errors=True)
+        if not replaced:
+            return None
+        # The old checkpoint now lives at self.path; gc would find it if we died here.
+        if not remove_replaced:
+            return self.path
+        shutil.rmtree(self.path, ignore_errors=True)
+        return None
 
     def _publish(self) -> bool:
         """Move the staging directory to the target; True if it replaced one."""

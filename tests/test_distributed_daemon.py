@@ -86,6 +86,31 @@ def test_dp4_through_the_daemon_writes_parts_and_commits_once(daemon: Daemon,
     assert fpctl(["verify", str(ckpt)]) == 0
 
 
+def test_shared_storage_with_a_daemon_per_node(tmp_path: Path) -> None:
+    """Two nodes' daemons on one (shared) root: node n1's daemon joins the job
+    that rank 0's daemon began, writes its ranks' parts, and only rank 0's
+    daemon commits."""
+    root = tmp_path / "shared"
+    daemons = {n: _daemon(tmp_path / f"daemon-{n}", root=root) for n in ("n0", "n1")}
+    try:
+        ckpt = root / "ckpt"
+        ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"], {"path": str(ckpt)},
+                   env_by_node={n: {"FASTPERSIST_DAEMON": d.address,
+                                    "FASTPERSIST_SHM_DIR": str(d.shm_dir)}
+                                for n, d in daemons.items()}))
+        for n, ranks in (("n0", [0, 1]), ("n1", [2, 3])):
+            assert sorted(e["rank"] for e in daemons[n].events("part-written")) == ranks
+        assert len(daemons["n0"].events("committed-job")) == 1
+        assert daemons["n1"].events("committed-job") == []
+        assert sum(data_bytes_by_rank(ckpt).values()) == unique_bytes(tp=False)
+        check_loaded(describe_here(fastpersist.load(ckpt)), tp=False)
+        assert _hidden(root) == [] and sorted(p.name for p in ckpt.iterdir() if
+                                              p.name.startswith(".")) == []
+    finally:
+        for d in daemons.values():
+            d.cleanup()
+
+
 def test_node_local_each_node_through_its_own_daemon(tmp_path: Path) -> None:
     daemons = {n: _daemon(tmp_path / f"daemon-{n}", root=tmp_path / "disks" / n)
                for n in ("a", "b")}
@@ -198,6 +223,8 @@ def test_one_rank_aborting_drops_the_job_in_the_daemon(daemon: Daemon, tmp_path:
     ok(reports)
     assert reports[1]["error_type"] == "CheckpointAbortedError", reports[1]
     assert reports[0]["error_type"] == "DistributedCheckpointError", reports[0]
+    assert list(reports[0]["failures"]) == ["1"], reports[0]
+    assert "aborted the save" in reports[0]["failures"]["1"], reports[0]
     assert daemon.events("aborted-job") and not daemon.events("committed-job")
     assert not (daemon.root / "run").exists() and _hidden(daemon.root) == []
 
@@ -226,6 +253,29 @@ def test_a_job_whose_ranks_all_died_is_dropped_after_the_idle_timeout(tmp_path: 
             time.sleep(0.2)
         assert _segments(d) == []
     finally:
+        d.cleanup()
+
+
+def test_a_job_stays_while_other_daemons_write_into_it(tmp_path: Path) -> None:
+    """On shared storage the parts of other nodes are written by their daemons:
+    files changing in the job's directory keep it alive past --idle-timeout."""
+    d = _daemon(tmp_path / "daemon", "--idle-timeout", "1")
+    storage = ThroughDaemon(d.address)
+    try:
+        name = storage.stage(d.root / "ckpt").rpartition(":")[0]
+        elsewhere = d.root / name / "data-r00001-000.safetensors"  # another node's part
+        end = time.monotonic() + 5  # two and a half reaper rounds
+        while time.monotonic() < end:
+            elsewhere.write_bytes(b"x")
+            time.sleep(0.2)
+        assert (d.root / name).is_dir() and not d.events("idle-abort-job")
+        deadline = time.monotonic() + 15
+        while (d.root / name).exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not (d.root / name).exists() and d.events("idle-abort-job")
+        assert _hidden(d.root) == []
+    finally:
+        storage.close()
         d.cleanup()
 
 
@@ -307,22 +357,44 @@ def test_jobs_refuse_bad_ids_and_calls_out_of_order(daemon: Daemon) -> None:
     client = storage.client
     try:
         target = daemon.root / "ckpt"
-        with pytest.raises(DaemonError, match="is not a directory name") as caught:
-            client.begin("ckpt", 4096, 1, job_id="../../etc", rank=0)
-        assert caught.value.code == "INVALID_ARGUMENT"
-        with pytest.raises(CheckpointNotFoundError):
-            client.begin("ckpt", 4096, 1, job_id=".ckpt.fp-tmp-1-00000000@nohost", rank=0)
-        with pytest.raises(CheckpointNotFoundError):
-            client.commit_job("no-such-job", b"{}", "")
+
+        def refused(code: str, fn: Any, match: str | None = None) -> None:
+            with pytest.raises(DaemonError if code != "NOT_FOUND" else CheckpointNotFoundError,
+                               match=match) as caught:
+                fn()
+            assert code == "NOT_FOUND" or caught.value.code == code
+
+        refused("INVALID_ARGUMENT", lambda: client.begin("ckpt", 4096, 1, job_id="../../etc"),
+                "DIRECTORY:SECRET")
+        refused("NOT_FOUND", lambda: client.begin(
+            "ckpt", 4096, 1, job_id=".ckpt.fp-tmp-1-00000000@nohost:00"))
+        refused("NOT_FOUND", lambda: client.commit_job("no-such-job:00", b"{}", ""))
+        # Another save's staging directory is not a job, whatever the id says.
+        (daemon.root / ".other.fp-tmp-1-abcd1234@elsewhere").mkdir()
+        refused("INVALID_ARGUMENT", lambda: client.begin(
+            "other", 4096, 1, job_id=".other.fp-tmp-1-abcd1234@elsewhere:00"),
+            "not a distributed checkpoint")
+        (daemon.root / ".other.fp-tmp-1-abcd1234@elsewhere").rmdir()
+
         job = storage.stage(target)
-        with pytest.raises(DaemonError, match="in flight"):
-            client.begin_job("ckpt")  # one save of a path at a time
-        with pytest.raises(DaemonError, match="saves ckpt, not"):
-            client.begin("other", 4096, 1, job_id=job, rank=0)
+        name = job.rpartition(":")[0]
+        # The directory's name is visible to all; without the secret it is no job.
+        for call in (lambda: client.commit_job(f"{name}:0000", b"{}", ""),
+                     lambda: client.abort_job(f"{name}:0000"),
+                     lambda: client.begin("ckpt", 4096, 1, job_id=f"{name}:0000")):
+            refused("NOT_FOUND", call)
+        refused("FAILED_PRECONDITION", lambda: client.begin_job("ckpt"), "in flight")
+        refused("INVALID_ARGUMENT", lambda: client.begin("other", 4096, 1, job_id=job),
+                "saves ckpt, not")
+        # Nested deeper than a JSON parser goes: refused, and the job is still ours.
+        refused("INVALID_ARGUMENT", lambda: client.commit_job(job, b"[" * 100_000, ""),
+                "nested too deeply|not valid JSON")
+        client.begin("ckpt", 4096, 1, job_id=job, rank=3)
+        refused("INVALID_ARGUMENT", lambda: client.begin("ckpt", 4096, 1, job_id=job, rank=3),
+                "rank 3 already has a part")
         storage.abort(job)
         assert _hidden(daemon.root) == []
-        with pytest.raises(DaemonError, match="aborted"):
-            client.commit_job(job, b"{}", "")
+        refused("FAILED_PRECONDITION", lambda: client.commit_job(job, b"{}", ""), "aborted")
     finally:
         storage.close()
 

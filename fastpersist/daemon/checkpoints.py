@@ -24,7 +24,9 @@ import enum
 import json
 import math
 import mmap
+import os
 import secrets
+import shutil
 import threading
 import time
 from collections import deque
@@ -43,7 +45,7 @@ from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ..format.names import data_file_name, part_file_name
 from ..shm import Mapping
 from . import logs
-from .jobs import Job, JobState, check_job_manifest, job_staging, part_json
+from .jobs import MARKER_NAME, Job, JobState, check_job_manifest, part_json, split_job_id
 from .metrics import Metrics
 
 MAX_FILES = 100_000
@@ -237,10 +239,13 @@ class Service:
                        if not c.terminal) or any(j.target == target and j.open and j.owner
                                                  for j in self._jobs.values())
 
-    def get_job(self, ident: str) -> Job:
-        job = self._jobs.get(ident)
-        if job is None:
-            raise RequestError("NOT_FOUND", f"no job {ident!r} (unknown or long finished)")
+    def get_job(self, job_id: str) -> Job:
+        """The job with this id (DIRECTORY:SECRET); NOT_FOUND without the right secret."""
+        name, secret = _split(job_id)
+        job = self._jobs.get(name)
+        if job is None or not job.holds(secret):
+            raise RequestError("NOT_FOUND", f"no job {name!r} (unknown, long finished, or "
+                                            "not with that secret)")
         return job
 
     def get(self, ident: str) -> Checkpoint:
@@ -265,8 +270,11 @@ class Service:
                 raise RequestError("RESOURCE_EXHAUSTED",
                                    f"client {client} has {len(mine)} checkpoints in flight, the "
                                    f"most one client may have")
-            job = self._join_job(target, relpath, job_id) if job_id else None
+            job, new_job = self._join_job(target, relpath, job_id) if job_id else (None, False)
             self._check_target_free(target, relpath, job)
+            if job is not None and any(p.rank == rank and p.state not in (
+                    State.FAILED, State.ABORTED) for p in job.parts):
+                raise invalid(f"rank {rank} already has a part in job {job.id}")
             b = self.budgets
             if b.client and self.reserved(client) + staging_bytes > b.client:
                 raise RequestError(
@@ -288,12 +296,14 @@ class Service:
             ck = Checkpoint(secrets.token_hex(12), client, target, relpath, staging, file_count,
                             staging_bytes, job, rank)
             if job is not None:
+                if new_job:
+                    self._jobs[job.id] = job
                 job.parts.append(ck)
                 job.touch()
             self._checkpoints[ck.id] = ck
             self._update_gauges()
         logs.info("begin", checkpoint=ck.id, client=client, path=relpath, files=file_count,
-                  staging_bytes=staging_bytes, **({"job": job_id, "rank": rank} if job else {}))
+                  staging_bytes=staging_bytes, **({"job": job.id, "rank": rank} if job else {}))
         return ck
 
     def _check_target_free(self, target: Path, relpath: str, job: Job | None) -> None:
@@ -324,7 +334,8 @@ class Service:
 
     # -- jobs (distributed checkpoints, jobs.py) ---------------------------------
 
-    def begin_job(self, target: Path, relpath: str, client: str) -> Job:
+    def begin_job(self, target: Path, relpath: str, client: str) -> str:
+        """Make a job's directory; returns its id (DIRECTORY:SECRET)."""
         _check_client(client)
         with self._cond:
             if self._draining:
@@ -332,30 +343,35 @@ class Service:
             self._prune()
             self._check_target_free(target, relpath, None)
             try:
-                staging = Staging.create(target)
+                job, job_id = Job.begin(target, relpath)
             except CheckpointError as exc:
                 raise RequestError(_code_for(exc), str(exc)) from None
-            job = Job(target, relpath, staging, owner=True)
+            except OSError as exc:
+                raise RequestError("INTERNAL", f"cannot mark the job's directory: {exc}") from None
             self._jobs[job.id] = job
         logs.info("begin-job", job=job.id, client=client, path=relpath)
-        return job
+        return job_id
 
-    def _join_job(self, target: Path, relpath: str, job_id: str) -> Job:
-        """The job a part belongs to; one begun by another node's daemon (shared
-        storage) is taken on by its directory. Called with the lock held."""
-        job = self._jobs.get(job_id)
+    def _join_job(self, target: Path, relpath: str, job_id: str) -> tuple[Job, bool]:
+        """The job a part belongs to, and whether it is new here: one begun by
+        another node's daemon (shared storage) is taken on by its directory
+        (registered by the caller once the part is accepted). Lock held."""
+        name, secret = _split(job_id)
+        job = self._jobs.get(name)
+        new = job is None
         if job is None:
             try:
-                job = Job(target, relpath, job_staging(target, job_id), owner=False)
+                job = Job.join(target, relpath, job_id)
             except LookupError as exc:
                 raise RequestError("NOT_FOUND", str(exc)) from None
-            except ValueError as exc:
+            except (ValueError, OSError) as exc:
                 raise invalid(str(exc)) from None
-            self._jobs[job.id] = job
+        elif not job.holds(secret):
+            raise RequestError("NOT_FOUND", f"no job {name!r} with that secret")
         if job.target != target:
-            raise invalid(f"job {job_id} saves {job.relpath}, not {relpath}")
+            raise invalid(f"job {job.id} saves {job.relpath}, not {relpath}")
         self._require_open(job)
-        return job
+        return job, new
 
     def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
         """Check the job manifest against the directory, write it, publish.
@@ -365,7 +381,7 @@ class Service:
             job = self.get_job(job_id)
             if not job.owner:
                 raise RequestError("FAILED_PRECONDITION",
-                                   f"job {job_id} was begun by another daemon; commit it there")
+                                   f"job {job.id} was begun by another daemon; commit it there")
             self._require_open(job)
             unfinished = [p.rank for p in job.parts if p.state != State.COMMITTED]
             if unfinished:
@@ -374,28 +390,40 @@ class Service:
                                    "durable yet")
             job.committing = True
             job.touch()
+        published = False
         try:
-            check_job_manifest(job, manifest, node)
-            job.staging.commit(manifest)
-        except ValueError as exc:  # refused: the job stays open for a good manifest
+            try:
+                check_job_manifest(job, manifest, node)
+            except ValueError as exc:  # refused: the job stays open for a good manifest
+                raise invalid(f"job {job.id}: {exc}") from None
+            try:
+                (job.staging.path / MARKER_NAME).unlink()
+                replaced = job.staging.commit(manifest, remove_replaced=False)
+            except (OSError, CheckpointError) as exc:
+                code = _code_for(exc) if isinstance(exc, CheckpointError) else "INTERNAL"
+                raise RequestError(code, f"cannot commit {job.relpath}: {exc}") from None
+            published = True
+        except BaseException as exc:
             with self._cond:
                 job.committing = False
                 job.touch()
+                if not (isinstance(exc, RequestError) and exc.code == "INVALID_ARGUMENT"):
+                    self._abort_job(job, f"commit failed: {exc}")
                 self._cond.notify_all()
-            raise invalid(f"job {job_id}: {exc}") from None
-        except (OSError, CheckpointError) as exc:  # the commit failed: the job is lost
-            with self._cond:
-                job.committing = False
-                self._abort_job(job, f"commit failed: {exc}")
-                self._cond.notify_all()
-            code = _code_for(exc) if isinstance(exc, CheckpointError) else "INTERNAL"
-            raise RequestError(code, f"cannot commit {job.relpath}: {exc}") from None
-        with self._cond:
-            job.committing = False
-            job.finish(JobState.COMMITTED)
-            self.metrics.checkpoints.labels(result="committed").inc()
-            self._cond.notify_all()
-        logs.info("committed-job", job=job_id, path=job.relpath, parts=len(job.parts))
+            raise
+        finally:
+            if published:
+                with self._cond:
+                    job.committing = False
+                    job.finish(JobState.COMMITTED)
+                    self.metrics.checkpoints.labels(result="committed").inc()
+                    self._cond.notify_all()
+        logs.info("committed-job", job=job.id, path=job.relpath, parts=len(job.parts))
+        if replaced is not None:
+            # The checkpoint it replaced: removed after the reply, which must not
+            # wait for a large tree to be deleted (on a crash, startup does it).
+            threading.Thread(target=shutil.rmtree, args=(replaced,), kwargs={
+                "ignore_errors": True}, name="fpd-remove-replaced", daemon=True).start()
 
     def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
         with self._cond:
@@ -569,11 +597,12 @@ class Service:
                                  f"no request for {self.idle_timeout:.0f} s before Commit",
                                  "CheckpointAbortedError")
             for job in list(self._jobs.values()):
-                idle = job.idle_since(now)
+                idle = job.idle_seconds(now)
                 if idle is not None and idle > self.idle_timeout and not job.owner:
-                    # Its parts are written; the daemon that began it commits it.
-                    job.finish(JobState.RELEASED)
-                    logs.debug("released-job", job=job.id, path=job.relpath)
+                    # Its parts here are written; the daemon that began it commits it
+                    # (a later part of this node takes it on again by its id).
+                    del self._jobs[job.id]
+                    logs.debug("forgot-job", job=job.id, path=job.relpath)
                 elif idle is not None and idle > self.idle_timeout:
                     logs.warning("idle-abort-job", job=job.id, path=job.relpath)
                     self._abort_job(job, f"no rank committed it for {self.idle_timeout:.0f} s "
@@ -651,12 +680,17 @@ class Service:
                     ck.busy = False
                     if job is not None:
                         ck.mapped_bytes -= job.nbytes
-                    if ck.terminal and ck.state != State.COMMITTED:
+                    if ck.job is not None:
+                        ck.job.remove_if_idle()  # if the job was aborted meanwhile
+                    elif ck.terminal and ck.state != State.COMMITTED:
                         ck.clean_up()  # no worker writes into it any more
                     self._cond.notify_all()
 
     def _write(self, ck: Checkpoint, job: PendingFile) -> None:
         name = ck.file_name(job.index)
+        if ck.job is not None and os.path.lexists(ck.staging.path / name):
+            # Two parts of one rank (on two daemons): refuse rather than overwrite.
+            raise invalid(f"{name} already exists in job {ck.job.id}")
         segments: list[Segment] = [(job.header, 0)]
         segments += [(job.data.view[e.begin:e.end], job.data_start + e.begin)
                      for e in job.entries]
@@ -772,6 +806,13 @@ class Service:
                       if j.finished_at is not None and now - j.finished_at > KEEP_FINISHED_SECONDS
                       and all(p.id not in self._checkpoints for p in j.parts)]:
             del self._jobs[ident]
+
+
+def _split(job_id: str) -> tuple[str, str]:
+    try:
+        return split_job_id(job_id)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
 
 
 def _check_client(client: str) -> None:

@@ -10,15 +10,17 @@ against the files it finds in the directory, writes it last and renames the
 directory into place (commit.Staging.commit, as for any checkpoint).
 
 On shared storage the ranks of other nodes write through their own daemons:
-those daemons join the job by its id, the staging directory's name, which
-they find next to the checkpoint's path. Only the daemon that made the
+those daemons join the job by its id, "DIRECTORY:SECRET" (the staging
+directory next to the checkpoint's path, whose marker file holds the
+secret's hash). Only the daemon that made the
 directory (BeginJob) commits, aborts or removes it, and only it holds the
 path against other saves; a joining daemon forgets the job once its parts
 are written and --idle-timeout has passed.
 
 A job is dropped (its directory removed) by AbortJob, when one of its parts
-fails or loses its client, and when nothing touched it for --idle-timeout
-after its parts finished: the ranks died before committing it. The daemon
+fails or loses its client, and when nothing touched it (no request, no file
+written into the directory, by this daemon or another) for --idle-timeout
+after its parts here finished: the ranks died before committing it. The daemon
 never commits a job on its own; the manifest is the ranks' together.
 
 Torch-free: this runs in the daemon.
@@ -26,15 +28,19 @@ Torch-free: this runs in the daemon.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..commit import Staging, parse_leftover
+from ..commit import Staging, leftover_name, parse_leftover
 from ..errors import ManifestError
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
@@ -51,20 +57,45 @@ if TYPE_CHECKING:
 MAX_MANIFEST_BYTES = 64 << 20  # the daemon's gRPC message limit
 
 
+MARKER_NAME = ".fastpersist-job"  # in a job's directory: the hash of its secret
+
+
 class JobState(enum.Enum):
     OPEN = "open"
     COMMITTED = "committed"
     ABORTED = "aborted"
-    RELEASED = "released"  # begun by another daemon; this one's parts are done
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def split_job_id(job_id: str) -> tuple[str, str]:
+    """(directory name, secret) of a job id "DIRECTORY:SECRET"."""
+    name, sep, secret = job_id.rpartition(":")
+    if not sep or not secret or not name or "/" in name or name in (".", ".."):
+        raise ValueError("a job id is DIRECTORY:SECRET, as BeginJob returned it")
+    return name, secret
 
 
 class Job:
-    def __init__(self, target: Path, relpath: str, staging: Staging, owner: bool) -> None:
-        self.id = staging.path.name
+    """One distributed checkpoint's staging directory, as this daemon sees it.
+
+    The id clients get is "DIRECTORY:SECRET": the directory is visible to
+    anyone who can list the parent, the secret only to the ranks of the job
+    (BeginJob returns it); every call on the job needs both. The directory
+    holds a marker with the secret's hash, so that a daemon on another node can
+    check a part's id before it joins, and refuses directories that are not
+    jobs (other saves' staging)."""
+
+    def __init__(self, target: Path, relpath: str, staging: Staging, owner: bool,
+                 secret_digest: str) -> None:
+        self.id = staging.path.name  # the directory: safe to log, unlike the secret
         self.target = target
         self.relpath = relpath
         self.staging = staging
         self.owner = owner  # this daemon made the directory (BeginJob)
+        self.secret_digest = secret_digest
         self.parts: list[Checkpoint] = []
         self.state = JobState.OPEN
         self.committing = False  # CommitJob is checking and publishing it (unlocked)
@@ -72,6 +103,42 @@ class Job:
         self.last_activity = time.monotonic()
         self.finished_at: float | None = None
         self.removed = False
+
+    @classmethod
+    def begin(cls, target: Path, relpath: str) -> tuple[Job, str]:
+        """Make the directory and its marker; (job, the id to give the client)."""
+        staging = Staging.create(target)
+        secret = secrets.token_hex(16)
+        try:
+            (staging.path / MARKER_NAME).write_text(_digest(secret))
+        except OSError:
+            staging.abort()
+            raise
+        return cls(target, relpath, staging, True, _digest(secret)), f"{staging.path.name}:{secret}"
+
+    @classmethod
+    def join(cls, target: Path, relpath: str, job_id: str) -> Job:
+        """A job another daemon began: `job_id` must name a job's directory next
+        to `target` and carry its secret. LookupError: no such job."""
+        name, secret = split_job_id(job_id)
+        path = target.parent / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise LookupError(f"job {name} of {target.name} does not exist (any more)") from None
+        leftover = parse_leftover(path) if stat.S_ISDIR(st.st_mode) else None
+        if leftover is None or leftover.kind != "tmp" or leftover.target_name != target.name:
+            raise ValueError(f"job {name!r} is not a staging directory of {target.name}")
+        try:
+            digest = (path / MARKER_NAME).read_text()
+        except OSError:
+            raise ValueError(f"{name} is not a distributed checkpoint's directory") from None
+        if not hmac.compare_digest(digest, _digest(secret)):
+            raise LookupError(f"job {name} of {target.name} does not exist (wrong secret)")
+        return cls(target, relpath, Staging(target=target, path=path), False, digest)
+
+    def holds(self, secret: str) -> bool:
+        return hmac.compare_digest(self.secret_digest, _digest(secret))
 
     @property
     def open(self) -> bool:
@@ -87,33 +154,33 @@ class Job:
             self.finished_at = time.monotonic()
 
     def remove_if_idle(self) -> None:
-        """Remove an aborted job's directory once no worker writes into it."""
-        if (self.state == JobState.ABORTED and self.owner and not self.removed
-                and not any(p.busy for p in self.parts)):
-            self.removed = True
-            self.staging.abort()
+        """Remove an aborted job's directory once no worker of ours writes into
+        it. It is renamed aside first, so that other nodes' daemons still
+        writing parts fail to create files instead of recreating it."""
+        if (self.state != JobState.ABORTED or not self.owner or self.removed
+                or any(p.busy for p in self.parts)):
+            return
+        self.removed = True
+        aside = self.staging.path.parent / leftover_name(self.target.name, "del")
+        with contextlib.suppress(OSError):
+            os.rename(self.staging.path, aside)
+            self.staging.path = aside
+        self.staging.abort()
 
-    def idle_since(self, now: float) -> float | None:
-        """Seconds nothing happened to an open job whose parts all finished."""
+    def idle_seconds(self, now: float) -> float | None:
+        """How long nothing happened to an open job whose parts here finished:
+        no request, and (parts of other nodes' daemons) no file in its
+        directory written. None while something is going on."""
         if not self.open or self.committing or any(not p.terminal for p in self.parts):
             return None
-        return now - self.last_activity
-
-
-def job_staging(target: Path, job_id: str) -> Staging:
-    """The staging directory of a job that another daemon began: `job_id` must
-    name an unfinished save of `target` next to it, a real directory."""
-    if "/" in job_id or job_id in ("", ".", ".."):
-        raise ValueError(f"job id {job_id!r} is not a directory name")
-    path = target.parent / job_id
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise LookupError(f"job {job_id} of {target.name} does not exist (any more)") from None
-    leftover = parse_leftover(path) if stat.S_ISDIR(st.st_mode) else None
-    if leftover is None or leftover.kind != "tmp" or leftover.target_name != target.name:
-        raise ValueError(f"job id {job_id!r} is not a staging directory of {target.name}")
-    return Staging(target=target, path=path)
+        idle = now - self.last_activity
+        try:
+            newest = max([e.stat(follow_symlinks=False).st_mtime
+                          for e in os.scandir(self.staging.path)]
+                         + [os.stat(self.staging.path).st_mtime])
+        except OSError:
+            return idle  # the directory is gone: nothing more will happen
+        return min(idle, time.time() - newest)
 
 
 def part_json(files: list[FileRecord], tensors: list[TensorRecord]) -> str:
@@ -132,6 +199,8 @@ def check_job_manifest(job: Job, data: bytes, node: str) -> None:
         manifest = Manifest.from_json(data, f"job manifest of {job.relpath}")
     except ManifestError as exc:
         raise ValueError(str(exc)) from None
+    except RecursionError:
+        raise ValueError("the manifest is nested too deeply") from None
     if manifest.globals is None or manifest.schema_version != DISTRIBUTED_SCHEMA_VERSION:
         raise ValueError("the manifest is not a distributed checkpoint's (no globals)")
     here = {f.name: f for f in manifest.files if not node or f.node == node}
@@ -139,6 +208,8 @@ def check_job_manifest(job: Job, data: bytes, node: str) -> None:
         raise ValueError(f"node {node!r} given, but the manifest has files without a node")
     found: dict[str, int] = {}
     for entry in os.scandir(job.staging.path):
+        if entry.name == MARKER_NAME:
+            continue
         if entry.name == MANIFEST_NAME or not entry.is_file(follow_symlinks=False):
             raise ValueError(f"the job's directory holds {entry.name!r}, which no part wrote")
         found[entry.name] = entry.stat(follow_symlinks=False).st_size

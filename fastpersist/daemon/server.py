@@ -215,8 +215,8 @@ class Servicer(pb_grpc.FastPersistServicer):
                  ) -> pb.BeginJobResponse:
         def run() -> pb.BeginJobResponse:
             target = self._path(request.path)
-            job = self.service.begin_job(target, request.path.strip("/"), request.client_id)
-            return pb.BeginJobResponse(job_id=job.id)
+            job_id = self.service.begin_job(target, request.path.strip("/"), request.client_id)
+            return pb.BeginJobResponse(job_id=job_id)
         return self._guard(context, run)
 
     def CommitJob(self, request: pb.CommitJobRequest, context: grpc.ServicerContext

@@ -32,6 +32,7 @@ import datetime
 import os
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,11 +200,17 @@ class Save:
         self.phase = _Phase(co, self._clean_up)
 
     def _clean_up(self) -> None:
-        if self.staged is not None and not self.published:
-            self.storage.abort(self.staged)
-        elif self.staged is not None and self.published and self.co.rank != 0:
-            # node-local: the job failed after this node published
-            self.storage.unpublish(self.target)
+        """After a failure. Its own errors are warned about, not raised: every
+        rank must raise the job's one error."""
+        try:
+            if self.staged is not None and not self.published:
+                self.storage.abort(self.staged)
+            elif self.staged is not None and self.published and self.co.rank != 0:
+                # node-local: the job failed after this node published
+                self.storage.unpublish(self.target)
+        except Exception as exc:
+            warnings.warn(f"rank {self.co.rank}: cleaning up the failed save of {self.target} "
+                          f"failed too: {exc}", RuntimeWarning, stacklevel=2)
 
     def prepare(self) -> None:
         co, phase, knobs = self.co, self.phase, self.knobs
