@@ -55,6 +55,7 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
     assert all(abs(n - unique / 2) / (unique / 2) < 0.05 for n in nodes.values()), nodes
     # The plan's bytes are what landed on disk.
     assert {int(k): v for k, v in reports[0]["plan_bytes"].items()} == per_rank
+    assert not any("different values" in r["log"] for r in reports)  # replicas agreed
     on_disk = sum(f.stat().st_size for f in ckpt.iterdir())
     assert on_disk - unique < 64 << 10, "more than data + headers + manifest on disk"
     assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".")], "staging left"
@@ -235,6 +236,20 @@ def test_ranks_with_different_states_are_refused_on_every_rank(tmp_path: Path) -
     assert "rank 0 (plan)" in reports[0]["error"] and "rank 2 and rank 0 disagree" in (
         reports[0]["error"]), reports[0]["error"]
     assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt.fp-*"))
+
+
+def test_values_that_differ_between_ranks_are_reported_once(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    reports = run_job(tmp_path, "save", ["n0", "n0", "n1"],
+                      {"path": str(ckpt), "saves": 2, "per_rank_values": True})
+    ok(reports)
+    warning = "the ranks hold different values for 2 key(s) that a job checkpoint stores once"
+    assert reports[0]["log"].count(warning) == 1, reports[0]["log"]  # two saves, one report
+    assert "rank_note, rng." in reports[0]["log"]
+    assert all(warning not in r["log"] for r in reports[1:])
+    loaded = fastpersist.load(ckpt)
+    assert loaded["rank_note"] == 0  # rank 0's non-tensor values
+    assert loaded["rng"].tolist() in ([0, 7], [1, 7], [2, 7])  # one rank's copy
 
 
 def test_ranks_that_share_storage_must_name_one_path(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
 
@@ -56,7 +56,14 @@ from ..knobs import current as current_knobs
 from ..plan import StoredTensor
 from ..snapshot import StagedFile, group_into_files
 from ..state import TensorLeaf
-from .describe import Held, describe, piece_source
+from .describe import (
+    Held,
+    describe,
+    differing_keys,
+    piece_source,
+    replica_values,
+    values_digest,
+)
 from .planner import Item, Piece, Plan, PlanCache, RankInfo, layout_digest, make_plan
 from .storage import InProcess, Storage
 
@@ -77,6 +84,7 @@ class _Coordinator:
         self.size = len(ranks)
         self.cache = PlanCache()
         self.plans_made = 0  # for tests and benchmarks: cache hits make none
+        self.warned_values = False  # ranks' differing values are reported once
 
     def all_gather(self, value: T) -> list[T]:
         out: list[Any] = [None] * self.size
@@ -218,24 +226,30 @@ class Save:
         error = None
         self.held: list[Held] = []
         items: tuple[Item, ...] = ()
+        values: list[tuple[str, str]] = []
         try:
             tree, leaves = state.encode(self.obj, allow_pickle=self.allow_pickle, sharded=True)
             self.tree = tree
             self.held = describe(_unaliased(leaves))
             items = tuple(h.item for h in self.held)
-            me = (knobs.node, layout_digest(items), str(self.target))
+            values = replica_values(self.obj)
+            me = _RankView(knobs.node, layout_digest(items), str(self.target),
+                           values_digest(values))
         except Exception as exc:
             error = _failure(co.rank, "describe", exc)
-            me = (knobs.node, "", str(self.target))
+            me = _RankView(knobs.node, "", str(self.target), "")
         self.obj = None  # the tensors live on in self.held; the rest is in the tree
         phase.agree("describe", error)
         everyone = phase.collective("describe", lambda: co.all_gather(me))
-        self.nodes = [n for n, _, _ in everyone]
+        self.nodes = [v.node for v in everyone]
         domain = _domains(everyone, self.node_local)
         _check_targets(everyone, domain, phase)
+        if len({v.values for v in everyone}) > 1 and not co.warned_values:
+            self._warn_differing_values(values)
 
         # 2 plan (cached while no rank's layout changes)
-        key = [repr((n, lay)) for n, lay, _ in everyone] + [f"piece_bytes={knobs.piece_bytes}"]
+        key = [repr((v.node, v.layout)) for v in everyone] + [
+            f"piece_bytes={knobs.piece_bytes}"]
         plan = co.cache.get(key)
         if plan is None:
             infos = phase.collective("plan", lambda: co.gather(items))
@@ -243,8 +257,8 @@ class Save:
             if co.rank == 0:
                 assert infos is not None
                 try:
-                    made = make_plan([RankInfo(r, self.nodes[r], tuple(infos[r]), everyone[r][1])
-                                      for r in range(co.size)],
+                    made = make_plan([RankInfo(r, v.node, tuple(infos[r]), v.layout)
+                                      for r, v in enumerate(everyone)],
                                      min_piece_bytes=knobs.piece_bytes)
                 except CheckpointError as exc:
                     made = _failure(0, "plan", exc)
@@ -268,6 +282,22 @@ class Save:
         phase.agree("stage", error)
         paths = phase.collective("stage", lambda: co.all_gather(made_path))
         self.directory = paths[leaders[domain[co.rank]]]
+
+    def _warn_differing_values(self, values: list[tuple[str, str]]) -> None:
+        """Once per process group (every rank takes this branch together): the
+        values that differ, named by rank 0."""
+        co = self.co
+        co.warned_values = True
+        per_rank = self.phase.collective("describe", lambda: co.all_gather(values))
+        if co.rank == 0:
+            keys = differing_keys(per_rank)
+            warnings.warn(
+                f"distributed checkpoint {self.target}: the ranks hold different values for "
+                f"{len(keys)} key(s) that a job checkpoint stores once: {', '.join(keys[:8])}"
+                f"{', ...' if len(keys) > 8 else ''}. It keeps rank 0's non-tensor values and "
+                "one rank's copy of each plain tensor; save per-rank values (RNG states, "
+                "counters) with fastpersist.save to a path per rank. (Reported once.)",
+                RuntimeWarning, stacklevel=3)
 
     def my_pieces(self) -> list[StoredTensor]:
         """This rank's pieces, as tensors to write (views of the live state)."""
@@ -360,16 +390,25 @@ def _unaliased(leaves: list[TensorLeaf]) -> list[TensorLeaf]:
     return unique
 
 
-def _domains(everyone: list[tuple[str, str, str]], node_local: bool) -> list[str]:
+class _RankView(NamedTuple):
+    """What each rank tells all the others in the describe phase."""
+
+    node: str
+    layout: str  # planner.layout_digest of its items
+    target: str  # the checkpoint path it saves to
+    values: str  # describe.values_digest of the values saved once for the job
+
+
+def _domains(everyone: list[_RankView], node_local: bool) -> list[str]:
     """Storage domain of each rank: its node's disk, or the one shared filesystem."""
-    return [node if node_local else "shared" for node, _, _ in everyone]
+    return [v.node if node_local else "shared" for v in everyone]
 
 
-def _check_targets(everyone: list[tuple[str, str, str]], domain: list[str],
+def _check_targets(everyone: list[_RankView], domain: list[str],
                    phase: _Phase) -> None:
     """Ranks that share storage must name the same checkpoint directory."""
     first: dict[str, tuple[int, str]] = {}
-    for r, (_, _, target) in enumerate(everyone):
+    for r, target in enumerate(v.target for v in everyone):
         d = domain[r]
         if d in first and first[d][1] != target:
             other, path = first[d]

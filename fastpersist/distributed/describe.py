@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..errors import UnsupportedValueError
 from ..format import dtypes
-from ..state import TensorLeaf
+from ..plan import memory_of
+from ..state import TensorLeaf, _is_dtensor
 from .planner import Item, Piece
 
 
@@ -63,3 +68,47 @@ def piece_source(held: Held, piece: Piece) -> torch.Tensor:
         return held.local.contiguous()
     start = piece.offsets[0] - held.item.offsets[0]
     return held.local.narrow(0, start, piece.shape[0]).contiguous()
+
+
+# Plain tensors up to this size are compared between ranks (replica_values);
+# larger ones are not: it would cost reading every rank's whole state.
+SMALL_TENSOR_BYTES = 64 << 10
+_PRIMITIVES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def replica_values(obj: Any, path: str = "") -> list[tuple[str, str]]:
+    """(path, fingerprint) of the values a job checkpoint keeps one copy of
+    although every rank passes its own: non-tensor values (rank 0's are kept)
+    and small plain CPU tensors (their writer's are kept). The ranks compare
+    them to warn when they differ (e.g. per-rank RNG states or counters)."""
+    out: list[tuple[str, str]] = []
+    _collect(obj, path, out)
+    return out
+
+
+def _collect(obj: Any, path: str, out: list[tuple[str, str]]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if (obj.device.type == "cpu" and not _is_dtensor(obj)
+                and obj.numel() * obj.element_size() <= SMALL_TENSOR_BYTES):
+            data = obj.detach().contiguous()
+            crc = zlib.crc32(memory_of(data)) if data.numel() else 0
+            out.append((path, f"{data.dtype}{tuple(data.shape)}:{crc:08x}"))
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _collect(v, f"{path}.{k}" if path else str(k), out)
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _collect(v, f"{path}.{i}" if path else str(i), out)
+    elif isinstance(obj, _PRIMITIVES):
+        out.append((path, repr(obj)))
+
+
+def values_digest(values: list[tuple[str, str]]) -> str:
+    return hashlib.blake2b(repr(values).encode(), digest_size=16).hexdigest()
+
+
+def differing_keys(per_rank: list[list[tuple[str, str]]]) -> list[str]:
+    """Paths whose fingerprint is not the same on every rank (or not on all)."""
+    dicts = [dict(values) for values in per_rank]
+    keys: set[str] = set().union(*dicts)
+    return sorted(k for k in keys if any(d.get(k) != dicts[0].get(k) for d in dicts[1:]))

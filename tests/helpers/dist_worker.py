@@ -147,6 +147,9 @@ def main() -> int:
             if scenario == "die_handed_over" and rank in args["die_ranks"]:
                 _die_after_hand_over()
             state = build_state(args)
+            if args.get("per_rank_values"):
+                state["rank_note"] = rank  # values that differ between ranks
+                state["rng"] = torch.tensor([rank, 7])
             if scenario == "mismatch" and rank == args["odd_rank"]:
                 state["model"]["extra"] = torch.zeros(3)  # a state the others do not have
             for _ in range(args.get("saves", 1)):
