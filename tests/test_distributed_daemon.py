@@ -57,6 +57,12 @@ def _daemon(workdir: Path, *args: str, **kwargs: Any) -> Daemon:
     return Daemon(workdir, *args, **kwargs).start()
 
 
+def _node_env(daemons: dict[str, Daemon]) -> dict[str, dict[str, str]]:
+    """Each simulated node's ranks talk to that node's daemon."""
+    return {n: {"FASTPERSIST_DAEMON": d.address, "FASTPERSIST_SHM_DIR": str(d.shm_dir)}
+            for n, d in daemons.items()}
+
+
 def _hidden(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
@@ -95,9 +101,7 @@ def test_shared_storage_with_a_daemon_per_node(tmp_path: Path) -> None:
     try:
         ckpt = root / "ckpt"
         ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"], {"path": str(ckpt)},
-                   env_by_node={n: {"FASTPERSIST_DAEMON": d.address,
-                                    "FASTPERSIST_SHM_DIR": str(d.shm_dir)}
-                                for n, d in daemons.items()}))
+                   env_by_node=_node_env(daemons)))
         for n, ranks in (("n0", [0, 1]), ("n1", [2, 3])):
             assert sorted(e["rank"] for e in daemons[n].events("part-written")) == ranks
         assert len(daemons["n0"].events("committed-job")) == 1
@@ -118,9 +122,7 @@ def test_node_local_each_node_through_its_own_daemon(tmp_path: Path) -> None:
         reports = run_job(
             tmp_path, "save", ["a", "a", "b", "b"],
             {"path": str(tmp_path / "disks" / "{node}" / "ckpt"), "node_local": True},
-            env_by_node={n: {"FASTPERSIST_DAEMON": d.address,
-                             "FASTPERSIST_SHM_DIR": str(d.shm_dir)}
-                         for n, d in daemons.items()})
+            env_by_node=_node_env(daemons))
         ok(reports)
         held = {}
         for node, d in daemons.items():
@@ -152,9 +154,7 @@ def test_a_failed_job_commit_leaves_nothing_on_any_node(tmp_path: Path, fail_ran
             tmp_path, "fail_commit", ["a", "a", "b", "b"],
             {"path": str(tmp_path / "disks" / "{node}" / "ckpt"), "node_local": True,
              "fail_rank": fail_rank},
-            env_by_node={n: {"FASTPERSIST_DAEMON": d.address,
-                             "FASTPERSIST_SHM_DIR": str(d.shm_dir)}
-                         for n, d in daemons.items()})
+            env_by_node=_node_env(daemons))
         assert {r.get("error_type") for r in reports} == {"DistributedCheckpointError"}, reports
         assert f"rank {fail_rank} (commit)" in reports[0]["error"], reports[0]["error"]
         for node, d in daemons.items():
