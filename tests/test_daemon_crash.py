@@ -672,7 +672,9 @@ def test_random_kills_of_a_checkpointer_loop(slow_daemon, clients):
     step = 0
     seen: list[list[str]] = []
     pids: set[int] = set()
-    for i in range(10):
+    # Up to 20 kills: the schedule is random, and on a loaded machine the first
+    # ten have been seen to miss the short window before a hand-over.
+    for i in range(20):
         kinds = {k for o in seen for k in o}
         if i >= 5 and {"aborted", "committed-after-kill"} <= kinds:
             break

@@ -419,3 +419,22 @@ def test_a_job_commit_that_fails_drops_the_job_and_keeps_what_was_there(daemon: 
             storage.publish(job, manifest.to_json(), None)
     finally:
         storage.close()
+
+
+def test_sigterm_drops_a_job_its_ranks_have_not_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon finishes the parts it holds, but cannot commit a job without
+    its ranks' manifest: on SIGTERM the job's directory goes, nothing is published."""
+    d = _daemon(tmp_path / "daemon")
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    storage = ThroughDaemon(d.address)
+    try:
+        target = d.root / "ckpt"
+        job = storage.stage(target)
+        _part(storage, target, job, 0, {"w.0": torch.ones(4, 4)})  # durable, not committed
+        assert d.stop() == 0
+        assert not target.exists() and _hidden(d.root) == []
+        assert [e["reason"] for e in d.events("aborted-job")] == ["fastpersistd is shutting down"]
+    finally:
+        storage.close()
+        d.cleanup()
