@@ -191,12 +191,9 @@ class Saver:
             self._abort.set()
         self._stop_thread()
         self._pool.clear()
-        # A failure nobody looked at is not dropped on the floor at shutdown
-        # (an abort's own CheckpointAbortedError is what the caller asked for).
+        # A failure nobody looked at is not dropped on the floor at shutdown.
         with self._lock:
-            for f in self._in_flight:
-                if isinstance(f._future.exception(), CheckpointAbortedError):
-                    f._observed = True
+            observe_aborts(self._in_flight)
         self.raise_unobserved_failure()
 
     def _stop_thread(self) -> None:
@@ -303,6 +300,14 @@ def take_unobserved_failure(futures: list[SaveFuture]
     for f in failed:
         f._observed = True
     return [f for f in futures if not f.done()], failed[0] if failed else None
+
+
+def observe_aborts(futures: list[SaveFuture]) -> None:
+    """close(abort=True): an aborted save's CheckpointAbortedError is what the
+    caller asked for, not a failure to raise at close."""
+    for f in futures:
+        if isinstance(f._future.exception(), CheckpointAbortedError):
+            f._observed = True
 
 
 def raise_failure_of(failed: SaveFuture | None) -> None:

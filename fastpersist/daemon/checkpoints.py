@@ -163,9 +163,8 @@ class Checkpoint:
         self.cleaned = False  # staging directory removed (after a failure or abort)
 
     def clean_up(self) -> None:
-        if self.job is not None:
-            self.job.remove_if_idle()  # a part's files go with its job's directory
-        elif not self.cleaned:
+        """Remove a failed checkpoint's staging (a part's goes with its job)."""
+        if not self.cleaned:
             self.cleaned = True
             self.staging.abort()
 
@@ -361,7 +360,7 @@ class Service:
         new = job is None
         if job is None:
             try:
-                job = Job.join(target, relpath, job_id)
+                job = Job.join(target, relpath, name, secret)
             except LookupError as exc:
                 raise RequestError("NOT_FOUND", str(exc)) from None
             except (ValueError, OSError) as exc:
@@ -780,10 +779,11 @@ class Service:
             job.data.close()
         ck.pending.clear()
         if state != State.COMMITTED and ck.job is not None:
-            # The job cannot be committed without this part.
+            # The job cannot be committed without this part; its directory goes
+            # with the job (Job.remove_if_idle, here or when the worker is done).
             self._abort_job(ck.job, f"the part of rank {ck.rank} is {state.name.lower()}: "
                                     f"{error}")
-        if state != State.COMMITTED and not ck.busy:
+        elif state != State.COMMITTED and not ck.busy:
             ck.clean_up()
         if ck.job is None:  # a job is counted once, when it ends
             self.metrics.checkpoints.labels(result=state.name.lower()).inc()

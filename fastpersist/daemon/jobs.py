@@ -117,10 +117,9 @@ class Job:
         return cls(target, relpath, staging, True, _digest(secret)), f"{staging.path.name}:{secret}"
 
     @classmethod
-    def join(cls, target: Path, relpath: str, job_id: str) -> Job:
-        """A job another daemon began: `job_id` must name a job's directory next
-        to `target` and carry its secret. LookupError: no such job."""
-        name, secret = split_job_id(job_id)
+    def join(cls, target: Path, relpath: str, name: str, secret: str) -> Job:
+        """A job another daemon began: `name` (split_job_id) must be a job's
+        directory next to `target`, and `secret` its secret. LookupError: no such job."""
         path = target.parent / name
         try:
             st = os.lstat(path)

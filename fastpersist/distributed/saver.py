@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointAbortedError, CheckpointError, DistributedCheckpointError
 from ..knobs import current as current_knobs
-from ..saver import SaveFuture, raise_failure_of, take_unobserved_failure
+from ..saver import SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
 from ..snapshot import StagedFile, group_into_files, stage_file
 from .coordinator import Save, coordinator_for
 from .storage import storage_for
@@ -150,9 +150,7 @@ class DistributedSaver:
         self._writer.shutdown(wait=True)
         self.storage.close()
         with self._lock:
-            for f in self._futures:
-                if isinstance(f._future.exception(), CheckpointAbortedError):
-                    f._observed = True  # what the caller asked for
+            observe_aborts(self._futures)
         self.raise_unobserved_failure()
 
 

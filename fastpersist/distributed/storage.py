@@ -17,6 +17,7 @@ disk) whose first rank stages and publishes:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Protocol
@@ -56,9 +57,7 @@ class Storage(Protocol):
 
 
 def _with_node(record: FileRecord, node: str | None) -> FileRecord:
-    if node is None:
-        return record
-    return FileRecord(record.name, record.size, record.data_start, record.header_crc32c, node)
+    return record if node is None else dataclasses.replace(record, node=node)
 
 
 class InProcess:
