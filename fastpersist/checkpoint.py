@@ -19,6 +19,7 @@ from .errors import (
     TruncatedFileError,
 )
 from .format import safetensors_file
+from .format.bounds import MAX_MANIFEST_BYTES
 from .format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 
 
@@ -51,6 +52,10 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if parse_leftover(p) is not None or not manifest_path.is_file():
         raise _not_found(p)
     try:
+        size = manifest_path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:  # refused before it is read into memory
+            raise ManifestError(f"{p}: the manifest is {size} bytes, more than the "
+                                f"{MAX_MANIFEST_BYTES} this version reads")
         data = manifest_path.read_bytes()
     except OSError as exc:
         raise os_error(exc, f"cannot read {manifest_path}") from exc
