@@ -263,6 +263,36 @@ def test_unhashable_values_where_names_belong_are_refused(single: Path, dist: Pa
     refused(single, r"tree at (views\.1|inf): ")
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_records_must_match_the_data_files_header(tmp_path: Path, verify: bool) -> None:
+    """Two records of the same size with their places swapped: without the CRC
+    check each loaded the other's bytes."""
+    ckpt = tmp_path / "swap"
+    fastpersist.save({"a": distinct(4), "b": distinct(4, start=50)}, ckpt)
+
+    def swap(d: Doc) -> None:
+        a, b = d["tensors"]
+        a["offset"], b["offset"] = b["offset"], a["offset"]
+        a["crc32c"], b["crc32c"] = b["crc32c"], a["crc32c"]
+
+    edit(ckpt, swap)
+    checkpoint.read_manifest(ckpt)  # consistent on its own
+    with pytest.raises(ManifestError, match=r"tensor 'a' .*data-00000.safetensors.*header"):
+        fastpersist.load(ckpt, verify=verify)
+
+
+@pytest.mark.parametrize("data_start", [8, 4088, 4095])
+def test_a_data_start_that_is_not_the_headers_end_is_refused(tmp_path: Path,
+                                                             data_start: int) -> None:
+    """Found by the fuzz test: with data_start cut short and verify=False, the
+    header was never compared (now it is read by its own length)."""
+    ckpt = tmp_path / "start"
+    fastpersist.save({"a": distinct(4096)}, ckpt)
+    edit(ckpt, lambda d: d["files"][0].update(data_start=data_start))
+    with pytest.raises(ManifestError, match="header ends at 4096, manifest says"):
+        fastpersist.load(ckpt, verify=False)
+
+
 def test_records_sharing_bytes_are_refused(tmp_path: Path) -> None:
     """b described as a's bytes (CRC included) loaded a's values as b."""
     ckpt = tmp_path / "overlap"
