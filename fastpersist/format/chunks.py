@@ -52,7 +52,7 @@ def parse_globals(raw: Any, tensors: Sequence[TensorRecord], where: str
         raise malformed(where, "'globals' must be a list")
     out: list[GlobalTensor] = []
     names: dict[str, int] = {}
-    user: dict[int, str] = {}  # record index -> the chunk that uses it
+    user: dict[int, tuple[int, int]] = {}  # record index -> (global, chunk) that uses it
     total_chunks = sum(len(g["chunks"]) for g in raw
                        if isinstance(g, dict) and isinstance(g.get("chunks"), list))
     budget = max(MIN_CORNER_BUDGET, 8 * total_chunks)
@@ -78,7 +78,7 @@ def parse_globals(raw: Any, tensors: Sequence[TensorRecord], where: str
         if not isinstance(raw_chunks, list):
             raise malformed(where, f"{ctx}: 'chunks' must be a list")
         dims: tuple[int, ...] = tuple(shape)  # type: ignore[arg-type]  # checked above
-        chunks = tuple(_chunk(c, j, dims, dtype, tensors, user, where, ctx)
+        chunks = tuple(_chunk(c, (i, j), dims, dtype, tensors, user, where, ctx)
                        for j, c in enumerate(raw_chunks))
         budget -= _check_tiling(dims, [(c.offsets, tensors[c.tensor].shape) for c in chunks],
                                 budget, where, ctx)
@@ -86,9 +86,12 @@ def parse_globals(raw: Any, tensors: Sequence[TensorRecord], where: str
     return tuple(out)
 
 
-def _chunk(c: Any, j: int, shape: tuple[int, ...], dtype: str,
-           tensors: Sequence[TensorRecord], user: dict[int, str], where: str,
+def _chunk(c: Any, at: tuple[int, int], shape: tuple[int, ...], dtype: str,
+           tensors: Sequence[TensorRecord], user: dict[int, tuple[int, int]], where: str,
            ctx: str) -> Chunk:
+    """Chunk at[1] of global at[0]; messages are made only when raised (a
+    manifest may hold millions of chunks)."""
+    j = at[1]
     if not isinstance(c, dict):
         raise malformed(where, f"{ctx}: chunk {j} is not an object")
     index, offsets = c.get("tensor"), c.get("offsets")
@@ -96,20 +99,20 @@ def _chunk(c: Any, j: int, shape: tuple[int, ...], dtype: str,
         raise malformed(where, f"{ctx}: chunk {j} refers to tensor {short(index)}, not one "
                         f"of the {len(tensors)} tensors")
     t = tensors[index]
-    what = f"chunk {j} ({short(t.name)})"
     if index in user:
         # Two chunks would show the same bytes in two places.
-        raise malformed(where, f"{ctx}: {what}: tensors[{index}] ({short(t.name)}) is used "
-                        f"by two chunks (also {user[index]})")
-    user[index] = f"{ctx} chunk {j}"
+        raise malformed(where, f"{ctx}: chunk {j} ({short(t.name)}): tensors[{index}] "
+                        f"({short(t.name)}) is used by two chunks (also globals"
+                        f"[{user[index][0]}] chunk {user[index][1]})")
+    user[index] = at
     if t.dtype != dtype:
-        raise malformed(where, f"{ctx}: {what} of dtype {t.dtype} does not fit a tensor of "
-                        f"dtype {dtype}")
+        raise malformed(where, f"{ctx}: chunk {j} ({short(t.name)}) of dtype {t.dtype} does "
+                        f"not fit a tensor of dtype {dtype}")
     if (not isinstance(offsets, list) or len(offsets) != len(shape) or len(t.shape) != len(shape)
             or not all(is_int(o, 0, d) and o + n <= d
                        for o, n, d in zip(offsets, t.shape, shape, strict=True))):
-        raise malformed(where, f"{ctx}: {what} at {short(offsets)} of shape {list(t.shape)} "
-                        f"does not fit in {list(shape)}")
+        raise malformed(where, f"{ctx}: chunk {j} ({short(t.name)}) at {short(offsets)} of "
+                        f"shape {list(t.shape)} does not fit in {list(shape)}")
     return Chunk(index, tuple(offsets))
 
 

@@ -56,7 +56,20 @@ class TensorRecord:
     encoding: str = "raw"
 
 
-def _int(obj: Mapping[str, Any], key: str, where: str, ctx: str, lo: int = 0,
+class _Ctx:
+    """A record's place in error messages, made text only when one is raised
+    (a manifest has a million records; short() is not free)."""
+
+    __slots__ = ("i", "name")
+
+    def __init__(self, i: int, name: str) -> None:
+        self.i, self.name = i, name
+
+    def __str__(self) -> str:
+        return f"tensors[{self.i}] ({short(self.name)})"
+
+
+def _int(obj: Mapping[str, Any], key: str, where: str, ctx: object, lo: int = 0,
          hi: int = MAX_FILE_BYTES) -> int:
     v = obj.get(key)
     if not is_int(v, lo, hi):
@@ -65,7 +78,7 @@ def _int(obj: Mapping[str, Any], key: str, where: str, ctx: str, lo: int = 0,
     return int(v)
 
 
-def _str(obj: Mapping[str, Any], key: str, where: str, ctx: str) -> str:
+def _str(obj: Mapping[str, Any], key: str, where: str, ctx: object) -> str:
     v = obj.get(key)
     if not isinstance(v, str):
         raise malformed(where, f"{ctx}: {key!r} must be a string, not {short(v)}")
@@ -122,7 +135,7 @@ def parse_tensors(raw: Any, files: Mapping[str, FileRecord], where: str
 
 def _tensor(t: dict[str, Any], i: int, name: str, files: Mapping[str, FileRecord],
             where: str) -> TensorRecord:
-    ctx = f"tensors[{i}] ({short(name)})"
+    ctx = _Ctx(i, name)
     shape = t.get("shape")
     problem = shape_problem(shape)
     if problem is not None:
