@@ -137,27 +137,34 @@ class _TensorFactory:
             return self.made[key]
         base = self._entry_on(index, device)
         t = base if view is None else self._view(base, view)
-        if node.get("param"):
-            t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
-        elif node.get("grad"):
-            t = t.requires_grad_(True)
+        try:
+            if node.get("param"):
+                t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
+            elif node.get("grad"):
+                t = t.requires_grad_(True)
+        except RuntimeError as exc:  # an integer tensor marked as requiring gradients
+            raise ManifestError(f"{self.where}: tensor entry {index} cannot be a parameter "
+                                f"or require gradients ({exc})") from None
         self.made[key] = t
         return t
 
     def _view(self, base: torch.Tensor, view: Any) -> torch.Tensor:
+        # The manifest's validation (format/tree.py) put the view inside its
+        # entry's bytes; checked again against the storage torch holds.
         try:
             dtype = dtypes.from_name(view["dtype"])
             shape, stride, offset = list(view["shape"]), list(view["stride"]), int(view["offset"])
             extent = 0 if 0 in shape else (
                 sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * dtype.itemsize
-            if offset % dtype.itemsize or offset < 0 or offset + extent > base.numel() or any(
+            storage = base.untyped_storage()
+            if offset % dtype.itemsize or offset < 0 or offset + extent > storage.nbytes() or any(
                 s < 0 for s in stride
-            ):
+            ) or any(n < 0 for n in shape):
                 raise ValueError("view lies outside its storage")
             return torch.empty(0, dtype=dtype, device=base.device).set_(
-                base.untyped_storage(), offset // dtype.itemsize, shape, stride
+                storage, offset // dtype.itemsize, shape, stride
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise ManifestError(f"{self.where}: bad view {view!r} ({exc})") from None
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import crc32c
 import torch
 
 from . import datafile
@@ -19,6 +20,7 @@ from .errors import (
     TruncatedFileError,
 )
 from .format import safetensors_file
+from .format.bounds import MAX_MANIFEST_BYTES
 from .format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 
 
@@ -51,6 +53,10 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if parse_leftover(p) is not None or not manifest_path.is_file():
         raise _not_found(p)
     try:
+        size = manifest_path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:  # refused before it is read into memory
+            raise ManifestError(f"{p}: the manifest is {size} bytes, more than the "
+                                f"{MAX_MANIFEST_BYTES} this version reads")
         data = manifest_path.read_bytes()
     except OSError as exc:
         raise os_error(exc, f"cannot read {manifest_path}") from exc
@@ -90,29 +96,67 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
                  progress: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Every stored tensor, on the CPU, in manifest order; raises on corruption.
 
+    Each file's records must agree with the file's own safetensors header
+    (names, dtypes, shapes, places), so that a manifest can only name bytes
+    that were written for the tensor it says, even with verify=False.
     progress(n) is called as each batch of n tensor bytes has been read.
     """
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     for f, indices in _records_by_file(manifest):
         _check_size(path, f)
-        by_name = {manifest.tensors[i].name: i for i in indices}
         records = [manifest.tensors[i] for i in indices]
+        _check_against_header(path, f, records, verify=verify)
         # Batches only when someone watches; one engine call per file otherwise.
         limit = _BATCH if progress else max(1, sum(r.length for r in records))
-        for n, batch in enumerate(_batches(records, limit)):
+        for batch in _batches(list(zip(indices, records, strict=True)), limit):
+            batch_records = [r for _, r in batch]
             try:
-                tensors, mismatches = datafile.read(engine, str(path), f, batch, verify=verify,
-                                                    header=n == 0)
+                tensors, mismatches = datafile.read(engine, str(path), f, batch_records,
+                                                    verify=verify, header=False)
             except EOFError as exc:
                 raise TruncatedFileError(f"{path}: {exc}") from None
             except OSError as exc:
                 raise os_error(exc, f"cannot read {path / f.name}") from exc
             datafile.raise_for(mismatches, str(path))
-            for r, t in zip(batch, tensors, strict=True):
-                result[by_name[r.name]] = t
+            for (i, _), t in zip(batch, tensors, strict=True):
+                result[i] = t
             if progress:
-                progress(sum(r.length for r in batch))
-    return [t for t in result if t is not None]
+                progress(sum(r.length for r in batch_records))
+    assert all(t is not None for t in result)  # every record belongs to one listed file
+    return result  # type: ignore[return-value]
+
+
+def _check_against_header(path: Path, f: FileRecord, records: list[TensorRecord], *,
+                          verify: bool) -> None:
+    """Raise unless the records match the data file's header (checked against
+    its CRC32C first when verifying, so corruption is named as such)."""
+    try:
+        with open(path / f.name, "rb") as fh:
+            covered = fh.read(f.data_start)  # what header_crc32c covers
+            # The header as its own length says, whatever the manifest's data_start.
+            fh.seek(0)
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            prefix = head + fh.read(min(n, safetensors_file.MAX_HEADER_BYTES))
+    except OSError as exc:
+        raise os_error(exc, f"cannot read {path / f.name}") from exc
+    if verify:
+        actual = crc32c.crc32c(covered)
+        if actual != f.header_crc32c:
+            datafile.raise_for([datafile.Mismatch(f.name, "<header>", f.header_crc32c, actual)],
+                               str(path))
+    try:
+        data_start, entries, _ = safetensors_file.parse_header(prefix)
+    except safetensors_file.HeaderError as exc:
+        if not verify:
+            # Unverified loads trust the data files: a damaged header (its
+            # tensors may be intact) leaves the manifest's own checks.
+            return
+        raise CorruptCheckpointError(f"{path}: {f.name}: safetensors header: {exc}") from None
+    problems = header_problems(f, records, data_start, entries)
+    if problems:
+        raise ManifestError(f"{path}: {problems[0]}" + (
+            f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
 
 @dataclass
@@ -128,6 +172,28 @@ class VerifyReport:
         return not self.problems
 
 
+def header_problems(f: FileRecord, records: list[TensorRecord], data_start: int,
+                    entries: dict[str, safetensors_file.ParsedEntry]) -> list[str]:
+    """Where the manifest's records of file `f` disagree with its safetensors header."""
+    problems = []
+    if data_start != f.data_start:
+        problems.append(f"{f.name}: header ends at {data_start}, manifest says {f.data_start}")
+    for r in records:
+        e = entries.get(r.name)
+        if e is None:
+            problems.append(f"tensor {r.name!r} in {f.name} is missing from the file's "
+                            "safetensors header")
+        elif (e.dtype, e.shape, f.data_start + e.begin, e.end - e.begin) != (
+            r.dtype, r.shape, r.offset, r.length
+        ):
+            problems.append(
+                f"tensor {r.name!r} in {f.name} does not match the file's safetensors header: "
+                f"the manifest says {r.dtype} {list(r.shape)} at bytes {r.offset}.."
+                f"{r.offset + r.length}, the header {e.dtype} {list(e.shape)} at "
+                f"{f.data_start + e.begin}..{f.data_start + e.end}")
+    return problems
+
+
 def _check_header(path: Path, f: FileRecord, records: list[TensorRecord]) -> list[str]:
     """The data file's own safetensors header must agree with the manifest."""
     try:
@@ -136,20 +202,7 @@ def _check_header(path: Path, f: FileRecord, records: list[TensorRecord]) -> lis
         data_start, entries, _ = safetensors_file.parse_header(prefix)
     except (OSError, safetensors_file.HeaderError) as exc:
         return [f"{f.name}: safetensors header: {exc}"]
-    problems = []
-    if data_start != f.data_start:
-        problems.append(f"{f.name}: header ends at {data_start}, manifest says {f.data_start}")
-    for r in records:
-        e = entries.get(r.name)
-        if e is None:
-            problems.append(f"{f.name}: tensor {r.name!r} is missing from the header")
-        elif (e.dtype, e.shape, f.data_start + e.begin, e.end - e.begin) != (
-            r.dtype, r.shape, r.offset, r.length
-        ):
-            problems.append(f"{f.name}: tensor {r.name!r}: header and manifest disagree")
-    return problems
-
-
+    return header_problems(f, records, data_start, entries)
 
 
 def verify(path: str | os.PathLike[str], engine: Engine,
@@ -171,7 +224,8 @@ def verify(path: str | os.PathLike[str], engine: Engine,
             report.problems.append(str(exc).removeprefix(f"{p}: "))
             continue
         report.problems += _check_header(p, f, records)
-        for n, batch in enumerate(_batches(records, _BATCH)):
+        for n, items in enumerate(_batches(list(enumerate(records)), _BATCH)):
+            batch = [r for _, r in items]
             report.problems += _verify_batch(p, f, batch, engine, header=n == 0)
             report.tensors += len(batch)
             done = sum(r.length for r in batch)
@@ -181,16 +235,17 @@ def verify(path: str | os.PathLike[str], engine: Engine,
     return report
 
 
-def _batches(records: list[TensorRecord], limit: int) -> Iterator[list[TensorRecord]]:
+def _batches(items: list[tuple[int, TensorRecord]], limit: int
+             ) -> Iterator[list[tuple[int, TensorRecord]]]:
     """Consecutive groups of at most `limit` bytes (or one larger tensor); at least one."""
-    batch: list[TensorRecord] = []
+    batch: list[tuple[int, TensorRecord]] = []
     size = 0
-    for r in records:
-        if batch and size + r.length > limit:
+    for item in items:
+        if batch and size + item[1].length > limit:
             yield batch
             batch, size = [], 0
-        batch.append(r)
-        size += r.length
+        batch.append(item)
+        size += item[1].length
     yield batch
 
 

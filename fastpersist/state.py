@@ -33,6 +33,8 @@ import torch
 
 from .errors import ManifestError, PickleNotAllowedError, UnsupportedValueError
 from .format import dtypes
+from .format.bounds import MAX_DIMS, MAX_TREE_DEPTH
+from .format.tree import key_text
 
 Node = Any  # a JSON value
 
@@ -56,8 +58,21 @@ class _Encoder:
         self.sharded = sharded
         self.leaves: list[TensorLeaf] = []
         self._active: set[int] = set()  # containers on the current path: cycles
+        self._depth = 0  # levels of the node being encoded (the root is 1)
 
     def encode(self, obj: Any, path: str) -> Node:
+        self._depth += 1
+        try:
+            if self._depth > MAX_TREE_DEPTH:
+                # Loading refuses deeper trees (format/bounds.py): never write one.
+                raise UnsupportedValueError(
+                    f"{path or '<root>'}: the state is nested deeper than {MAX_TREE_DEPTH} "
+                    "levels")
+            return self._encode(obj, path)
+        finally:
+            self._depth -= 1
+
+    def _encode(self, obj: Any, path: str) -> Node:
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if type(obj) is int:
@@ -132,6 +147,8 @@ class _Encoder:
             return self._pickled(t, path, f"a {t.layout} tensor")
         if dtypes.to_name(t.dtype) is None:
             return self._pickled(t, path, f"a tensor of dtype {t.dtype}")
+        if t.dim() > MAX_DIMS:
+            return self._pickled(t, path, f"a tensor of {t.dim()} dimensions (over {MAX_DIMS})")
         node: dict[str, Any] = {"t": "tensor"}
         if t.device.type != "cpu":
             node["device"] = str(t.device)
@@ -165,16 +182,26 @@ def encode(obj: Any, *, allow_pickle: bool = False, sharded: bool = False
 
 
 def contains_pickle(node: Node) -> bool:
-    if isinstance(node, dict):
-        if node.get("t") == "pickle":
-            return True
-        return any(contains_pickle(v) for v in node.values() if isinstance(v, (dict, list)))
-    if isinstance(node, list):
-        return any(contains_pickle(v) for v in node)
+    # Iterative: a tree read from disk must not be able to exhaust the stack,
+    # whoever calls this and whether or not the tree was validated first.
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get("t") == "pickle":
+                return True
+            stack += [v for v in n.values() if isinstance(v, (dict, list))]
+        elif isinstance(n, list):
+            stack += n
     return False
 
 
 class _Decoder:
+    """Rebuilds the object from a tree that format/tree.py validated (so its
+    depth is bounded and its fields have the right types); what only torch can
+    judge (device types, dtype names, base64, hashable keys) is checked here,
+    and every failure is a ManifestError naming the key path."""
+
     def __init__(
         self, tensor_for: Callable[[dict[str, Any]], torch.Tensor], allow_pickle: bool,
         where: str,
@@ -183,50 +210,64 @@ class _Decoder:
         self.allow_pickle = allow_pickle
         self.where = where
 
-    def bad(self, msg: str) -> ManifestError:
-        return ManifestError(f"{self.where}: malformed manifest tree: {msg}")
+    def bad(self, path: str, msg: str) -> ManifestError:
+        return ManifestError(f"{self.where}: malformed manifest: tree at {path or '<root>'}: "
+                             f"{msg}")
 
-    def decode(self, node: Node) -> Any:
+    def decode(self, node: Node, path: str = "") -> Any:
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
         if not isinstance(node, dict) or not isinstance(node.get("t"), str):
-            raise self.bad(f"unexpected node {str(node)[:80]!r}")
+            raise self.bad(path, f"unexpected node {str(node)[:80]!r}")
         tag = node["t"]
         if tag == "tensor":
+            if "device" in node:
+                self._device(node["device"], path)
             return self.tensor_for(node)  # its own errors are not the tree's
         try:
-            return self._decode_tagged(tag, node)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise self.bad(f"bad {tag!r} node ({exc!r})") from None
+            return self._decode_tagged(tag, node, path)
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+            raise self.bad(path, f"bad {tag!r} node ({exc!r})") from None
 
-    def _decode_tagged(self, tag: str, node: dict[str, Any]) -> Any:
+    def _device(self, value: Any, path: str) -> torch.device:
+        try:
+            return torch.device(value)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise self.bad(path, f"bad device {str(value)[:80]!r} ({exc})") from None
+
+    def _decode_tagged(self, tag: str, node: dict[str, Any], path: str) -> Any:
         if tag in ("dict", "odict"):
             keys, values = node["k"], node["v"]
             if not isinstance(keys, list) or not isinstance(values, list) or len(keys) != len(
                 values
             ):
-                raise self.bad("dict keys and values differ in length")
-            pairs = ((self.decode(k), self.decode(v)) for k, v in zip(keys, values, strict=True))
-            result: dict[Any, Any] = OrderedDict(pairs) if tag == "odict" else dict(pairs)
+                raise self.bad(path, "dict keys and values differ in length")
+            result: dict[Any, Any] = OrderedDict() if tag == "odict" else {}
+            for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+                key = self.decode(k, _path(path, f"<key {i}>"))
+                if key in result:
+                    raise self.bad(path, f"duplicate key {str(key)[:80]!r}")
+                result[key] = self.decode(v, _path(path, key_text(key, i)))
             if "meta" in node:
-                result._metadata = self.decode(node["meta"])  # type: ignore[attr-defined]
+                result._metadata = self.decode(  # type: ignore[attr-defined]
+                    node["meta"], _path(path, "_metadata"))
             return result
         if tag in ("list", "tuple"):
-            items = [self.decode(v) for v in node["v"]]
+            items = [self.decode(v, _path(path, i)) for i, v in enumerate(node["v"])]
             return tuple(items) if tag == "tuple" else items
         if tag == "float":
             if node["v"] not in ("nan", "inf", "-inf"):
-                raise self.bad(f"bad float {node['v']!r}")
+                raise self.bad(path, f"bad float {node['v']!r}")
             return float(node["v"])
         if tag == "bytes":
             return base64.b64decode(node["v"], validate=True)
         if tag == "dtype":
             dt = getattr(torch, node["v"], None)
             if not isinstance(dt, torch.dtype):
-                raise self.bad(f"unknown dtype {node['v']!r}")
+                raise self.bad(path, f"unknown dtype {node['v']!r}")
             return dt
         if tag == "device":
-            return torch.device(node["v"])
+            return self._device(node["v"], path)
         if tag == "size":
             return torch.Size(int(d) for d in node["v"])
         if tag == "pickle":
@@ -236,7 +277,7 @@ class _Decoder:
                     "arbitrary code, so load it with allow_pickle=True only if you trust it"
                 )
             return pickle.loads(base64.b64decode(node["v"], validate=True))
-        raise self.bad(f"unknown node type {tag!r}")
+        raise self.bad(path, f"unknown node type {tag!r}")
 
 
 def decode(

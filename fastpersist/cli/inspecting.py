@@ -53,12 +53,15 @@ def _describe(node: Any, manifest: Manifest) -> str:
 
 
 def _count(node: Any, tag: str) -> int:
-    if isinstance(node, dict):
-        own = 1 if node.get("t") == tag else 0
-        return own + sum(_count(v, tag) for v in node.values())
-    if isinstance(node, list):
-        return sum(_count(v, tag) for v in node)
-    return 0
+    count, stack = 0, [node]
+    while stack:  # iterative: no recursion on what a manifest holds
+        n = stack.pop()
+        if isinstance(n, dict):
+            count += n.get("t") == tag
+            stack += n.values()
+        elif isinstance(n, list):
+            stack += n
+    return count
 
 
 def tree_summary(manifest: Manifest) -> dict[str, Any]:

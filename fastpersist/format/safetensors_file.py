@@ -14,6 +14,7 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..knobs import ALIGNMENT
 from . import dtypes
@@ -62,8 +63,7 @@ def layout(entries: Sequence[HeaderEntry], metadata: dict[str, str]) -> Layout:
     )
 
 
-@dataclass(frozen=True)
-class ParsedEntry:
+class ParsedEntry(NamedTuple):  # a tuple: every load parses every entry of a header
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -98,26 +98,23 @@ def parse_header(prefix: bytes) -> tuple[int, dict[str, ParsedEntry], dict[str, 
     entries: dict[str, ParsedEntry] = {}
     for name, info in raw.items():
         try:
-            dtype = info["dtype"]
-            shape = tuple(_int(d) for d in info["shape"])
-            begin, end = (_int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError):
             raise HeaderError(f"header entry {name!r} is malformed") from None
+        # type() is int: JSON integers, not bools (nor floats or strings)
+        if (type(shape) is not list or not all(type(d) is int for d in shape)
+                or type(offsets) is not list or len(offsets) != 2
+                or type(offsets[0]) is not int or type(offsets[1]) is not int):
+            raise HeaderError(f"header entry {name!r} is malformed")
         if not isinstance(dtype, str) or dtype not in dtypes.SUPPORTED_NAMES:
             raise HeaderError(f"header entry {name!r} has unknown dtype {dtype!r}")
         if any(d < 0 for d in shape):
             raise HeaderError(f"header entry {name!r} has a negative dimension {shape}")
+        begin, end = offsets
         if not 0 <= begin <= end:
             raise HeaderError(f"header entry {name!r} has data_offsets {begin}..{end}")
-        entries[name] = ParsedEntry(name, dtype, shape, begin, end)
+        entries[name] = ParsedEntry(name, dtype, tuple(shape), begin, end)
     return 8 + n, entries, metadata
-
-
-def _int(value: object) -> int:
-    """A JSON integer (not a bool, float or string)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{value!r} is not an integer")
-    return value
 
 
 def _no_constant(name: str) -> object:

@@ -1,0 +1,176 @@
+"""A manifest's records of data files and of the tensors in them, parsed and
+checked as a whole.
+
+Each record is checked on its own (types, bounds, known dtype and encoding,
+length = elements x element size, bytes inside its file's data section), and
+then against the others: file names and tensor names are unique, and no two
+tensors of a file share a byte, so that a record can only ever denote bytes
+that were written for it. Torch-free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import dtypes
+from .bounds import (
+    MAX_FILE_BYTES,
+    is_int,
+    malformed,
+    numel,
+    shape_problem,
+    short,
+)
+from .safetensors_file import MAX_HEADER_BYTES
+
+MANIFEST_NAME = "manifest.json"
+ENCODINGS = frozenset({"raw"})
+# Data file names are plain names inside the checkpoint directory: a manifest
+# can never send a reader outside it.
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+_CRC_MAX = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    size: int
+    data_start: int
+    header_crc32c: int
+    node: str | None = None  # node-local checkpoints: the node that holds it
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    name: str  # the key in the data file's safetensors header
+    file: str
+    offset: int  # absolute file offset
+    length: int
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    crc32c: int
+    encoding: str = "raw"
+
+
+class _Ctx:
+    """A record's place in error messages, made text only when one is raised
+    (a manifest has a million records; short() is not free)."""
+
+    __slots__ = ("i", "name")
+
+    def __init__(self, i: int, name: str) -> None:
+        self.i, self.name = i, name
+
+    def __str__(self) -> str:
+        return f"tensors[{self.i}] ({short(self.name)})"
+
+
+def _int(obj: Mapping[str, Any], key: str, where: str, ctx: object, lo: int = 0,
+         hi: int = MAX_FILE_BYTES) -> int:
+    v = obj.get(key)
+    if not is_int(v, lo, hi):
+        raise malformed(where, f"{ctx}: {key!r} must be an integer from {lo} to {hi}, "
+                        f"not {short(v)}")
+    return int(v)
+
+
+def _str(obj: Mapping[str, Any], key: str, where: str, ctx: object) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str):
+        raise malformed(where, f"{ctx}: {key!r} must be a string, not {short(v)}")
+    return v
+
+
+def parse_files(raw: Any, version: int, where: str) -> dict[str, FileRecord]:
+    if not isinstance(raw, list):
+        raise malformed(where, "'files' must be a list")
+    files: dict[str, FileRecord] = {}
+    for i, f in enumerate(raw):
+        ctx = f"files[{i}]"
+        if not isinstance(f, dict):
+            raise malformed(where, f"{ctx} is not an object")
+        name = _str(f, "name", where, ctx)
+        if not _FILE_NAME.match(name) or name == MANIFEST_NAME or name in files:
+            raise malformed(where, f"{ctx}: bad or duplicate file name {short(name)}")
+        node = f.get("node")
+        if node is not None and (version < 2 or not isinstance(node, str) or not node):
+            raise malformed(where, f"{ctx}: 'node' must be a non-empty string (schema 2)")
+        rec = FileRecord(
+            name=name,
+            size=_int(f, "size", where, ctx),
+            # The header is read whole: bounded as safetensors bounds it.
+            data_start=_int(f, "data_start", where, ctx, lo=8, hi=8 + MAX_HEADER_BYTES),
+            header_crc32c=_int(f, "header_crc32c", where, ctx, hi=_CRC_MAX),
+            node=node,
+        )
+        if rec.data_start > rec.size:
+            raise malformed(where, f"{ctx}: data_start {rec.data_start} is past size {rec.size}")
+        files[name] = rec
+    return files
+
+
+def parse_tensors(raw: Any, files: Mapping[str, FileRecord], where: str
+                  ) -> list[TensorRecord]:
+    if not isinstance(raw, list):
+        raise malformed(where, "'tensors' must be a list")
+    tensors: list[TensorRecord] = []
+    index_of: dict[str, int] = {}
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict):
+            raise malformed(where, f"tensors[{i}] is not an object")
+        name = _str(t, "name", where, f"tensors[{i}]")
+        if name in index_of:
+            # A reader keyed by name would take one record's bytes for the other's.
+            raise malformed(where, f"tensors[{i}]: duplicate name {short(name)} (also "
+                            f"tensors[{index_of[name]}])")
+        index_of[name] = i
+        tensors.append(_tensor(t, i, name, files, where))
+    _check_disjoint(tensors, where)
+    return tensors
+
+
+def _tensor(t: dict[str, Any], i: int, name: str, files: Mapping[str, FileRecord],
+            where: str) -> TensorRecord:
+    ctx = _Ctx(i, name)
+    shape = t.get("shape")
+    problem = shape_problem(shape)
+    if problem is not None:
+        raise malformed(where, f"{ctx}: shape {short(shape)} {problem}")
+    rec = TensorRecord(
+        name=name,
+        file=_str(t, "file", where, ctx),
+        offset=_int(t, "offset", where, ctx),
+        length=_int(t, "length", where, ctx),
+        dtype=_str(t, "dtype", where, ctx),
+        shape=tuple(shape),  # type: ignore[arg-type]  # checked by shape_problem
+        crc32c=_int(t, "crc32c", where, ctx, hi=_CRC_MAX),
+        encoding=_str(t, "encoding", where, ctx),
+    )
+    if rec.dtype not in dtypes.SUPPORTED_NAMES:
+        raise malformed(where, f"{ctx}: unknown dtype {short(rec.dtype)}")
+    if rec.encoding not in ENCODINGS:
+        raise malformed(where, f"{ctx}: unknown encoding {short(rec.encoding)}")
+    if rec.length != numel(rec.shape) * dtypes.itemsize(rec.dtype):
+        raise malformed(where, f"{ctx}: length {rec.length} does not match shape and dtype")
+    frec = files.get(rec.file)
+    if frec is None:
+        raise malformed(where, f"{ctx}: file {short(rec.file)} is not listed in 'files'")
+    if rec.offset < frec.data_start or rec.offset + rec.length > frec.size:
+        raise malformed(where, f"{ctx}: bytes {rec.offset}..{rec.offset + rec.length} lie "
+                        f"outside the data section of {rec.file!r}")
+    return rec
+
+
+def _check_disjoint(tensors: list[TensorRecord], where: str) -> None:
+    """No two tensors of one file share a byte (as safetensors requires)."""
+    spans = sorted((t.file, t.offset, t.offset + t.length, i)
+                   for i, t in enumerate(tensors) if t.length)
+    for (file_a, _, end_a, a), (file_b, start_b, end_b, b) in itertools.pairwise(spans):
+        if file_a == file_b and start_b < end_a:
+            raise malformed(where, f"tensors[{b}] ({short(tensors[b].name)}): bytes "
+                            f"{start_b}..{end_b} overlap tensors[{a}] "
+                            f"({short(tensors[a].name)}) in {file_a!r}")

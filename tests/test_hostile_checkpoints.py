@@ -1,0 +1,394 @@
+"""A checkpoint on disk is untrusted input (issue 10, defects 4 and 5).
+
+Loading never returns bytes that were not written for that tensor, and every
+malformed manifest is refused with a CheckpointError subclass (a ManifestError
+naming the record or key path): never RecursionError, a torch RuntimeError,
+ValueError, wrong data or uninitialised memory. fpctl reports the same errors
+without a traceback. tests/test_manifest_fuzz.py mutates manifests at random;
+these are the cases found by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hostile_support import (
+    MANIFEST,
+    distinct,
+    distributed_checkpoint,
+    distributed_state,
+    edit,
+    grid,
+    read_doc,
+    record_index,
+    same,
+    single_state,
+)
+
+import fastpersist
+from fastpersist import ManifestError, UnsupportedValueError, checkpoint
+from fastpersist.cli import main
+
+Doc = dict[str, Any]
+
+
+def refused(ckpt: Path, match: str, *, verify: bool = True) -> ManifestError:
+    """The manifest is refused when read on its own and when loading."""
+    with pytest.raises(ManifestError, match=match):
+        checkpoint.read_manifest(ckpt)
+    with pytest.raises(ManifestError, match=match) as info:
+        fastpersist.load(ckpt, verify=verify)
+    assert str(ckpt) in str(info.value)
+    return info.value
+
+
+@pytest.fixture
+def single(tmp_path: Path) -> Path:
+    p = tmp_path / "single"
+    fastpersist.save(single_state(), p)
+    return p
+
+
+@pytest.fixture
+def dist(tmp_path: Path) -> Path:
+    p = tmp_path / "dist"
+    distributed_state(p)
+    return p
+
+
+def eight(tmp_path: Path) -> Path:
+    """Defect 4's checkpoint: one global of shape [8] as two chunks of [4]."""
+    p = tmp_path / "eight"
+    distributed_checkpoint(p, {"x": (torch.arange(8, dtype=torch.float32), grid((8,), [[4]]))})
+    return p
+
+
+# --- defect 4: chunks that do not tile their global tensor ---------------------------------
+
+
+def test_two_chunks_of_one_record_are_refused(tmp_path: Path) -> None:
+    """The issue's reproduction loaded [0,1,2,3,0,0,1.1e-43,0]: uninitialised memory."""
+    ckpt = eight(tmp_path)
+    edit(ckpt, lambda d: d["globals"][0]["chunks"][1].update(
+        tensor=d["globals"][0]["chunks"][0]["tensor"]))
+    refused(ckpt, r"globals\[0\] \('x'\).*tensors\[\d\] \('x@0'\) is used by two chunks")
+
+
+def test_overlapping_chunks_whose_volumes_add_up_are_refused(tmp_path: Path) -> None:
+    ckpt = eight(tmp_path)
+    edit(ckpt, lambda d: d["globals"][0]["chunks"][1].update(offsets=[2]))
+    refused(ckpt, r"globals\[0\] \('x'\): chunks overlap or leave a gap")
+
+
+def test_overlapping_chunks_of_a_grid_are_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "grid"
+    distributed_checkpoint(ckpt, {"w": (distinct(4, 4), grid((4, 4), [[2], [2]]))})
+    # Chunk (2,2) moved to (2,1): it overlaps (2,0), leaves a gap at column 3.
+    edit(ckpt, lambda d: d["globals"][0]["chunks"][3].update(offsets=[2, 1]))
+    refused(ckpt, r"globals\[0\] \('w'\): chunks overlap or leave a gap")
+
+
+def test_a_small_file_cannot_drive_a_huge_allocation(tmp_path: Path) -> None:
+    """20,000 chunks naming one 64 KiB record claim a 1.2 GiB tensor; the
+    manifest is refused before anything is allocated or read."""
+    ckpt = tmp_path / "big"
+    distributed_checkpoint(ckpt, {"x": (distinct(16384), [((0,), (16384,))])})
+    n = 20_000
+
+    def inflate(d: Doc) -> None:
+        g = d["globals"][0]
+        g["shape"] = [16384 * n]
+        g["chunks"] = [{"tensor": g["chunks"][0]["tensor"], "offsets": [16384 * i]}
+                       for i in range(n)]
+
+    edit(ckpt, inflate)
+    refused(ckpt, "is used by two chunks")
+
+
+def test_chunks_out_of_bounds_or_of_another_rank_are_refused(tmp_path: Path) -> None:
+    ckpt = eight(tmp_path)
+    edit(ckpt, lambda d: d["globals"][0]["chunks"][1].update(offsets=[5]))
+    refused(ckpt, r"chunk 1 \('x@4'\) at \[5\] of shape \[4\] does not fit in \[8\]")
+    edit(ckpt, lambda d: d["globals"][0]["chunks"][1].update(offsets=[4, 0]))
+    refused(ckpt, r"chunk 1 \('x@4'\) at \[4, 0\] of shape \[4\] does not fit in \[8\]")
+
+
+def test_a_record_in_two_globals_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "two"
+    distributed_checkpoint(ckpt, {"a": (distinct(4), [((0,), (4,))]),
+                                  "b": (distinct(4, start=9), [((0,), (4,))])})
+    edit(ckpt, lambda d: d["globals"][1]["chunks"][0].update(
+        tensor=d["globals"][0]["chunks"][0]["tensor"]))
+    refused(ckpt, r"globals\[1\] \('b'\).*is used by two chunks")
+
+
+def test_duplicate_global_names_are_refused(dist: Path) -> None:
+    edit(dist, lambda d: d["globals"][1].update(name=d["globals"][0]["name"]))
+    refused(dist, r"globals\[1\]: duplicate name 'w'")
+
+
+# --- defect 5: other hostile inputs --------------------------------------------------------
+
+
+def test_duplicate_tensor_names_in_one_file_are_refused(tmp_path: Path) -> None:
+    """The issue's reproduction: a tree pointing at record 1 loaded another tensor's bytes."""
+    ckpt = tmp_path / "dup"
+    fastpersist.save({"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([7.0, 7.0])}, ckpt)
+    edit(ckpt, lambda d: d["tensors"][1].update(name="a"))
+    refused(ckpt, r"tensors\[1\]: duplicate name 'a'")
+
+
+@pytest.mark.parametrize("where", ["json", "tree"])
+def test_deep_nesting_is_a_manifest_error(single: Path, where: str) -> None:
+    """json.loads and the tree's decoder recursed into a RecursionError."""
+    if where == "json":  # too deep for the JSON parser itself
+        text = (single / MANIFEST).read_text()
+        (single / MANIFEST).write_text(text.replace('"tree": ', '"tree": ' + "[" * 100_000 + "]"
+                                                    * 100_000 + ", \"x\": ", 1))
+        refused(single, "nested too deeply")
+    else:  # parses, but nests 300 lists
+        node: Any = 1
+        for _ in range(300):
+            node = {"t": "list", "v": [node]}
+        edit(single, lambda d: d.update(tree=node))
+        refused(single, r"tree at 0\.0\.0\..*: nested deeper than \d+ levels")
+
+
+def test_saving_state_nested_too_deep_is_refused(tmp_path: Path) -> None:
+    """What load refuses, save refuses first (it recursed into a RecursionError
+    a little deeper); 100 levels, the most that load takes, round-trip."""
+
+    def nested(levels: int) -> Any:
+        obj: Any = torch.ones(1)  # the innermost value is the last level
+        for _ in range(levels - 2):
+            obj = [obj]
+        return {"deep": obj}
+
+    fastpersist.save(nested(100), tmp_path / "ok")
+    assert same(fastpersist.load(tmp_path / "ok"), nested(100))
+    with pytest.raises(UnsupportedValueError, match=r"nested deeper than 100 levels"):
+        fastpersist.save(nested(101), tmp_path / "deep")
+    with pytest.raises(UnsupportedValueError, match=r"nested deeper than 100 levels"):
+        fastpersist.save(nested(400), tmp_path / "deep")
+    assert not (tmp_path / "deep").exists()
+
+
+@pytest.mark.parametrize("case", ["record", "view", "global"])
+def test_a_shape_whose_strides_overflow_is_refused(single: Path, dist: Path, case: str) -> None:
+    """shape [0, 2**62, 2**62] holds no element but overflowed torch's stride calculation."""
+    huge = [0, 2**62, 2**62]
+    if case == "record":
+        edit(single, lambda d: d["tensors"][record_index(d, "empty")].update(shape=huge))
+        refused(single, r"tensors\[\d+\] \('empty'\): shape \[0, 4611686018427387904, .*too large")
+    elif case == "view":
+        edit(single, lambda d: d["tree"]["v"][1]["v"][1]["view"].update(shape=huge,
+                                                                         stride=[1, 1, 1]))
+        refused(single, r"tree at views\.1: view shape .* too large")
+    else:
+        edit(dist, lambda d: d["globals"][3].update(shape=huge))
+        refused(dist, r"globals\[3\] \('e'\): shape .* too large")
+
+
+@pytest.mark.parametrize("device", ["cuda:abc", "cpu:-1", "meta", 7, ["cpu"]])
+def test_bad_device_strings_are_refused(single: Path, device: Any) -> None:
+    """Torch raised RuntimeError for a bad string; "meta" loaded a tensor without data."""
+    edit(single, lambda d: d["tree"]["v"][3].update(device=device))
+    refused(single, r"tree at scalar: bad device")
+
+
+def test_device_types_torch_does_not_know_are_refused_on_load(single: Path) -> None:
+    """Which device types exist is torch's to say (a renamed privateuse1 backend
+    adds one), so these pass the manifest's checks and are refused on load."""
+    edit(single, lambda d: d["tree"]["v"][3].update(device="bogus"))
+    with pytest.raises(ManifestError, match=r"tree at scalar: bad device 'bogus'"):
+        fastpersist.load(single)
+    edit(single, lambda d: (d["tree"]["v"][3].pop("device"),
+                            d["tree"]["v"][13].update(v="nonsense")))
+    with pytest.raises(ManifestError, match=r"tree at device: bad device 'nonsense'"):
+        fastpersist.load(single)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"shape": [-1]}, "view shape"),
+    ({"shape": [2, 2], "stride": [1]}, "view shape"),
+    ({"stride": [-1]}, "view stride"),
+    ({"offset": 1}, "view offset 1"),
+    ({"offset": 36}, "view of 16 bytes at offset 36 lies outside"),
+    ({"dtype": "F128"}, "view dtype"),
+])
+def test_bad_views_are_refused(single: Path, change: Doc, match: str) -> None:
+    """A negative dimension raised torch RuntimeError."""
+    edit(single, lambda d: d["tree"]["v"][1]["v"][1]["view"].update(change))
+    refused(single, rf"tree at views\.1: {match}")
+
+
+@pytest.mark.parametrize("entry", [True, -1, 99, 1.0, "0", None])
+def test_bad_entry_indices_are_refused(single: Path, entry: Any) -> None:
+    """`true` was taken as entry 1: another tensor."""
+    edit(single, lambda d: d["tree"]["v"][2].update(e=entry))
+    refused(single, r"tree at param: tensor entry")
+
+
+def test_gradients_on_an_integer_tensor_are_refused(single: Path) -> None:
+    """Found by the fuzz test: torch raised RuntimeError ("Only Tensors of
+    floating point ... can require gradients")."""
+    edit(single, lambda d: d["tree"]["v"][0]["v"][2].update(grad=True))  # model.b, int64
+    with pytest.raises(ManifestError, match="cannot be a parameter or require gradients"):
+        fastpersist.load(single)
+
+
+def test_metadata_on_a_plain_dict_is_refused(single: Path) -> None:
+    """Found by the fuzz test: setting _metadata on a dict raised AttributeError."""
+    edit(single, lambda d: d["tree"].update(meta={"t": "dict", "k": [], "v": []}))
+    refused(single, r"tree at <root>: a plain dict with _metadata")
+
+
+@pytest.mark.parametrize("where", ["global dtype", "view dtype", "float"])
+def test_unhashable_values_where_names_belong_are_refused(single: Path, dist: Path,
+                                                         where: str) -> None:
+    """Found by the fuzz test in the new checks: `[] in frozenset()` raised TypeError."""
+    if where == "global dtype":
+        edit(dist, lambda d: d["globals"][0].update(dtype=[]))
+        refused(dist, r"globals\[0\] \('w'\): unknown dtype \[\]")
+        return
+    if where == "view dtype":
+        edit(single, lambda d: d["tree"]["v"][1]["v"][1]["view"].update(dtype=[]))
+    else:
+        edit(single, lambda d: d["tree"]["v"][15].update(v=[]))
+    refused(single, r"tree at (views\.1|inf): ")
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_records_must_match_the_data_files_header(tmp_path: Path, verify: bool) -> None:
+    """Two records of the same size with their places swapped: without the CRC
+    check each loaded the other's bytes."""
+    ckpt = tmp_path / "swap"
+    fastpersist.save({"a": distinct(4), "b": distinct(4, start=50)}, ckpt)
+
+    def swap(d: Doc) -> None:
+        a, b = d["tensors"]
+        a["offset"], b["offset"] = b["offset"], a["offset"]
+        a["crc32c"], b["crc32c"] = b["crc32c"], a["crc32c"]
+
+    edit(ckpt, swap)
+    checkpoint.read_manifest(ckpt)  # consistent on its own
+    with pytest.raises(ManifestError, match=r"tensor 'a' .*data-00000.safetensors.*header"):
+        fastpersist.load(ckpt, verify=verify)
+
+
+@pytest.mark.parametrize("data_start", [8, 4088, 4095])
+def test_a_data_start_that_is_not_the_headers_end_is_refused(tmp_path: Path,
+                                                             data_start: int) -> None:
+    """Found by the fuzz test: with data_start cut short and verify=False, the
+    header was never compared (now it is read by its own length)."""
+    ckpt = tmp_path / "start"
+    fastpersist.save({"a": distinct(4096)}, ckpt)
+    edit(ckpt, lambda d: d["files"][0].update(data_start=data_start))
+    with pytest.raises(ManifestError, match="header ends at 4096, manifest says"):
+        fastpersist.load(ckpt, verify=False)
+
+
+def test_records_sharing_bytes_are_refused(tmp_path: Path) -> None:
+    """b described as a's bytes (CRC included) loaded a's values as b."""
+    ckpt = tmp_path / "overlap"
+    fastpersist.save({"a": distinct(4), "b": distinct(4, start=50)}, ckpt)
+    edit(ckpt, lambda d: d["tensors"][1].update(
+        {k: d["tensors"][0][k] for k in ("offset", "length", "crc32c")}))
+    refused(ckpt, r"tensors\[1\] \('b'\): bytes \d+\.\.\d+ overlap tensors\[0\] \('a'\)")
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("12" * 3000, "not valid JSON"),  # int() refuses > 4300 digits: a ValueError
+    ("NaN", "not valid JSON"),
+    ("1e400", "created_unix"),
+    ("-1", "created_unix"),
+])
+def test_numbers_json_or_python_cannot_hold(single: Path, text: str, match: str) -> None:
+    doc = (single / MANIFEST).read_text()
+    (single / MANIFEST).write_text(doc.replace('"created_unix": ', f'"created_unix": {text}, '
+                                               '"was": ', 1))
+    refused(single, match)
+
+
+def test_duplicate_json_keys_are_refused(single: Path) -> None:
+    """Parsers disagree on which of two values counts; the manifest must not be ambiguous."""
+    doc = (single / MANIFEST).read_text()
+    (single / MANIFEST).write_text(doc.replace('"offset": ', '"offset": 0, "offset": ', 1))
+    refused(single, "duplicate key 'offset'")
+
+
+def test_duplicate_dict_keys_in_the_tree_are_refused(single: Path) -> None:
+    def dup(d: Doc) -> None:
+        d["tree"]["k"].append("step")
+        d["tree"]["v"].append(8)
+
+    edit(single, dup)
+    refused(single, r"tree at <root>: duplicate key 'step'")
+
+
+def test_tensor_dict_keys_are_refused(single: Path) -> None:
+    edit(single, lambda d: d["tree"]["k"].__setitem__(6, {"t": "tensor", "e": 0}))
+    refused(single, r"tree at <root>: a tensor as a dict key")
+
+
+# --- what must keep loading ----------------------------------------------------------------
+
+
+def test_legitimate_checkpoints_still_load(single: Path, dist: Path, tmp_path: Path) -> None:
+    """0-element and 0-d tensors, views, tied weights, a Parameter, a 2x2 grid of
+    chunks, uneven row pieces, and many small chunks."""
+    assert same(fastpersist.load(single), single_state())
+    loaded = fastpersist.load(dist)
+    assert same(loaded, distributed_state(tmp_path / "again"))
+    assert loaded["w_tied"] is loaded["w"]
+    many = tmp_path / "many"
+    expected = distributed_checkpoint(many, {"x": (distinct(300, 2), grid(
+        (300, 2), [list(range(1, 300)), [1]]))})
+    assert len(read_doc(many)["globals"][0]["chunks"]) == 600
+    assert same(fastpersist.load(many), expected)
+
+
+# --- fpctl ---------------------------------------------------------------------------------
+
+
+def _deep(d: Doc) -> None:
+    node: Any = 1
+    for _ in range(300):
+        node = {"t": "list", "v": [node]}
+    d["tree"] = node
+
+
+HOSTILE: dict[str, Callable[[Doc], None]] = {
+    "deep-tree": _deep,
+    "created-nan": lambda d: d.update(created_unix=float("nan")),
+    "stride-overflow": lambda d: d["tensors"][record_index(d, "empty")].update(
+        shape=[0, 2**62, 2**62]),
+    "bad-device": lambda d: d["tree"]["v"][3].update(device="cuda:x"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+@pytest.mark.parametrize("command", ["inspect", "verify", "restore", "ls"])
+def test_fpctl_reports_hostile_checkpoints_without_a_traceback(
+        single: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str,
+        command: str) -> None:
+    doc = read_doc(single)
+    HOSTILE[case](doc)
+    (single / MANIFEST).write_text(json.dumps(doc))  # NaN allowed: a hostile writer
+    argv = {"inspect": ["inspect", str(single)], "verify": ["verify", str(single)],
+            "restore": ["restore", str(single), "--to", str(tmp_path / "out.pt")],
+            "ls": ["ls", str(single.parent)]}[command]
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    if command == "ls":
+        assert rc == 0 and "corrupt: " in out and "manifest" in out
+    else:
+        assert rc == (1 if command == "verify" else 2)
+        assert "manifest" in err and str(single) in err
+    assert not (tmp_path / "out.pt").exists()
