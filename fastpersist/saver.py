@@ -229,10 +229,13 @@ class Saver:
         raise_failure_of(failed)
 
     def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="fastpersist-writer",
-                                            daemon=True)
-            self._thread.start()
+        # Under the lock: the first saves of two threads must not both start a
+        # writer (close() stops one, and would wait for the other forever).
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fastpersist-writer",
+                                                daemon=True)
+                self._thread.start()
 
     # -- writer side ------------------------------------------------------
 
