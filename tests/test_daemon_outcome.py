@@ -313,3 +313,28 @@ def test_a_buffer_with_a_copy_in_flight_is_not_reused_after_a_failure(
         assert not (gated.root / "ck1").exists()
     finally:
         saver.close()
+
+
+def test_a_commit_that_never_arrived_is_sent_again(gated: Daemon,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commit fails before it reaches the daemon: the client cannot tell that
+    from a lost reply, sends it again, and the daemon commits the checkpoint."""
+    commit = DaemonClient.commit
+    calls: list[bool] = []
+
+    def lost_on_the_way(client: DaemonClient, *a: Any, **k: Any) -> None:
+        calls.append(True)
+        if len(calls) == 1:
+            raise DaemonUnavailableError("injected: Commit did not arrive", "UNAVAILABLE")
+        commit(client, *a, **k)
+
+    monkeypatch.setattr(DaemonClient, "commit", lost_on_the_way)
+    gated.open_gate()
+    saver = RemoteSaver(gated.address)
+    try:
+        assert outcome(saver.save(state(1.0), gated.root / "ck1")) is None
+        assert len(calls) == 2
+        assert torch.equal(fastpersist.load(gated.root / "ck1")["x"], state(1.0)["x"])
+        assert len(gated.events("committed")) == 1
+    finally:
+        saver.close()
