@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,11 +24,18 @@ import grpc
 from . import errors
 from ._proto import fastpersist_pb2 as pb
 from ._proto import fastpersist_pb2_grpc as pb_grpc
-from .errors import CheckpointError, DaemonError, DaemonUnavailableError
+from .errors import CheckpointError, DaemonError, DaemonMayStillCommitError, DaemonUnavailableError
 
 # Unary calls are quick (no I/O waits in them); a daemon that does not answer
 # in this long is treated as gone rather than hung on.
 CALL_TIMEOUT = 60.0
+# Asking for a checkpoint's outcome after a lost reply (DaemonClient.outcome):
+# how long a daemon that answers but finishes no file is waited for, how long
+# one that cannot be reached is retried (a restarted daemon no longer knows the
+# checkpoint, so waiting out a restart tells nothing), and one Wait's deadline.
+OUTCOME_PATIENCE = 120.0
+RECONNECT_WINDOW = 5.0
+ASK_EVERY = 10.0
 CHUNK = 4 << 20  # SubmitStream data chunk
 T = TypeVar("T")
 
@@ -65,6 +73,11 @@ def _error(exc: grpc.RpcError, address: str, what: str) -> CheckpointError:
     if cls is not None:
         return cls(f"{what}: {details}")
     return DaemonError(f"{what}: fastpersistd refused ({code}): {details}", code)
+
+
+COMMITTED = pb.CheckpointStatus.COMMITTED
+TERMINAL = (pb.CheckpointStatus.COMMITTED, pb.CheckpointStatus.FAILED,
+            pb.CheckpointStatus.ABORTED)
 
 
 def failure(status: pb.CheckpointStatus) -> CheckpointError:
@@ -198,10 +211,11 @@ class DaemonClient:
         self._call(f"cannot stream data file {index}", lambda: self.stub.SubmitStream(
             messages()))
 
-    def commit(self, ident: str, tree_json: str, tensor_order: list[str]) -> None:
+    def commit(self, ident: str, tree_json: str, tensor_order: list[str],
+               timeout: float = CALL_TIMEOUT) -> None:
         self._call("cannot hand the checkpoint over", lambda: self.stub.Commit(
             pb.CommitRequest(checkpoint_id=ident, tree_json=tree_json,
-                             tensor_order=tensor_order), timeout=CALL_TIMEOUT))
+                             tensor_order=tensor_order), timeout=timeout))
 
     def abort(self, ident: str) -> None:
         self._call("cannot abort", lambda: self.stub.Abort(
@@ -213,6 +227,85 @@ class DaemonClient:
             pb.WaitRequest(checkpoint_id=ident, min_files_written=min_files_written),
             timeout=timeout))
         return status
+
+    def outcome(self, ident: str, commit: tuple[str, list[str]] | None = None,
+                patience: float | None = None,
+                handed_over: Callable[[], None] = lambda: None) -> pb.CheckpointStatus:
+        """How checkpoint `ident` ended, asked after its Commit reply or its
+        progress stream was lost: its COMMITTED, FAILED or ABORTED status.
+
+        commit=(tree_json, tensor_order) when Commit's reply was lost: Commit is
+        sent again first, so that the daemon holds it either way (a second
+        Commit is refused with FAILED_PRECONDITION if the first arrived);
+        handed_over() runs once the daemon answered it. Each
+        attempt uses a new channel, since the old one may be broken. Keeps
+        asking while the daemon answers and finishes files; raises
+        DaemonMayStillCommitError after `patience` (OUTCOME_PATIENCE) seconds
+        without either, after RECONNECT_WINDOW seconds of not reaching it, or
+        when it no longer knows the checkpoint (it restarted). Raises the
+        DaemonError with which the daemon refused a re-sent Commit otherwise
+        (then it does not hold the checkpoint: not committed).
+        """
+        patience = OUTCOME_PATIENCE if patience is None else patience
+        deadline = time.monotonic() + patience
+        unreachable_since: float | None = None
+        written = 0  # files the daemon reported written
+        pause = 0.05
+        last: DaemonUnavailableError | None = None
+        while True:
+            now = time.monotonic()
+            if now > deadline or (unreachable_since is not None
+                                  and now - unreachable_since > RECONNECT_WINDOW):
+                raise DaemonMayStillCommitError(
+                    f"lost track of checkpoint {ident}: fastpersistd at {self.address} may "
+                    f"still commit it, or may have ({last})", "UNAVAILABLE") from last
+            fresh = DaemonClient(self.address)
+            try:
+                if commit is not None:
+                    fresh._commit_again(ident, commit, min(ASK_EVERY, deadline - now))
+                    commit = None
+                    handed_over()
+                status = fresh._wait_for_news(ident, written, min(ASK_EVERY, deadline - now))
+            except DaemonUnavailableError as exc:
+                last = exc
+                if exc.code == "DEADLINE_EXCEEDED":
+                    unreachable_since = None  # reached, but nothing finished meanwhile
+                else:
+                    unreachable_since = unreachable_since or now
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1.0)
+                continue
+            finally:
+                fresh.close()
+            unreachable_since, pause = None, 0.05
+            if status.state in TERMINAL:
+                return status
+            if status.files_written > written:
+                written = status.files_written
+                deadline = time.monotonic() + patience
+
+    def _commit_again(self, ident: str, commit: tuple[str, list[str]], timeout: float) -> None:
+        """Commit, as a retry of one whose reply was lost."""
+        try:
+            self.commit(ident, *commit, timeout=timeout)
+        except DaemonError as exc:
+            # FAILED_PRECONDITION: the first Commit arrived, or the checkpoint
+            # had ended (Wait says which). Anything else: refused, not held.
+            if isinstance(exc, DaemonUnavailableError) or exc.code != "FAILED_PRECONDITION":
+                raise
+
+    def _wait_for_news(self, ident: str, written: int, timeout: float) -> pb.CheckpointStatus:
+        """The status once one more file than `written` is durable, or at the
+        end: progress shows a daemon still at work. DaemonUnavailableError: ask
+        again."""
+        try:
+            return self.wait(ident, min_files_written=written + 1, timeout=timeout)
+        except DaemonUnavailableError:
+            raise
+        except CheckpointError as exc:  # NOT_FOUND: it restarted since
+            raise DaemonMayStillCommitError(
+                f"fastpersistd at {self.address} cannot say how checkpoint {ident} ended "
+                f"({exc}): it may have committed it", getattr(exc, "code", "")) from exc
 
     def list(self, relative: str = "") -> pb.ListResponse:
         reply: pb.ListResponse = self._call("list", lambda: self.stub.List(

@@ -72,7 +72,16 @@ class DaemonError(CheckpointError):
 
 class DaemonUnavailableError(DaemonError):
     """fastpersistd cannot be reached, or went away in the middle of a checkpoint
-    (which then was not committed; the daemon removes it when it restarts)."""
+    before it was handed over (Commit), which then was not committed; the daemon
+    removes it when it restarts."""
+
+
+class DaemonMayStillCommitError(DaemonUnavailableError):
+    """fastpersistd was handed the checkpoint (or may have been: Commit's reply was
+    lost), and the client could not learn how it ended: the daemon may have
+    committed it, or may still commit it, or not. Look before relying on it
+    (`fpctl ls`, `load`). Its shared-memory segments were quarantined (never
+    reused), so if the checkpoint appears it holds exactly what was saved."""
 
 
 class DistributedCheckpointError(CheckpointError):

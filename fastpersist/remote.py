@@ -14,7 +14,18 @@ RemoteSaver's background thread, daemon = fastpersistd):
                committed even if this process dies
     caller  5. returns the SaveFuture once 4 is done
     writer  6. follow Watch until the daemon reports it durable (or failed),
-               return the buffers to the pool, resolve the future
+               give the buffers back to the pool, resolve the future
+
+Buffers (the rule in staging.py): a segment is lent to the daemon from its
+SubmitShm on, and goes back to the pool only once the daemon reported its
+file written or the checkpoint committed (handover.Handover); a segment whose
+fate is unknown (a lost reply, a broken stream, a failed checkpoint whose
+worker may still read it) is quarantined: unlinked and never reused, while the
+daemon's mapping keeps its pages. What the caller is told is the daemon's
+word: after a lost Commit reply or a broken Watch stream (step 4 or 6) the
+writer asks the daemon how the checkpoint ended before resolving the future
+(committed: success; failed: that failure; no answer:
+DaemonMayStillCommitError).
 
 The on-disk checkpoint is the same as an in-process save's: same header, same
 layout, the manifest built by the daemon from the same pieces.
@@ -30,33 +41,22 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
-from . import plan, shm, state
-from ._proto import fastpersist_pb2 as pb
-from .daemon_client import DaemonClient, failure, grpc_target
-from .datafile import plan_file
-from .errors import (
-    CheckpointAbortedError,
-    CheckpointError,
-    DaemonError,
-    DaemonUnavailableError,
-)
+from . import plan, state
+from .daemon_client import DaemonClient
+from .errors import CheckpointAbortedError, CheckpointError
+from .handover import Handover
 from .knobs import current as current_knobs
-from .plan import StoredTensor, memory_of
 from .saver import _STOP, SaveFuture, Saver
+from .segments import SegmentBuffers, socket_group
 from .snapshot import StagedFile, group_into_files, stage_file
 from .staging import StagingPool
-
-COMMITTED = pb.CheckpointStatus.COMMITTED
-TERMINAL = (pb.CheckpointStatus.COMMITTED, pb.CheckpointStatus.FAILED,
-            pb.CheckpointStatus.ABORTED)
 
 
 @dataclass
@@ -72,110 +72,7 @@ class _Job:
     budget: int  # FASTPERSIST_STAGING_BUDGET at the save (0: unbounded)
     handed_over: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-
-
-class Progress:
-    """Follows a checkpoint's Watch stream on a thread of its own. The open
-    stream is also the daemon's sign that this client is alive: if it closes
-    before Commit (this process died), the daemon aborts the checkpoint."""
-
-    def __init__(self, client: DaemonClient, ident: str) -> None:
-        self._cond = threading.Condition()
-        self._status: pb.CheckpointStatus | None = None
-        self._error: BaseException | None = None
-        self._ended = False
-        self._client = client
-        self._call = client.stub.Watch(pb.WaitRequest(checkpoint_id=ident))
-        self._thread = threading.Thread(target=self._follow, name="fastpersist-watch",
-                                        daemon=True)
-        self._thread.start()
-
-    def _follow(self) -> None:
-        try:
-            for status in self._call:
-                with self._cond:
-                    self._status = status
-                    self._cond.notify_all()
-        except grpc.RpcError as exc:
-            with self._cond:
-                self._error = self._client.error(exc, "lost the checkpoint's progress stream")
-        finally:
-            with self._cond:
-                self._ended = True
-                self._cond.notify_all()
-
-    def wait(self, files_written: int | None = None) -> pb.CheckpointStatus:
-        """Until `files_written` files are durable (None: until the end)."""
-        with self._cond:
-            while True:
-                s = self._status
-                if s is not None and (s.state in TERMINAL or (
-                        files_written is not None and s.files_written >= files_written)):
-                    if s.state in TERMINAL and s.state != COMMITTED:
-                        raise failure(s)
-                    return s
-                if self._error is not None:
-                    raise self._error
-                if self._ended:
-                    raise DaemonUnavailableError(
-                        "fastpersistd closed the progress stream before the checkpoint finished")
-                self._cond.wait()
-
-    def close(self) -> None:
-        self._call.cancel()
-        self._thread.join(timeout=5)
-
-
-class SegmentBuffers:
-    """Staging buffers backed by shared-memory segments the daemon can map."""
-
-    def __init__(self, group: int | None) -> None:
-        self.group = group
-        self._lock = threading.Lock()
-        self._by_ptr: dict[int, shm.Segment] = {}
-        self._registered: dict[int, bool] = {}  # page-locked with cudaHostRegister
-
-    def allocate(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        # At least a page, so that every buffer is a real mapping with a name.
-        segment = shm.Segment(shm.shm_dir(), max(nbytes, 4096), self.group)
-        assert segment.map is not None
-        buffer = torch.frombuffer(segment.map, dtype=torch.uint8)[:nbytes]
-        if pinned:
-            # Page-lock the shared pages so device-to-host copies run async and
-            # at full bandwidth, as into cudaHostAlloc'd staging.
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            rc = cudart.cudaHostRegister(buffer.data_ptr(), segment.size, 0)
-            if int(rc) != 0:
-                segment.close()
-                raise CheckpointError(f"cudaHostRegister of {segment.size} bytes failed ({rc})")
-        with self._lock:
-            self._by_ptr[buffer.data_ptr()] = segment
-            self._registered[buffer.data_ptr()] = pinned
-        return buffer
-
-    def free(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            segment = self._by_ptr.pop(buffer.data_ptr(), None)
-        if segment is None:
-            return
-        if self._registered.pop(buffer.data_ptr(), False):
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())  # type: ignore[no-untyped-call]
-        segment.close()
-
-    def segment_of(self, buffer: torch.Tensor) -> shm.Segment:
-        with self._lock:
-            return self._by_ptr[buffer.data_ptr()]
-
-
-def socket_group(address: str) -> int | None:
-    """The daemon socket's group: segments are made readable to it."""
-    target, tls = grpc_target(address)
-    if tls:
-        return None
-    try:
-        return os.stat(target.removeprefix("unix:")).st_gid
-    except OSError:
-        return None
+    queue_done: bool = False  # the caller's last item (stop or error) was taken
 
 
 class RemoteSaver(Saver):
@@ -185,7 +82,8 @@ class RemoteSaver(Saver):
         super().__init__(max_in_flight)
         self.client = DaemonClient(address)
         self._segments = SegmentBuffers(socket_group(address))
-        self._pool = StagingPool(self._segments.allocate, self._segments.free)
+        self._pool = StagingPool(self._segments.allocate, self._segments.free,
+                                 let_go=self._segments.free)
         _live_remote_savers.add(self)
 
     # -- caller side ------------------------------------------------------
@@ -282,47 +180,33 @@ class RemoteSaver(Saver):
     def _persist_remote(self, job: _Job) -> None:
         future = job.future
         future._persist_started = time.perf_counter()
-        queue_done = False
-        sent: list[StagedFile] = []  # buffers the daemon may still read
-        progress: Progress | None = None
+        taken: list[StagedFile] = []  # every file taken from the caller
+        handover: Handover | None = None
+        error: BaseException | None = None
         try:
-            progress = Progress(self.client, job.ident)
-            while True:
-                item = job.handoff.get()
-                if item is _STOP:
-                    queue_done = True
-                    break
-                if isinstance(item, BaseException):
-                    queue_done = True
-                    raise CheckpointError(f"snapshot of {future.path} failed: {item}") from item
-                index, staged, streamed = item
-                try:
-                    if self._abort.is_set():
-                        raise CheckpointAbortedError(f"save of {future.path} was aborted")
-                    self._submit(job, index, staged)
-                finally:
-                    if streamed is not None:
-                        streamed.set()
-                    sent.append(staged)
-                if job.budget and index < job.files_total - 1:
-                    # Staging is bounded and more files follow: the caller may be
-                    # waiting for this buffer; take it back once it is written.
-                    progress.wait(files_written=index + 1)
-                    self._release(sent.pop())
-            self.client.commit(job.ident, job.tree_json, job.tensor_order)
-            job.handed_over.set()
-            progress.wait()
-        except DaemonError as exc:
-            self._fail_job(job, self._cause(job, exc), queue_done)
-            return
+            handover = Handover(self.client, self._segments, job.ident, str(future.path))
+            self._hand_over(job, handover, taken)
         except BaseException as exc:
-            self._fail_job(job, exc, queue_done)
-            return
+            error = exc
+            if handover is None:
+                with contextlib.suppress(CheckpointError):
+                    self.client.abort(job.ident)
+            elif isinstance(exc, Exception):
+                error = handover.outcome_after(exc, handed_over=job.handed_over.set)
         finally:
-            if progress is not None:
-                progress.close()
-            for staged in sent:
-                self._release(staged)
+            if handover is not None:
+                handover.close()
+            # The pool decides: reused, or quarantined if the daemon may still read it.
+            for staged in taken:
+                self._pool.give_back(staged)
+            if not job.queue_done:
+                self._drain(job)
+        if error is not None:
+            job.error = error
+            job.handed_over.set()
+            self._fail(future, error)
+            return
+        job.handed_over.set()  # also when only the outcome query found it committed
         try:
             if job.on_commit is not None:
                 job.on_commit(future.path)
@@ -333,39 +217,35 @@ class RemoteSaver(Saver):
         future._staged = []
         future._future.set_result(None)
 
-    def _cause(self, job: _Job, exc: DaemonError) -> BaseException:
-        """A call refused because the checkpoint already failed in the daemon
-        (a full disk while the first files were written, say) reports that
-        failure, not the refusal."""
-        if exc.code != "FAILED_PRECONDITION":
-            return exc
-        try:
-            status = self.client.wait(job.ident, timeout=5.0)
-        except CheckpointError:
-            return exc
-        if status.state in TERMINAL and status.state != COMMITTED:
-            return failure(status)
-        return exc
-
-    def _fail_job(self, job: _Job, exc: BaseException, queue_done: bool) -> None:
-        if not job.handed_over.is_set():
-            # Gone or already finished: then it aborts on its own.
-            with contextlib.suppress(CheckpointError):
-                self.client.abort(job.ident)
-        if not queue_done:
-            self._drain(job)
-        job.error = exc
+    def _hand_over(self, job: _Job, handover: Handover, taken: list[StagedFile]) -> None:
+        while True:
+            item = job.handoff.get()
+            if item is _STOP:
+                job.queue_done = True
+                break
+            if isinstance(item, BaseException):
+                job.queue_done = True
+                raise CheckpointError(f"snapshot of {job.future.path} failed: {item}") from item
+            index, staged, streamed = item
+            taken.append(staged)
+            try:
+                if self._abort.is_set():
+                    raise CheckpointAbortedError(f"save of {job.future.path} was aborted")
+                handover.submit(index, staged)
+            finally:
+                if streamed is not None:
+                    streamed.set()
+            if job.budget and index < job.files_total - 1:
+                # Staging is bounded and more files follow: the caller may be
+                # waiting for this buffer; take it back once it is written.
+                handover.wait_written(index + 1)
+                self._pool.give_back(staged)
+        handover.commit(job.tree_json, job.tensor_order)
         job.handed_over.set()
-        self._fail(job.future, exc)
-
-    def _submit(self, job: _Job, index: int, staged: StagedFile) -> None:
-        submit_staged(self.client, self._segments, job.ident, index, staged)
-
-    def _release(self, staged: StagedFile) -> None:
-        if staged.buffer is not None:
-            self._pool.release(staged.buffer, staged.pinned)
+        handover.wait_end()
 
     def _drain(self, job: _Job) -> None:
+        """After a failure: give back the buffers still queued, unblock the caller."""
         while True:
             item = job.handoff.get()
             if item is _STOP or isinstance(item, BaseException):
@@ -373,25 +253,12 @@ class RemoteSaver(Saver):
             _, staged, streamed = item
             if streamed is not None:
                 streamed.set()
-            self._release(staged)
+            # Waits for the device copies into it (the caller may not have).
+            self._pool.give_back(staged)
 
     def close(self, *, abort: bool = False) -> None:
         super().close(abort=abort)
         self.client.close()
-
-
-def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, index: int,
-                  staged: StagedFile) -> None:
-    """Hand one data file to the daemon: by reference to its shared-memory
-    buffer, or streamed from the tensors when it was not staged."""
-    staged.wait_copied()
-    layout = staged.layout or plan_file(staged.tensors)
-    length = layout.data_bytes
-    if staged.buffer is None:
-        client.submit_stream(ident, index, layout.layout.header, length, _chunks(layout.order))
-        return
-    segment = segments.segment_of(staged.buffer)
-    client.submit_shm(ident, index, layout.layout.header, segment.name, 0, length)
 
 
 class _HandOver:
@@ -403,12 +270,6 @@ class _HandOver:
 
     def wait_copied(self) -> None:
         RemoteSaver._wait_handed_over(self.job)
-
-
-def _chunks(order: list[StoredTensor]) -> Iterator[memoryview]:
-    for t in order:
-        source = t.source if t.source.device.type == "cpu" else t.source.cpu()
-        yield memoryview(memory_of(source)).cast("B")
 
 
 _remote_savers: dict[str, RemoteSaver] = {}

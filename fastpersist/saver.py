@@ -12,7 +12,7 @@ writer = the Saver's background thread):
     caller  6. return the SaveFuture (after the device copies finished, unless
                wait_for_snapshot=False: then future.wait_snapshot() does that)
     writer  7. per data file: wait for its copies, write it with the engine,
-               release the buffer
+               give the buffer back (StagingPool.give_back: see staging.py)
     writer  8. commit (manifest, fsync, rename) and resolve the future
 
 A failure in 7 or 8 aborts the checkpoint (nothing is left behind), and is
@@ -229,10 +229,13 @@ class Saver:
         raise_failure_of(failed)
 
     def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="fastpersist-writer",
-                                            daemon=True)
-            self._thread.start()
+        # Under the lock: the first saves of two threads must not both start a
+        # writer (close() stops one, and would wait for the other forever).
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fastpersist-writer",
+                                                daemon=True)
+                self._thread.start()
 
     # -- writer side ------------------------------------------------------
 
@@ -266,7 +269,7 @@ class Saver:
                 finally:
                     if written is not None:
                         written.set()
-                    _release(staged, self._pool)
+                    self._pool.give_back(staged)
             writer.commit()
         except BaseException as exc:
             writer.abort()
@@ -329,19 +332,8 @@ def _drain(files: queue.Queue[Any], pool: StagingPool) -> None:
         staged, written = item
         if written is not None:
             written.set()
-        _release(staged, pool)
-
-
-def _release(staged: StagedFile, pool: StagingPool) -> None:
-    """Return a staging buffer to the pool once no device copy still writes into it
-    (an aborted or failed save may not have waited for its copies)."""
-    if staged.buffer is None:
-        return
-    try:
-        staged.wait_copied()
-    except Exception:
-        return  # a failed device copy: drop the buffer rather than reuse it
-    pool.release(staged.buffer, staged.pinned)
+        # Waits for the device copies into it (the caller may not have).
+        pool.give_back(staged)
 
 
 # The writer threads are daemons, so a process that returns from async_save and

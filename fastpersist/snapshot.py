@@ -75,18 +75,47 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 @dataclass
 class StagedFile:
-    """One data file's tensors, copied (or being copied) into `buffer`."""
+    """One data file's tensors, copied (or being copied) into `buffer`.
+
+    The buffer goes back to its pool only through StagingPool.give_back, which
+    reads the loan recorded here: lend() before a reader in another process
+    (fastpersistd) may see the buffer, returned() once that reader said it is
+    done with it. A buffer lent and never returned is quarantined.
+    """
 
     tensors: list[StoredTensor]  # sources point into buffer
     buffer: torch.Tensor | None  # None: unstaged, written from the live tensors
     pinned: bool = False  # the buffer's kind, for returning it to the pool
     events: list[torch.cuda.Event] = field(default_factory=list)
     layout: FileLayout | None = None  # as staged (its `order` holds the sources, not views)
+    _lent: bool = field(default=False, init=False, repr=False)
+    _returned: bool = field(default=False, init=False, repr=False)
+    _given_back: bool = field(default=False, init=False, repr=False)
 
     def wait_copied(self) -> None:
         """Block until every device-to-host copy into the buffer has finished."""
         for event in self.events:
             event.synchronize()
+
+    def lend(self) -> None:
+        """Record that the buffer is about to be read by another process; call
+        it before that process can learn the buffer's name."""
+        self._lent = True
+
+    def returned(self) -> None:
+        """The process it was lent to said it finished reading the buffer
+        (fastpersistd reported the file written, or the checkpoint committed)."""
+        self._returned = True
+
+    def readers_done(self) -> bool:
+        return not self._lent or self._returned
+
+    def claim_buffer(self) -> torch.Tensor | None:
+        """The buffer, for StagingPool.give_back: once (None afterwards)."""
+        if self._given_back:
+            return None
+        self._given_back = True
+        return self.buffer
 
 
 def stage_file(tensors: list[StoredTensor], buffer: torch.Tensor, pinned: bool) -> StagedFile:

@@ -6,6 +6,17 @@ bandwidth and asynchronously), allocated on first use and reused by every
 later save, and bounded by a budget. A save that needs more than the budget
 waits for buffers that earlier writes release: the trainer's stall grows, the
 memory does not.
+
+The rule for every buffer (DESIGN.md): it goes back to the pool only when
+every reader and writer of it is known to be finished. Its writers are the
+device-to-host copies into it; its readers are the engine, and fastpersistd
+when the buffer is a shared-memory segment lent to it. When that is not known
+(a failed copy, a broken progress stream, a lost reply), the buffer is
+quarantined: it leaves the pool and is never handed out again. The pool
+enforces the rule itself, so that no call site has to remember it: a buffer
+comes back only through give_back(staged), which waits for the copies into it
+and reads what the staged file recorded about its loan (StagedFile.lend before
+the daemon may read it, StagedFile.returned once the daemon said it is done).
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -29,25 +41,57 @@ def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8, count=nbytes)
 
 
+class Staged(Protocol):
+    """A buffer's users, as the pool needs to know them (snapshot.StagedFile)."""
+
+    @property
+    def pinned(self) -> bool: ...
+
+    def wait_copied(self) -> None:
+        """Until every device copy into the buffer has finished (raises if one failed)."""
+
+    def readers_done(self) -> bool:
+        """Whether no reader outside this process may still read the buffer."""
+
+    def claim_buffer(self) -> torch.Tensor | None:
+        """The buffer, to give it back; None if it was given back already (it
+        may have been handed out again since) or there is none."""
+
+
 class StagingPool:
     """Reusable staging buffers, at most `budget` bytes in all (0: no limit).
 
     `allocate(nbytes, pinned)` makes a buffer and `free(buffer)` runs when the
     pool lets one go (daemon mode: shared-memory segments, unlinked on free).
+    `let_go(buffer)` runs for a quarantined buffer that only a reader in another
+    process may still use (daemon mode: unlink and unmap the segment; the
+    daemon's own mapping keeps the pages until it is done). Without it, and for
+    a buffer a device copy may still write into, a quarantined buffer is kept,
+    never reused, for the life of the pool (quarantined_bytes).
     """
 
     def __init__(self, allocate: Callable[[int, bool], torch.Tensor] = _allocate,
-                 free: Callable[[torch.Tensor], None] | None = None) -> None:
+                 free: Callable[[torch.Tensor], None] | None = None,
+                 let_go: Callable[[torch.Tensor], None] | None = None) -> None:
         self._allocate = allocate
         self._free_fn = free
+        self._let_go = let_go
         self._cond = threading.Condition()
         self._free: list[tuple[torch.Tensor, bool]] = []  # (buffer, pinned)
-        self._allocated = 0  # bytes in all buffers, free or in use
+        self._allocated = 0  # bytes in all buffers, free or in use (not quarantined)
+        self._kept: list[torch.Tensor] = []  # quarantined, still mapped here
+        self.quarantined = 0  # buffers quarantined so far
 
     @property
     def allocated_bytes(self) -> int:
+        """Bytes of the buffers the pool may still hand out, free or in use."""
         return self._allocated
 
+    @property
+    def quarantined_bytes(self) -> int:
+        """Bytes of quarantined buffers this process still holds (never reused)."""
+        with self._cond:
+            return sum(b.numel() for b in self._kept)
     def acquire(self, nbytes: int, budget: int, pinned: bool,
                 timeout: float | None = None) -> torch.Tensor:
         """A buffer of at least `nbytes`, waiting for releases if the budget is full."""
@@ -90,13 +134,44 @@ class StagingPool:
         if self._free_fn is not None:
             self._free_fn(entry[0])
 
-    def release(self, buf: torch.Tensor, pinned: bool) -> None:
+    def give_back(self, staged: Staged) -> None:
+        """The one way a buffer comes back from a save: to the free list once
+        the copies into it finished and no outside reader may still read it;
+        quarantined otherwise. A second give_back of the same staged file does
+        nothing. Blocks while a device copy into the buffer is running."""
+        buffer = staged.claim_buffer()
+        if buffer is None:
+            return
+        try:
+            staged.wait_copied()
+        except Exception:
+            # A failed device copy: whether the DMA engine is done with the
+            # memory is unknown, so it is neither reused nor unmapped.
+            self._quarantine(buffer, keep=True)
+            return
+        if not staged.readers_done():
+            self._quarantine(buffer, keep=self._let_go is None)
+            return
         with self._cond:
-            self._free.append((buf, pinned))
+            self._free.append((buffer, staged.pinned))
             self._cond.notify_all()
 
+    def _quarantine(self, buffer: torch.Tensor, keep: bool) -> None:
+        with self._cond:
+            # Out of the budget: it is nobody's to reuse, and counting it would
+            # shrink the budget for good.
+            self._allocated -= buffer.numel()
+            self.quarantined += 1
+            if keep:
+                self._kept.append(buffer)
+            self._cond.notify_all()
+        if not keep:
+            assert self._let_go is not None
+            self._let_go(buffer)
+
     def clear(self) -> None:
-        """Drop the free buffers (the memory goes back to the OS)."""
+        """Drop the free buffers (the memory goes back to the OS). Buffers in
+        use and quarantined ones stay."""
         with self._cond:
             for entry in list(self._free):
                 self._drop(entry)

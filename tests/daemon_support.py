@@ -2,7 +2,9 @@
 directory; started, health-checked, stopped (SIGTERM) or killed (SIGKILL).
 
 Imported as `daemon_support` (tests/ is on sys.path). The `daemon` fixture in
-conftest.py starts one per test.
+conftest.py starts one per test. With `gate=PATH` the daemon's data-file writes
+wait until the test calls open_gate() (tests/helpers/gated_daemon.py), so a test
+decides when the daemon reads a client's segments.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Any
 from fastpersist.daemon_client import DaemonClient
 from fastpersist.errors import CheckpointError
 
+GATED_DAEMON = Path(__file__).parent / "helpers" / "gated_daemon.py"
+
 
 class Daemon:
     def __init__(self, workdir: Path, *args: str, root: Path | None = None,
-                 shm_dir: Path | None = None) -> None:
+                 shm_dir: Path | None = None, gate: Path | None = None) -> None:
         self.root = root or workdir / "root"
         self.root.mkdir(parents=True, exist_ok=True)
         # Socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
@@ -34,6 +38,9 @@ class Daemon:
         # Segments live on a tmpfs as in production, in a directory of this test's own.
         self.shm_dir = shm_dir or Path(tempfile.mkdtemp(prefix="fpt-", dir=_shm_base()))
         self.args = list(args)
+        # With a gate: each data-file write waits until the gate file exists
+        # (tests/helpers/gated_daemon.py; open_gate()).
+        self.gate = gate
         self.log_path = workdir / f"fastpersistd-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -43,8 +50,10 @@ class Daemon:
 
     def start(self, timeout: float = 30.0) -> Daemon:
         log = open(self.log_path, "ab")  # noqa: SIM115 (the process owns it)
+        program = ([sys.executable, "-m", "fastpersist.daemon"] if self.gate is None
+                   else [sys.executable, str(GATED_DAEMON), str(self.gate)])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fastpersist.daemon", "--root", str(self.root),
+            [*program, "--root", str(self.root),
              "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), *self.args],
             stdout=log, stderr=log, env=os.environ.copy(),
         )
@@ -73,6 +82,11 @@ class Daemon:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
+    def open_gate(self) -> None:
+        """Let a gated daemon's writes go ahead (all of them, from now on)."""
+        assert self.gate is not None
+        self.gate.touch()
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -99,6 +113,8 @@ class Daemon:
         return out
 
     def cleanup(self) -> None:
+        if self.gate is not None:
+            self.open_gate()
         self.kill()
         shutil.rmtree(self._sockdir, ignore_errors=True)
         shutil.rmtree(self.shm_dir, ignore_errors=True)

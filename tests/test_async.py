@@ -11,6 +11,7 @@ several data files); at most FASTPERSIST_MAX_IN_FLIGHT saves persist at once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import importlib
@@ -606,3 +607,37 @@ def test_snapshot_failure_is_raised_once_and_leaves_nothing(
     saver.save({"w": torch.ones(10)}, tmp_path / "b").result()  # not "an earlier save failed"
     assert torch.equal(fastpersist.load(tmp_path / "b")["w"], torch.ones(10))
     saver.close()
+
+
+def test_saves_from_two_threads_start_one_writer_thread(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads' first saves both find no writer thread; only one may start
+    one (two writers: close() stops one and waits forever for the other)."""
+    both_checked = threading.Barrier(2, timeout=2.0)  # passes only if both got this far
+    writers: list[threading.Thread] = []
+
+    class Thread(threading.Thread):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            if k.get("name") == "fastpersist-writer":
+                writers.append(self)
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both_checked.wait()
+
+    monkeypatch.setattr(saver_module.threading, "Thread", Thread)
+    saver = saver_module.Saver(max_in_flight=2)
+    saves = [Thread(target=lambda i=i: saver.save({"i": torch.full((4,), i)},
+                                                   tmp_path / f"ck{i}").result())
+             for i in range(2)]
+    for t in saves:
+        t.start()
+    for t in saves:
+        t.join(60)
+    try:
+        assert len(writers) == 1, f"{len(writers)} writer threads"
+    finally:
+        for _ in writers[1:]:  # so that close() does not wait forever on the old code
+            saver._jobs.put(saver_module._STOP)
+        saver.close()
+    for i in range(2):
+        assert torch.equal(fastpersist.load(tmp_path / f"ck{i}")["i"], torch.full((4,), i))

@@ -438,3 +438,54 @@ def test_sigterm_drops_a_job_its_ranks_have_not_committed(
     finally:
         storage.close()
         d.cleanup()
+
+
+# --- a part's progress stream breaks after its Commit (staging.py's buffer rule) ------------
+
+
+def _loaded_is(path: Path, n: int) -> None:
+    """Holds the state of the scenario's save n: full + 1 + n."""
+    loaded = fastpersist.load(path)
+    for k, t in full_tensors().items():
+        assert torch.equal(loaded["model"][k], t + 1 + n), (path, k)
+
+
+def test_a_part_whose_stream_broke_after_commit_is_reported_as_the_daemon_ended_it(
+        daemon: Daemon, tmp_path: Path) -> None:
+    """Rank 1 loses its Watch stream once the daemon holds its part: it asks the
+    daemon, learns the part was written, and the job commits; the next save
+    (other values) reuses the segments only after that."""
+    root = daemon.root / "run"
+    reports = run_job(tmp_path, "lost_watch", ["n0", "n0"],
+                      {"path": str(root), "lost_rank": 1},
+                      env={"FASTPERSIST_DAEMON": daemon.address,
+                           "FASTPERSIST_SHM_DIR": str(daemon.shm_dir)})
+    ok(reports)
+    assert [r["errors"] for r in reports] == [[None, None], [None, None]], reports
+    _loaded_is(root / "one", 0)
+    _loaded_is(root / "two", 1)
+
+
+def test_a_part_whose_outcome_nobody_can_tell_quarantines_its_segments(
+        daemon: Daemon, tmp_path: Path) -> None:
+    """As above, but the daemon cannot be asked: rank 1's part fails with
+    DaemonMayStillCommitError, the job fails on every rank and leaves nothing,
+    and rank 1's segments of that save are unlinked and never reused."""
+    root = daemon.root / "run"
+    reports = run_job(tmp_path, "lost_watch", ["n0", "n0"],
+                      {"path": str(root), "lost_rank": 1, "unreachable": True},
+                      env={"FASTPERSIST_DAEMON": daemon.address,
+                           "FASTPERSIST_SHM_DIR": str(daemon.shm_dir)})
+    ok(reports)
+    for r in reports:
+        first, second = r["errors"]
+        assert first is not None and "DaemonMayStillCommitError" in first, r
+        assert "may still commit" in first, r
+        assert second is None, r
+    assert not (root / "one").exists() and _hidden(root) == []
+    _loaded_is(root / "two", 1)
+    lost = reports[1]
+    first_segments, second_segments = lost["segments"]
+    assert first_segments and second_segments
+    assert not set(first_segments) & set(second_segments), "a quarantined segment was reused"
+    assert not set(first_segments) & set(lost["segments_left"]), "not unlinked"

@@ -120,8 +120,8 @@ class DistributedSaver:
         finally:
             if isinstance(files, list):
                 for f in files:
-                    if f.buffer is not None:
-                        self._pool.release(f.buffer, f.pinned)
+                    # Reused, or quarantined if the daemon may still read it.
+                    self._pool.give_back(f)
             future.persist_seconds = time.perf_counter() - future._persist_started
 
     def wait(self) -> None:

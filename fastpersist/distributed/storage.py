@@ -109,18 +109,25 @@ class ThroughDaemon:
 
     def __init__(self, address: str) -> None:
         from ..daemon_client import DaemonClient
-        from ..remote import SegmentBuffers, socket_group
+        from ..segments import SegmentBuffers, socket_group
 
         self.client = DaemonClient(address)
         self._segments = SegmentBuffers(socket_group(address))
-        self.pool = StagingPool(self._segments.allocate, self._segments.free)
+        # A quarantined segment is unlinked and unmapped here; the daemon's
+        # mapping keeps its pages while it may still read them.
+        self.pool = StagingPool(self._segments.allocate, self._segments.free,
+                                let_go=self._segments.free)
 
     def stage(self, target: Path) -> str:
         return self.client.begin_job(self.client.relative(target))
 
     def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
               node: str | None) -> Records:
-        from ..remote import Progress, submit_staged
+        """The part's files, durable in the job's directory. Each buffer is lent
+        to the daemon and marked returned only by its report (handover.py), so
+        the caller's StagingPool.give_back quarantines what the daemon may
+        still read. A lost reply after Commit is settled by asking the daemon."""
+        from ..handover import Handover
 
         files = [f for f in files if f.tensors]
         if not files:
@@ -128,22 +135,24 @@ class ThroughDaemon:
         reserve = sum(f.buffer.numel() for f in files if f.buffer is not None)
         ident = self.client.begin(self.client.relative(target), reserve, len(files),
                                   job_id=where, rank=rank)
-        progress = Progress(self.client, ident)  # our liveness lease until the hand-over
-        handed_over = False
+        # The open Watch stream is our liveness lease until the hand-over.
+        handover = Handover(self.client, self._segments, ident,
+                            f"the part of rank {rank} of {target}")
         try:
             for index, file in enumerate(files):
-                submit_staged(self.client, self._segments, ident, index, file)
-            names = [t.name for f in files for t in f.tensors]
-            self.client.commit(ident, "null", names)
-            handed_over = True
-            status = progress.wait()
-        except BaseException:
-            if not handed_over:
-                with contextlib.suppress(CheckpointError):
-                    self.client.abort(ident)
-            raise
+                handover.submit(index, file)
+            handover.commit("null", [t.name for f in files for t in f.tensors])
+            status = handover.wait_end()
+        except Exception as exc:
+            error = handover.outcome_after(exc)
+            if error is exc:
+                raise
+            if error is not None:
+                raise error from exc
+            assert handover.status is not None  # committed after all
+            status = handover.status
         finally:
-            progress.close()
+            handover.close()
         return _part_records(status.part_json, node)
 
     def publish(self, where: str, manifest: bytes, node: str | None) -> None:

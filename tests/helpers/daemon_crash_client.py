@@ -64,6 +64,7 @@ def handover(job: dict[str, Any]) -> None:
 
 def block(job: dict[str, Any]) -> None:
     import fastpersist.remote as remote
+    import fastpersist.segments as segments
 
     real = remote.stage_file
     calls = [0]
@@ -76,7 +77,7 @@ def block(job: dict[str, Any]) -> None:
             wait_for_kill()
         return real(tensors, buffer, pinned)
 
-    real_chunks = remote._chunks
+    real_chunks = segments._chunks
 
     def chunks(order: Any) -> Any:
         # An unstaged (streamed) file: send half of its first tensor, then hang.
@@ -88,7 +89,7 @@ def block(job: dict[str, Any]) -> None:
             yield chunk
 
     remote.stage_file = stage_file
-    remote._chunks = chunks
+    segments._chunks = chunks
     state = make_state(job["step"], job["tensors"], job["numel"])
     emit("ready")
     fastpersist.async_save(state, job["target"])

@@ -15,6 +15,11 @@ Scenarios:
     fail_commit  save, with one rank's publishing of its directory failing
     async      async_save, then a Checkpointer (keep_last=2) over 3 steps; the
                state is changed as soon as each call returns
+    lost_watch through a daemon: save full + 1 to args["path"] + "/one" with
+               rank args["lost_rank"]'s progress stream breaking after its
+               part's Commit (and, with args["unreachable"], the daemon not
+               answering it afterwards), then full + 2 to "/two"; reports each
+               save's error and the segments each handed over
 """
 
 from __future__ import annotations
@@ -192,6 +197,8 @@ def main() -> int:
             result.update(ok=True, error_type=type(error).__name__, error=str(error),
                           failures={str(k): v for k, v in getattr(error, "failures", {}).items()},
                           steps=ckpt.steps())
+        elif scenario == "lost_watch":
+            result.update(_lost_watch(args, rank, path), ok=True)
         elif scenario == "load":
             like = like_state(args) if args.get("like") else None
             obj = fastpersist.load(path, like=like)
@@ -206,6 +213,55 @@ def main() -> int:
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     return 0
+
+
+def _lost_watch(args: dict[str, Any], rank: int, path: str) -> dict[str, Any]:
+    from fastpersist import daemon_client, remote
+    from fastpersist.daemon_client import DaemonClient
+    from fastpersist.errors import DaemonUnavailableError
+
+    try:  # the Watch follower; remote.Progress in the code before the fix
+        from fastpersist.handover import Progress
+    except ImportError:
+        Progress = remote.Progress  # type: ignore[attr-defined]
+    segments: list[list[str]] = [[], []]
+    saving = [0]
+    submit, wait, ask = DaemonClient.submit_shm, Progress.wait, DaemonClient.wait
+
+    def spy(client: Any, ident: str, index: int, header: bytes, segment: str, *a: Any) -> None:
+        segments[saving[0]].append(segment)
+        submit(client, ident, index, header, segment, *a)
+
+    def broken(progress: Any, files_written: int | None = None) -> Any:
+        if files_written is None and saving[0] == 0:
+            raise DaemonUnavailableError("injected: the progress stream broke", "UNAVAILABLE")
+        return wait(progress, files_written)
+
+    def unreachable(*a: Any, **k: Any) -> Any:
+        raise DaemonUnavailableError("injected: fastpersistd does not answer", "UNAVAILABLE")
+
+    DaemonClient.submit_shm = spy  # type: ignore[method-assign]
+    if rank == args["lost_rank"]:
+        Progress.wait = broken  # type: ignore[method-assign]
+        if args.get("unreachable"):
+            DaemonClient.wait = unreachable  # type: ignore[method-assign]
+            daemon_client.OUTCOME_PATIENCE = 1.0  # type: ignore[attr-defined]
+    state = build_state(args)
+    errors: list[str | None] = []
+    for n, name in enumerate(("one", "two")):
+        saving[0] = n
+        for k, t in full_tensors().items():
+            state["model"][k].copy_(t + 1 + n)  # the state of save n is full + 1 + n
+        try:
+            fastpersist.save(state, f"{path}/{name}", process_group=dist.group.WORLD)
+            errors.append(None)
+        except fastpersist.CheckpointError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        if n == 0 and args.get("unreachable") and rank == args["lost_rank"]:
+            DaemonClient.wait = ask  # type: ignore[method-assign]
+    shm_dir = Path(os.environ["FASTPERSIST_SHM_DIR"])
+    return {"errors": errors, "segments": segments,
+            "segments_left": sorted(p.name for p in shm_dir.iterdir())}
 
 
 def _scribble(state: dict[str, Any]) -> None:

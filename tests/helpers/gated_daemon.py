@@ -1,0 +1,48 @@
+"""fastpersistd whose writes wait for the test: `python gated_daemon.py GATE ARGS...`.
+
+Runs the real daemon (fastpersist.daemon.cli.main with ARGS) with an engine
+that starts each data-file write only once the file GATE exists, so that a test
+decides when the daemon reads a client's shared-memory segments (e.g. only
+after the client started its next save). tests/daemon_support.py starts it
+(Daemon(..., gate=PATH)); the test opens the gate with Daemon.open_gate().
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import fastpersist.engine
+
+
+def gated(engine: Any, gate: str) -> Any:
+    class Gated:
+        name = f"gated-{engine.name}"
+
+        def write_file(self, path: str, segments: Sequence[Any], size: int,
+                       **kwargs: Any) -> Any:
+            while not os.path.exists(gate):
+                time.sleep(0.01)
+            return engine.write_file(path, segments, size, **kwargs)
+
+        def read_file(self, *args: Any, **kwargs: Any) -> Any:
+            return engine.read_file(*args, **kwargs)
+
+    return Gated()
+
+
+def main() -> int:
+    gate, argv = sys.argv[1], sys.argv[2:]
+    get_engine = fastpersist.engine.get_engine
+    # Before the daemon's modules import it by name.
+    fastpersist.engine.get_engine = lambda name=None: gated(get_engine(name), gate)  # type: ignore[assignment]
+    from fastpersist.daemon.cli import main as daemon_main
+
+    return daemon_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

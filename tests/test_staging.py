@@ -1,0 +1,135 @@
+"""StagingPool.give_back: the one way a staging buffer comes back, and the rule it
+enforces (staging.py): reused only when every reader and writer of it is known
+to be done, quarantined otherwise, with the memory accounted either way."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fastpersist.plan import StoredTensor
+from fastpersist.snapshot import StagedFile, stage_file
+from fastpersist.staging import StagingPool
+
+N = 4096
+
+
+class Copy:
+    """A device copy into a buffer: done when the test says so, or failed."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.waited = threading.Event()
+        self.landed = threading.Event()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        self.landed.wait()
+        if self.fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class Pool:
+    """A StagingPool whose frees and let-gos are recorded."""
+
+    def __init__(self, let_go: bool) -> None:
+        self.freed: list[int] = []
+        self.let_go: list[int] = []
+        self.pool = StagingPool(
+            free=lambda b: self.freed.append(b.data_ptr()),
+            let_go=(lambda b: self.let_go.append(b.data_ptr())) if let_go else None)
+
+    def staged(self, *events: Copy) -> StagedFile:
+        buffer = self.pool.acquire(N, 0, False)
+        source = torch.zeros(N // 4)
+        staged = stage_file([StoredTensor("t", "F32", (N // 4,), source)], buffer, False)
+        staged.events.extend(events)  # type: ignore[arg-type]
+        return staged
+
+
+def test_a_buffer_nobody_else_read_is_reused() -> None:
+    p = Pool(let_go=True)
+    s = p.staged()
+    p.pool.give_back(s)
+    assert p.pool.acquire(N, 0, False).data_ptr() == s.buffer.data_ptr()  # type: ignore[union-attr]
+    assert p.pool.allocated_bytes == N and p.pool.quarantined == 0
+
+
+def test_a_lent_buffer_comes_back_only_when_returned() -> None:
+    p = Pool(let_go=True)
+    s = p.staged()
+    s.lend()
+    s.returned()
+    p.pool.give_back(s)
+    assert p.pool.acquire(N, 0, False).data_ptr() == s.buffer.data_ptr()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("let_go", [True, False])
+def test_a_lent_buffer_never_returned_is_quarantined(let_go: bool) -> None:
+    p = Pool(let_go=let_go)
+    s = p.staged()
+    s.lend()
+    p.pool.give_back(s)
+    assert p.pool.quarantined == 1
+    assert p.pool.allocated_bytes == 0  # out of the budget: nobody's to reuse
+    if let_go:  # segments: unlinked and unmapped here; the reader's mapping stays
+        assert p.let_go == [s.buffer.data_ptr()] and p.pool.quarantined_bytes == 0  # type: ignore[union-attr]
+    else:  # nothing can free it safely: kept, never reused
+        assert p.let_go == [] and p.pool.quarantined_bytes == N
+    assert p.freed == []
+    other = p.pool.acquire(N, 0, False)
+    assert other.data_ptr() != s.buffer.data_ptr()  # type: ignore[union-attr]
+
+
+def test_giving_back_twice_does_not_hand_a_buffer_to_two_users() -> None:
+    p = Pool(let_go=True)
+    first = p.staged()
+    p.pool.give_back(first)
+    second = p.staged()  # the same buffer, in use again
+    assert second.buffer is first.buffer
+    p.pool.give_back(first)  # a stale second give_back: ignored
+    third = p.pool.acquire(N, 0, False)
+    assert third.data_ptr() != second.buffer.data_ptr()  # type: ignore[union-attr]
+
+
+def test_give_back_waits_for_a_device_copy_before_the_buffer_can_be_reused() -> None:
+    p = Pool(let_go=True)
+    copy = Copy()
+    s = p.staged(copy)
+    giving = threading.Thread(target=p.pool.give_back, args=(s,))
+    giving.start()
+    assert copy.waited.wait(60)
+    # The copy still writes into it: the next acquire must get another buffer.
+    other = p.pool.acquire(N, 0, False)
+    assert other.data_ptr() != s.buffer.data_ptr()  # type: ignore[union-attr]
+    copy.landed.set()
+    giving.join(60)
+    assert p.pool.acquire(N, 0, False).data_ptr() == s.buffer.data_ptr()  # type: ignore[union-attr]
+
+
+def test_a_buffer_whose_copy_failed_is_kept_not_freed_nor_reused() -> None:
+    p = Pool(let_go=True)
+    copy = Copy(fails=True)
+    copy.landed.set()
+    s = p.staged(copy)
+    p.pool.give_back(s)
+    # The DMA engine may still write into it: neither unmapped nor reused.
+    assert p.pool.quarantined == 1 and p.pool.quarantined_bytes == N
+    assert p.let_go == [] and p.freed == []
+    assert p.pool.acquire(N, 0, False).data_ptr() != s.buffer.data_ptr()  # type: ignore[union-attr]
+
+
+def test_a_quarantined_buffer_makes_room_in_the_budget() -> None:
+    p = Pool(let_go=True)
+    buffer = p.pool.acquire(N, N, False)
+    s = StagedFile([], buffer)
+    s.lend()
+    got: list[torch.Tensor] = []
+    waiting = threading.Thread(target=lambda: got.append(p.pool.acquire(N, N, False, 60)))
+    waiting.start()  # blocks: the budget is full
+    p.pool.give_back(s)
+    waiting.join(60)
+    assert got and got[0].data_ptr() != buffer.data_ptr()
+    assert p.pool.allocated_bytes == N
