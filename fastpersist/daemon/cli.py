@@ -30,7 +30,7 @@ from .._version import __version__
 from ..commit import collect, parse_leftover
 from ..format.manifest import MANIFEST_NAME
 from . import logs
-from .checkpoints import Budgets, Service
+from .budgets import Budgets
 from .metrics import Metrics
 from .server import (
     Servicer,
@@ -42,6 +42,7 @@ from .server import (
     set_not_serving,
     tls_credentials,
 )
+from .service import Service
 
 DEFAULT_SOCKET = "/run/fastpersist/fastpersistd.sock"
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)

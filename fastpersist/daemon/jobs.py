@@ -38,7 +38,7 @@ import secrets
 import stat
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from ..commit import Staging, leftover_name, parse_leftover
 from ..errors import ManifestError
@@ -51,13 +51,23 @@ from ..format.manifest import (
     records_to_json,
 )
 
-if TYPE_CHECKING:
-    from .checkpoints import Checkpoint
-
 MAX_MANIFEST_BYTES = 64 << 20  # the daemon's gRPC message limit
 
 
 MARKER_NAME = ".fastpersist-job"  # in a job's directory: the hash of its secret
+
+
+class Part(Protocol):
+    """What a job needs of its parts (checkpoints.Checkpoint)."""
+
+    busy: bool
+    tensor_records: dict[str, TensorRecord]
+
+    @property
+    def terminal(self) -> bool: ...
+
+
+P = TypeVar("P", bound=Part)
 
 
 class JobState(enum.Enum):
@@ -78,7 +88,7 @@ def split_job_id(job_id: str) -> tuple[str, str]:
     return name, secret
 
 
-class Job:
+class Job(Generic[P]):
     """One distributed checkpoint's staging directory, as this daemon sees it.
 
     The id clients get is "DIRECTORY:SECRET": the directory is visible to
@@ -96,7 +106,7 @@ class Job:
         self.staging = staging
         self.owner = owner  # this daemon made the directory (BeginJob)
         self.secret_digest = secret_digest
-        self.parts: list[Checkpoint] = []
+        self.parts: list[P] = []
         self.state = JobState.OPEN
         self.committing = False  # CommitJob is checking and publishing it (unlocked)
         self.error = ""
@@ -105,7 +115,7 @@ class Job:
         self.removed = False
 
     @classmethod
-    def begin(cls, target: Path, relpath: str) -> tuple[Job, str]:
+    def begin(cls, target: Path, relpath: str) -> tuple[Job[P], str]:
         """Make the directory and its marker; (job, the id to give the client)."""
         staging = Staging.create(target)
         secret = secrets.token_hex(16)
@@ -117,7 +127,7 @@ class Job:
         return cls(target, relpath, staging, True, _digest(secret)), f"{staging.path.name}:{secret}"
 
     @classmethod
-    def join(cls, target: Path, relpath: str, name: str, secret: str) -> Job:
+    def join(cls, target: Path, relpath: str, name: str, secret: str) -> Job[P]:
         """A job another daemon began: `name` (split_job_id) must be a job's
         directory next to `target`, and `secret` its secret. LookupError: no such job."""
         path = target.parent / name
@@ -187,7 +197,7 @@ def part_json(files: list[FileRecord], tensors: list[TensorRecord]) -> str:
     return json.dumps(records_to_json(files, tensors))
 
 
-def check_job_manifest(job: Job, data: bytes, node: str) -> None:
+def check_job_manifest(job: Job[P], data: bytes, node: str) -> None:
     """The manifest a client hands over must describe what is in the directory:
     every file it places here exists with its size, nothing else is there, and
     the files this daemon wrote carry the records it computed. Raises

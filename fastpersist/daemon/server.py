@@ -1,6 +1,6 @@
 """The gRPC face of the daemon: request checks, error codes, servers.
 
-Every handler turns a request into a call on checkpoints.Service. Whatever a
+Every handler turns a request into a call on service.Service. Whatever a
 request holds, the daemon answers with a status code (INVALID_ARGUMENT for
 malformed input) and never dies of it: unexpected exceptions become INTERNAL
 and are logged. Two servers share one servicer: the Unix socket (no auth; the
@@ -32,8 +32,10 @@ from ..commit import delete_checkpoint
 from ..errors import CheckpointError, ManifestError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from . import logs
-from .checkpoints import MAX_TENSORS, RequestError, Service, anonymous_buffer, invalid
+from .budgets import anonymous_buffer
 from .paths import PathError, confine
+from .requests import MAX_TENSORS, RequestError, invalid
+from .service import Service
 
 SERVICE_NAME = "fastpersist.v1.FastPersist"
 MAX_MESSAGE_BYTES = 64 << 20
