@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,12 +96,15 @@ class Checkpoint:
         self.first_submit: float | None = None
         self.finished_at: float | None = None
         self.cleaned = False  # staging directory removed (after a failure or abort)
+        # Removes the parent directories its Begin made, if they are empty.
+        self.remove_parents: Callable[[], None] = _nothing
 
     def clean_up(self) -> None:
         """Remove a failed checkpoint's staging (a part's goes with its job)."""
         if not self.cleaned:
             self.cleaned = True
             self.staging.abort()
+            self.remove_parents()
 
     def file_name(self, index: int) -> str:
         return part_file_name(self.rank, index) if self.job else data_file_name(index)
@@ -122,3 +126,7 @@ class Checkpoint:
             "files_total": self.files_total, "error_code": self.error_code,
             "part_json": self.part_json,
         }
+
+
+def _nothing() -> None:
+    pass

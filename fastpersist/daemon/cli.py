@@ -19,19 +19,16 @@ import grp
 import os
 import re
 import signal
-import socket
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 from .. import shm
 from .._version import __version__
-from ..commit import collect, parse_leftover
-from ..format.manifest import MANIFEST_NAME
 from . import logs
 from .budgets import Budgets
 from .metrics import Metrics
+from .rootfs import Root
 from .server import (
     Servicer,
     TokenAuth,
@@ -107,59 +104,20 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--shm-dir {args.shm_dir} is not a directory")
 
 
-def probe_direct_io(root: Path) -> bool:
-    """Whether the root's filesystem accepts O_DIRECT (tmpfs does not)."""
-    fd, name = tempfile.mkstemp(prefix=".fastpersistd-probe-", dir=root)
-    os.close(fd)
-    try:
-        fd = os.open(name, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-        os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.unlink(name)
-
-
-def clean_up_leftovers(root: Path) -> None:
-    """Remove what a killed daemon (or a crashed in-process save) left: staging
-    directories of saves that never committed, old copies of interrupted
-    replaces (put back where they are the only copy). Same rules as `fpctl gc`;
-    our own PID counts as dead: a container restarts with the same PID."""
-    host = socket.gethostname()
-    for dirpath, dirnames, filenames in os.walk(root):
-        if MANIFEST_NAME in filenames:
-            dirnames[:] = []  # a checkpoint: nothing of ours inside
-            continue
-        for name in list(dirnames):
-            leftover = parse_leftover(Path(dirpath) / name)
-            if leftover is None:
-                continue
-            dirnames.remove(name)
-            if leftover.host != host:
-                continue
-            if leftover.pid != os.getpid() and leftover.owner_alive:
-                continue
-            try:
-                logs.info("cleanup", action=collect(leftover), directory=dirpath)
-            except OSError as exc:
-                logs.warning("cleanup-failed", path=str(leftover.path), error=str(exc))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     _check_args(p, args)
     logs.setup(args.log_format, args.log_level)
-    root = args.root.resolve()
+    root = Root(args.root.resolve())
     group = grp.getgrnam(args.socket_group).gr_gid if args.socket_group else None
 
-    clean_up_leftovers(root)
+    root.clean_up_leftovers()
     metrics = Metrics()
     for name in shm.reclaim_orphans(args.shm_dir):
         metrics.reclaimed_segments.inc()
         logs.info("reclaimed-segment", segment=name)
-    direct = probe_direct_io(root)
+    direct = root.probe_direct_io()
     service = Service(root, args.shm_dir, Budgets(args.staging_budget, args.client_budget),
                       metrics, write_concurrency=args.write_concurrency,
                       idle_timeout=args.idle_timeout)
@@ -185,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    logs.info("ready", version=__version__, root=str(root), socket=str(args.socket),
+    logs.info("ready", version=__version__, root=str(root.path), socket=str(args.socket),
               listen=args.listen or "", direct_io=direct, staging_budget=args.staging_budget,
               pid=os.getpid())
     # Housekeeping until told to stop: idle checkpoints, orphaned segments.

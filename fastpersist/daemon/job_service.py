@@ -10,56 +10,80 @@ Torch-free: this runs in the daemon.
 
 from __future__ import annotations
 
-import shutil
+import os
 import threading
-from pathlib import Path
 
+from ..commit import Staging, os_error
 from ..errors import CheckpointError
 from . import logs
 from .checkpoints import Checkpoint, State
 from .jobs import MARKER_NAME, Job, JobState, check_job_manifest
+from .paths import RequestPath
 from .registry import Registry
 from .requests import RequestError, check_client, code_for, invalid, split_job
+from .rootfs import Root
+
+
+def create_staging(root: Root, path: RequestPath) -> tuple[Staging, list[tuple[str, ...]]]:
+    """A new staging directory for the checkpoint at `path`, its parents made
+    where missing, all beneath the root (rootfs.py); and the parents it made."""
+    parent_fd, created = root.make_parent(path.parts)
+    try:
+        return Staging.create_at(parent_fd, path.under(root.path)), created
+    except CheckpointError as exc:
+        root.remove_created(created)
+        raise RequestError(code_for(exc), str(exc)) from None
 
 
 class JobService:
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, root: Root) -> None:
         self.registry = registry
+        self.root = root
 
-    def begin_job(self, target: Path, relpath: str, client: str) -> str:
+    def begin_job(self, path: RequestPath, client: str) -> str:
         """Make a job's directory; returns its id (DIRECTORY:SECRET)."""
         check_client(client)
+        target, relpath = path.under(self.root.path), path.text
         r = self.registry
         with r.cond:
             if r.draining:
                 raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
             r.prune()
             r.check_target_free(target, relpath, None)
+            staging, created = create_staging(self.root, path)
             try:
                 job: Job[Checkpoint]
-                job, job_id = Job.begin(target, relpath)
-            except CheckpointError as exc:
-                raise RequestError(code_for(exc), str(exc)) from None
+                job, job_id = Job.begin(staging, relpath)
             except OSError as exc:
-                raise RequestError("INTERNAL", f"cannot mark the job's directory: {exc}") from None
+                staging.abort()
+                self.root.remove_created(created)
+                error = os_error(exc, f"cannot mark the job's directory of {relpath}")
+                raise RequestError(code_for(error), str(error)) from None
+            job.remove_parents = lambda: self.root.remove_created(created)
             r.jobs[job.id] = job
         logs.info("begin-job", job=job.id, client=client, path=relpath)
         return job_id
 
-    def join(self, target: Path, relpath: str, job_id: str) -> tuple[Job[Checkpoint], bool]:
+    def join(self, path: RequestPath, job_id: str) -> tuple[Job[Checkpoint], bool]:
         """The job a part belongs to, and whether it is new here: one begun by
         another node's daemon (shared storage) is taken on by its directory
         (registered by the caller once the part is accepted). Lock held."""
         r = self.registry
+        target, relpath = path.under(self.root.path), path.text
         name, secret = split_job(job_id)
         job = r.jobs.get(name)
         new = job is None
         if job is None:
             try:
-                job = Job.join(target, relpath, name, secret)
+                parent_fd = self.root.open_dir(path.parts[:-1])
+            except FileNotFoundError:
+                raise RequestError("NOT_FOUND", f"no job {name!r}: {relpath} has no "
+                                                "directory") from None
+            try:
+                job = Job.join(parent_fd, target, relpath, name, secret)
             except LookupError as exc:
                 raise RequestError("NOT_FOUND", str(exc)) from None
-            except (ValueError, OSError) as exc:
+            except ValueError as exc:
                 raise invalid(str(exc)) from None
         elif not job.holds(secret):
             raise RequestError("NOT_FOUND", f"no job {name!r} with that secret")
@@ -93,11 +117,14 @@ class JobService:
             except ValueError as exc:  # refused: the job stays open for a good manifest
                 raise invalid(f"job {job.id}: {exc}") from None
             try:
-                (job.staging.path / MARKER_NAME).unlink()
+                assert job.staging.fds is not None
+                os.unlink(MARKER_NAME, dir_fd=job.staging.fds.staging)
                 replaced = job.staging.commit(manifest, remove_replaced=False)
             except (OSError, CheckpointError) as exc:
-                code = code_for(exc) if isinstance(exc, CheckpointError) else "INTERNAL"
-                raise RequestError(code, f"cannot commit {job.relpath}: {exc}") from None
+                error = exc if isinstance(exc, CheckpointError) else os_error(
+                    exc, f"cannot commit {job.relpath}")
+                raise RequestError(code_for(error), f"cannot commit {job.relpath}: {exc}"
+                                   ) from None
             published = True
         except BaseException as exc:
             with r.cond:
@@ -118,8 +145,8 @@ class JobService:
         if replaced is not None:
             # The checkpoint it replaced: removed after the reply, which must not
             # wait for a large tree to be deleted (on a crash, startup does it).
-            threading.Thread(target=shutil.rmtree, args=(replaced,), kwargs={
-                "ignore_errors": True}, name="fpd-remove-replaced", daemon=True).start()
+            threading.Thread(target=job.staging.remove_replaced, name="fpd-remove-replaced",
+                             daemon=True).start()
 
     def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
         r = self.registry

@@ -13,18 +13,16 @@ import time
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..format.manifest import MANIFEST_NAME
 from . import logs
 from .budgets import Budgets, reserved
 from .checkpoints import KEEP_FINISHED_SECONDS, Checkpoint, State
 from .jobs import Job, JobState
 from .metrics import Metrics
-from .requests import RequestError, invalid, split_job
+from .requests import RequestError, split_job
 
 
 class Registry:
-    def __init__(self, root: Path, budgets: Budgets, metrics: Metrics) -> None:
-        self.root = root
+    def __init__(self, budgets: Budgets, metrics: Metrics) -> None:
         self.budgets = budgets
         self.metrics = metrics
         self.cond = threading.Condition()
@@ -66,7 +64,8 @@ class Registry:
 
     def check_target_free(self, target: Path, relpath: str, job: Job[Checkpoint] | None) -> None:
         """No other save of, inside or around `target` in flight (but the parts
-        of one job share it); not inside a checkpoint."""
+        of one job share it). In memory: a path inside a committed checkpoint is
+        refused by rootfs.Root.make_parent, on disk."""
         def clash(other: Path) -> bool:
             return other == target or other in target.parents or target in other.parents
 
@@ -84,11 +83,6 @@ class Registry:
                     "FAILED_PRECONDITION",
                     f"a distributed checkpoint of {j.relpath} is in flight; {relpath} may not "
                     "be it, inside it or around it")
-        inside = next((p for p in target.parents
-                       if self.root in p.parents and (p / MANIFEST_NAME).exists()), None)
-        if inside is not None:
-            raise invalid(f"{relpath} lies inside the checkpoint "
-                          f"{inside.relative_to(self.root)}")
 
     # -- checks ----------------------------------------------------------------
 
@@ -161,4 +155,4 @@ class Registry:
         for ident in [i for i, j in self.jobs.items()
                       if j.finished_at is not None and now - j.finished_at > KEEP_FINISHED_SECONDS
                       and all(p.id not in self.checkpoints for p in j.parts)]:
-            del self.jobs[ident]
+            self.jobs.pop(ident).close()

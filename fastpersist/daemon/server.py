@@ -28,12 +28,10 @@ from .. import knobs, shm
 from .._proto import fastpersist_pb2 as pb
 from .._proto import fastpersist_pb2_grpc as pb_grpc
 from .._version import __version__
-from ..commit import delete_checkpoint
-from ..errors import CheckpointError, ManifestError
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..errors import CheckpointError
 from . import logs
 from .budgets import anonymous_buffer
-from .paths import PathError, confine
+from .paths import PathError, parse
 from .requests import MAX_TENSORS, RequestError, invalid
 from .service import Service
 
@@ -84,15 +82,13 @@ class Servicer(pb_grpc.FastPersistServicer):
         logs.info("rejected", code=code, reason=message, peer=context.peer())
         context.abort(getattr(grpc.StatusCode, code), message)
 
-    def _path(self, relative: str, *, allow_root: bool = False) -> Path:
-        return confine(self.service.root, relative, allow_root=allow_root)
 
     # -- RPCs ----------------------------------------------------------------
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         s = self.service
         return pb.InfoResponse(
-            version=__version__, root=str(s.root), staging_budget=s.budgets.staging,
+            version=__version__, root=str(s.root.path), staging_budget=s.budgets.staging,
             staging_in_use=s.reserved(), checkpoints_in_flight=len(s.in_flight()),
             direct_io=self.direct_io, io_backend=knobs.current().io_backend,
         )
@@ -100,8 +96,7 @@ class Servicer(pb_grpc.FastPersistServicer):
     def Begin(self, request: pb.BeginRequest, context: grpc.ServicerContext
               ) -> pb.BeginResponse:
         def run() -> pb.BeginResponse:
-            target = self._path(request.path)
-            ck = self.service.begin(target, request.path.strip("/"), request.client_id,
+            ck = self.service.begin(parse(request.path), request.client_id,
                                     request.staging_bytes, request.file_count,
                                     request.job_id, request.rank)
             return pb.BeginResponse(checkpoint_id=ck.id)
@@ -188,36 +183,27 @@ class Servicer(pb_grpc.FastPersistServicer):
 
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         def run() -> pb.ListResponse:
-            directory = self._path(request.path, allow_root=True)
-            if not directory.is_dir():
-                raise RequestError("NOT_FOUND", f"{request.path or '.'} is not a directory")
-            entries = [e for e in (_entry(p) for p in sorted(directory.iterdir())) if e]
-            # Without ids: an id is the capability to submit to, commit or abort a
-            # checkpoint, and only the client that began it should hold it.
-            in_flight = [_status({**c.status(), "checkpoint_id": ""})
-                         for c in self.service.in_flight() if directory in c.target.parents]
-            return pb.ListResponse(entries=entries, in_flight=in_flight)
+            entries, in_flight = self.service.list(parse(request.path, allow_root=True,
+                                                         checkpoint=False))
+            return pb.ListResponse(
+                entries=[pb.ListEntry(name=name, state=state, bytes=nbytes, created_unix=created)
+                         for name, state, nbytes, created in entries],
+                # Without ids: an id is the capability to submit to, commit or abort a
+                # checkpoint, and only the client that began it should hold it.
+                in_flight=[_status({**c.status(), "checkpoint_id": ""}) for c in in_flight])
         return self._guard(context, run)
 
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext
                ) -> pb.DeleteResponse:
         def run() -> pb.DeleteResponse:
-            target = self._path(request.path)
-            if not (target / MANIFEST_NAME).is_file():
-                raise RequestError("NOT_FOUND", f"{request.path} is not a committed checkpoint")
-            if self.service.busy_at(target):
-                raise RequestError("FAILED_PRECONDITION",
-                                   f"a checkpoint of {request.path} is in flight")
-            delete_checkpoint(target)
-            logs.info("deleted", path=request.path)
+            self.service.delete(parse(request.path))
             return pb.DeleteResponse()
         return self._guard(context, run)
 
     def BeginJob(self, request: pb.BeginJobRequest, context: grpc.ServicerContext
                  ) -> pb.BeginJobResponse:
         def run() -> pb.BeginJobResponse:
-            target = self._path(request.path)
-            job_id = self.service.begin_job(target, request.path.strip("/"), request.client_id)
+            job_id = self.service.begin_job(parse(request.path), request.client_id)
             return pb.BeginJobResponse(job_id=job_id)
         return self._guard(context, run)
 
@@ -234,20 +220,6 @@ class Servicer(pb_grpc.FastPersistServicer):
             self.service.abort_job(request.job_id)
             return pb.AbortJobResponse()
         return self._guard(context, run)
-
-
-def _entry(path: Path) -> pb.ListEntry | None:
-    if path.name.startswith(".") or path.is_symlink() or not path.is_dir():
-        return None
-    manifest = path / MANIFEST_NAME
-    if not manifest.is_file():
-        return None
-    try:
-        m = Manifest.from_json(manifest.read_bytes(), str(path))
-    except (ManifestError, OSError) as exc:
-        return pb.ListEntry(name=path.name, state=f"corrupt: {exc}")
-    return pb.ListEntry(name=path.name, state="committed", bytes=m.total_bytes,
-                        created_unix=m.created_unix)
 
 
 class TokenAuth(grpc.ServerInterceptor):  # type: ignore[misc]

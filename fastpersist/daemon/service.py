@@ -10,40 +10,41 @@ Torch-free: this runs in the daemon.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..commit import Staging
+from ..commit import delete_checkpoint
 from ..engine import Engine, get_engine
-from ..errors import CheckpointError
 from ..format import safetensors_file
 from ..shm import Mapping
 from . import logs
 from .budgets import Budgets, check_fits
 from .checkpoints import TERMINAL, Checkpoint, PendingFile, State
-from .job_service import JobService
+from .job_service import JobService, create_staging
 from .metrics import Metrics
+from .paths import RequestPath
 from .registry import Registry
 from .requests import (
     MAX_IN_FLIGHT_PER_CLIENT,
     RequestError,
     check_client,
     check_file_count,
-    code_for,
     invalid,
     parse_data_file,
     parse_tree,
 )
+from .rootfs import Root, list_entries
 from .writer import Writers
 
 
 class Service:
     """Everything the gRPC layer calls; thread-safe."""
 
-    def __init__(self, root: Path, shm_dir: Path, budgets: Budgets, metrics: Metrics,
+    def __init__(self, root: Root, shm_dir: Path, budgets: Budgets, metrics: Metrics,
                  write_concurrency: int = 2, idle_timeout: float = 300.0,
                  engine: Engine | None = None) -> None:
         self.root = root
@@ -51,8 +52,8 @@ class Service:
         self.budgets = budgets
         self.metrics = metrics
         self.idle_timeout = idle_timeout
-        self.registry = Registry(root, budgets, metrics)
-        self.jobs = JobService(self.registry)
+        self.registry = Registry(budgets, metrics)
+        self.jobs = JobService(self.registry, root)
         self.writers = Writers(self.registry, engine or get_engine(), write_concurrency)
         metrics.staging_budget.set(budgets.staging)
 
@@ -72,10 +73,11 @@ class Service:
 
     # -- Begin ---------------------------------------------------------------
 
-    def begin(self, target: Path, relpath: str, client: str, staging_bytes: int,
+    def begin(self, path: RequestPath, client: str, staging_bytes: int,
               file_count: int, job_id: str = "", rank: int = 0) -> Checkpoint:
         check_client(client)
         check_file_count(file_count)
+        target, relpath = path.under(self.root.path), path.text
         r = self.registry
         with r.cond:
             if r.draining:
@@ -86,22 +88,20 @@ class Service:
                 raise RequestError("RESOURCE_EXHAUSTED",
                                    f"client {client} has {len(mine)} checkpoints in flight, the "
                                    f"most one client may have")
-            job, new_job = (self.jobs.join(target, relpath, job_id) if job_id
-                            else (None, False))
+            job, new_job = self.jobs.join(path, job_id) if job_id else (None, False)
             r.check_target_free(target, relpath, job)
             if job is not None and any(p.rank == rank and p.state not in (
                     State.FAILED, State.ABORTED) for p in job.parts):
                 raise invalid(f"rank {rank} already has a part in job {job.id}")
             check_fits(self.budgets, r.checkpoints.values(), client, staging_bytes)
+            created: list[tuple[str, ...]] = []
             if job is not None:
                 staging = job.staging
             else:
-                try:
-                    staging = Staging.create(target)
-                except CheckpointError as exc:
-                    raise RequestError(code_for(exc), str(exc)) from None
+                staging, created = create_staging(self.root, path)
             ck = Checkpoint(secrets.token_hex(12), client, target, relpath, staging, file_count,
                             staging_bytes, job, rank)
+            ck.remove_parents = lambda: self.root.remove_created(created)
             if job is not None:
                 if new_job:
                     r.jobs[job.id] = job
@@ -203,14 +203,54 @@ class Service:
 
     # -- jobs (job_service.py) ----------------------------------------------------
 
-    def begin_job(self, target: Path, relpath: str, client: str) -> str:
-        return self.jobs.begin_job(target, relpath, client)
+    def begin_job(self, path: RequestPath, client: str) -> str:
+        return self.jobs.begin_job(path, client)
 
     def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
         self.jobs.commit_job(job_id, manifest, node)
 
     def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
         self.jobs.abort_job(job_id, reason)
+
+    # -- List / Delete -----------------------------------------------------------
+
+    def list(self, path: RequestPath) -> tuple[list[tuple[str, str, int, float]],
+                                               list[Checkpoint]]:
+        """The checkpoints in the directory `path` (rootfs.list_entries) and the
+        ones in flight anywhere under it."""
+        try:
+            fd = self.root.open_dir(path.parts)
+        except (FileNotFoundError, NotADirectoryError):
+            raise RequestError("NOT_FOUND", f"{path.text or '.'} is not a directory") from None
+        try:
+            entries = list(list_entries(fd))
+        finally:
+            os.close(fd)
+        directory = path.under(self.root.path)
+        with self.registry.cond:
+            in_flight = [c for c in self.registry.in_flight() if directory in c.target.parents]
+        return entries, in_flight
+
+    def delete(self, path: RequestPath) -> None:
+        """Delete the committed checkpoint at `path` (commit.delete_checkpoint),
+        by its name in its directory, held open."""
+        not_found = RequestError("NOT_FOUND", f"{path.text} is not a committed checkpoint")
+        try:
+            parent_fd = self.root.open_dir(path.parts[:-1])
+        except FileNotFoundError:
+            raise not_found from None
+        try:
+            try:
+                os.close(self.root.checkpoint_dir(parent_fd, path.parts[-1]))
+            except FileNotFoundError:
+                raise not_found from None
+            if self.busy_at(path.under(self.root.path)):
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"a checkpoint of {path.text} is in flight")
+            delete_checkpoint(path.under(self.root.path), dir_fd=parent_fd)
+        finally:
+            os.close(parent_fd)
+        logs.info("deleted", path=path.text)
 
     # -- Wait / Watch ----------------------------------------------------------
 
@@ -277,6 +317,7 @@ class Service:
                     # Its parts here are written; the daemon that began it commits it
                     # (a later part of this node takes it on again by its id).
                     del r.jobs[job.id]
+                    job.close()
                     logs.debug("forgot-job", job=job.id, path=job.relpath)
                 elif idle is not None and idle > self.idle_timeout:
                     logs.warning("idle-abort-job", job=job.id, path=job.relpath)

@@ -12,13 +12,15 @@ Torch-free: this runs in the daemon.
 
 from __future__ import annotations
 
-import os
+import errno
 import threading
 import time
 
+from .. import dirs
 from .._version import __version__
 from ..commit import os_error
 from ..engine import Engine, Segment
+from ..errors import CheckpointIOError
 from ..format.manifest import FileRecord, Manifest, TensorRecord
 from . import logs
 from .checkpoints import Checkpoint, PendingFile, State
@@ -92,16 +94,23 @@ class Writers:
 
     def _write(self, ck: Checkpoint, job: PendingFile) -> None:
         name = ck.file_name(job.index)
-        if ck.job is not None and os.path.lexists(ck.staging.path / name):
-            # Two parts of one rank (on two daemons): refuse rather than overwrite.
-            raise invalid(f"{name} already exists in job {ck.job.id}")
+        fds = ck.staging.fds
+        assert fds is not None
+        if not dirs.is_entry(ck.staging.path.name, fds.parent, fds.staging):
+            # Moved away (a job aborted by the daemon that began it) or replaced.
+            raise CheckpointIOError(errno.ESTALE, f"the staging directory of {ck.relpath} was "
+                                                  "moved or removed")
         segments: list[Segment] = [(job.header, 0)]
         segments += [(job.data.view[e.begin:e.end], job.data_start + e.begin)
                      for e in job.entries]
         started = time.perf_counter()
         try:
-            result = self.engine.write_file(str(ck.staging.path / name), segments,
-                                            job.data_start + job.nbytes)
+            result = self.engine.write_file(name, segments, job.data_start + job.nbytes,
+                                            dir_fd=fds.staging)
+        except FileExistsError:
+            # Two parts of one rank (on two daemons): refuse rather than overwrite.
+            raise invalid(f"{name} already exists in the staging directory of "
+                          f"{ck.relpath}") from None
         except OSError as exc:
             raise os_error(exc, f"cannot save checkpoint {ck.relpath}") from exc
         finally:
@@ -140,14 +149,15 @@ class Writers:
         except ValueError as exc:  # NaN in a client's tree, say
             raise invalid(f"the tree cannot be written as JSON: {exc}") from None
         ck.staging.commit(data)
+        seconds = time.monotonic() - (ck.first_submit or time.monotonic())
+        # Logged before the status says so: whoever sees COMMITTED finds the line.
+        logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,
+                  seconds=round(seconds, 3))
         r = self.registry
         with r.cond:
             r.finish(ck, State.COMMITTED, "", "")
-            seconds = time.monotonic() - (ck.first_submit or time.monotonic())
             if seconds > 0:
                 r.metrics.throughput.set(ck.bytes_written / seconds)
-        logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,
-                  seconds=round(seconds, 3))
 
     def _part_durable(self, ck: Checkpoint) -> None:
         """A part's files are durable in its job's directory: report their
