@@ -18,7 +18,7 @@ from .budgets import Budgets, reserved
 from .checkpoints import KEEP_FINISHED_SECONDS, Checkpoint, State
 from .jobs import Job, JobState
 from .metrics import Metrics
-from .requests import RequestError, split_job
+from .requests import RequestError, shown, split_job
 
 
 class Registry:
@@ -38,7 +38,8 @@ class Registry:
     def get(self, ident: str) -> Checkpoint:
         ck = self.checkpoints.get(ident)
         if ck is None:
-            raise RequestError("NOT_FOUND", f"no checkpoint {ident!r} (unknown or long finished)")
+            raise RequestError("NOT_FOUND", f"no checkpoint {shown(ident)} (unknown or long "
+                                            "finished)")
         return ck
 
     def get_job(self, job_id: str) -> Job[Checkpoint]:

@@ -28,11 +28,12 @@ from .. import knobs, shm
 from .._proto import fastpersist_pb2 as pb
 from .._proto import fastpersist_pb2_grpc as pb_grpc
 from .._version import __version__
+from ..commit import os_error
 from ..errors import CheckpointError
 from . import logs
 from .budgets import anonymous_buffer
 from .paths import PathError, parse
-from .requests import MAX_TENSORS, RequestError, invalid
+from .requests import MAX_ID_BYTES, RequestError, check_names, code_for, invalid
 from .service import Service
 
 SERVICE_NAME = "fastpersist.v1.FastPersist"
@@ -41,6 +42,7 @@ MAX_STREAM_CHUNK = 16 << 20
 # Each open Watch holds a worker thread; beyond this, calls are refused
 # (RESOURCE_EXHAUSTED) instead of queueing behind long-running streams.
 MAX_WORKERS = 128
+MAX_ERROR_CHARS = 1000
 
 T = TypeVar("T")
 
@@ -63,7 +65,11 @@ class Servicer(pb_grpc.FastPersistServicer):
         except (PathError, shm.SegmentError) as exc:
             self._reject(context, "INVALID_ARGUMENT", str(exc))
         except CheckpointError as exc:
-            self._reject(context, "FAILED_PRECONDITION", str(exc))
+            self._reject(context, code_for(exc), str(exc))
+        except OSError as exc:
+            # The file system refused (a directory vanished under the request...).
+            error = os_error(exc, "fastpersistd could not serve this request")
+            self._reject(context, code_for(error), str(error))
         except Exception as exc:
             if context.code() is not None:
                 raise  # context.abort's own exception: the status is set already
@@ -78,6 +84,8 @@ class Servicer(pb_grpc.FastPersistServicer):
         raise AssertionError("unreachable")  # context.abort raises
 
     def _reject(self, context: grpc.ServicerContext, code: str, message: str) -> None:
+        if len(message) > MAX_ERROR_CHARS:  # never echo a request back in full
+            message = message[:MAX_ERROR_CHARS] + "..."
         self.service.metrics.rejected.labels(code=code).inc()
         logs.info("rejected", code=code, reason=message, peer=context.peer())
         context.abort(getattr(grpc.StatusCode, code), message)
@@ -147,8 +155,7 @@ class Servicer(pb_grpc.FastPersistServicer):
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext
                ) -> pb.CommitResponse:
         def run() -> pb.CommitResponse:
-            if len(request.tensor_order) > MAX_TENSORS:
-                raise invalid(f"tensor_order has more than {MAX_TENSORS} names")
+            check_names(request.tensor_order)
             self.service.commit(request.checkpoint_id, request.tree_json,
                                 list(request.tensor_order))
             return pb.CommitResponse()
@@ -210,6 +217,8 @@ class Servicer(pb_grpc.FastPersistServicer):
     def CommitJob(self, request: pb.CommitJobRequest, context: grpc.ServicerContext
                   ) -> pb.CommitJobResponse:
         def run() -> pb.CommitJobResponse:
+            if len(request.node) > MAX_ID_BYTES:
+                raise invalid(f"a node is at most {MAX_ID_BYTES} characters")
             self.service.commit_job(request.job_id, request.manifest, request.node)
             return pb.CommitJobResponse()
         return self._guard(context, run)
