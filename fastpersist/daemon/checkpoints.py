@@ -63,7 +63,7 @@ class PendingFile:
 
 class Checkpoint:
     def __init__(self, ident: str, client: str, target: Path, relpath: str,
-                 staging: Staging, files_total: int, reserved: int,
+                 staging: Staging | None, files_total: int, reserved: int,
                  job: Job[Checkpoint] | None = None, rank: int = 0) -> None:
         self.id = ident
         self.job = job  # a part of this distributed checkpoint (jobs.py)
@@ -72,6 +72,8 @@ class Checkpoint:
         self.client = client
         self.target = target
         self.relpath = relpath
+        # None while Begin makes the directory (without the service lock); no
+        # file can come before, the client has no id yet.
         self.staging = staging
         self.files_total = files_total
         self.reserved = reserved
@@ -100,11 +102,23 @@ class Checkpoint:
         self.remove_parents: Callable[[], None] = _nothing
 
     def clean_up(self) -> None:
-        """Remove a failed checkpoint's staging (a part's goes with its job)."""
-        if not self.cleaned:
-            self.cleaned = True
+        """Remove a failed checkpoint's staging (a part's goes with its job):
+        file-system work, run by the janitor (registry.py), not under the lock."""
+        if self.staging is not None:
             self.staging.abort()
             self.remove_parents()
+
+    def drop_details(self) -> None:
+        """A finished checkpoint stays known (for a late Wait) by its status
+        alone: the tree and records it was committed with can be large. A
+        part keeps its records until its job is checked against them."""
+        self.tree = None
+        self.tensor_order = []
+        self.names = set()
+        self.submitted = set()
+        self.file_records = {}
+        if self.job is None:
+            self.tensor_records = {}
 
     def file_name(self, index: int) -> str:
         return part_file_name(self.rank, index) if self.job else data_file_name(index)

@@ -20,13 +20,14 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import shm
 from .._version import __version__
 from . import logs
 from .budgets import Budgets
+from .health import NOT_SERVING, Watchdog, health_servicer, set_status
 from .metrics import Metrics
 from .rootfs import Root
 from .server import (
@@ -34,9 +35,7 @@ from .server import (
     TokenAuth,
     bind_unix,
     build_server,
-    health_servicer,
     prepare_socket,
-    set_not_serving,
     tls_credentials,
 )
 from .service import Service
@@ -104,6 +103,21 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--shm-dir {args.shm_dir} is not a directory")
 
 
+def _step(metrics: Metrics, what: str, step: Callable[[], object]) -> None:
+    """One housekeeping step: a failure is logged and counted, and the daemon goes on."""
+    try:
+        step()
+    except Exception as exc:
+        metrics.housekeeping_failures.inc()
+        logs.error("housekeeping-failed", step=what, error=repr(exc))
+
+
+def _reclaim(shm_dir: Path, metrics: Metrics) -> None:
+    for name in shm.reclaim_orphans(shm_dir):
+        metrics.reclaimed_segments.inc()
+        logs.info("reclaimed-segment", segment=name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -112,11 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = Root(args.root.resolve())
     group = grp.getgrnam(args.socket_group).gr_gid if args.socket_group else None
 
-    root.clean_up_leftovers()
     metrics = Metrics()
-    for name in shm.reclaim_orphans(args.shm_dir):
-        metrics.reclaimed_segments.inc()
-        logs.info("reclaimed-segment", segment=name)
+    _step(metrics, "clean up leftovers", root.clean_up_leftovers)
+    _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))
     direct = root.probe_direct_io()
     service = Service(root, args.shm_dir, Budgets(args.staging_budget, args.client_budget),
                       metrics, write_concurrency=args.write_concurrency,
@@ -139,22 +151,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         servers.append(tcp)
     if args.metrics_listen:
         metrics.serve(args.metrics_listen)
+    watchdog = Watchdog(service, health)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logs.info("ready", version=__version__, root=str(root.path), socket=str(args.socket),
               listen=args.listen or "", direct_io=direct, staging_budget=args.staging_budget,
-              pid=os.getpid())
+              pid=os.getpid(), openat2=root.uses_openat2)
     # Housekeeping until told to stop: idle checkpoints, orphaned segments.
     while not stop.wait(2.0):
-        service.reap_idle()
-        for name in shm.reclaim_orphans(args.shm_dir):
-            metrics.reclaimed_segments.inc()
-            logs.info("reclaimed-segment", segment=name)
+        _step(metrics, "reap idle checkpoints", service.reap_idle)
+        _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))
 
     logs.info("draining", in_flight=len(service.in_flight()))
-    set_not_serving(health)
+    watchdog.stop()
+    set_status(health, NOT_SERVING)
     finished = service.drain(args.drain_timeout)
     for server in servers:
         server.stop(grace=2.0).wait()

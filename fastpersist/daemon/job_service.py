@@ -20,7 +20,7 @@ from .checkpoints import Checkpoint, State
 from .jobs import MARKER_NAME, Job, JobState, check_job_manifest
 from .paths import RequestPath
 from .registry import Registry
-from .requests import RequestError, check_client, code_for, invalid, split_job
+from .requests import RequestError, check_client, code_for, invalid, shown, split_job
 from .rootfs import Root
 
 
@@ -41,7 +41,8 @@ class JobService:
         self.root = root
 
     def begin_job(self, path: RequestPath, client: str) -> str:
-        """Make a job's directory; returns its id (DIRECTORY:SECRET)."""
+        """Make a job's directory; returns its id (DIRECTORY:SECRET). The target
+        is claimed under the lock; the directory is made without it."""
         check_client(client)
         target, relpath = path.under(self.root.path), path.text
         r = self.registry
@@ -50,9 +51,11 @@ class JobService:
                 raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
             r.prune()
             r.check_target_free(target, relpath, None)
+            r.claims[target] += 1
+        job: Job[Checkpoint] | None = None
+        try:
             staging, created = create_staging(self.root, path)
             try:
-                job: Job[Checkpoint]
                 job, job_id = Job.begin(staging, relpath)
             except OSError as exc:
                 staging.abort()
@@ -60,37 +63,54 @@ class JobService:
                 error = os_error(exc, f"cannot mark the job's directory of {relpath}")
                 raise RequestError(code_for(error), str(error)) from None
             job.remove_parents = lambda: self.root.remove_created(created)
-            r.jobs[job.id] = job
+        finally:
+            with r.cond:
+                r.claims[target] -= 1
+                if not r.claims[target]:
+                    del r.claims[target]
+                if job is not None:
+                    r.jobs[job.id] = job
+                    if r.draining:
+                        r.abort_job(job, "fastpersistd is shutting down")
+                        raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
         logs.info("begin-job", job=job.id, client=client, path=relpath)
         return job_id
 
-    def join(self, path: RequestPath, job_id: str) -> tuple[Job[Checkpoint], bool]:
-        """The job a part belongs to, and whether it is new here: one begun by
-        another node's daemon (shared storage) is taken on by its directory
-        (registered by the caller once the part is accepted). Lock held."""
-        r = self.registry
-        target, relpath = path.under(self.root.path), path.text
+    def open_unknown(self, path: RequestPath, job_id: str) -> Job[Checkpoint] | None:
+        """The job of a part, opened from its directory when this daemon does
+        not know it (one begun by another node's daemon, on shared storage):
+        reads the directory, so without the lock. None: known here already."""
         name, secret = split_job(job_id)
-        job = r.jobs.get(name)
-        new = job is None
-        if job is None:
-            try:
-                parent_fd = self.root.open_dir(path.parts[:-1])
-            except FileNotFoundError:
-                raise RequestError("NOT_FOUND", f"no job {name!r}: {relpath} has no "
-                                                "directory") from None
-            try:
-                job = Job.join(parent_fd, target, relpath, name, secret)
-            except LookupError as exc:
-                raise RequestError("NOT_FOUND", str(exc)) from None
-            except ValueError as exc:
-                raise invalid(str(exc)) from None
-        elif not job.holds(secret):
-            raise RequestError("NOT_FOUND", f"no job {name!r} with that secret")
-        if job.target != target:
-            raise invalid(f"job {job.id} saves {job.relpath}, not {relpath}")
-        r.require_open(job)
-        return job, new
+        with self.registry.cond:
+            if name in self.registry.jobs:
+                return None
+        target, relpath = path.under(self.root.path), path.text
+        try:
+            parent_fd = self.root.open_dir(path.parts[:-1])
+        except FileNotFoundError:
+            raise RequestError("NOT_FOUND", f"no job {shown(name)}: {relpath} has no "
+                                            "directory") from None
+        try:
+            return Job.join(parent_fd, target, relpath, name, secret)
+        except LookupError as exc:
+            raise RequestError("NOT_FOUND", str(exc)) from None
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+
+    def attach(self, path: RequestPath, job_id: str, opened: Job[Checkpoint] | None
+               ) -> Job[Checkpoint]:
+        """The job a part belongs to: a known one, or the one open_unknown
+        opened (which the caller registers). Lock held."""
+        name, secret = split_job(job_id)
+        job = self.registry.jobs.get(name) or opened
+        if job is None:  # known a moment ago, forgotten since
+            raise RequestError("NOT_FOUND", f"no job {shown(name)} (long finished)")
+        if not job.holds(secret):
+            raise RequestError("NOT_FOUND", f"no job {shown(name)} with that secret")
+        if job.target != path.under(self.root.path):
+            raise invalid(f"job {job.id} saves {job.relpath}, not {path.text}")
+        self.registry.require_open(job)
+        return job
 
     def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
         """Check the job manifest against the directory, write it, publish.
@@ -133,6 +153,7 @@ class JobService:
                 if not (isinstance(exc, RequestError) and exc.code == "INVALID_ARGUMENT"):
                     r.abort_job(job, f"commit failed: {exc}")
                 r.cond.notify_all()
+            r.janitor.flush()  # answer once the job's directory is gone
             raise
         finally:
             if published:
@@ -154,6 +175,7 @@ class JobService:
             job = r.get_job(job_id)
             if job.state == JobState.COMMITTED or job.committing:
                 raise RequestError("FAILED_PRECONDITION",
-                                   f"job {job_id} is committed or being committed; delete the "
-                                   "checkpoint instead")
+                                   f"job {shown(job.id)} is committed or being committed; "
+                                   "delete the checkpoint instead")
             r.abort_job(job, reason)
+        r.janitor.flush()  # answer once the job's directory is gone

@@ -179,14 +179,20 @@ class Job(Generic[P]):
             self.error = error
             self.finished_at = time.monotonic()
 
-    def remove_if_idle(self) -> None:
-        """Remove an aborted job's directory once no worker of ours writes into
-        it. It is renamed aside first, so that other nodes' daemons still
-        writing parts fail to create files instead of recreating it."""
+    def take_removal(self) -> bool:
+        """Whether this aborted job's directory is to be removed now: no worker
+        of ours writes into it any more (and nobody took it on already).
+        Called with the service lock held; remove() does the work without it."""
         if (self.state != JobState.ABORTED or not self.owner or self.removed
                 or any(p.busy for p in self.parts)):
-            return
+            return False
         self.removed = True
+        return True
+
+    def remove(self) -> None:
+        """Remove the directory (take_removal). It is renamed aside first, so
+        that other nodes' daemons still writing parts fail to create files
+        instead of recreating it."""
         fds = self.staging.fds
         if fds is not None and dirs.is_entry(self.staging.path.name, fds.parent, fds.staging):
             aside = self.staging.path.parent / leftover_name(self.target.name, "del")
@@ -202,24 +208,33 @@ class Job(Generic[P]):
         if not self.owner:
             self.staging.close()
 
-    def idle_seconds(self, now: float) -> float | None:
-        """How long nothing happened to an open job whose parts here finished:
-        no request, and (parts of other nodes' daemons) no file in its
-        directory written. None while something is going on."""
-        if not self.open or self.committing or any(not p.terminal for p in self.parts):
-            return None
-        idle = now - self.last_activity
+    def quiet(self) -> bool:
+        """An open job whose parts here all finished: only the ranks' CommitJob,
+        or other nodes' daemons writing their parts, can move it on."""
+        return self.open and not self.committing and all(p.terminal for p in self.parts)
+
+    def newest_write(self) -> float | None:
+        """The time (time.time()) of the last change to the job's directory (a
+        part another node's daemon writes into it), None if it is gone. Reads
+        the directory: called without the service lock."""
         fds = self.staging.fds
         try:
             if fds is None or not dirs.is_entry(self.staging.path.name, fds.parent,
                                                 fds.staging):
-                return idle  # the directory is gone: nothing more will happen
+                return None  # the directory is gone: nothing more will happen
             with os.scandir(fds.staging) as entries:
-                newest = max([e.stat(follow_symlinks=False).st_mtime for e in entries]
-                             + [os.fstat(fds.staging).st_mtime])
+                return max([e.stat(follow_symlinks=False).st_mtime for e in entries]
+                           + [os.fstat(fds.staging).st_mtime])
         except OSError:
-            return idle
-        return min(idle, time.time() - newest)
+            return None
+
+    def idle_seconds(self, now: float, newest_write: float | None) -> float | None:
+        """How long nothing happened to a quiet job: no request, and no file in
+        its directory written (newest_write). None while it is not quiet."""
+        if not self.quiet():
+            return None
+        idle = now - self.last_activity
+        return idle if newest_write is None else min(idle, time.time() - newest_write)
 
 
 def part_json(files: list[FileRecord], tensors: list[TensorRecord]) -> str:

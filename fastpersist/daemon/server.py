@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from .. import knobs, shm
 from .._proto import fastpersist_pb2 as pb
@@ -36,7 +36,6 @@ from .paths import PathError, parse
 from .requests import MAX_ID_BYTES, RequestError, check_names, code_for, invalid
 from .service import Service
 
-SERVICE_NAME = "fastpersist.v1.FastPersist"
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_STREAM_CHUNK = 16 << 20
 # Each open Watch holds a worker thread; beyond this, calls are refused
@@ -94,12 +93,15 @@ class Servicer(pb_grpc.FastPersistServicer):
     # -- RPCs ----------------------------------------------------------------
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        s = self.service
-        return pb.InfoResponse(
-            version=__version__, root=str(s.root.path), staging_budget=s.budgets.staging,
-            staging_in_use=s.reserved(), checkpoints_in_flight=len(s.in_flight()),
-            direct_io=self.direct_io, io_backend=knobs.current().io_backend,
-        )
+        def run() -> pb.InfoResponse:
+            s = self.service
+            reserved, in_flight = s.snapshot()
+            return pb.InfoResponse(
+                version=__version__, root=str(s.root.path), staging_budget=s.budgets.staging,
+                staging_in_use=reserved, checkpoints_in_flight=in_flight,
+                direct_io=self.direct_io, io_backend=knobs.current().io_backend,
+            )
+        return self._guard(context, run)
 
     def Begin(self, request: pb.BeginRequest, context: grpc.ServicerContext
               ) -> pb.BeginResponse:
@@ -266,18 +268,6 @@ def build_server(servicer: Servicer, health_servicer: health.HealthServicer,
     pb_grpc.add_FastPersistServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server
-
-
-def health_servicer() -> health.HealthServicer:
-    h = health.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        h.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return h
-
-
-def set_not_serving(h: health.HealthServicer) -> None:
-    for name in ("", SERVICE_NAME):
-        h.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def prepare_socket(path: Path) -> None:

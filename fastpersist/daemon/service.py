@@ -10,26 +10,24 @@ Torch-free: this runs in the daemon.
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..commit import delete_checkpoint
 from ..engine import Engine, get_engine
 from ..format import safetensors_file
 from ..shm import Mapping
 from . import logs
-from .budgets import Budgets, check_fits
+from .budgets import Budgets
+from .catalog import Catalog
 from .checkpoints import TERMINAL, Checkpoint, PendingFile, State
 from .job_service import JobService, create_staging
 from .metrics import Metrics
 from .paths import RequestPath
 from .registry import Registry
 from .requests import (
-    MAX_IN_FLIGHT_PER_CLIENT,
     RequestError,
     check_client,
     check_file_count,
@@ -37,7 +35,7 @@ from .requests import (
     parse_data_file,
     parse_tree,
 )
-from .rootfs import Root, list_entries
+from .rootfs import Root
 from .writer import Writers
 
 
@@ -54,64 +52,96 @@ class Service:
         self.idle_timeout = idle_timeout
         self.registry = Registry(budgets, metrics)
         self.jobs = JobService(self.registry, root)
+        self.catalog = Catalog(self.registry, root)
         self.writers = Writers(self.registry, engine or get_engine(), write_concurrency)
         metrics.staging_budget.set(budgets.staging)
 
     # -- queries -----------------------------------------------------------
 
-    def reserved(self, client: str | None = None) -> int:
-        return self.registry.reserved(client)
+    def snapshot(self) -> tuple[int, int]:
+        """(staging reserved, checkpoints in flight), consistent with each other."""
+        with self.registry.cond:
+            return self.registry.ledger.reserved(), self.registry.ledger.in_flight()
 
     def in_flight(self) -> list[Checkpoint]:
         with self.registry.cond:
             return self.registry.in_flight()
 
-    def busy_at(self, target: Path) -> bool:
-        """Whether a checkpoint or job of `target` is in flight (Delete waits)."""
-        with self.registry.cond:
-            return self.registry.busy_at(target)
+    def unable(self, timeout: float) -> str:
+        """Why the daemon cannot serve ("" when it can): the health check's
+        view (health.py). Takes the lock with a timeout: a request that held it
+        this long would stall every other."""
+        if not self.root.alive():
+            return f"its root {self.root.path} is gone"
+        r = self.registry
+        if not r.cond.acquire(timeout=timeout):
+            return f"its lock has been held for over {timeout:.0f} s"
+        try:
+            stopping = r.stopping
+        finally:
+            r.cond.release()
+        if not stopping and not all(t.is_alive() for t in self.writers.threads):
+            return "a write worker stopped"
+        if not stopping and not r.janitor.alive():
+            return "the janitor stopped"
+        return ""
 
     # -- Begin ---------------------------------------------------------------
 
     def begin(self, path: RequestPath, client: str, staging_bytes: int,
               file_count: int, job_id: str = "", rank: int = 0) -> Checkpoint:
+        """Reserve the target and the staging under the lock; make the staging
+        directory without it (a slow disk must not stall other requests); then
+        hand out the id, unless the daemon began to drain meanwhile."""
         check_client(client)
         check_file_count(file_count)
         target, relpath = path.under(self.root.path), path.text
         r = self.registry
-        with r.cond:
-            if r.draining:
-                raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
-            r.prune()
-            mine = [c for c in r.checkpoints.values() if not c.terminal and c.client == client]
-            if len(mine) >= MAX_IN_FLIGHT_PER_CLIENT:
-                raise RequestError("RESOURCE_EXHAUSTED",
-                                   f"client {client} has {len(mine)} checkpoints in flight, the "
-                                   f"most one client may have")
-            job, new_job = self.jobs.join(path, job_id) if job_id else (None, False)
-            r.check_target_free(target, relpath, job)
-            if job is not None and any(p.rank == rank and p.state not in (
-                    State.FAILED, State.ABORTED) for p in job.parts):
-                raise invalid(f"rank {rank} already has a part in job {job.id}")
-            check_fits(self.budgets, r.checkpoints.values(), client, staging_bytes)
-            created: list[tuple[str, ...]] = []
-            if job is not None:
-                staging = job.staging
-            else:
-                staging, created = create_staging(self.root, path)
-            ck = Checkpoint(secrets.token_hex(12), client, target, relpath, staging, file_count,
-                            staging_bytes, job, rank)
-            ck.remove_parents = lambda: self.root.remove_created(created)
-            if job is not None:
-                if new_job:
-                    r.jobs[job.id] = job
-                job.parts.append(ck)
-                job.touch()
-            r.checkpoints[ck.id] = ck
-            r.update_gauges()
+        joined = self.jobs.open_unknown(path, job_id) if job_id else None
+        try:
+            with r.cond:
+                if r.draining:
+                    raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
+                r.prune()
+                r.ledger.check(client, staging_bytes)
+                job = self.jobs.attach(path, job_id, joined) if job_id else None
+                r.check_target_free(target, relpath, job)
+                if job is not None and any(p.rank == rank and p.state not in (
+                        State.FAILED, State.ABORTED) for p in job.parts):
+                    raise invalid(f"rank {rank} already has a part in job {job.id}")
+                ck = Checkpoint(secrets.token_hex(12), client, target, relpath,
+                                job.staging if job else None, file_count, staging_bytes, job,
+                                rank)
+                if job is not None:
+                    if job is joined:
+                        r.jobs[job.id] = job
+                        joined = None
+                    job.parts.append(ck)
+                    job.touch()
+                r.add(ck)
+        finally:
+            if joined is not None:  # not taken on: refused, or another request was first
+                joined.close()
+        if ck.staging is None:
+            self._make_staging(ck, path)
         logs.info("begin", checkpoint=ck.id, client=client, path=relpath, files=file_count,
                   staging_bytes=staging_bytes, **({"job": job.id, "rank": rank} if job else {}))
         return ck
+
+    def _make_staging(self, ck: Checkpoint, path: RequestPath) -> None:
+        r = self.registry
+        try:
+            staging, created = create_staging(self.root, path)
+        except BaseException:
+            with r.cond:
+                r.discard(ck)
+            raise
+        with r.cond:
+            ck.staging = staging
+            ck.remove_parents = lambda: self.root.remove_created(created)
+            if ck.terminal:  # drained meanwhile
+                r.clean_up(ck)
+                raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
 
     # -- Submit ----------------------------------------------------------------
 
@@ -122,7 +152,10 @@ class Service:
         with r.cond:
             ck = r.get(ident)
             r.require_receiving(ck, "submit a file to")
-            entries = parse_data_file(index, header, data_length, ck.files_total)
+        # Linear in the header (bounded): parsed without the lock.
+        entries = parse_data_file(index, header, data_length, ck.files_total)
+        with r.cond:
+            r.require_receiving(ck, "submit a file to")
             if index in ck.submitted:
                 raise invalid(f"data file {index} was already submitted")
             dup = next((e.name for e in entries if e.name in ck.names), None)
@@ -172,13 +205,19 @@ class Service:
         with r.cond:
             ck = r.get(ident)
             r.require_receiving(ck, "commit")
-            missing = sorted(set(range(ck.files_total)) - ck.submitted)
-            if missing:
+            if len(ck.submitted) != ck.files_total:
+                missing = [i for i in range(ck.files_total) if i not in ck.submitted][:10]
                 raise RequestError("FAILED_PRECONDITION",
-                                   f"data files {missing[:10]} were not submitted")
-            if len(tensor_order) != len(ck.names) or set(tensor_order) != ck.names:
+                                   f"data files {missing} were not submitted")
+            # Every file is in: the names cannot change any more (a file is
+            # submitted once), so they are compared without the lock.
+            names = ck.names
+        same = len(tensor_order) == len(names) and set(tensor_order) == names
+        with r.cond:
+            r.require_receiving(ck, "commit")
+            if not same:
                 raise invalid(f"tensor_order lists {len(tensor_order)} names; the data files "
-                              f"hold {len(ck.names)} different ones")
+                              f"hold {len(names)} different ones")
             ck.tree = tree
             ck.tensor_order = list(tensor_order)
             ck.handed_over = True
@@ -200,6 +239,7 @@ class Service:
                                    f"checkpoint {ident} was handed over (Commit); it cannot be "
                                    "aborted")
             r.finish(ck, State.ABORTED, reason, "CheckpointAbortedError")
+        r.janitor.flush()  # answer once its staging directory is gone
 
     # -- jobs (job_service.py) ----------------------------------------------------
 
@@ -212,45 +252,14 @@ class Service:
     def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
         self.jobs.abort_job(job_id, reason)
 
-    # -- List / Delete -----------------------------------------------------------
+    # -- List / Delete (catalog.py) ----------------------------------------------
 
     def list(self, path: RequestPath) -> tuple[list[tuple[str, str, int, float]],
                                                list[Checkpoint]]:
-        """The checkpoints in the directory `path` (rootfs.list_entries) and the
-        ones in flight anywhere under it."""
-        try:
-            fd = self.root.open_dir(path.parts)
-        except (FileNotFoundError, NotADirectoryError):
-            raise RequestError("NOT_FOUND", f"{path.text or '.'} is not a directory") from None
-        try:
-            entries = list(list_entries(fd))
-        finally:
-            os.close(fd)
-        directory = path.under(self.root.path)
-        with self.registry.cond:
-            in_flight = [c for c in self.registry.in_flight() if directory in c.target.parents]
-        return entries, in_flight
+        return self.catalog.list(path)
 
     def delete(self, path: RequestPath) -> None:
-        """Delete the committed checkpoint at `path` (commit.delete_checkpoint),
-        by its name in its directory, held open."""
-        not_found = RequestError("NOT_FOUND", f"{path.text} is not a committed checkpoint")
-        try:
-            parent_fd = self.root.open_dir(path.parts[:-1])
-        except FileNotFoundError:
-            raise not_found from None
-        try:
-            try:
-                os.close(self.root.checkpoint_dir(parent_fd, path.parts[-1]))
-            except FileNotFoundError:
-                raise not_found from None
-            if self.busy_at(path.under(self.root.path)):
-                raise RequestError("FAILED_PRECONDITION",
-                                   f"a checkpoint of {path.text} is in flight")
-            delete_checkpoint(path.under(self.root.path), dir_fd=parent_fd)
-        finally:
-            os.close(parent_fd)
-        logs.info("deleted", path=path.text)
+        self.catalog.delete(path)
 
     # -- Wait / Watch ----------------------------------------------------------
 
@@ -300,10 +309,13 @@ class Service:
                          "CheckpointAbortedError")
 
     def reap_idle(self) -> None:
-        """Abort checkpoints nobody watches and nobody has touched for idle_timeout."""
+        """Abort checkpoints nobody watches and nobody has touched for
+        idle_timeout, and jobs no rank committed. Housekeeping; the jobs'
+        directories are looked at without the lock."""
         now = time.monotonic()
         r = self.registry
         with r.cond:
+            r.prune()
             for ck in list(r.checkpoints.values()):
                 if (not ck.terminal and not ck.handed_over and ck.watchers == 0
                         and now - ck.last_activity > self.idle_timeout):
@@ -311,15 +323,21 @@ class Service:
                     r.finish(ck, State.ABORTED,
                              f"no request for {self.idle_timeout:.0f} s before Commit",
                              "CheckpointAbortedError")
-            for job in list(r.jobs.values()):
-                idle = job.idle_seconds(now)
-                if idle is not None and idle > self.idle_timeout and not job.owner:
+            quiet = [j for j in r.jobs.values() if j.quiet()
+                     and now - j.last_activity > self.idle_timeout]
+        writes = [j.newest_write() for j in quiet]
+        with r.cond:
+            for job, newest in zip(quiet, writes, strict=True):
+                idle = job.idle_seconds(now, newest)
+                if r.jobs.get(job.id) is not job or idle is None or idle <= self.idle_timeout:
+                    continue
+                if not job.owner:
                     # Its parts here are written; the daemon that began it commits it
                     # (a later part of this node takes it on again by its id).
                     del r.jobs[job.id]
-                    job.close()
+                    r.janitor.submit(f"forget the job {job.id}", job.close)
                     logs.debug("forgot-job", job=job.id, path=job.relpath)
-                elif idle is not None and idle > self.idle_timeout:
+                else:
                     logs.warning("idle-abort-job", job=job.id, path=job.relpath)
                     r.abort_job(job, f"no rank committed it for {self.idle_timeout:.0f} s "
                                      "after its parts were written")
@@ -350,4 +368,5 @@ class Service:
             r.stopping = True
             r.cond.notify_all()
         self.writers.join()
+        r.janitor.stop()  # the clean-ups decided until now
         return True

@@ -87,15 +87,15 @@ class Writers:
                     if job is not None:
                         ck.mapped_bytes -= job.nbytes
                     if ck.job is not None:
-                        ck.job.remove_if_idle()  # if the job was aborted meanwhile
+                        r.remove_job(ck.job)  # if the job was aborted meanwhile
                     elif ck.terminal and ck.state != State.COMMITTED:
-                        ck.clean_up()  # no worker writes into it any more
+                        r.clean_up(ck)  # no worker writes into it any more
                     r.cond.notify_all()
 
     def _write(self, ck: Checkpoint, job: PendingFile) -> None:
         name = ck.file_name(job.index)
+        assert ck.staging is not None and ck.staging.fds is not None
         fds = ck.staging.fds
-        assert fds is not None
         if not dirs.is_entry(ck.staging.path.name, fds.parent, fds.staging):
             # Moved away (a job aborted by the daemon that began it) or replaced.
             raise CheckpointIOError(errno.ESTALE, f"the staging directory of {ck.relpath} was "
@@ -148,6 +148,7 @@ class Writers:
             data = manifest.to_json()
         except ValueError as exc:  # NaN in a client's tree, say
             raise invalid(f"the tree cannot be written as JSON: {exc}") from None
+        assert ck.staging is not None
         ck.staging.commit(data)
         seconds = time.monotonic() - (ck.first_submit or time.monotonic())
         # Logged before the status says so: whoever sees COMMITTED finds the line.
