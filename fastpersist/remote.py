@@ -391,7 +391,9 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
         client.submit_stream(ident, index, layout.layout.header, length, _chunks(layout.order))
         return
     segment = segments.segment_of(staged.buffer)
-    client.submit_shm(ident, index, layout.layout.header, segment.name, 0, length)
+    segment.seal(ident)  # the daemon takes only segments that carry the checkpoint's tag
+    client.submit_shm(ident, index, layout.layout.header, segment.name, segment.data_offset,
+                      length)
 
 
 class _HandOver:

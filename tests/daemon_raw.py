@@ -116,10 +116,17 @@ class Raw:
         return str(reply.checkpoint_id)
 
     def submit(self, ident: str, index: int, header: bytes, segment: str, offset: int = 0,
-               length: int = 0) -> pb.SubmitResponse:
+               length: int = 0, *, seal: bool = True) -> pb.SubmitResponse:
+        """SubmitShm of `length` bytes at `offset` in the data of `segment`. With
+        `seal`, a segment of this Raw's is first marked as the checkpoint's, as its
+        owner does (shm.Segment.seal); without, it is named as another client would."""
+        mine = next((s for s in self._segments if s.name == segment), None)
+        if mine is not None and seal:
+            mine.seal(ident)
         return self.stub.SubmitShm(pb.SubmitShmRequest(
             checkpoint_id=ident, file=pb.DataFile(index=index, header=header),
-            data=pb.ShmRef(segment=segment, offset=offset, length=length)), timeout=10)
+            data=pb.ShmRef(segment=segment, offset=min(offset + Segment.data_offset, 2**64 - 1),
+                           length=length)), timeout=10)
 
     def stream(self, chunks: Iterable[pb.StreamChunk]) -> pb.SubmitResponse:
         return self.stub.SubmitStream(iter(list(chunks)), timeout=10)

@@ -61,8 +61,10 @@ class Servicer(pb_grpc.FastPersistServicer):
             return fn()
         except RequestError as exc:
             self._reject(context, exc.code, str(exc))
-        except (PathError, shm.SegmentError) as exc:
+        except PathError as exc:
             self._reject(context, "INVALID_ARGUMENT", str(exc))
+        except shm.SegmentError as exc:
+            self._reject(context, exc.code, str(exc))
         except CheckpointError as exc:
             self._reject(context, code_for(exc), str(exc))
         except OSError as exc:
@@ -118,7 +120,8 @@ class Servicer(pb_grpc.FastPersistServicer):
             f, ref = request.file, request.data
             ck, entries = self.service.check_submit(request.checkpoint_id, f.index, f.header,
                                                     ref.length)
-            mapping = shm.open_range(self.service.shm_dir, ref.segment, ref.offset, ref.length)
+            mapping = shm.open_range(self.service.shm_fd, ref.segment, ref.offset, ref.length,
+                                     shm.tag_for(ck.id))
             self.service.submit(ck, f.index, f.header, entries, mapping)
             return pb.SubmitResponse()
         return self._guard(context, run)

@@ -10,6 +10,7 @@ Torch-free: this runs in the daemon.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +48,8 @@ class Service:
                  engine: Engine | None = None) -> None:
         self.root = root
         self.shm_dir = shm_dir
+        # Segments are opened by name in the directory held open (shm.open_range).
+        self.shm_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.budgets = budgets
         self.metrics = metrics
         self.idle_timeout = idle_timeout
