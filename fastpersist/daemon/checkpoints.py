@@ -62,6 +62,14 @@ class PendingFile:
 
 
 class Checkpoint:
+    # Thousands stay known after they finish (registry.MAX_FINISHED): no __dict__.
+    __slots__ = ("busy", "bytes_total", "bytes_written", "cleaned", "client", "error",
+                 "error_code", "file_records", "files_total", "files_written", "finished_at",
+                 "first_submit", "handed_over", "id", "job", "last_activity", "mapped_bytes",
+                 "names", "part_json", "pending", "rank", "relpath", "remove_parents",
+                 "reserved", "staging", "state", "submitted", "target", "tensor_order",
+                 "tensor_records", "tree", "watchers")
+
     def __init__(self, ident: str, client: str, target: Path, relpath: str,
                  staging: Staging | None, files_total: int, reserved: int,
                  job: Job[Checkpoint] | None = None, rank: int = 0) -> None:
@@ -113,12 +121,13 @@ class Checkpoint:
         alone: the tree and records it was committed with can be large. A
         part keeps its records until its job is checked against them."""
         self.tree = None
-        self.tensor_order = []
-        self.names = set()
-        self.submitted = set()
-        self.file_records = {}
+        self.tensor_order = _NO_NAMES
+        self.names = _NO_SET
+        self.submitted = _NO_INDEXES
+        self.file_records = _NO_FILES
+        self.pending = _NO_PENDING
         if self.job is None:
-            self.tensor_records = {}
+            self.tensor_records = _NO_RECORDS
 
     def file_name(self, index: int) -> str:
         return part_file_name(self.rank, index) if self.job else data_file_name(index)
@@ -144,3 +153,13 @@ class Checkpoint:
 
 def _nothing() -> None:
     pass
+
+
+# Shared by every finished checkpoint (drop_details): nothing adds to them once it
+# is finished (every change to a checkpoint first checks that it is receiving).
+_NO_NAMES: list[str] = []
+_NO_SET: set[str] = set()
+_NO_INDEXES: set[int] = set()
+_NO_FILES: dict[int, FileRecord] = {}
+_NO_RECORDS: dict[str, TensorRecord] = {}
+_NO_PENDING: deque[PendingFile] = deque()

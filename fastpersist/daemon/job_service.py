@@ -16,6 +16,7 @@ import threading
 from ..commit import Staging, os_error
 from ..errors import CheckpointError
 from . import logs
+from .budgets import parsing
 from .checkpoints import Checkpoint, State
 from .jobs import MARKER_NAME, Job, JobState, check_job_manifest
 from .paths import RequestPath
@@ -133,7 +134,8 @@ class JobService:
         published = False
         try:
             try:
-                check_job_manifest(job, manifest, node)
+                with parsing(len(manifest)):
+                    check_job_manifest(job, manifest, node)
             except ValueError as exc:  # refused: the job stays open for a good manifest
                 raise invalid(f"job {job.id}: {exc}") from None
             try:

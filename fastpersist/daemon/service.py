@@ -21,7 +21,7 @@ from ..engine import Engine, get_engine
 from ..format import safetensors_file
 from ..shm import Mapping
 from . import logs
-from .budgets import Budgets
+from .budgets import Budgets, parsing
 from .catalog import Catalog
 from .checkpoints import TERMINAL, Checkpoint, PendingFile, State
 from .job_service import JobService, create_staging
@@ -156,7 +156,8 @@ class Service:
             ck = r.get(ident)
             r.require_receiving(ck, "submit a file to")
         # Linear in the header (bounded): parsed without the lock.
-        entries = parse_data_file(index, header, data_length, ck.files_total)
+        with parsing(len(header)):
+            entries = parse_data_file(index, header, data_length, ck.files_total)
         with r.cond:
             r.require_receiving(ck, "submit a file to")
             if index in ck.submitted:
@@ -203,7 +204,8 @@ class Service:
     # -- Commit / Abort --------------------------------------------------------
 
     def commit(self, ident: str, tree_json: str, tensor_order: list[str]) -> None:
-        tree = parse_tree(tree_json)
+        with parsing(len(tree_json)):
+            tree = parse_tree(tree_json)
         r = self.registry
         with r.cond:
             ck = r.get(ident)
