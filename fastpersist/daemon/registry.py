@@ -38,32 +38,44 @@ class Janitor:
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+        self._stopped = False
+        self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, Callable[[], None]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="fpd-janitor", daemon=True)
         self._thread.start()
 
     def submit(self, what: str, fn: Callable[[], None]) -> None:
-        self._queue.put((what, fn))
+        with self._lock:
+            if not self._stopped:
+                self._queue.put((what, fn))
+                return
+        self._clean(what, fn)  # shutting down: a request that came late does its own
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            what, fn = item
-            try:
-                fn()
-            except Exception as exc:
-                self.metrics.housekeeping_failures.inc()
-                logs.error("cleanup-failed", what=what, error=repr(exc))
+            self._clean(*item)
+
+    def _clean(self, what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            self.metrics.housekeeping_failures.inc()
+            logs.error("cleanup-failed", what=what, error=repr(exc))
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait (at most `timeout`) until what was submitted so far is done:
         an Abort answers once its directory is gone. Never with the lock held."""
+        if self._stopped:
+            return
         done = threading.Event()
         self._queue.put(("flush", done.set))
         done.wait(timeout)
 
     def stop(self) -> None:
         """Run what is queued, then stop."""
-        self._queue.put(None)
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)
         self._thread.join()
 
     def alive(self) -> bool:
@@ -84,6 +96,7 @@ class Registry:
         self.claims: Counter[Path] = Counter()
         self.served: dict[str, int] = {}  # client -> tick of its last file (fairness)
         self.tick = 0
+        self.pruned_at = 0.0
         self.stopping = False
         self.draining = False
 
@@ -230,8 +243,12 @@ class Registry:
 
     def prune(self) -> None:
         """Forget finished checkpoints after KEEP_FINISHED_SECONDS (the oldest
-        first beyond MAX_FINISHED), their jobs, and idle clients' fairness."""
+        first beyond MAX_FINISHED), their jobs, and idle clients' fairness.
+        At most once a second: it sorts what it keeps."""
         now = time.monotonic()
+        if now - self.pruned_at < 1.0:
+            return
+        self.pruned_at = now
         finished = sorted((c.finished_at, i) for i, c in self.checkpoints.items()
                           if c.finished_at is not None and not c.busy)
         excess = len(finished) - MAX_FINISHED
