@@ -67,6 +67,15 @@ int fp_write_file(const char *path, const fp_wseg *segs, size_t nsegs, uint64_t 
                   const fp_opts *opts, uint32_t *crcs, int *used_direct);
 
 /*
+ * fp_write_file of `name` in the open directory `dir_fd` (AT_FDCWD: `name` is a
+ * path, as fp_write_file). With a directory, `name` must be a plain file name
+ * and must not exist: it is created with O_EXCL | O_NOFOLLOW, so that neither a
+ * symbolic link nor a file planted in the directory is written through.
+ */
+int fp_write_file_at(int dir_fd, const char *name, const fp_wseg *segs, size_t nsegs,
+                     uint64_t size, const fp_opts *opts, uint32_t *crcs, int *used_direct);
+
+/*
  * Read each segment's bytes from `path` into its buffer, in any order and in
  * parallel. crcs (may be NULL when opts->checksum is 0) receives each
  * segment's CRC32C. Returns -FP_ETRUNCATED if the file is too short.
@@ -85,6 +94,15 @@ int fp_fsync_dir(const char *path);
 
 /* Atomically swap two paths (renameat2 RENAME_EXCHANGE). */
 int fp_rename_exchange(const char *a, const char *b);
+/* The same, each path relative to its directory fd (AT_FDCWD: as a path). */
+int fp_rename_exchange_at(int a_dir, const char *a, int b_dir, const char *b);
+
+/*
+ * openat2(2): open `path` relative to `dir_fd` with `flags` and `mode`, resolved
+ * as `resolve` says (RESOLVE_BENEATH, RESOLVE_NO_SYMLINKS...). Returns the fd
+ * or -errno; -ENOSYS where the kernel (or a seccomp filter) lacks it.
+ */
+int fp_openat2(int dir_fd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve);
 
 /* CRC32C of buf, continuing from crc (0 to start). */
 uint32_t fp_crc32c(uint32_t crc, const void *buf, size_t len);

@@ -39,8 +39,8 @@ int64_t fp_pread_full(int fd, char *buf, size_t len, uint64_t off);
 void fp_run_parallel(void *(*fn)(void *), void *arg, unsigned threads);
 void fp_fail(fp_status *st, int err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 int fp_failed(fp_status *st);
-/* open(2) with O_DIRECT as the mode asks; returns fd or -errno. */
-int fp_open_for(const char *path, int flags, fp_direct_mode mode, int *used_direct);
+/* openat(2) with O_DIRECT as the mode asks; returns fd or -errno. */
+int fp_open_for(int dir_fd, const char *path, int flags, fp_direct_mode mode, int *used_direct);
 
 /*
  * A write cut into blocks of block_size; both backends claim blocks with an

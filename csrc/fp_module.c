@@ -11,7 +11,10 @@
 #include "fp_engine.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     Py_buffer *views;
@@ -139,12 +142,14 @@ static PyObject *crc_list(const uint32_t *crcs, Py_ssize_t n)
 
 PyDoc_STRVAR(write_file_doc,
              "write_file(path, segments, size, block_size, threads, direct, fsync=True, *,\n"
-             "           backend=BACKEND_POOL, queue_depth=8)\n"
+             "           backend=BACKEND_POOL, queue_depth=8, dir_fd=AT_FDCWD)\n"
              "--\n\n"
              "Write `size` bytes to `path`: each (buffer, offset) segment at its offset,\n"
              "zeros in gaps. Segments must be sorted and must not overlap. Returns\n"
              "(crc32c of each segment, whether O_DIRECT was used). With fsync the file\n"
              "is durable on return; its directory entry is not (see fsync_dir).\n"
+             "With dir_fd (an open directory), `path` is a new file's plain name in it,\n"
+             "created with O_EXCL | O_NOFOLLOW (FileExistsError if it exists).\n"
              "backend: BACKEND_POOL (threads, one blocking I/O each), BACKEND_URING\n"
              "(min(threads, CPUs) threads, each with its own io_uring and queue_depth\n"
              "I/Os in flight) or BACKEND_AUTO (io_uring unless it is refused here).");
@@ -152,15 +157,15 @@ PyDoc_STRVAR(write_file_doc,
 static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"path", "segments", "size", "block_size", "threads", "direct",
-                             "fsync", "backend", "queue_depth", NULL};
+                             "fsync", "backend", "queue_depth", "dir_fd", NULL};
     PyObject *path = NULL, *seq;
     unsigned long long size;
     Py_ssize_t block_size;
     int threads, direct, do_fsync = 1, backend = DEFAULT_BACKEND;
-    int queue_depth = DEFAULT_QUEUE_DEPTH;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OKnii|p$ii", kwlist, PyUnicode_FSConverter,
+    int queue_depth = DEFAULT_QUEUE_DEPTH, dir_fd = AT_FDCWD;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OKnii|p$iii", kwlist, PyUnicode_FSConverter,
                                      &path, &seq, &size, &block_size, &threads, &direct,
-                                     &do_fsync, &backend, &queue_depth))
+                                     &do_fsync, &backend, &queue_depth, &dir_fd))
         return NULL;
     fp_opts opts = {.fsync = do_fsync, .checksum = 1};
     buffer_list bl = {0};
@@ -181,8 +186,8 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw)
         segs[i] = (fp_wseg){bl.views[i].buf, offsets[i], (uint64_t)bl.views[i].len};
     int rc, used_direct = 0;
     Py_BEGIN_ALLOW_THREADS
-    rc = fp_write_file(PyBytes_AS_STRING(path), segs, (size_t)bl.n, size, &opts, crcs,
-                       &used_direct);
+    rc = fp_write_file_at(dir_fd, PyBytes_AS_STRING(path), segs, (size_t)bl.n, size, &opts,
+                          crcs, &used_direct);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         raise_engine_error(rc, path);
@@ -305,18 +310,47 @@ static PyObject *py_fsync_dir(PyObject *self, PyObject *args)
     return path_call(args, "O&:fsync_dir", fp_fsync_dir);
 }
 
-static PyObject *py_rename_exchange(PyObject *self, PyObject *args)
+static PyObject *py_rename_exchange(PyObject *self, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {"a", "b", "dir_fd", NULL};
     PyObject *a = NULL, *b = NULL;
-    if (!PyArg_ParseTuple(args, "O&O&:rename_exchange", PyUnicode_FSConverter, &a,
-                          PyUnicode_FSConverter, &b)) {
+    int dir_fd = AT_FDCWD;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&O&|$i:rename_exchange", kwlist,
+                                     PyUnicode_FSConverter, &a, PyUnicode_FSConverter, &b,
+                                     &dir_fd)) {
         Py_XDECREF(a);
         return NULL;
     }
-    int rc = fp_rename_exchange(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b));
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fp_rename_exchange_at(dir_fd, PyBytes_AS_STRING(a), dir_fd, PyBytes_AS_STRING(b));
+    Py_END_ALLOW_THREADS
     PyObject *res = rc < 0 ? raise_engine_error(rc, a) : Py_NewRef(Py_None);
     Py_DECREF(a);
     Py_DECREF(b);
+    return res;
+}
+
+static PyObject *py_openat2(PyObject *self, PyObject *args)
+{
+    PyObject *path = NULL;
+    int dir_fd;
+    unsigned long long flags, mode, resolve;
+    if (!PyArg_ParseTuple(args, "iO&KKK:openat2", &dir_fd, PyUnicode_FSConverter, &path, &flags,
+                          &mode, &resolve))
+        return NULL;
+    int fd;
+    Py_BEGIN_ALLOW_THREADS
+    fd = fp_openat2(dir_fd, PyBytes_AS_STRING(path), flags, mode, resolve);
+    Py_END_ALLOW_THREADS
+    PyObject *res;
+    if (fd < 0) {
+        errno = -fd; /* OSError's subclass for the errno, as os.open raises */
+        res = PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+    } else {
+        res = PyLong_FromLong(fd);
+    }
+    Py_DECREF(path);
     return res;
 }
 
@@ -345,8 +379,13 @@ static PyMethodDef methods[] = {
     {"crc32c_combine", py_crc32c_combine, METH_VARARGS,
      "crc32c_combine(crc1, crc2, len2): CRC32C of A+B from crc(A), crc(B), len(B)."},
     {"fsync_dir", py_fsync_dir, METH_VARARGS, "fsync_dir(path): make a directory's entries durable."},
-    {"rename_exchange", py_rename_exchange, METH_VARARGS,
-     "rename_exchange(a, b): atomically swap two paths (renameat2 RENAME_EXCHANGE)."},
+    {"rename_exchange", (PyCFunction)(void (*)(void))py_rename_exchange,
+     METH_VARARGS | METH_KEYWORDS,
+     "rename_exchange(a, b, *, dir_fd=AT_FDCWD): atomically swap two paths (renameat2\n"
+     "RENAME_EXCHANGE), both relative to dir_fd."},
+    {"openat2", py_openat2, METH_VARARGS,
+     "openat2(dir_fd, path, flags, mode, resolve) -> fd: openat2(2), e.g. with\n"
+     "RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS. OSError (ENOSYS where it is missing)."},
     {"uring_available", py_uring_available, METH_NOARGS,
      "Whether io_uring works here (BACKEND_AUTO falls back to the thread pool if not)."},
     {"release_buffers", py_release_buffers, METH_NOARGS, "Free the cached bounce buffers."},
@@ -373,6 +412,11 @@ PyMODINIT_FUNC PyInit__engine(void)
         PyModule_AddIntConstant(m, "BACKEND_AUTO", FP_BACKEND_AUTO) < 0 ||
         PyModule_AddIntConstant(m, "MAX_QUEUE_DEPTH", FP_MAX_QUEUE_DEPTH) < 0 ||
         PyModule_AddIntConstant(m, "ALIGNMENT", FP_ALIGN) < 0 ||
+        PyModule_AddIntConstant(m, "AT_FDCWD", AT_FDCWD) < 0 ||
+        PyModule_AddIntConstant(m, "RESOLVE_NO_XDEV", RESOLVE_NO_XDEV) < 0 ||
+        PyModule_AddIntConstant(m, "RESOLVE_NO_MAGICLINKS", RESOLVE_NO_MAGICLINKS) < 0 ||
+        PyModule_AddIntConstant(m, "RESOLVE_NO_SYMLINKS", RESOLVE_NO_SYMLINKS) < 0 ||
+        PyModule_AddIntConstant(m, "RESOLVE_BENEATH", RESOLVE_BENEATH) < 0 ||
         PyModule_AddStringConstant(m, "CRC32C_IMPL", fp_crc32c_impl()) < 0) {
         Py_DECREF(m);
         return NULL;

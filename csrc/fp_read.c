@@ -282,7 +282,7 @@ static void free_plan(fp_read_job *job)
 static int read_once(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
                      fp_direct_mode mode, fp_ring *ring, uint32_t *crcs, int *used_direct)
 {
-    int fd = fp_open_for(path, O_RDONLY, mode, used_direct);
+    int fd = fp_open_for(AT_FDCWD, path, O_RDONLY, mode, used_direct);
     if (fd < 0) {
         fp_set_error("open %s for reading: %s", path, strerror(-fd));
         return fd;

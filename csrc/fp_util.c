@@ -13,8 +13,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/openat2.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#ifndef SYS_openat2
+#define SYS_openat2 437 /* the same number on every architecture */
+#endif
 
 static __thread char last_error[512];
 
@@ -214,8 +219,13 @@ int fp_fsync_dir(const char *path)
 
 int fp_rename_exchange(const char *a, const char *b)
 {
+    return fp_rename_exchange_at(AT_FDCWD, a, AT_FDCWD, b);
+}
+
+int fp_rename_exchange_at(int a_dir, const char *a, int b_dir, const char *b)
+{
     /* Through syscall(): glibc gained a renameat2 wrapper only in 2.28. */
-    if (syscall(SYS_renameat2, AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) != 0) {
+    if (syscall(SYS_renameat2, a_dir, a, b_dir, b, RENAME_EXCHANGE) != 0) {
         int err = errno;
         fp_set_error("exchange %s and %s: %s", a, b, strerror(err));
         return -err;
@@ -223,11 +233,24 @@ int fp_rename_exchange(const char *a, const char *b)
     return 0;
 }
 
-int fp_open_for(const char *path, int flags, fp_direct_mode mode, int *used_direct)
+int fp_openat2(int dir_fd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve)
+{
+    struct open_how how = {.flags = flags, .mode = mode, .resolve = resolve};
+    /* Through syscall(): glibc has no openat2 wrapper before 2.39. */
+    long fd = syscall(SYS_openat2, dir_fd, path, &how, sizeof how);
+    if (fd < 0) {
+        int err = errno;
+        fp_set_error("openat2 %s: %s", path, strerror(err));
+        return -err;
+    }
+    return (int)fd;
+}
+
+int fp_open_for(int dir_fd, const char *path, int flags, fp_direct_mode mode, int *used_direct)
 {
     int fd = -1;
     if (mode != FP_DIRECT_OFF) {
-        fd = open(path, flags | O_DIRECT | O_CLOEXEC, 0644);
+        fd = openat(dir_fd, path, flags | O_DIRECT | O_CLOEXEC, 0644);
         if (fd >= 0) {
             *used_direct = 1;
             return fd;
@@ -236,7 +259,7 @@ int fp_open_for(const char *path, int flags, fp_direct_mode mode, int *used_dire
         if (errno != EINVAL || mode == FP_DIRECT_ON)
             return -errno;
     }
-    fd = open(path, flags | O_CLOEXEC, 0644);
+    fd = openat(dir_fd, path, flags | O_CLOEXEC, 0644);
     if (fd < 0)
         return -errno;
     *used_direct = 0;

@@ -191,10 +191,10 @@ static int plan_pieces(fp_write_job *job, const fp_wseg *segs, size_t nsegs)
     return 0;
 }
 
-static int write_once(fp_write_job *job, const char *path, const fp_opts *opts,
-                      fp_direct_mode mode, fp_ring *ring, int *used_direct)
+static int write_once(fp_write_job *job, int dir_fd, const char *path, int flags,
+                      const fp_opts *opts, fp_direct_mode mode, fp_ring *ring, int *used_direct)
 {
-    int fd = fp_open_for(path, O_WRONLY | O_CREAT | O_TRUNC, mode, used_direct);
+    int fd = fp_open_for(dir_fd, path, flags, mode, used_direct);
     if (fd < 0) {
         fp_set_error("open %s for writing: %s", path, strerror(-fd));
         return fd;
@@ -234,6 +234,19 @@ static int write_once(fp_write_job *job, const char *path, const fp_opts *opts,
 int fp_write_file(const char *path, const fp_wseg *segs, size_t nsegs, uint64_t size,
                   const fp_opts *opts, uint32_t *crcs, int *used_direct)
 {
+    return fp_write_file_at(AT_FDCWD, path, segs, nsegs, size, opts, crcs, used_direct);
+}
+
+int fp_write_file_at(int dir_fd, const char *name, const fp_wseg *segs, size_t nsegs,
+                     uint64_t size, const fp_opts *opts, uint32_t *crcs, int *used_direct)
+{
+    /* In a directory: a new file of ours, never through a link or a planted file. */
+    int in_dir = dir_fd != AT_FDCWD;
+    if (in_dir && (!name[0] || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))) {
+        fp_set_error("%s is not a plain file name", name);
+        return -FP_EBADARG;
+    }
+    int flags = O_WRONLY | (in_dir ? O_CREAT | O_EXCL | O_NOFOLLOW : O_CREAT | O_TRUNC);
     if (!opts->block_size || opts->block_size % FP_ALIGN) {
         fp_set_error("block size %zu is not a positive multiple of %u", opts->block_size,
                      FP_ALIGN);
@@ -251,10 +264,12 @@ int fp_write_file(const char *path, const fp_wseg *segs, size_t nsegs, uint64_t 
     pthread_mutex_init(&job.st.lock, NULL);
     rc = plan_pieces(&job, segs, nsegs);
     if (rc == 0) {
-        rc = write_once(&job, path, opts, opts->direct, ring, used_direct);
-        /* Some filesystems accept O_DIRECT at open and refuse the I/O. */
+        rc = write_once(&job, dir_fd, name, flags, opts, opts->direct, ring, used_direct);
+        /* Some filesystems accept O_DIRECT at open and refuse the I/O. The file
+         * is ours by now: the second try opens it again, without O_EXCL. */
         if (rc == -EINVAL && opts->direct == FP_DIRECT_AUTO && *used_direct)
-            rc = write_once(&job, path, opts, FP_DIRECT_OFF, ring, used_direct);
+            rc = write_once(&job, dir_fd, name, (flags & ~(O_CREAT | O_EXCL)) | O_TRUNC, opts,
+                            FP_DIRECT_OFF, ring, used_direct);
     }
     if (rc == 0)
         fp_fold_piece_crcs(job.pieces, job.npieces, crcs, nsegs);

@@ -11,19 +11,26 @@
 A crash before 3 leaves a staging directory and the old checkpoint; a crash
 after 3 leaves the new checkpoint and, under the staging name, the old one.
 Either way `fpctl gc` recognises the leftovers by name and removes them.
+
+In-process saves name everything by path. The daemon, which writes into a
+root that others may write too, gives a Staging its directories as open
+descriptors instead (DirFds, from daemon/rootfs.py): the same steps then run
+relative to them (dirs.py), so that nothing swapped into the path after Begin
+(a symbolic link to elsewhere) is followed, written or published.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-import re
-import secrets
 import shutil
-import socket
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import dirs
+from .dirs import fsync_dir as fsync_dir
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -33,9 +40,14 @@ from .errors import (
 )
 from .format.manifest import MANIFEST_NAME
 
-_LEFTOVER = re.compile(
-    r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old|del)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$"
-)
+# Leftovers are named and collected in leftovers.py; these names are commit's API too.
+from .leftovers import Leftover as Leftover
+from .leftovers import collect as collect
+from .leftovers import find_leftovers as find_leftovers
+from .leftovers import leftover_name as leftover_name
+from .leftovers import leftover_of as leftover_of
+from .leftovers import parse_leftover as parse_leftover
+from .leftovers import restores as restores
 
 
 def os_error(exc: OSError, what: str) -> CheckpointError:
@@ -50,14 +62,6 @@ def os_error(exc: OSError, what: str) -> CheckpointError:
     return CheckpointIOError(exc.errno or errno.EIO, msg)
 
 
-def fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_file(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -66,9 +70,12 @@ def fsync_file(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, data: bytes) -> None:
-    """Write a small file and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+def write_durably(path: str | Path, data: bytes, *, dir_fd: int | None = None) -> None:
+    """Write a small file and fsync it. With dir_fd, `path` is a new file's
+    name in that directory (never written through a link or an existing file)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+    flags |= os.O_TRUNC if dir_fd is None else os.O_EXCL | os.O_NOFOLLOW
+    fd = os.open(path, flags, 0o644, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:
@@ -78,21 +85,22 @@ def write_durably(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _exchange(a: Path, b: Path) -> None:
+def _exchange(a: str | Path, b: str | Path, *, dir_fd: int | None = None) -> None:
+    """Swap a and b atomically (paths, or names in dir_fd)."""
     try:
         from . import _engine
     except ImportError:
-        _exchange_ctypes(a, b)
+        _exchange_ctypes(a, b, dir_fd)
         return
-    _engine.rename_exchange(str(a), str(b))
+    _engine.rename_exchange(str(a), str(b), dir_fd=_engine.AT_FDCWD if dir_fd is None else dir_fd)
 
 
-def _exchange_ctypes(a: Path, b: Path) -> None:
+def _exchange_ctypes(a: str | Path, b: str | Path, dir_fd: int | None) -> None:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    at_fdcwd, rename_exchange = -100, 2
-    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+    at, rename_exchange = (-100 if dir_fd is None else dir_fd), 2  # -100: AT_FDCWD
+    if libc.renameat2(at, os.fsencode(a), at, os.fsencode(b), rename_exchange) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), str(a))
 
@@ -124,20 +132,42 @@ def _remove_created(created: list[Path]) -> None:
             return
 
 
-def _check_replaceable(target: Path) -> None:
-    """Refuse to replace anything but a checkpoint or an empty directory."""
-    if not os.path.lexists(target):
+def _check_replaceable(target: Path, dir_fd: int | None = None) -> None:
+    """Refuse to replace anything but a checkpoint or an empty directory (with
+    dir_fd: the entry target.name in that directory)."""
+    where = target if dir_fd is None else target.name
+    try:
+        st = os.stat(where, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
         return
-    if target.is_symlink() or not target.is_dir():
+    if not stat.S_ISDIR(st.st_mode):  # a symlink included
         raise CheckpointExistsError(
             errno.EEXIST, f"{target} exists and is not a checkpoint directory; not replacing it"
         )
-    if not (target / MANIFEST_NAME).exists() and any(target.iterdir()):
-        raise CheckpointExistsError(
-            errno.EEXIST,
-            f"{target} exists and is not a fastpersist checkpoint (no {MANIFEST_NAME}); "
-            "not replacing it",
-        )
+    fd = os.open(where, dirs.DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        if not dirs.lexists(MANIFEST_NAME, fd) and os.listdir(fd):
+            raise CheckpointExistsError(
+                errno.EEXIST,
+                f"{target} exists and is not a fastpersist checkpoint (no {MANIFEST_NAME}); "
+                "not replacing it",
+            )
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class DirFds:
+    """A staging directory held open, and the directory it lies in (the
+    target's parent): a daemon's Staging works relative to these."""
+
+    parent: int
+    staging: int
+
+    def close(self) -> None:
+        for fd in (self.staging, self.parent):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass
@@ -147,6 +177,9 @@ class Staging:
     target: Path
     path: Path
     created: list[Path] = field(default_factory=list)  # parents this save made
+    # The daemon's: the directories as descriptors (see the module's docstring);
+    # `path` then only names them in messages. None: by path (in-process).
+    fds: DirFds | None = None
 
     @classmethod
     def create(cls, target: Path) -> Staging:
@@ -169,40 +202,89 @@ class Staging:
             raise os_error(exc, f"cannot create a checkpoint in {parent}") from exc
         return cls(target=target, path=path, created=created)
 
+    @classmethod
+    def create_at(cls, parent_fd: int, target: Path) -> Staging:
+        """create() in the open directory `parent_fd` (target's parent), which
+        the Staging owns from here on (closed on failure too)."""
+        name = leftover_name(target.name, "tmp")
+        try:
+            _check_replaceable(target, parent_fd)
+            os.mkdir(name, 0o777, dir_fd=parent_fd)
+            try:
+                fd = dirs.open_dir(name, parent_fd)
+            except OSError:
+                os.rmdir(name, dir_fd=parent_fd)
+                raise
+        except BaseException as exc:
+            os.close(parent_fd)
+            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+                raise os_error(exc, f"cannot create a checkpoint in {target.parent}") from exc
+            raise
+        return cls(target=target, path=target.parent / name, fds=DirFds(parent_fd, fd))
+
     def commit(self, manifest: bytes, *, remove_replaced: bool = True) -> Path | None:
         """Steps 2-4 above. On return the checkpoint is durable under its name.
         A checkpoint it replaced is removed, or with remove_replaced=False left
-        for the caller under the returned (hidden, leftover) path."""
+        for the caller (remove_replaced()) under the returned (hidden,
+        leftover) path."""
         try:
-            write_durably(self.path / MANIFEST_NAME, manifest)
-            fsync_dir(self.path)
+            if self.fds is None:
+                write_durably(self.path / MANIFEST_NAME, manifest)
+                fsync_dir(self.path)
+            else:
+                write_durably(MANIFEST_NAME, manifest, dir_fd=self.fds.staging)
+                os.fsync(self.fds.staging)
             replaced = self._publish()
-            fsync_dir(self.target.parent)
+            if self.fds is None:
+                fsync_dir(self.target.parent)
+            else:
+                os.fsync(self.fds.parent)
         except CheckpointError:
             raise  # already specific (CheckpointExistsError from _publish)
         except OSError as exc:
             raise os_error(exc, f"cannot commit checkpoint {self.target}") from exc
         if not replaced:
+            self.close()
             return None
         # The old checkpoint now lives at self.path; gc would find it if we died here.
         if not remove_replaced:
             return self.path
-        shutil.rmtree(self.path, ignore_errors=True)
+        self.remove_replaced()
         return None
+
+    def remove_replaced(self) -> None:
+        """Remove the checkpoint a commit replaced (now under the staging name)."""
+        if self.fds is None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        with contextlib.suppress(OSError):
+            dirs.remove_tree(self.path.name, self.fds.parent)
+        self.close()
 
     def _publish(self) -> bool:
         """Move the staging directory to the target; True if it replaced one."""
         target = self.target
-        if not os.path.lexists(target):
+        if self.fds is not None and not dirs.is_entry(self.path.name, self.fds.parent,
+                                                       self.fds.staging):
+            # Someone moved it and put something else (a link) under its name:
+            # publishing that would make it the checkpoint.
+            raise CheckpointIOError(errno.ESTALE, f"the staging directory of {target} was "
+                                                  "moved or replaced while it was written")
+        at = None if self.fds is None else self.fds.parent
+        src, dst = (self.path, target) if at is None else (self.path.name, target.name)
+        if not dirs.lexists(dst, at):
             try:
-                os.rename(self.path, target)
+                os.rename(src, dst, src_dir_fd=at, dst_dir_fd=at)
                 return False
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise  # a save that raced us to the name is handled below
-        _check_replaceable(target)  # again: it may have appeared while we wrote
+        _check_replaceable(target, at)  # again: it may have appeared while we wrote
         try:
-            _exchange(self.path, target)
+            if at is None:
+                _exchange(src, dst)
+            else:
+                _exchange(src, dst, dir_fd=at)
         except OSError as exc:
             if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
                 raise
@@ -210,90 +292,47 @@ class Staging:
             # A crash between the renames leaves it under a `.fp-old` name that
             # gc puts back.
             aside = target.parent / leftover_name(target.name, "old")
-            os.rename(target, aside)
-            os.rename(self.path, target)
+            os.rename(dst, aside if at is None else aside.name, src_dir_fd=at, dst_dir_fd=at)
+            os.rename(src, dst, src_dir_fd=at, dst_dir_fd=at)
             self.path = aside
         return True
 
     def abort(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-        _remove_created(self.created)
+        if self.fds is None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            _remove_created(self.created)
+            return
+        with contextlib.suppress(OSError):
+            if dirs.is_entry(self.path.name, self.fds.parent, self.fds.staging):
+                dirs.remove_tree(self.path.name, self.fds.parent)
+            else:  # moved away by someone: empty it where it is, touch nothing else
+                dirs.empty_dir(self.fds.staging)
+        self.close()
+
+    def close(self) -> None:
+        """Release the descriptors (a daemon's Staging); the directory stays."""
+        if self.fds is not None:
+            self.fds.close()
+            self.fds = None
 
 
-def delete_checkpoint(path: Path) -> None:
+def delete_checkpoint(path: Path, *, dir_fd: int | None = None) -> None:
     """Delete a checkpoint so that no crash leaves a half-deleted one under its
     name: rename it to a hidden `del` leftover (atomic, durable), then remove
-    that. gc finishes the removal if we die in between."""
+    that. gc finishes the removal if we die in between. With dir_fd (the open
+    parent), path.name in it."""
     aside = path.parent / leftover_name(path.name, "del")
     try:
-        os.rename(path, aside)
-        fsync_dir(path.parent)
+        if dir_fd is None:
+            os.rename(path, aside)
+            fsync_dir(path.parent)
+        else:
+            os.rename(path.name, aside.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
     except OSError as exc:
         raise os_error(exc, f"cannot delete checkpoint {path}") from exc
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def leftover_name(name: str, kind: str) -> str:
-    return f".{name}.fp-{kind}-{os.getpid()}-{secrets.token_hex(4)}@{socket.gethostname()}"
-
-
-@dataclass(frozen=True)
-class Leftover:
-    path: Path
-    target_name: str
-    # "tmp": an unfinished (or replaced) save; "old": moved aside by a replace;
-    # "del": a checkpoint being deleted (retention)
-    kind: str
-    pid: int
-    host: str
-
-    @property
-    def owner_alive(self) -> bool:
-        """Whether the process that made it may still be writing it."""
-        if self.host != socket.gethostname():
-            return True  # cannot tell; never touch another machine's save
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
-def parse_leftover(path: Path) -> Leftover | None:
-    m = _LEFTOVER.match(path.name)
-    if not m or not path.is_dir():
-        return None
-    return Leftover(path, m["name"], m["kind"], int(m["pid"]), m["host"])
-
-
-def find_leftovers(root: Path) -> list[Leftover]:
-    found = []
-    for entry in sorted(root.iterdir()):
-        leftover = parse_leftover(entry)
-        if leftover is not None:
-            found.append(leftover)
-    return found
-
-
-def restores(leftover: Leftover) -> bool:
-    """Whether gc puts this leftover back instead of removing it: the old copy
-    of an interrupted replace, when it is the only copy left."""
-    target = leftover.path.parent / leftover.target_name
-    return (
-        leftover.kind == "old"
-        and not os.path.lexists(target)
-        and (leftover.path / MANIFEST_NAME).exists()
-    )
-
-
-def collect(leftover: Leftover) -> str:
-    """Clean one leftover whose owner is gone; returns what was done."""
-    target = leftover.path.parent / leftover.target_name
-    if restores(leftover):
-        os.rename(leftover.path, target)
-        fsync_dir(target.parent)
-        return f"restored {target} from {leftover.path.name}"
-    shutil.rmtree(leftover.path)
-    return f"removed {leftover.path.name}"
+    if dir_fd is None:
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            dirs.remove_tree(aside.name, dir_fd)

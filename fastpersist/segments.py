@@ -95,7 +95,9 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
     # Before the request leaves: if its reply is lost, the daemon may have
     # mapped the segment all the same.
     staged.lend()
-    client.submit_shm(ident, index, layout.layout.header, segment.name, 0, length)
+    segment.seal(ident)  # the daemon takes only segments that carry the checkpoint's tag
+    client.submit_shm(ident, index, layout.layout.header, segment.name, segment.data_offset,
+                      length)
 
 
 def _chunks(order: list[StoredTensor]) -> Iterator[memoryview]:

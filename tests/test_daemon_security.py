@@ -24,24 +24,35 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 import torch
+from daemon_raw import (
+    Raw,
+    assert_serving,
+    close_remote_savers,
+    code_of,
+    details_of,
+    entry,
+    file_header,
+    mismatches,
+    raw_header,
+    staging_dirs,
+    staging_dirs_go,
+    tree_of,
+    valid_tree,
+)
 from daemon_support import Daemon
 from grpc import StatusCode as Code
 
 import fastpersist
-from fastpersist import plan, state
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
 from fastpersist.daemon_client import DaemonClient
 from fastpersist.errors import DaemonError, DaemonUnavailableError
-from fastpersist.format.safetensors_file import HeaderEntry, layout
-from fastpersist.shm import Segment
 
 OK = Code.OK
 INVALID = Code.INVALID_ARGUMENT
@@ -51,189 +62,6 @@ EXHAUSTED = Code.RESOURCE_EXHAUSTED
 Status = pb.CheckpointStatus
 ALIGN = 4096
 PAGE = mmap.PAGESIZE
-
-
-# -- helpers -----------------------------------------------------------------------
-
-
-def _code(fn: Callable[[], object]) -> Code:
-    """The status code a call ends with (OK when it returns)."""
-    try:
-        fn()
-    except grpc.RpcError as exc:
-        return exc.code()
-    return OK
-
-
-def _details(fn: Callable[[], object]) -> tuple[Code, str]:
-    try:
-        fn()
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""
-    return OK, ""
-
-
-def _mismatches(cases: dict[str, tuple[Code, Callable[[], object]]]) -> dict[str, str]:
-    """Run each case; the ones whose code differs from the expected one."""
-    out = {}
-    for name, (want, fn) in cases.items():
-        got, details = _details(fn)
-        if got != want:
-            out[name] = f"expected {want.name}, got {got.name}: {details[:200]}"
-    return out
-
-
-def _file(tensors: Iterable[tuple[str, int]]) -> tuple[bytes, int]:
-    """A valid data-file header for F32 tensors of the given element counts, and
-    the length of its data section."""
-    lay = layout([HeaderEntry(name, "F32", (n,), 4 * n) for name, n in tensors],
-                 {"format": "pt"})
-    return lay.header, lay.size - lay.data_start
-
-
-def _raw_header(doc: object, *, pad: bool = True, declared: int | None = None) -> bytes:
-    """A header from arbitrary JSON (or bytes): 8-byte length, text, padding."""
-    text = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
-    n = len(text)
-    if pad:
-        n = -(-(8 + n) // ALIGN) * ALIGN - 8
-    return struct.pack("<Q", n if declared is None else declared) + text + b" " * (n - len(text))
-
-
-def _entry(dtype: Any, shape: Any, begin: Any, end: Any) -> dict[str, Any]:
-    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
-
-
-class Raw:
-    """Raw stubs on a daemon's Unix socket, and the segments and Watch streams a
-    test made through them (closed at the end)."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self.channel = grpc.insecure_channel("unix:" + str(daemon.socket))
-        self.stub = pb_grpc.FastPersistStub(self.channel)
-        self._segments: list[Segment] = []
-        self._watches: list[Any] = []
-
-    def close(self) -> None:
-        for call in self._watches:
-            call.cancel()
-        self.channel.close()
-        for seg in self._segments:
-            with contextlib.suppress(Exception):
-                seg.close()
-
-    def segment(self, data: bytes, size: int | None = None) -> Segment:
-        seg = Segment(self.daemon.shm_dir, max(size or len(data), PAGE))
-        assert seg.map is not None
-        seg.map[:len(data)] = data
-        self._segments.append(seg)
-        return seg
-
-    def begin(self, path: str = "a/ck", client: str = "t", staging: int = 1 << 20,
-              files: int = 1) -> str:
-        reply = self.stub.Begin(pb.BeginRequest(path=path, client_id=client,
-                                                staging_bytes=staging, file_count=files),
-                                timeout=10)
-        return str(reply.checkpoint_id)
-
-    def submit(self, ident: str, index: int, header: bytes, segment: str, offset: int = 0,
-               length: int = 0) -> pb.SubmitResponse:
-        return self.stub.SubmitShm(pb.SubmitShmRequest(
-            checkpoint_id=ident, file=pb.DataFile(index=index, header=header),
-            data=pb.ShmRef(segment=segment, offset=offset, length=length)), timeout=10)
-
-    def stream(self, chunks: Iterable[pb.StreamChunk]) -> pb.SubmitResponse:
-        return self.stub.SubmitStream(iter(list(chunks)), timeout=10)
-
-    def watch(self, ident: str) -> Any:
-        """Open a Watch stream and read its first status, so that the daemon
-        counts it before this returns."""
-        call = self.stub.Watch(pb.WaitRequest(checkpoint_id=ident))
-        self._watches.append(call)
-        next(call)
-        return call
-
-    def commit(self, ident: str, tree_json: str, order: list[str]) -> pb.CommitResponse:
-        return self.stub.Commit(pb.CommitRequest(checkpoint_id=ident, tree_json=tree_json,
-                                                 tensor_order=order), timeout=10)
-
-    def abort(self, ident: str) -> pb.AbortResponse:
-        return self.stub.Abort(pb.AbortRequest(checkpoint_id=ident), timeout=10)
-
-    def wait(self, ident: str, timeout: float = 10) -> pb.CheckpointStatus:
-        return self.stub.Wait(pb.WaitRequest(checkpoint_id=ident), timeout=timeout)
-
-    def list(self, path: str) -> pb.ListResponse:
-        return self.stub.List(pb.ListRequest(path=path), timeout=10)
-
-    def delete(self, path: str) -> pb.DeleteResponse:
-        return self.stub.Delete(pb.DeleteRequest(path=path), timeout=10)
-
-    def save(self, path: str, value: torch.Tensor, client: str = "t") -> pb.CheckpointStatus:
-        """A complete, valid checkpoint {"w": value} through SubmitShm."""
-        tree, leaves = state.encode({"w": value})
-        stored = plan.plan_tensors(leaves)
-        assert [s.name for s in stored] == ["w"]
-        header, n = _file([("w", value.numel())])
-        seg = self.segment(value.numpy().tobytes())
-        ident = self.begin(path, client=client, staging=seg.size)
-        self.submit(ident, 0, header, seg.name, 0, n)
-        self.watch(ident)
-        self.commit(ident, json.dumps(tree), [s.name for s in stored])
-        return self.wait(ident)
-
-
-def _valid_tree() -> str:
-    """The tree of {"w": <a tensor>}; plan_tensors fills in its entry index."""
-    tree, leaves = state.encode({"w": torch.zeros(4)})
-    assert [s.name for s in plan.plan_tensors(leaves)] == ["w"]
-    return json.dumps(tree)
-
-
-def _staging_dirs(directory: Path) -> list[str]:
-    if not directory.is_dir():
-        return []
-    return sorted(p.name for p in directory.iterdir() if ".fp-tmp" in p.name)
-
-
-def _staging_dirs_go(directory: Path, timeout: float = 3.0) -> list[str]:
-    """The staging directories left after `timeout`. A worker still writing a
-    file when its checkpoint was aborted removes the directory once that write
-    (fsync included) ends, which can be just after the status says ABORTED."""
-    deadline = time.monotonic() + timeout
-    while (left := _staging_dirs(directory)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return left
-
-
-def _tree(directory: Path) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
-
-
-def _close_remote_savers() -> None:
-    import fastpersist.remote as remote
-
-    for saver in list(remote._remote_savers.values()):
-        with contextlib.suppress(Exception):
-            saver.close(abort=True)
-    remote._remote_savers.clear()
-
-
-def _assert_serving(daemon: Daemon, name: str = "final") -> None:
-    """The daemon is alive, healthy, and a normal save through it works."""
-    assert daemon.proc is not None
-    assert daemon.proc.poll() is None, f"fastpersistd died ({daemon.proc.returncode}):\n" \
-                                       f"{daemon.log[-3000:]}"
-    client = daemon.client()
-    try:
-        assert client.health() == "SERVING"
-    finally:
-        client.close()
-    target = daemon.root / "serving" / name
-    value = torch.arange(16, dtype=torch.float32)
-    fastpersist.save({"w": value}, target, daemon=daemon.address)
-    assert torch.equal(fastpersist.load(target)["w"], value)
 
 
 @pytest.fixture
@@ -262,7 +90,7 @@ def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     try:
         yield start
     finally:
-        _close_remote_savers()
+        close_remote_savers()
         for d in started:
             d.cleanup()
 
@@ -326,8 +154,8 @@ BAD_PATHS = {
 
 def test_begin_list_delete_refuse_paths_outside_root(daemon: Daemon, raw: Raw, escape: Path,
                                                      tmp_path: Path) -> None:
-    before_outside = _tree(escape)
-    before_root = _tree(daemon.root)
+    before_outside = tree_of(escape)
+    before_root = tree_of(daemon.root)
     before_tmp = sorted(p.name for p in tmp_path.iterdir())
     cases: dict[str, tuple[Code, Callable[[], object]]] = {}
     for name, path in BAD_PATHS.items():
@@ -335,79 +163,79 @@ def test_begin_list_delete_refuse_paths_outside_root(daemon: Daemon, raw: Raw, e
         if path:  # List of "" lists the root itself
             cases[f"List {name}"] = (INVALID, lambda p=path: raw.list(p))
         cases[f"Delete {name}"] = (INVALID, lambda p=path: raw.delete(p))
-    assert _mismatches(cases) == {}
-    assert _tree(escape) == before_outside
-    assert _tree(daemon.root) == before_root
+    assert mismatches(cases) == {}
+    assert tree_of(escape) == before_outside
+    assert tree_of(daemon.root) == before_root
     assert sorted(p.name for p in tmp_path.iterdir()) == before_tmp
     assert not Path("/abs").exists()
     # The root itself lists fine and shows nothing from outside.
     assert [e.name for e in raw.list("").entries] == []
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_client_library_refuses_paths_outside_root(daemon: Daemon, escape: Path,
                                                    tmp_path: Path) -> None:
-    before = _tree(escape)
+    before = tree_of(escape)
     for target in (tmp_path / "outside-save", daemon.root / "link" / "x", daemon.root):
         with pytest.raises(DaemonError):
             fastpersist.save({"w": torch.zeros(2)}, target, daemon=daemon.address)
     assert not (tmp_path / "outside-save").exists()
-    assert _tree(escape) == before
-    _assert_serving(daemon)
+    assert tree_of(escape) == before
+    assert_serving(daemon)
 
 
 # -- 3. malformed requests -------------------------------------------------------------
 
 
 def test_malformed_data_file_headers(daemon: Daemon, raw: Raw) -> None:
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(bytes(range(16)) * 4)
     ident = raw.begin(files=2)
 
     def submit(h: bytes, length: int = n, index: int = 0) -> Callable[[], object]:
         return lambda: raw.submit(ident, index, h, seg.name, 0, length)
 
-    ok_json = {"w": _entry("F32", [4], 0, 16)}
-    unpadded = _raw_header(ok_json, pad=False)
+    ok_json = {"w": entry("F32", [4], 0, 16)}
+    unpadded = raw_header(ok_json, pad=False)
     assert len(unpadded) % ALIGN
     cases = {
         "empty": (INVALID, submit(b"")),
         "short garbage": (INVALID, submit(b"abc")),
         "garbage": (INVALID, submit(secrets.token_bytes(ALIGN))),
         "garbage, length prefix 1 GiB": (INVALID, submit(struct.pack("<Q", 1 << 30) + b"x" * 8)),
-        "length prefix beyond the bytes": (INVALID, submit(_raw_header(ok_json,
+        "length prefix beyond the bytes": (INVALID, submit(raw_header(ok_json,
                                                                        declared=ALIGN * 2))),
-        "length prefix short of the bytes": (INVALID, submit(_raw_header(ok_json, declared=100))),
-        "not UTF-8": (INVALID, submit(_raw_header(b"\xff\xfe{}"))),
-        "not JSON": (INVALID, submit(_raw_header(b"{not json"))),
-        "JSON list": (INVALID, submit(_raw_header([1, 2, 3]))),
-        "JSON string": (INVALID, submit(_raw_header("w"))),
-        "entry not an object": (INVALID, submit(_raw_header({"w": 5}))),
-        "entry without dtype": (INVALID, submit(_raw_header(
+        "length prefix short of the bytes": (INVALID, submit(raw_header(ok_json, declared=100))),
+        "not UTF-8": (INVALID, submit(raw_header(b"\xff\xfe{}"))),
+        "not JSON": (INVALID, submit(raw_header(b"{not json"))),
+        "JSON list": (INVALID, submit(raw_header([1, 2, 3]))),
+        "JSON string": (INVALID, submit(raw_header("w"))),
+        "entry not an object": (INVALID, submit(raw_header({"w": 5}))),
+        "entry without dtype": (INVALID, submit(raw_header(
             {"w": {"shape": [4], "data_offsets": [0, 16]}}))),
-        "gap between tensors": (INVALID, submit(_raw_header(
-            {"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [2], 12, 20)}), 20)),
-        "overlapping tensors": (INVALID, submit(_raw_header(
-            {"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [2], 4, 12)}), 12)),
-        "tensors short of the data": (INVALID, submit(_raw_header(ok_json), 32)),
-        "tensors beyond the data": (INVALID, submit(_raw_header(ok_json), 8)),
-        "offsets reversed": (INVALID, submit(_raw_header({"w": _entry("F32", [0], 16, 0)}), 0)),
-        "negative offset": (INVALID, submit(_raw_header({"w": _entry("F32", [4], -16, 0)}), 0)),
-        "unknown dtype": (INVALID, submit(_raw_header({"w": _entry("F33", [4], 0, 16)}))),
-        "shape/length mismatch": (INVALID, submit(_raw_header({"w": _entry("F32", [3], 0, 16)}))),
+        "gap between tensors": (INVALID, submit(raw_header(
+            {"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 12, 20)}), 20)),
+        "overlapping tensors": (INVALID, submit(raw_header(
+            {"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 4, 12)}), 12)),
+        "tensors short of the data": (INVALID, submit(raw_header(ok_json), 32)),
+        "tensors beyond the data": (INVALID, submit(raw_header(ok_json), 8)),
+        "offsets reversed": (INVALID, submit(raw_header({"w": entry("F32", [0], 16, 0)}), 0)),
+        "negative offset": (INVALID, submit(raw_header({"w": entry("F32", [4], -16, 0)}), 0)),
+        "unknown dtype": (INVALID, submit(raw_header({"w": entry("F33", [4], 0, 16)}))),
+        "shape/length mismatch": (INVALID, submit(raw_header({"w": entry("F32", [3], 0, 16)}))),
         "data_start not 4096-aligned": (INVALID, submit(unpadded)),
         "index == file_count": (INVALID, submit(header, index=2)),
         "index huge": (INVALID, submit(header, index=2**32 - 1)),
     }
-    assert _mismatches(cases) == {}
+    assert mismatches(cases) == {}
 
     # A valid file 0, then the same index again, then its tensor in file 1.
     raw.submit(ident, 0, header, seg.name, 0, n)
-    code, details = _details(submit(header))
+    code, details = details_of(submit(header))
     assert code == INVALID and "already submitted" in details, details
-    code, details = _details(submit(header, index=1))
+    code, details = details_of(submit(header, index=1))
     assert code == INVALID and "already in another data file" in details, details
-    header_v, n_v = _file([("v", 4)])
+    header_v, n_v = file_header([("v", 4)])
     raw.submit(ident, 1, header_v, seg.name, 0, n_v)
     raw.watch(ident)
     raw.commit(ident, json.dumps({"t": "dict", "k": ["w", "v"],
@@ -417,11 +245,11 @@ def test_malformed_data_file_headers(daemon: Daemon, raw: Raw) -> None:
     loaded = fastpersist.load(daemon.root / "a" / "ck")
     expect = torch.frombuffer(bytearray(bytes(range(16))), dtype=torch.float32)
     assert torch.equal(loaded["w"], expect) and torch.equal(loaded["v"], expect)
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_malformed_segment_references(daemon: Daemon, raw: Raw) -> None:
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(b"\x01" * n, size=PAGE)
     ident = raw.begin()
     (daemon.shm_dir / "fastpersist-link").symlink_to(seg.path)
@@ -446,21 +274,21 @@ def test_malformed_segment_references(daemon: Daemon, raw: Raw) -> None:
         "length beyond the segment": (INVALID, submit(seg.name, length=PAGE + 16)),
         "offset overflowing u64": (INVALID, submit(seg.name, offset=2**64 - PAGE)),
     }
-    assert _mismatches(cases) == {}
+    assert mismatches(cases) == {}
     # The refusals left the checkpoint as it was: the right segment still goes in.
     raw.submit(ident, 0, header, seg.name, 0, n)
     raw.watch(ident)
-    raw.commit(ident, _valid_tree(), ["w"])
+    raw.commit(ident, valid_tree(), ["w"])
     assert raw.wait(ident).state == Status.COMMITTED
     assert fastpersist.load(daemon.root / "a" / "ck")["w"].numpy().tobytes() == b"\x01" * n
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_out_of_sequence_calls_and_unknown_ids(daemon: Daemon, raw: Raw) -> None:
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(b"\x00" * n)
     unknown = secrets.token_hex(12)
-    tree = _valid_tree()
+    tree = valid_tree()
 
     cases: dict[str, tuple[Code, Callable[[], object]]] = {
         "SubmitShm unknown id": (NOT_FOUND, lambda: raw.submit(unknown, 0, header, seg.name, 0,
@@ -476,16 +304,16 @@ def test_out_of_sequence_calls_and_unknown_ids(daemon: Daemon, raw: Raw) -> None
             pb.WaitRequest(checkpoint_id=unknown), timeout=10))),
         "Abort empty id": (NOT_FOUND, lambda: raw.abort("")),
     }
-    assert _mismatches(cases) == {}
+    assert mismatches(cases) == {}
 
     # Commit before every file is in.
     ident = raw.begin(files=2)
     raw.submit(ident, 0, header, seg.name, 0, n)
-    assert _code(lambda: raw.commit(ident, tree, ["w"])) == PRECONDITION
+    assert code_of(lambda: raw.commit(ident, tree, ["w"])) == PRECONDITION
     raw.abort(ident)
     assert raw.wait(ident).state == Status.ABORTED
-    assert _code(lambda: raw.submit(ident, 1, header, seg.name, 0, n)) == PRECONDITION
-    assert _code(lambda: raw.commit(ident, tree, ["w"])) == PRECONDITION
+    assert code_of(lambda: raw.submit(ident, 1, header, seg.name, 0, n)) == PRECONDITION
+    assert code_of(lambda: raw.commit(ident, tree, ["w"])) == PRECONDITION
 
     # After Commit: no more files, no second Commit.
     ident = raw.begin("b/ck")
@@ -497,9 +325,9 @@ def test_out_of_sequence_calls_and_unknown_ids(daemon: Daemon, raw: Raw) -> None
                                                                     0, n)),
         "Commit after Commit": (PRECONDITION, lambda: raw.commit(ident, tree, ["w"])),
     }
-    assert _mismatches(after) == {}
+    assert mismatches(after) == {}
     assert raw.wait(ident).state == Status.COMMITTED
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_abort_after_commit_is_refused(daemon: Daemon, raw: Raw) -> None:
@@ -508,19 +336,19 @@ def test_abort_after_commit_is_refused(daemon: Daemon, raw: Raw) -> None:
     OK would tell the client its checkpoint was dropped when it is on disk."""
     status = raw.save("a/ck", torch.ones(4))
     assert status.state == Status.COMMITTED
-    code = _code(lambda: raw.abort(status.checkpoint_id))
+    code = code_of(lambda: raw.abort(status.checkpoint_id))
     assert code == PRECONDITION, f"Abort of a committed checkpoint answered {code.name}"
     assert raw.wait(status.checkpoint_id).state == Status.COMMITTED
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_commit_validation(daemon: Daemon, raw: Raw) -> None:
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(b"\x00" * n)
     ident = raw.begin()
     raw.submit(ident, 0, header, seg.name, 0, n)
     raw.watch(ident)
-    tree = _valid_tree()
+    tree = valid_tree()
     cases: dict[str, tuple[Code, Callable[[], object]]] = {
         "tensor_order missing a name": (INVALID, lambda: raw.commit(ident, tree, [])),
         "tensor_order with an extra name": (INVALID, lambda: raw.commit(ident, tree,
@@ -532,33 +360,33 @@ def test_commit_validation(daemon: Daemon, raw: Raw) -> None:
         "tree_json nested 100000 deep": (INVALID, lambda: raw.commit(ident, "[" * 100_000,
                                                                       ["w"])),
     }
-    assert _mismatches(cases) == {}
+    assert mismatches(cases) == {}
     # None of that changed the checkpoint.
     assert [c.state for c in raw.list("").in_flight] == [Status.RECEIVING]
     raw.commit(ident, tree, ["w"])
     assert raw.wait(ident).state == Status.COMMITTED
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_tree_json_with_nan_is_refused_at_commit(daemon: Daemon, raw: Raw) -> None:
     """NaN/Infinity are not JSON. Commit must refuse them (INVALID_ARGUMENT)
     rather than accept the hand-over and fail the checkpoint afterwards."""
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(b"\x00" * n)
     ident = raw.begin()
     raw.submit(ident, 0, header, seg.name, 0, n)
     raw.watch(ident)
     tree = '{"t": "dict", "k": ["w", "x"], "v": [{"t": "tensor", "e": 0}, NaN]}'
-    code = _code(lambda: raw.commit(ident, tree, ["w"]))
+    code = code_of(lambda: raw.commit(ident, tree, ["w"]))
     assert code == INVALID, f"Commit answered {code.name}"
     # Refused, not failed: the client may still commit a valid tree.
-    raw.commit(ident, _valid_tree(), ["w"])
+    raw.commit(ident, valid_tree(), ["w"])
     assert raw.wait(ident).state == Status.COMMITTED
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_submit_stream_malformed(daemon: Daemon, raw: Raw) -> None:
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     ident = raw.begin()
 
     def head(length: int = n, index: int = 0, h: bytes = header) -> pb.StreamChunk:
@@ -582,28 +410,28 @@ def test_submit_stream_malformed(daemon: Daemon, raw: Raw) -> None:
         "data_length disagrees with header": (INVALID, lambda: raw.stream([head(length=8),
                                                                           data(8)])),
     }
-    assert _mismatches(cases) == {}
+    assert mismatches(cases) == {}
     raw.stream([head(), data(8), data(n - 8)])
     raw.watch(ident)
-    raw.commit(ident, _valid_tree(), ["w"])
+    raw.commit(ident, valid_tree(), ["w"])
     assert raw.wait(ident).state == Status.COMMITTED
     assert fastpersist.load(daemon.root / "a" / "ck")["w"].numpy().tobytes() == b"\x03" * n
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_message_over_the_limit(daemon: Daemon, raw: Raw) -> None:
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(b"\x00" * n)
     ident = raw.begin()
     raw.submit(ident, 0, header, seg.name, 0, n)
     raw.watch(ident)
     big = '"' + "x" * (70 << 20) + '"'
-    assert _code(lambda: raw.commit(ident, big, ["w"])) == EXHAUSTED
-    assert _code(lambda: raw.submit(ident, 0, b"\x00" * (70 << 20), seg.name, 0, n)) \
+    assert code_of(lambda: raw.commit(ident, big, ["w"])) == EXHAUSTED
+    assert code_of(lambda: raw.submit(ident, 0, b"\x00" * (70 << 20), seg.name, 0, n)) \
         == EXHAUSTED
-    raw.commit(ident, _valid_tree(), ["w"])
+    raw.commit(ident, valid_tree(), ["w"])
     assert raw.wait(ident).state == Status.COMMITTED
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_begin_limits(daemon: Daemon, raw: Raw) -> None:
@@ -613,9 +441,9 @@ def test_begin_limits(daemon: Daemon, raw: Raw) -> None:
         "client_id empty": (INVALID, lambda: raw.begin(client="")),
         "client_id 300 chars": (INVALID, lambda: raw.begin(client="c" * 300)),
     }
-    assert _mismatches(cases) == {}
+    assert mismatches(cases) == {}
     assert list(daemon.root.iterdir()) == []  # nothing was made for them
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 # Headers that slip past the daemon's checks: the first five make its parsing
@@ -623,15 +451,15 @@ def test_begin_limits(daemon: Daemon, raw: Raw) -> None:
 # last is accepted. The contract (and server.py's docstring) wants
 # INVALID_ARGUMENT for malformed input.
 WEIRD_HEADERS = {
-    "dtype is a list": {"w": _entry(["F32"], [4], 0, 16)},
-    "dtype is an object": {"w": _entry({"F32": 1}, [4], 0, 16)},
+    "dtype is a list": {"w": entry(["F32"], [4], 0, 16)},
+    "dtype is an object": {"w": entry({"F32": 1}, [4], 0, 16)},
     "shape holds Infinity": b'{"w": {"dtype": "F32", "shape": [Infinity], '
                             b'"data_offsets": [0, 16]}}',
     "data_offsets hold 1e999": b'{"w": {"dtype": "F32", "shape": [4], '
                                b'"data_offsets": [0, 1e999]}}',
     "nested 100000 deep": b'{"w": ' + b"[" * 100_000 + b"}",
     # (-4) * (-1) * 4 bytes: the length matches, but no tensor has that shape.
-    "negative dimensions": {"w": _entry("F32", [-4, -1], 0, 16)},
+    "negative dimensions": {"w": entry("F32", [-4, -1], 0, 16)},
 }
 
 
@@ -639,9 +467,9 @@ WEIRD_HEADERS = {
 def test_header_edge_values_are_invalid_argument(daemon: Daemon, raw: Raw, doc: object) -> None:
     seg = raw.segment(b"\x00" * 16)
     ident = raw.begin()
-    code, details = _details(lambda: raw.submit(ident, 0, _raw_header(doc), seg.name, 0, 16))
+    code, details = details_of(lambda: raw.submit(ident, 0, raw_header(doc), seg.name, 0, 16))
     assert code == INVALID, f"{code.name}: {details}"
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_huge_stream_length_is_refused_cleanly(daemon: Daemon, raw: Raw) -> None:
@@ -650,24 +478,24 @@ def test_huge_stream_length_is_refused_cleanly(daemon: Daemon, raw: Raw) -> None
     code (RESOURCE_EXHAUSTED or INVALID_ARGUMENT), not UNKNOWN."""
     length = 1 << 62
     ident = raw.begin(staging=1 << 63)
-    header = _raw_header({"w": _entry("U8", [length], 0, length)})
+    header = raw_header({"w": entry("U8", [length], 0, length)})
     chunks = [pb.StreamChunk(header=pb.StreamHeader(
         checkpoint_id=ident, file=pb.DataFile(index=0, header=header), data_length=length))]
-    code, details = _details(lambda: raw.stream(chunks))
+    code, details = details_of(lambda: raw.stream(chunks))
     assert code in (EXHAUSTED, INVALID), f"{code.name}: {details}"
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_fifo_segment_does_not_hang_the_daemon(daemon: Daemon, raw: Raw) -> None:
     """A client can make any file in the shm directory; a FIFO named like a
     segment must be refused, not block the handler (and a worker thread) in
     open() until someone writes to it."""
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     fifo = daemon.shm_dir / "fastpersist-fifo"
     os.mkfifo(fifo)
     ident = raw.begin()
     try:
-        code, details = _details(lambda: raw.stub.SubmitShm(pb.SubmitShmRequest(
+        code, details = details_of(lambda: raw.stub.SubmitShm(pb.SubmitShmRequest(
             checkpoint_id=ident, file=pb.DataFile(index=0, header=header),
             data=pb.ShmRef(segment=fifo.name, offset=0, length=n)), timeout=1.5))
     finally:
@@ -675,7 +503,7 @@ def test_fifo_segment_does_not_hang_the_daemon(daemon: Daemon, raw: Raw) -> None
         with contextlib.suppress(OSError):
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     assert code == INVALID, f"{code.name}: {details}"
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_truncated_segment_does_not_kill_the_daemon(daemon: Daemon, raw: Raw) -> None:
@@ -683,8 +511,8 @@ def test_truncated_segment_does_not_kill_the_daemon(daemon: Daemon, raw: Raw) ->
     it): the daemon's mapping then faults (SIGBUS). That must fail the
     checkpoint, not the daemon and every other client's checkpoints."""
     big = 64 << 20
-    header0, n0 = _file([("a", big // 4)])
-    header1, n1 = _file([("b", 1024)])
+    header0, n0 = file_header([("a", big // 4)])
+    header1, n1 = file_header([("b", 1024)])
     seg0 = raw.segment(b"", size=big)
     seg1 = raw.segment(b"\x05" * n1)
     ident = raw.begin(staging=big + seg1.size, files=2)
@@ -706,14 +534,14 @@ def test_truncated_segment_does_not_kill_the_daemon(daemon: Daemon, raw: Raw) ->
         f"fastpersistd died with status {daemon.proc.returncode} after a client truncated a "
         "submitted segment")
     assert status is not None and status.state in (Status.FAILED, Status.COMMITTED), status
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 # -- 4. isolation between clients ---------------------------------------------------------
 
 
 def test_in_flight_path_and_ids_are_protected(daemon: Daemon, raw: Raw) -> None:
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(b"\x07" * n)
     ident = raw.begin("a/ck", client="alice")
     ids = {ident, *(raw.begin(f"ids/{i}", client=f"c{i}") for i in range(8))}
@@ -724,8 +552,8 @@ def test_in_flight_path_and_ids_are_protected(daemon: Daemon, raw: Raw) -> None:
     evil = Raw(daemon)
     try:
         for path in ("a/ck", "a//ck/", "a/ck/"):
-            assert _code(lambda p=path: evil.begin(p, client="mallory")) == PRECONDITION
-        assert _code(lambda: evil.begin("a/ck", client="alice")) == PRECONDITION
+            assert code_of(lambda p=path: evil.begin(p, client="mallory")) == PRECONDITION
+        assert code_of(lambda: evil.begin("a/ck", client="alice")) == PRECONDITION
         guesses = [secrets.token_hex(12), ident[:-1] + ("0" if ident[-1] != "0" else "1"),
                    ident.upper(), ident[:12], ident + "0", " " + ident]
         for guess in guesses:
@@ -736,11 +564,11 @@ def test_in_flight_path_and_ids_are_protected(daemon: Daemon, raw: Raw) -> None:
                 "Submit": (NOT_FOUND, lambda g=guess: evil.submit(
                     g, 0, header, seg.name, 0, n)),
             }
-            assert _mismatches(cases) == {}, guess
+            assert mismatches(cases) == {}, guess
         # Alice's checkpoint is untouched and goes through.
         raw.submit(ident, 0, header, seg.name, 0, n)
         raw.watch(ident)
-        raw.commit(ident, _valid_tree(), ["w"])
+        raw.commit(ident, valid_tree(), ["w"])
         assert raw.wait(ident).state == Status.COMMITTED
         # Whoever knows an id may act on it: the id is the capability.
         other = raw.begin("b/ck", client="bob")
@@ -749,7 +577,7 @@ def test_in_flight_path_and_ids_are_protected(daemon: Daemon, raw: Raw) -> None:
     finally:
         evil.close()
     assert fastpersist.load(daemon.root / "a" / "ck")["w"].numpy().tobytes() == b"\x07" * n
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def test_hostile_client_cannot_touch_a_committed_checkpoint(daemon: Daemon, raw: Raw) -> None:
@@ -759,7 +587,7 @@ def test_hostile_client_cannot_touch_a_committed_checkpoint(daemon: Daemon, raw:
     manifest = (target / "manifest.json").read_bytes()
     files = sorted((p.name, p.read_bytes()) for p in target.iterdir())
 
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(b"\xee" * n)
     ident = raw.begin("a/ck", client="mallory", files=2)
     junk = [
@@ -767,7 +595,7 @@ def test_hostile_client_cannot_touch_a_committed_checkpoint(daemon: Daemon, raw:
         lambda: raw.submit(ident, 0, header, "../" + target.name, 0, n),
         lambda: raw.submit(ident, 0, header, "fastpersist-nope", 0, n),
         lambda: raw.submit(ident, 5, header, seg.name, 0, n),
-        lambda: raw.commit(ident, _valid_tree(), ["w"]),
+        lambda: raw.commit(ident, valid_tree(), ["w"]),
         lambda: raw.commit(ident, "]", ["w"]),
         lambda: raw.delete("a/ck/manifest.json"),
         lambda: raw.delete("a/./ck"),
@@ -775,7 +603,7 @@ def test_hostile_client_cannot_touch_a_committed_checkpoint(daemon: Daemon, raw:
         lambda: raw.begin("a/ck/../ck", client="mallory"),
     ]
     for fn in junk:
-        assert _code(fn) != OK
+        assert code_of(fn) != OK
     raw.submit(ident, 0, header, seg.name, 0, n)  # half a checkpoint, then gone
     watch = raw.watch(ident)
     watch.cancel()
@@ -789,26 +617,26 @@ def test_hostile_client_cannot_touch_a_committed_checkpoint(daemon: Daemon, raw:
     loaded = fastpersist.load(target)
     assert torch.equal(loaded["w"], value) and loaded["step"] == 7
     raw.abort(third)
-    assert _staging_dirs_go(target.parent) == []
-    _assert_serving(daemon)
+    assert staging_dirs_go(target.parent) == []
+    assert_serving(daemon)
 
 
 def test_nested_begin_cannot_break_an_in_flight_checkpoint(daemon: Daemon, raw: Raw) -> None:
     """Mallory begins a checkpoint inside the directory Alice's in-flight
     checkpoint will be renamed to. Either that Begin is refused or Alice's
     checkpoint still commits; Mallory must not make it fail."""
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(b"\x09" * n)
     ident = raw.begin("a/ck", client="alice")
     raw.submit(ident, 0, header, seg.name, 0, n)
     raw.watch(ident)
-    code = _code(lambda: raw.begin("a/ck/inner", client="mallory"))
-    raw.commit(ident, _valid_tree(), ["w"])
+    code = code_of(lambda: raw.begin("a/ck/inner", client="mallory"))
+    raw.commit(ident, valid_tree(), ["w"])
     status = raw.wait(ident)
     assert status.state == Status.COMMITTED, (
         f"Begin of a/ck/inner by another client answered {code.name}, and then "
         f"a/ck ended {Status.State.Name(status.state)}: {status.error}")
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 # -- 5. budgets -----------------------------------------------------------------------------
@@ -818,16 +646,16 @@ def test_staging_budgets(start_daemon: Callable[..., Daemon]) -> None:
     d = start_daemon("--staging-budget", "1M", "--client-budget", "512K")
     r = Raw(d)
     try:
-        code, details = _details(lambda: r.begin("x/over", client="c1", staging=600 << 10))
+        code, details = details_of(lambda: r.begin("x/over", client="c1", staging=600 << 10))
         assert code == EXHAUSTED
         assert "budget" in details and str(512 << 10) in details, details
         assert not (d.root / "x").exists()
 
         k400 = 400 << 10
         first = r.begin("x/1", client="c1", staging=k400)
-        assert _code(lambda: r.begin("x/1b", client="c1", staging=k400)) == EXHAUSTED
+        assert code_of(lambda: r.begin("x/1b", client="c1", staging=k400)) == EXHAUSTED
         second = r.begin("x/2", client="c2", staging=k400)
-        code, details = _details(lambda: r.begin("x/3", client="c3", staging=k400))
+        code, details = details_of(lambda: r.begin("x/3", client="c3", staging=k400))
         assert code == EXHAUSTED
         assert "budget" in details and str(1 << 20) in details, details
         info = d.client().info()
@@ -837,31 +665,31 @@ def test_staging_budgets(start_daemon: Callable[..., Daemon]) -> None:
         third = r.begin("x/3", client="c3", staging=k400)
 
         # A commit frees it too: c2 finishes, then c4 fits.
-        header, n = _file([("w", 4)])
+        header, n = file_header([("w", 4)])
         seg = r.segment(b"\x01" * n)
         r.submit(second, 0, header, seg.name, 0, n)
         r.watch(second)
-        assert _code(lambda: r.begin("x/4", client="c4", staging=k400)) == EXHAUSTED
-        r.commit(second, _valid_tree(), ["w"])
+        assert code_of(lambda: r.begin("x/4", client="c4", staging=k400)) == EXHAUSTED
+        r.commit(second, valid_tree(), ["w"])
         assert r.wait(second).state == Status.COMMITTED
         fourth = r.begin("x/4", client="c4", staging=k400)
 
         # Data beyond what Begin reserved.
         small = r.begin("x/5", client="c5", staging=PAGE)
-        header_big, n_big = _file([("w", 2 * PAGE // 4)])
+        header_big, n_big = file_header([("w", 2 * PAGE // 4)])
         seg_big = r.segment(b"\x00" * n_big)
-        code, details = _details(lambda: r.submit(small, 0, header_big, seg_big.name, 0, n_big))
+        code, details = details_of(lambda: r.submit(small, 0, header_big, seg_big.name, 0, n_big))
         assert code == EXHAUSTED, details
         stream = [pb.StreamChunk(header=pb.StreamHeader(
             checkpoint_id=small, file=pb.DataFile(index=0, header=header_big),
             data_length=n_big)), pb.StreamChunk(data=b"\x00" * n_big)]
-        assert _code(lambda: r.stream(stream)) == EXHAUSTED
+        assert code_of(lambda: r.stream(stream)) == EXHAUSTED
         for ident in (third, fourth, small):
             r.abort(ident)
         assert d.client().info().staging_in_use == 0
     finally:
         r.close()
-    _assert_serving(d)
+    assert_serving(d)
 
 
 # -- 6. TCP -------------------------------------------------------------------------------
@@ -941,7 +769,7 @@ def test_tcp_needs_tls_and_the_token(start_daemon: Callable[..., Daemon],
         with pytest.raises(DaemonError) as exc_info:
             wrong.begin("a/ck", 1, 1)
         assert exc_info.value.code == "UNAUTHENTICATED"
-        assert _code(lambda: next(wrong.stub.Watch(pb.WaitRequest(checkpoint_id="x"),
+        assert code_of(lambda: next(wrong.stub.Watch(pb.WaitRequest(checkpoint_id="x"),
                                                    timeout=5))) == Code.UNAUTHENTICATED
     finally:
         wrong.close()
@@ -950,14 +778,14 @@ def test_tcp_needs_tls_and_the_token(start_daemon: Callable[..., Daemon],
     creds = grpc.ssl_channel_credentials(tls_files["cert"].read_bytes())
     with grpc.secure_channel(f"127.0.0.1:{port}", creds) as channel:
         stub = pb_grpc.FastPersistStub(channel)
-        assert _code(lambda: stub.Info(pb.InfoRequest(), timeout=5)) == Code.UNAUTHENTICATED
-        assert _code(lambda: stub.List(pb.ListRequest(path=""), timeout=5)) \
+        assert code_of(lambda: stub.Info(pb.InfoRequest(), timeout=5)) == Code.UNAUTHENTICATED
+        assert code_of(lambda: stub.List(pb.ListRequest(path=""), timeout=5)) \
             == Code.UNAUTHENTICATED
 
     # Plaintext to the TLS port gets nowhere.
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.FastPersistStub(channel)
-        code = _code(lambda: stub.Info(pb.InfoRequest(), timeout=3))
+        code = code_of(lambda: stub.Info(pb.InfoRequest(), timeout=3))
         assert code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED), code
 
 
@@ -965,21 +793,21 @@ def test_tcp_needs_tls_and_the_token(start_daemon: Callable[..., Daemon],
 
 
 def test_cancelled_watch_aborts_the_checkpoint(daemon: Daemon, raw: Raw) -> None:
-    header, n = _file([("w", 4)])
+    header, n = file_header([("w", 4)])
     seg = raw.segment(b"\x00" * n)
     ident = raw.begin()
     raw.submit(ident, 0, header, seg.name, 0, n)
-    assert _staging_dirs(daemon.root / "a")  # the file is being written into it
+    assert staging_dirs(daemon.root / "a")  # the file is being written into it
     watch = raw.watch(ident)
     watch.cancel()
     status = raw.wait(ident)
     assert status.state == Status.ABORTED
     assert status.error_code == "CheckpointAbortedError"
-    assert _staging_dirs_go(daemon.root / "a") == []
+    assert staging_dirs_go(daemon.root / "a") == []
     assert not (daemon.root / "a" / "ck").exists()
-    assert _code(lambda: raw.commit(ident, _valid_tree(), ["w"])) == PRECONDITION
+    assert code_of(lambda: raw.commit(ident, valid_tree(), ["w"])) == PRECONDITION
     assert d_info(daemon).staging_in_use == 0
-    _assert_serving(daemon)
+    assert_serving(daemon)
 
 
 def d_info(daemon: Daemon) -> pb.InfoResponse:
@@ -1003,7 +831,7 @@ def test_idle_timeout_aborts_unwatched_checkpoints(start_daemon: Callable[..., D
         elapsed = time.monotonic() - started
         assert status.state == Status.ABORTED
         assert 0.9 <= elapsed <= 4.5, elapsed
-        assert _staging_dirs_go(d.root / "i") == []
+        assert staging_dirs_go(d.root / "i") == []
         # List names the checkpoints in flight by path, never by id (the id is
         # the capability to act on a checkpoint).
         assert [(c.checkpoint_id, c.path, c.state) for c in r.list("").in_flight] == [
@@ -1011,5 +839,5 @@ def test_idle_timeout_aborts_unwatched_checkpoints(start_daemon: Callable[..., D
         r.abort(watched)
     finally:
         r.close()
-    _assert_serving(d)
+    assert_serving(d)
 

@@ -463,3 +463,55 @@ def test_sigbus_outside_the_engine_still_kills(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m"), str(tmp_path / "w")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == -signal.SIGBUS, (out.returncode, out.stdout, out.stderr)
+
+
+def test_write_relative_to_a_directory_creates_a_new_file_only(tmp_path: Path,
+                                                               engine_name: str) -> None:
+    """The daemon writes data files relative to its staging directory's fd: a
+    new file there, never through a symlink or over a file someone planted."""
+    from fastpersist.engine import get_engine
+
+    engine = get_engine(engine_name)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "link").symlink_to(outside)
+    (d / "planted").write_bytes(b"planted")
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        data = os.urandom(5000)
+        result = engine.write_file("new", [(data, 100)], 8192, dir_fd=fd)
+        assert (d / "new").read_bytes() == bytes(100) + data + bytes(8192 - 5100)
+        assert result.crcs == [crc32c.crc32c(data)]
+        for name in ("link", "planted", "new"):
+            with pytest.raises(FileExistsError):
+                engine.write_file(name, [(b"x", 0)], 1, dir_fd=fd)
+        with pytest.raises(ValueError):
+            engine.write_file("sub/new", [(b"x", 0)], 1, dir_fd=fd)
+    finally:
+        os.close(fd)
+    assert outside.read_bytes() == b"keep" and (d / "planted").read_bytes() == b"planted"
+
+
+def test_openat2_resolves_beneath_without_symlinks(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "link").symlink_to(tmp_path / "a" / "b")
+    how = _engine.RESOLVE_BENEATH | _engine.RESOLVE_NO_SYMLINKS
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    root = os.open(tmp_path / "a", flags)
+    try:
+        try:
+            fd = _engine.openat2(root, "b", flags, 0, how)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSYS, errno.EPERM):
+                pytest.skip(f"openat2 is refused here ({exc})")
+            raise
+        os.close(fd)
+        for path, err in (("link", errno.ELOOP), ("../a", errno.EXDEV),
+                          (str(tmp_path / "a" / "b"), errno.EXDEV), ("nothing", errno.ENOENT)):
+            with pytest.raises(OSError) as info:
+                _engine.openat2(root, path, flags, 0, how)
+            assert info.value.errno == err, path
+    finally:
+        os.close(root)

@@ -35,12 +35,13 @@ import hmac
 import json
 import os
 import secrets
-import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
-from ..commit import Staging, leftover_name, parse_leftover
+from .. import dirs
+from ..commit import DirFds, Staging, write_durably
 from ..errors import ManifestError
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
@@ -50,14 +51,25 @@ from ..format.manifest import (
     TensorRecord,
     records_to_json,
 )
-
-if TYPE_CHECKING:
-    from .checkpoints import Checkpoint
+from ..leftovers import leftover_name, leftover_of
 
 MAX_MANIFEST_BYTES = 64 << 20  # the daemon's gRPC message limit
 
 
 MARKER_NAME = ".fastpersist-job"  # in a job's directory: the hash of its secret
+
+
+class Part(Protocol):
+    """What a job needs of its parts (checkpoints.Checkpoint)."""
+
+    busy: bool
+    tensor_records: dict[str, TensorRecord]
+
+    @property
+    def terminal(self) -> bool: ...
+
+
+P = TypeVar("P", bound=Part)
 
 
 class JobState(enum.Enum):
@@ -78,7 +90,7 @@ def split_job_id(job_id: str) -> tuple[str, str]:
     return name, secret
 
 
-class Job:
+class Job(Generic[P]):
     """One distributed checkpoint's staging directory, as this daemon sees it.
 
     The id clients get is "DIRECTORY:SECRET": the directory is visible to
@@ -96,45 +108,60 @@ class Job:
         self.staging = staging
         self.owner = owner  # this daemon made the directory (BeginJob)
         self.secret_digest = secret_digest
-        self.parts: list[Checkpoint] = []
+        self.parts: list[P] = []
         self.state = JobState.OPEN
         self.committing = False  # CommitJob is checking and publishing it (unlocked)
         self.error = ""
         self.last_activity = time.monotonic()
         self.finished_at: float | None = None
         self.removed = False
+        # Removes the parent directories its BeginJob made, if they are empty.
+        self.remove_parents: Callable[[], None] = lambda: None
 
     @classmethod
-    def begin(cls, target: Path, relpath: str) -> tuple[Job, str]:
-        """Make the directory and its marker; (job, the id to give the client)."""
-        staging = Staging.create(target)
+    def begin(cls, staging: Staging, relpath: str) -> tuple[Job[P], str]:
+        """Mark a new staging directory (held open: Staging.create_at) as a
+        job's; (job, the id to give the client). OSError: the marker failed."""
+        assert staging.fds is not None
         secret = secrets.token_hex(16)
-        try:
-            (staging.path / MARKER_NAME).write_text(_digest(secret))
-        except OSError:
-            staging.abort()
-            raise
-        return cls(target, relpath, staging, True, _digest(secret)), f"{staging.path.name}:{secret}"
+        write_durably(MARKER_NAME, _digest(secret).encode(), dir_fd=staging.fds.staging)
+        job: Job[P] = cls(staging.target, relpath, staging, True, _digest(secret))
+        return job, f"{staging.path.name}:{secret}"
 
     @classmethod
-    def join(cls, target: Path, relpath: str, name: str, secret: str) -> Job:
+    def join(cls, parent_fd: int, target: Path, relpath: str, name: str, secret: str
+             ) -> Job[P]:
         """A job another daemon began: `name` (split_job_id) must be a job's
-        directory next to `target`, and `secret` its secret. LookupError: no such job."""
-        path = target.parent / name
+        directory in `parent_fd` (the open directory of `target`, which the job
+        owns from here on, also on failure), and `secret` its secret.
+        LookupError: no such job; ValueError: not a job's directory."""
         try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise LookupError(f"job {name} of {target.name} does not exist (any more)") from None
-        leftover = parse_leftover(path) if stat.S_ISDIR(st.st_mode) else None
-        if leftover is None or leftover.kind != "tmp" or leftover.target_name != target.name:
-            raise ValueError(f"job {name!r} is not a staging directory of {target.name}")
-        try:
-            digest = (path / MARKER_NAME).read_text()
-        except OSError:
-            raise ValueError(f"{name} is not a distributed checkpoint's directory") from None
+            leftover = leftover_of(target.parent / name)
+            if leftover is None or leftover.kind != "tmp" or leftover.target_name != target.name:
+                raise ValueError(f"job {name!r} is not a staging directory of {target.name}")
+            try:
+                fd = dirs.open_dir(name, parent_fd)
+            except FileNotFoundError:
+                raise LookupError(f"job {name} of {target.name} does not exist (any more)"
+                                  ) from None
+            except OSError:
+                raise ValueError(f"job {name!r} is not a staging directory of {target.name}"
+                                 ) from None
+            try:
+                # A regular file, read without blocking: a FIFO planted as the
+                # marker must not hang the request.
+                digest = dirs.read_regular(MARKER_NAME, fd, 256).decode("ascii", "replace")
+            except OSError:
+                os.close(fd)
+                raise ValueError(f"{name} is not a distributed checkpoint's directory") from None
+        except BaseException:
+            os.close(parent_fd)
+            raise
+        staging = Staging(target=target, path=target.parent / name, fds=DirFds(parent_fd, fd))
         if not hmac.compare_digest(digest, _digest(secret)):
+            staging.close()
             raise LookupError(f"job {name} of {target.name} does not exist (wrong secret)")
-        return cls(target, relpath, Staging(target=target, path=path), False, digest)
+        return cls(target, relpath, staging, False, digest)
 
     def holds(self, secret: str) -> bool:
         return hmac.compare_digest(self.secret_digest, _digest(secret))
@@ -152,34 +179,62 @@ class Job:
             self.error = error
             self.finished_at = time.monotonic()
 
-    def remove_if_idle(self) -> None:
-        """Remove an aborted job's directory once no worker of ours writes into
-        it. It is renamed aside first, so that other nodes' daemons still
-        writing parts fail to create files instead of recreating it."""
+    def take_removal(self) -> bool:
+        """Whether this aborted job's directory is to be removed now: no worker
+        of ours writes into it any more (and nobody took it on already).
+        Called with the service lock held; remove() does the work without it."""
         if (self.state != JobState.ABORTED or not self.owner or self.removed
                 or any(p.busy for p in self.parts)):
-            return
+            return False
         self.removed = True
-        aside = self.staging.path.parent / leftover_name(self.target.name, "del")
-        with contextlib.suppress(OSError):
-            os.rename(self.staging.path, aside)
-            self.staging.path = aside
-        self.staging.abort()
+        return True
 
-    def idle_seconds(self, now: float) -> float | None:
-        """How long nothing happened to an open job whose parts here finished:
-        no request, and (parts of other nodes' daemons) no file in its
-        directory written. None while something is going on."""
-        if not self.open or self.committing or any(not p.terminal for p in self.parts):
+    def remove(self) -> None:
+        """Remove the directory (take_removal). It is renamed aside first, so
+        that other nodes' daemons still writing parts fail to create files
+        instead of recreating it."""
+        fds = self.staging.fds
+        if fds is not None and dirs.is_entry(self.staging.path.name, fds.parent, fds.staging):
+            aside = self.staging.path.parent / leftover_name(self.target.name, "del")
+            with contextlib.suppress(OSError):
+                os.rename(self.staging.path.name, aside.name, src_dir_fd=fds.parent,
+                          dst_dir_fd=fds.parent)
+                self.staging.path = aside
+        self.staging.abort()
+        self.remove_parents()
+
+    def close(self) -> None:
+        """Forget a job another daemon began (its directory is that daemon's)."""
+        if not self.owner:
+            self.staging.close()
+
+    def quiet(self) -> bool:
+        """An open job whose parts here all finished: only the ranks' CommitJob,
+        or other nodes' daemons writing their parts, can move it on."""
+        return self.open and not self.committing and all(p.terminal for p in self.parts)
+
+    def newest_write(self) -> float | None:
+        """The time (time.time()) of the last change to the job's directory (a
+        part another node's daemon writes into it), None if it is gone. Reads
+        the directory: called without the service lock."""
+        fds = self.staging.fds
+        try:
+            if fds is None or not dirs.is_entry(self.staging.path.name, fds.parent,
+                                                fds.staging):
+                return None  # the directory is gone: nothing more will happen
+            with os.scandir(fds.staging) as entries:
+                return max([e.stat(follow_symlinks=False).st_mtime for e in entries]
+                           + [os.fstat(fds.staging).st_mtime])
+        except OSError:
+            return None
+
+    def idle_seconds(self, now: float, newest_write: float | None) -> float | None:
+        """How long nothing happened to a quiet job: no request, and no file in
+        its directory written (newest_write). None while it is not quiet."""
+        if not self.quiet():
             return None
         idle = now - self.last_activity
-        try:
-            newest = max([e.stat(follow_symlinks=False).st_mtime
-                          for e in os.scandir(self.staging.path)]
-                         + [os.stat(self.staging.path).st_mtime])
-        except OSError:
-            return idle  # the directory is gone: nothing more will happen
-        return min(idle, time.time() - newest)
+        return idle if newest_write is None else min(idle, time.time() - newest_write)
 
 
 def part_json(files: list[FileRecord], tensors: list[TensorRecord]) -> str:
@@ -187,7 +242,7 @@ def part_json(files: list[FileRecord], tensors: list[TensorRecord]) -> str:
     return json.dumps(records_to_json(files, tensors))
 
 
-def check_job_manifest(job: Job, data: bytes, node: str) -> None:
+def check_job_manifest(job: Job[P], data: bytes, node: str) -> None:
     """The manifest a client hands over must describe what is in the directory:
     every file it places here exists with its size, nothing else is there, and
     the files this daemon wrote carry the records it computed. Raises
@@ -206,7 +261,10 @@ def check_job_manifest(job: Job, data: bytes, node: str) -> None:
     if node and any(f.node is None for f in manifest.files):
         raise ValueError(f"node {node!r} given, but the manifest has files without a node")
     found: dict[str, int] = {}
-    for entry in os.scandir(job.staging.path):
+    assert job.staging.fds is not None
+    with os.scandir(job.staging.fds.staging) as entries:
+        listed = list(entries)
+    for entry in listed:
         if entry.name == MARKER_NAME:
             continue
         if entry.name == MANIFEST_NAME or not entry.is_file(follow_symlinks=False):

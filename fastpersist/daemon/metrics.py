@@ -31,6 +31,10 @@ class Metrics:
         self.rejected = Counter(
             "fastpersist_requests_rejected", "Requests refused, by gRPC status code", ["code"],
             registry=r)
+        self.housekeeping_failures = Counter(
+            "fastpersist_housekeeping_failures",
+            "Clean-ups and housekeeping passes that failed (logged; the daemon goes on)",
+            registry=r)
         self.reclaimed_segments = Counter(
             "fastpersist_reclaimed_segments", "Shared-memory segments of dead clients unlinked",
             registry=r)

@@ -1,6 +1,6 @@
 """The gRPC face of the daemon: request checks, error codes, servers.
 
-Every handler turns a request into a call on checkpoints.Service. Whatever a
+Every handler turns a request into a call on service.Service. Whatever a
 request holds, the daemon answers with a status code (INVALID_ARGUMENT for
 malformed input) and never dies of it: unexpected exceptions become INTERNAL
 and are logged. Two servers share one servicer: the Unix socket (no auth; the
@@ -22,25 +22,26 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from .. import knobs, shm
 from .._proto import fastpersist_pb2 as pb
 from .._proto import fastpersist_pb2_grpc as pb_grpc
 from .._version import __version__
-from ..commit import delete_checkpoint
-from ..errors import CheckpointError, ManifestError
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..commit import os_error
+from ..errors import CheckpointError
 from . import logs
-from .checkpoints import MAX_TENSORS, RequestError, Service, anonymous_buffer, invalid
-from .paths import PathError, confine
+from .budgets import anonymous_buffer
+from .paths import PathError, parse
+from .requests import MAX_ID_BYTES, RequestError, check_names, code_for, invalid
+from .service import Service
 
-SERVICE_NAME = "fastpersist.v1.FastPersist"
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_STREAM_CHUNK = 16 << 20
 # Each open Watch holds a worker thread; beyond this, calls are refused
 # (RESOURCE_EXHAUSTED) instead of queueing behind long-running streams.
 MAX_WORKERS = 128
+MAX_ERROR_CHARS = 1000
 
 T = TypeVar("T")
 
@@ -60,10 +61,16 @@ class Servicer(pb_grpc.FastPersistServicer):
             return fn()
         except RequestError as exc:
             self._reject(context, exc.code, str(exc))
-        except (PathError, shm.SegmentError) as exc:
+        except PathError as exc:
             self._reject(context, "INVALID_ARGUMENT", str(exc))
+        except shm.SegmentError as exc:
+            self._reject(context, exc.code, str(exc))
         except CheckpointError as exc:
-            self._reject(context, "FAILED_PRECONDITION", str(exc))
+            self._reject(context, code_for(exc), str(exc))
+        except OSError as exc:
+            # The file system refused (a directory vanished under the request...).
+            error = os_error(exc, "fastpersistd could not serve this request")
+            self._reject(context, code_for(error), str(error))
         except Exception as exc:
             if context.code() is not None:
                 raise  # context.abort's own exception: the status is set already
@@ -78,28 +85,30 @@ class Servicer(pb_grpc.FastPersistServicer):
         raise AssertionError("unreachable")  # context.abort raises
 
     def _reject(self, context: grpc.ServicerContext, code: str, message: str) -> None:
+        if len(message) > MAX_ERROR_CHARS:  # never echo a request back in full
+            message = message[:MAX_ERROR_CHARS] + "..."
         self.service.metrics.rejected.labels(code=code).inc()
         logs.info("rejected", code=code, reason=message, peer=context.peer())
         context.abort(getattr(grpc.StatusCode, code), message)
 
-    def _path(self, relative: str, *, allow_root: bool = False) -> Path:
-        return confine(self.service.root, relative, allow_root=allow_root)
 
     # -- RPCs ----------------------------------------------------------------
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        s = self.service
-        return pb.InfoResponse(
-            version=__version__, root=str(s.root), staging_budget=s.budgets.staging,
-            staging_in_use=s.reserved(), checkpoints_in_flight=len(s.in_flight()),
-            direct_io=self.direct_io, io_backend=knobs.current().io_backend,
-        )
+        def run() -> pb.InfoResponse:
+            s = self.service
+            reserved, in_flight = s.snapshot()
+            return pb.InfoResponse(
+                version=__version__, root=str(s.root.path), staging_budget=s.budgets.staging,
+                staging_in_use=reserved, checkpoints_in_flight=in_flight,
+                direct_io=self.direct_io, io_backend=knobs.current().io_backend,
+            )
+        return self._guard(context, run)
 
     def Begin(self, request: pb.BeginRequest, context: grpc.ServicerContext
               ) -> pb.BeginResponse:
         def run() -> pb.BeginResponse:
-            target = self._path(request.path)
-            ck = self.service.begin(target, request.path.strip("/"), request.client_id,
+            ck = self.service.begin(parse(request.path), request.client_id,
                                     request.staging_bytes, request.file_count,
                                     request.job_id, request.rank)
             return pb.BeginResponse(checkpoint_id=ck.id)
@@ -111,7 +120,8 @@ class Servicer(pb_grpc.FastPersistServicer):
             f, ref = request.file, request.data
             ck, entries = self.service.check_submit(request.checkpoint_id, f.index, f.header,
                                                     ref.length)
-            mapping = shm.open_range(self.service.shm_dir, ref.segment, ref.offset, ref.length)
+            mapping = shm.open_range(self.service.shm_fd, ref.segment, ref.offset, ref.length,
+                                     shm.tag_for(ck.id))
             self.service.submit(ck, f.index, f.header, entries, mapping)
             return pb.SubmitResponse()
         return self._guard(context, run)
@@ -150,8 +160,7 @@ class Servicer(pb_grpc.FastPersistServicer):
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext
                ) -> pb.CommitResponse:
         def run() -> pb.CommitResponse:
-            if len(request.tensor_order) > MAX_TENSORS:
-                raise invalid(f"tensor_order has more than {MAX_TENSORS} names")
+            check_names(request.tensor_order)
             self.service.commit(request.checkpoint_id, request.tree_json,
                                 list(request.tensor_order))
             return pb.CommitResponse()
@@ -186,42 +195,35 @@ class Servicer(pb_grpc.FastPersistServicer):
 
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         def run() -> pb.ListResponse:
-            directory = self._path(request.path, allow_root=True)
-            if not directory.is_dir():
-                raise RequestError("NOT_FOUND", f"{request.path or '.'} is not a directory")
-            entries = [e for e in (_entry(p) for p in sorted(directory.iterdir())) if e]
-            # Without ids: an id is the capability to submit to, commit or abort a
-            # checkpoint, and only the client that began it should hold it.
-            in_flight = [_status({**c.status(), "checkpoint_id": ""})
-                         for c in self.service.in_flight() if directory in c.target.parents]
-            return pb.ListResponse(entries=entries, in_flight=in_flight)
+            entries, in_flight = self.service.list(parse(request.path, allow_root=True,
+                                                         checkpoint=False))
+            return pb.ListResponse(
+                entries=[pb.ListEntry(name=name, state=state, bytes=nbytes, created_unix=created)
+                         for name, state, nbytes, created in entries],
+                # Without ids: an id is the capability to submit to, commit or abort a
+                # checkpoint, and only the client that began it should hold it.
+                in_flight=[_status({**c.status(), "checkpoint_id": ""}) for c in in_flight])
         return self._guard(context, run)
 
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext
                ) -> pb.DeleteResponse:
         def run() -> pb.DeleteResponse:
-            target = self._path(request.path)
-            if not (target / MANIFEST_NAME).is_file():
-                raise RequestError("NOT_FOUND", f"{request.path} is not a committed checkpoint")
-            if self.service.busy_at(target):
-                raise RequestError("FAILED_PRECONDITION",
-                                   f"a checkpoint of {request.path} is in flight")
-            delete_checkpoint(target)
-            logs.info("deleted", path=request.path)
+            self.service.delete(parse(request.path))
             return pb.DeleteResponse()
         return self._guard(context, run)
 
     def BeginJob(self, request: pb.BeginJobRequest, context: grpc.ServicerContext
                  ) -> pb.BeginJobResponse:
         def run() -> pb.BeginJobResponse:
-            target = self._path(request.path)
-            job_id = self.service.begin_job(target, request.path.strip("/"), request.client_id)
+            job_id = self.service.begin_job(parse(request.path), request.client_id)
             return pb.BeginJobResponse(job_id=job_id)
         return self._guard(context, run)
 
     def CommitJob(self, request: pb.CommitJobRequest, context: grpc.ServicerContext
                   ) -> pb.CommitJobResponse:
         def run() -> pb.CommitJobResponse:
+            if len(request.node) > MAX_ID_BYTES:
+                raise invalid(f"a node is at most {MAX_ID_BYTES} characters")
             self.service.commit_job(request.job_id, request.manifest, request.node)
             return pb.CommitJobResponse()
         return self._guard(context, run)
@@ -232,20 +234,6 @@ class Servicer(pb_grpc.FastPersistServicer):
             self.service.abort_job(request.job_id)
             return pb.AbortJobResponse()
         return self._guard(context, run)
-
-
-def _entry(path: Path) -> pb.ListEntry | None:
-    if path.name.startswith(".") or path.is_symlink() or not path.is_dir():
-        return None
-    manifest = path / MANIFEST_NAME
-    if not manifest.is_file():
-        return None
-    try:
-        m = Manifest.from_json(manifest.read_bytes(), str(path))
-    except (ManifestError, OSError) as exc:
-        return pb.ListEntry(name=path.name, state=f"corrupt: {exc}")
-    return pb.ListEntry(name=path.name, state="committed", bytes=m.total_bytes,
-                        created_unix=m.created_unix)
 
 
 class TokenAuth(grpc.ServerInterceptor):  # type: ignore[misc]
@@ -283,18 +271,6 @@ def build_server(servicer: Servicer, health_servicer: health.HealthServicer,
     pb_grpc.add_FastPersistServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server
-
-
-def health_servicer() -> health.HealthServicer:
-    h = health.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        h.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return h
-
-
-def set_not_serving(h: health.HealthServicer) -> None:
-    for name in ("", SERVICE_NAME):
-        h.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def prepare_socket(path: Path) -> None:

@@ -29,13 +29,17 @@ class Engine(Protocol):
     name: str
 
     def write_file(
-        self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True
+        self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True,
+        dir_fd: int | None = None,
     ) -> IOResult:
         """Write `size` bytes: each segment at its offset, zeros in gaps.
 
         Segments are sorted by offset and do not overlap. With fsync the file's
         data and size are durable on return (its directory entry is not).
-        Raises OSError, or ValueError for a malformed segment list.
+        With dir_fd (an open directory), `path` is the plain name of a new file
+        in it, created with O_EXCL | O_NOFOLLOW: nothing that exists there is
+        written through (FileExistsError). Raises OSError, or ValueError for a
+        malformed segment list.
         """
         ...
 

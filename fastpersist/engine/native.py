@@ -17,10 +17,10 @@ _BACKENDS = {
 _warned_devices: set[int] = set()
 
 
-def _warn_buffered(path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
+def _warn_buffered(path: str, dir_fd: int | None) -> None:
+    directory = os.path.dirname(os.path.abspath(path)) if dir_fd is None else "a directory"
     try:
-        device = os.stat(directory).st_dev
+        device = os.stat(directory).st_dev if dir_fd is None else os.fstat(dir_fd).st_dev
     except OSError:
         device = -1
     if device in _warned_devices:
@@ -47,14 +47,16 @@ class NativeEngine:
         self._queue_depth = k.io_queue_depth
 
     def write_file(
-        self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True
+        self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True,
+        dir_fd: int | None = None,
     ) -> IOResult:
         crcs, direct = _engine.write_file(
             path, segments, size, self._block_size, self._threads, _DIRECT_MODES[self._mode],
             fsync, backend=self._backend, queue_depth=self._queue_depth,
+            dir_fd=_engine.AT_FDCWD if dir_fd is None else dir_fd,
         )
         if not direct and self._mode == "auto":
-            _warn_buffered(path)
+            _warn_buffered(path, dir_fd)
         return IOResult(crcs=crcs, direct=direct)
 
     def read_file(

@@ -40,11 +40,18 @@ class ReferenceEngine:
     name = "python"
 
     def write_file(
-        self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True
+        self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True,
+        dir_fd: int | None = None,
     ) -> IOResult:
         views = [(memoryview(buf).cast("B"), offset) for buf, offset in segments]
         _check(views, size)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        if dir_fd is None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        elif "/" in path or path in ("", ".", ".."):
+            raise ValueError(f"{path} is not a plain file name")
+        else:  # a new file of ours in the directory, as the C engine does
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o644, dir_fd=dir_fd)
         try:
             cursor = 0
             crcs = []

@@ -1,0 +1,183 @@
+"""The jobs' calls: BeginJob, a part joining its job, CommitJob, AbortJob.
+
+A job (jobs.py) is one distributed checkpoint's staging directory; its parts
+are ordinary checkpoints begun with its id (service.py). CommitJob checks the
+ranks' manifest against the directory and publishes it, as a worker commits a
+checkpoint (commit.Staging).
+
+Torch-free: this runs in the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ..commit import Staging, os_error
+from ..errors import CheckpointError
+from . import logs
+from .budgets import parsing
+from .checkpoints import Checkpoint, State
+from .jobs import MARKER_NAME, Job, JobState, check_job_manifest
+from .paths import RequestPath
+from .registry import Registry
+from .requests import RequestError, check_client, code_for, invalid, shown, split_job
+from .rootfs import Root
+
+
+def create_staging(root: Root, path: RequestPath) -> tuple[Staging, list[tuple[str, ...]]]:
+    """A new staging directory for the checkpoint at `path`, its parents made
+    where missing, all beneath the root (rootfs.py); and the parents it made."""
+    parent_fd, created = root.make_parent(path.parts)
+    try:
+        return Staging.create_at(parent_fd, path.under(root.path)), created
+    except CheckpointError as exc:
+        root.remove_created(created)
+        raise RequestError(code_for(exc), str(exc)) from None
+
+
+class JobService:
+    def __init__(self, registry: Registry, root: Root) -> None:
+        self.registry = registry
+        self.root = root
+
+    def begin_job(self, path: RequestPath, client: str) -> str:
+        """Make a job's directory; returns its id (DIRECTORY:SECRET). The target
+        is claimed under the lock; the directory is made without it."""
+        check_client(client)
+        target, relpath = path.under(self.root.path), path.text
+        r = self.registry
+        with r.cond:
+            if r.draining:
+                raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
+            r.prune()
+            r.check_target_free(target, relpath, None)
+            r.claims[target] += 1
+        job: Job[Checkpoint] | None = None
+        try:
+            staging, created = create_staging(self.root, path)
+            try:
+                job, job_id = Job.begin(staging, relpath)
+            except OSError as exc:
+                staging.abort()
+                self.root.remove_created(created)
+                error = os_error(exc, f"cannot mark the job's directory of {relpath}")
+                raise RequestError(code_for(error), str(error)) from None
+            job.remove_parents = lambda: self.root.remove_created(created)
+        finally:
+            with r.cond:
+                r.claims[target] -= 1
+                if not r.claims[target]:
+                    del r.claims[target]
+                if job is not None:
+                    r.jobs[job.id] = job
+                    if r.draining:
+                        r.abort_job(job, "fastpersistd is shutting down")
+                        raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
+        logs.info("begin-job", job=job.id, client=client, path=relpath)
+        return job_id
+
+    def open_unknown(self, path: RequestPath, job_id: str) -> Job[Checkpoint] | None:
+        """The job of a part, opened from its directory when this daemon does
+        not know it (one begun by another node's daemon, on shared storage):
+        reads the directory, so without the lock. None: known here already."""
+        name, secret = split_job(job_id)
+        with self.registry.cond:
+            if name in self.registry.jobs:
+                return None
+        target, relpath = path.under(self.root.path), path.text
+        try:
+            parent_fd = self.root.open_dir(path.parts[:-1])
+        except FileNotFoundError:
+            raise RequestError("NOT_FOUND", f"no job {shown(name)}: {relpath} has no "
+                                            "directory") from None
+        try:
+            return Job.join(parent_fd, target, relpath, name, secret)
+        except LookupError as exc:
+            raise RequestError("NOT_FOUND", str(exc)) from None
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+
+    def attach(self, path: RequestPath, job_id: str, opened: Job[Checkpoint] | None
+               ) -> Job[Checkpoint]:
+        """The job a part belongs to: a known one, or the one open_unknown
+        opened (which the caller registers). Lock held."""
+        name, secret = split_job(job_id)
+        job = self.registry.jobs.get(name) or opened
+        if job is None:  # known a moment ago, forgotten since
+            raise RequestError("NOT_FOUND", f"no job {shown(name)} (long finished)")
+        if not job.holds(secret):
+            raise RequestError("NOT_FOUND", f"no job {shown(name)} with that secret")
+        if job.target != path.under(self.root.path):
+            raise invalid(f"job {job.id} saves {job.relpath}, not {path.text}")
+        self.registry.require_open(job)
+        return job
+
+    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
+        """Check the job manifest against the directory, write it, publish.
+        The checks and the I/O run outside the lock, as a worker's commit does;
+        meanwhile `committing` keeps parts out and aborts off."""
+        r = self.registry
+        with r.cond:
+            job = r.get_job(job_id)
+            if not job.owner:
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"job {job.id} was begun by another daemon; commit it there")
+            r.require_open(job)
+            unfinished = [p.rank for p in job.parts if p.state != State.COMMITTED]
+            if unfinished:
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"the parts of ranks {sorted(unfinished)[:10]} are not "
+                                   "durable yet")
+            job.committing = True
+            job.touch()
+        published = False
+        try:
+            try:
+                with parsing(len(manifest)):
+                    check_job_manifest(job, manifest, node)
+            except ValueError as exc:  # refused: the job stays open for a good manifest
+                raise invalid(f"job {job.id}: {exc}") from None
+            try:
+                assert job.staging.fds is not None
+                os.unlink(MARKER_NAME, dir_fd=job.staging.fds.staging)
+                replaced = job.staging.commit(manifest, remove_replaced=False)
+            except (OSError, CheckpointError) as exc:
+                error = exc if isinstance(exc, CheckpointError) else os_error(
+                    exc, f"cannot commit {job.relpath}")
+                raise RequestError(code_for(error), f"cannot commit {job.relpath}: {exc}"
+                                   ) from None
+            published = True
+        except BaseException as exc:
+            with r.cond:
+                job.committing = False
+                job.touch()
+                if not (isinstance(exc, RequestError) and exc.code == "INVALID_ARGUMENT"):
+                    r.abort_job(job, f"commit failed: {exc}")
+                r.cond.notify_all()
+            r.janitor.flush()  # answer once the job's directory is gone
+            raise
+        finally:
+            if published:
+                with r.cond:
+                    job.committing = False
+                    job.finish(JobState.COMMITTED)
+                    r.metrics.checkpoints.labels(result="committed").inc()
+                    r.cond.notify_all()
+        logs.info("committed-job", job=job.id, path=job.relpath, parts=len(job.parts))
+        if replaced is not None:
+            # The checkpoint it replaced: removed after the reply, which must not
+            # wait for a large tree to be deleted (on a crash, startup does it).
+            threading.Thread(target=job.staging.remove_replaced, name="fpd-remove-replaced",
+                             daemon=True).start()
+
+    def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
+        r = self.registry
+        with r.cond:
+            job = r.get_job(job_id)
+            if job.state == JobState.COMMITTED or job.committing:
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"job {shown(job.id)} is committed or being committed; "
+                                   "delete the checkpoint instead")
+            r.abort_job(job, reason)
+        r.janitor.flush()  # answer once the job's directory is gone

@@ -1,0 +1,377 @@
+"""What the gRPC layer calls: the daemon's checkpoints from Begin to their end.
+
+The registry (registry.py) holds the state and its lock; the write workers
+(writer.py) write and commit; this module takes requests in: Begin, Submit,
+Commit, Abort, Wait/Watch, the jobs' calls (job_service.py), and the
+housekeeping of idle checkpoints and shutdown.
+
+Torch-free: this runs in the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..engine import Engine, get_engine
+from ..format import safetensors_file
+from ..shm import Mapping
+from . import logs
+from .budgets import Budgets, parsing
+from .catalog import Catalog
+from .checkpoints import TERMINAL, Checkpoint, PendingFile, State
+from .job_service import JobService, create_staging
+from .metrics import Metrics
+from .paths import RequestPath
+from .registry import Registry
+from .requests import (
+    RequestError,
+    check_client,
+    check_file_count,
+    invalid,
+    parse_data_file,
+    parse_tree,
+)
+from .rootfs import Root
+from .writer import Writers
+
+
+class Service:
+    """Everything the gRPC layer calls; thread-safe."""
+
+    def __init__(self, root: Root, shm_dir: Path, budgets: Budgets, metrics: Metrics,
+                 write_concurrency: int = 2, idle_timeout: float = 300.0,
+                 engine: Engine | None = None) -> None:
+        self.root = root
+        self.shm_dir = shm_dir
+        # Segments are opened by name in the directory held open (shm.open_range).
+        self.shm_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.budgets = budgets
+        self.metrics = metrics
+        self.idle_timeout = idle_timeout
+        self.registry = Registry(budgets, metrics)
+        self.jobs = JobService(self.registry, root)
+        self.catalog = Catalog(self.registry, root)
+        self.writers = Writers(self.registry, engine or get_engine(), write_concurrency)
+        metrics.staging_budget.set(budgets.staging)
+
+    # -- queries -----------------------------------------------------------
+
+    def snapshot(self) -> tuple[int, int]:
+        """(staging reserved, checkpoints in flight), consistent with each other."""
+        with self.registry.cond:
+            return self.registry.ledger.reserved(), self.registry.ledger.in_flight()
+
+    def in_flight(self) -> list[Checkpoint]:
+        with self.registry.cond:
+            return self.registry.in_flight()
+
+    def unable(self, timeout: float) -> str:
+        """Why the daemon cannot serve ("" when it can): the health check's
+        view (health.py). Takes the lock with a timeout: a request that held it
+        this long would stall every other."""
+        if not self.root.alive():
+            return f"its root {self.root.path} is gone"
+        r = self.registry
+        if not r.cond.acquire(timeout=timeout):
+            return f"its lock has been held for over {timeout:.0f} s"
+        try:
+            stopping = r.stopping
+        finally:
+            r.cond.release()
+        if not stopping and not all(t.is_alive() for t in self.writers.threads):
+            return "a write worker stopped"
+        if not stopping and not r.janitor.alive():
+            return "the janitor stopped"
+        return ""
+
+    # -- Begin ---------------------------------------------------------------
+
+    def begin(self, path: RequestPath, client: str, staging_bytes: int,
+              file_count: int, job_id: str = "", rank: int = 0) -> Checkpoint:
+        """Reserve the target and the staging under the lock; make the staging
+        directory without it (a slow disk must not stall other requests); then
+        hand out the id, unless the daemon began to drain meanwhile."""
+        check_client(client)
+        check_file_count(file_count)
+        target, relpath = path.under(self.root.path), path.text
+        r = self.registry
+        joined = self.jobs.open_unknown(path, job_id) if job_id else None
+        try:
+            with r.cond:
+                if r.draining:
+                    raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
+                r.prune()
+                r.ledger.check(client, staging_bytes)
+                job = self.jobs.attach(path, job_id, joined) if job_id else None
+                r.check_target_free(target, relpath, job)
+                if job is not None and any(p.rank == rank and p.state not in (
+                        State.FAILED, State.ABORTED) for p in job.parts):
+                    raise invalid(f"rank {rank} already has a part in job {job.id}")
+                ck = Checkpoint(secrets.token_hex(12), client, target, relpath,
+                                job.staging if job else None, file_count, staging_bytes, job,
+                                rank)
+                if job is not None:
+                    if job is joined:
+                        r.jobs[job.id] = job
+                        joined = None
+                    job.parts.append(ck)
+                    job.touch()
+                r.add(ck)
+        finally:
+            if joined is not None:  # not taken on: refused, or another request was first
+                joined.close()
+        if ck.staging is None:
+            self._make_staging(ck, path)
+        logs.info("begin", checkpoint=ck.id, client=client, path=relpath, files=file_count,
+                  staging_bytes=staging_bytes, **({"job": job.id, "rank": rank} if job else {}))
+        return ck
+
+    def _make_staging(self, ck: Checkpoint, path: RequestPath) -> None:
+        r = self.registry
+        try:
+            staging, created = create_staging(self.root, path)
+        except BaseException:
+            with r.cond:
+                r.discard(ck)
+            raise
+        with r.cond:
+            ck.staging = staging
+            ck.remove_parents = lambda: self.root.remove_created(created)
+            if ck.terminal:  # drained meanwhile
+                r.clean_up(ck)
+                raise RequestError("UNAVAILABLE", "fastpersistd is shutting down")
+
+    # -- Submit ----------------------------------------------------------------
+
+    def check_submit(self, ident: str, index: int, header: bytes, data_length: int
+                     ) -> tuple[Checkpoint, list[safetensors_file.ParsedEntry]]:
+        """Validate a submission before its data is mapped or received."""
+        r = self.registry
+        with r.cond:
+            ck = r.get(ident)
+            r.require_receiving(ck, "submit a file to")
+        # Linear in the header (bounded): parsed without the lock.
+        with parsing(len(header)):
+            entries = parse_data_file(index, header, data_length, ck.files_total)
+        with r.cond:
+            r.require_receiving(ck, "submit a file to")
+            if index in ck.submitted:
+                raise invalid(f"data file {index} was already submitted")
+            dup = next((e.name for e in entries if e.name in ck.names), None)
+            if dup is not None:
+                raise invalid(f"tensor {dup!r} is already in another data file")
+            if ck.mapped_bytes + data_length > ck.reserved:
+                raise RequestError(
+                    "RESOURCE_EXHAUSTED",
+                    f"data file {index} ({data_length} bytes) would exceed the {ck.reserved} "
+                    f"bytes of staging reserved at Begin ({ck.mapped_bytes} are still being "
+                    "written)")
+            return ck, entries
+
+    def submit(self, ck: Checkpoint, index: int, header: bytes,
+               entries: list[safetensors_file.ParsedEntry], data: Mapping) -> None:
+        r = self.registry
+        with r.cond:
+            try:
+                r.require_receiving(ck, "submit a file to")
+                if index in ck.submitted:
+                    raise invalid(f"data file {index} was already submitted")
+                dup = next((e.name for e in entries if e.name in ck.names), None)
+                if dup is not None:
+                    raise invalid(f"tensor {dup!r} is already in another data file")
+                if ck.mapped_bytes + len(data.view) > ck.reserved:
+                    raise RequestError("RESOURCE_EXHAUSTED",
+                                       f"data file {index} would exceed the checkpoint's "
+                                       f"reserved staging of {ck.reserved} bytes")
+            except RequestError:
+                data.close()
+                raise
+            ck.submitted.add(index)
+            ck.names.update(e.name for e in entries)
+            ck.mapped_bytes += len(data.view)
+            ck.bytes_total += len(header) + len(data.view)
+            ck.pending.append(PendingFile(index, header, entries, data))
+            ck.last_activity = time.monotonic()
+            if ck.first_submit is None:
+                ck.first_submit = time.monotonic()
+            r.cond.notify_all()
+
+    # -- Commit / Abort --------------------------------------------------------
+
+    def commit(self, ident: str, tree_json: str, tensor_order: list[str]) -> None:
+        with parsing(len(tree_json)):
+            tree = parse_tree(tree_json)
+        r = self.registry
+        with r.cond:
+            ck = r.get(ident)
+            r.require_receiving(ck, "commit")
+            if len(ck.submitted) != ck.files_total:
+                missing = [i for i in range(ck.files_total) if i not in ck.submitted][:10]
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"data files {missing} were not submitted")
+            # Every file is in: the names cannot change any more (a file is
+            # submitted once), so they are compared without the lock.
+            names = ck.names
+        same = len(tensor_order) == len(names) and set(tensor_order) == names
+        with r.cond:
+            r.require_receiving(ck, "commit")
+            if not same:
+                raise invalid(f"tensor_order lists {len(tensor_order)} names; the data files "
+                              f"hold {len(names)} different ones")
+            ck.tree = tree
+            ck.tensor_order = list(tensor_order)
+            ck.handed_over = True
+            ck.state = State.WRITING
+            ck.last_activity = time.monotonic()
+            if ck.job is not None:
+                ck.job.touch()
+            r.cond.notify_all()
+        logs.info("handed-over", checkpoint=ident, path=ck.relpath)
+
+    def abort(self, ident: str, reason: str = "aborted by the client") -> None:
+        r = self.registry
+        with r.cond:
+            ck = r.get(ident)
+            if ck.state in (State.ABORTED, State.FAILED):
+                return  # already gone: aborting again is a no-op
+            if ck.handed_over:
+                raise RequestError("FAILED_PRECONDITION",
+                                   f"checkpoint {ident} was handed over (Commit); it cannot be "
+                                   "aborted")
+            r.finish(ck, State.ABORTED, reason, "CheckpointAbortedError")
+        r.janitor.flush()  # answer once its staging directory is gone
+
+    # -- jobs (job_service.py) ----------------------------------------------------
+
+    def begin_job(self, path: RequestPath, client: str) -> str:
+        return self.jobs.begin_job(path, client)
+
+    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
+        self.jobs.commit_job(job_id, manifest, node)
+
+    def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
+        self.jobs.abort_job(job_id, reason)
+
+    # -- List / Delete (catalog.py) ----------------------------------------------
+
+    def list(self, path: RequestPath) -> tuple[list[tuple[str, str, int, float]],
+                                               list[Checkpoint]]:
+        return self.catalog.list(path)
+
+    def delete(self, path: RequestPath) -> None:
+        self.catalog.delete(path)
+
+    # -- Wait / Watch ----------------------------------------------------------
+
+    def wait(self, ident: str, min_files: int = 0, *, alive: Callable[[], bool] = lambda: True
+             ) -> dict[str, Any]:
+        r = self.registry
+        with r.cond:
+            ck = r.get(ident)
+            while not ck.terminal and not (min_files and ck.files_written >= min_files):
+                if not alive():
+                    break
+                r.cond.wait(1.0)
+            return ck.status()
+
+    def watch(self, ident: str, alive: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+        """Statuses as they change, ending with a terminal one. While a watch is
+        open the client is taken to be alive; see watch_ended."""
+        r = self.registry
+        with r.cond:
+            ck = r.get(ident)
+            ck.watchers += 1
+            last: dict[str, Any] | None = None
+        try:
+            while True:
+                with r.cond:
+                    status = ck.status()
+                    while status == last and alive():
+                        r.cond.wait(1.0)
+                        status = ck.status()
+                if not alive():
+                    return
+                last = status
+                yield status
+                if status["state"] in TERMINAL:
+                    return
+        finally:
+            self.watch_ended(ck)
+
+    def watch_ended(self, ck: Checkpoint) -> None:
+        r = self.registry
+        with r.cond:
+            ck.watchers -= 1
+            if ck.watchers == 0 and not ck.handed_over and not ck.terminal:
+                logs.warning("client-gone", checkpoint=ck.id, client=ck.client, path=ck.relpath)
+                r.finish(ck, State.ABORTED,
+                         "the client went away before handing the checkpoint over",
+                         "CheckpointAbortedError")
+
+    def reap_idle(self) -> None:
+        """Abort checkpoints nobody watches and nobody has touched for
+        idle_timeout, and jobs no rank committed. Housekeeping; the jobs'
+        directories are looked at without the lock."""
+        now = time.monotonic()
+        r = self.registry
+        with r.cond:
+            r.prune()
+            for ck in list(r.checkpoints.values()):
+                if (not ck.terminal and not ck.handed_over and ck.watchers == 0
+                        and now - ck.last_activity > self.idle_timeout):
+                    logs.warning("idle-abort", checkpoint=ck.id, client=ck.client)
+                    r.finish(ck, State.ABORTED,
+                             f"no request for {self.idle_timeout:.0f} s before Commit",
+                             "CheckpointAbortedError")
+            quiet = [j for j in r.jobs.values() if j.quiet()
+                     and now - j.last_activity > self.idle_timeout]
+        writes = [j.newest_write() for j in quiet]
+        with r.cond:
+            for job, newest in zip(quiet, writes, strict=True):
+                idle = job.idle_seconds(now, newest)
+                if r.jobs.get(job.id) is not job or idle is None or idle <= self.idle_timeout:
+                    continue
+                if not job.owner:
+                    # Its parts here are written; the daemon that began it commits it
+                    # (a later part of this node takes it on again by its id).
+                    del r.jobs[job.id]
+                    r.janitor.submit(f"forget the job {job.id}", job.close)
+                    logs.debug("forgot-job", job=job.id, path=job.relpath)
+                else:
+                    logs.warning("idle-abort-job", job=job.id, path=job.relpath)
+                    r.abort_job(job, f"no rank committed it for {self.idle_timeout:.0f} s "
+                                     "after its parts were written")
+
+    # -- shutdown ----------------------------------------------------------------
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new checkpoints, abort the ones not handed over, finish the
+        rest. True if everything finished within timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        r = self.registry
+        with r.cond:
+            r.draining = True
+            for ck in list(r.checkpoints.values()):
+                if not ck.terminal and not ck.handed_over:
+                    r.finish(ck, State.ABORTED, "fastpersistd is shutting down",
+                             "CheckpointAbortedError")
+            while any(not c.terminal or c.busy for c in r.checkpoints.values()) or any(
+                    j.committing for j in r.jobs.values()):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                r.cond.wait(left if left is not None else 1.0)
+            # Only the ranks can commit a job (they hold its manifest); the ones
+            # not committed by now are dropped with the daemon.
+            for job in list(r.jobs.values()):
+                r.abort_job(job, "fastpersistd is shutting down")
+            r.stopping = True
+            r.cond.notify_all()
+        self.writers.join()
+        r.janitor.stop()  # the clean-ups decided until now
+        return True

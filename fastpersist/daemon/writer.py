@@ -1,0 +1,212 @@
+"""The write workers: data files to disk as they arrive, then the commit.
+
+Fairness: the workers take the next file from the client served least
+recently, one file per checkpoint at a time, so one client with a large
+checkpoint cannot starve another. A checkpoint whose files are all written
+after Commit is committed by the worker that finds it runnable: the manifest
+written last and the directory renamed into place (commit.Staging), or, for
+a part of a job, its records reported (jobs.py).
+
+Torch-free: this runs in the daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import threading
+import time
+
+from .. import dirs
+from .._version import __version__
+from ..commit import os_error
+from ..engine import Engine, Segment
+from ..errors import CheckpointIOError
+from ..format.manifest import FileRecord, Manifest, TensorRecord
+from . import logs
+from .checkpoints import Checkpoint, PendingFile, State
+from .jobs import part_json
+from .registry import Registry
+from .requests import invalid
+
+
+class Writers:
+    def __init__(self, registry: Registry, engine: Engine, concurrency: int) -> None:
+        self.registry = registry
+        self.engine = engine
+        self.busy = 0  # workers writing or committing (registry lock)
+        self.idle_since = time.monotonic()
+        self.released_at = 0.0
+        self.threads = [threading.Thread(target=self._work, name=f"fpd-writer-{i}", daemon=True)
+                        for i in range(concurrency)]
+        for t in self.threads:
+            t.start()
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+
+    def release_memory(self, idle: float = 30.0) -> None:
+        """Once no file has been written for `idle` seconds (and at most that
+        often), free the C engine's cached bounce buffers and have malloc give
+        back what it holds free. The engine keeps its buffers for the next
+        write: io_threads x block_size per file being written (8 x 8 MiB by
+        default; with --write-concurrency 2, up to 128 MiB of RSS). And big
+        requests parsed on many threads at once leave memory free but held by
+        malloc's arenas (measured: 440 MiB of RSS after 32 clients sent 3 MB
+        headers and 7 MB trees at once; deploy/README.md). A daemon idle
+        between checkpoints need not hold either."""
+        now = time.monotonic()
+        with self.registry.cond:
+            if (self.busy or now - self.idle_since < idle
+                    or now - self.released_at < idle):
+                return
+            self.released_at = now
+        try:
+            from .. import _engine
+        except ImportError:
+            pass  # the reference engine caches nothing
+        else:
+            _engine.release_buffers()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).malloc_trim(0)  # glibc: every arena
+
+    def _next(self) -> Checkpoint | None:
+        r = self.registry
+        runnable = [c for c in r.checkpoints.values() if c.runnable()]
+        if not runnable:
+            return None
+        # Least recently served client first; within a client, oldest checkpoint.
+        return min(runnable, key=lambda c: r.served.get(c.client, -1))
+
+    def _work(self) -> None:
+        while not self.registry.stopping:
+            try:
+                self._work_once()
+            except Exception as exc:  # a bug here must not silently stop a writer
+                logs.error("worker-error", error=repr(exc))
+
+    def _work_once(self) -> None:
+        r = self.registry
+        while True:
+            with r.cond:
+                ck = self._next()
+                while ck is None:
+                    if r.stopping:
+                        return
+                    r.cond.wait()
+                    ck = self._next()
+                ck.busy = True
+                self.busy += 1
+                r.tick += 1
+                r.served[ck.client] = r.tick
+                job = ck.pending.popleft() if ck.pending else None
+            try:
+                if job is not None:
+                    self._write(ck, job)
+                else:
+                    self._commit(ck)
+            except BaseException as exc:
+                with r.cond:
+                    r.fail(ck, exc)
+            finally:
+                if job is not None:
+                    job.data.close()
+                with r.cond:
+                    ck.busy = False
+                    self.busy -= 1
+                    self.idle_since = time.monotonic()
+                    if job is not None:
+                        ck.mapped_bytes -= job.nbytes
+                    if ck.job is not None:
+                        r.remove_job(ck.job)  # if the job was aborted meanwhile
+                    elif ck.terminal and ck.state != State.COMMITTED:
+                        r.clean_up(ck)  # no worker writes into it any more
+                    r.cond.notify_all()
+
+    def _write(self, ck: Checkpoint, job: PendingFile) -> None:
+        name = ck.file_name(job.index)
+        assert ck.staging is not None and ck.staging.fds is not None
+        fds = ck.staging.fds
+        if not dirs.is_entry(ck.staging.path.name, fds.parent, fds.staging):
+            # Moved away (a job aborted by the daemon that began it) or replaced.
+            raise CheckpointIOError(errno.ESTALE, f"the staging directory of {ck.relpath} was "
+                                                  "moved or removed")
+        segments: list[Segment] = [(job.header, 0)]
+        segments += [(job.data.view[e.begin:e.end], job.data_start + e.begin)
+                     for e in job.entries]
+        started = time.perf_counter()
+        try:
+            result = self.engine.write_file(name, segments, job.data_start + job.nbytes,
+                                            dir_fd=fds.staging)
+        except FileExistsError:
+            # Two parts of one rank (on two daemons): refuse rather than overwrite.
+            raise invalid(f"{name} already exists in the staging directory of "
+                          f"{ck.relpath}") from None
+        except OSError as exc:
+            raise os_error(exc, f"cannot save checkpoint {ck.relpath}") from exc
+        finally:
+            for view, _ in segments[1:]:
+                view.release()
+        seconds = time.perf_counter() - started
+        r = self.registry
+        r.metrics.write_seconds.observe(seconds)
+        logs.debug("file-written", checkpoint=ck.id, file=name, bytes=job.nbytes,
+                   seconds=round(seconds, 4))
+        assert result.crcs is not None
+        size = job.data_start + job.nbytes
+        with r.cond:
+            if ck.terminal:  # aborted meanwhile: its records are dropped (drop_details)
+                return
+            ck.file_records[job.index] = FileRecord(name, size, job.data_start, result.crcs[0])
+            for e, crc in zip(job.entries, result.crcs[1:], strict=True):
+                ck.tensor_records[e.name] = TensorRecord(
+                    name=e.name, file=name, offset=job.data_start + e.begin,
+                    length=e.end - e.begin, dtype=e.dtype, shape=e.shape, crc32c=crc)
+            ck.files_written += 1
+            ck.bytes_written += size
+        r.metrics.bytes_written.inc(size)
+
+    def _commit(self, ck: Checkpoint) -> None:
+        if ck.job is not None:
+            self._part_durable(ck)
+            return
+        manifest = Manifest(
+            files=tuple(ck.file_records[i] for i in range(ck.files_total)),
+            tensors=tuple(ck.tensor_records[n] for n in ck.tensor_order),
+            tree=ck.tree,
+            fastpersist_version=__version__,
+            created_unix=time.time(),
+        )
+        try:
+            data = manifest.to_json()
+        except ValueError as exc:  # NaN in a client's tree, say
+            raise invalid(f"the tree cannot be written as JSON: {exc}") from None
+        assert ck.staging is not None
+        ck.staging.commit(data)
+        seconds = time.monotonic() - (ck.first_submit or time.monotonic())
+        # Logged before the status says so: whoever sees COMMITTED finds the line.
+        logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,
+                  seconds=round(seconds, 3))
+        r = self.registry
+        with r.cond:
+            r.finish(ck, State.COMMITTED, "", "")
+            if seconds > 0:
+                r.metrics.throughput.set(ck.bytes_written / seconds)
+
+    def _part_durable(self, ck: Checkpoint) -> None:
+        """A part's files are durable in its job's directory: report their
+        records (CommitJob publishes them with the rest of the job)."""
+        r = self.registry
+        with r.cond:
+            if ck.terminal:  # its job was aborted meanwhile
+                return
+            records = [ck.tensor_records[n] for n in ck.tensor_order]
+            ck.part_json = part_json([ck.file_records[i] for i in range(ck.files_total)],
+                                     records)
+            assert ck.job is not None
+            ck.job.touch()
+            r.finish(ck, State.COMMITTED, "", "")
+        logs.info("part-written", checkpoint=ck.id, job=ck.job.id, rank=ck.rank,
+                  bytes=ck.bytes_written)

@@ -1,0 +1,122 @@
+"""Leftovers of saves that did not finish: their names, and collecting them.
+
+A save works in a hidden directory beside its target (commit.py), named
+`.NAME.fp-KIND-PID-RAND@HOST`: "tmp" an unfinished (or replaced) save, "old" a
+checkpoint moved aside by a replace, "del" a checkpoint being deleted. A
+leftover whose process is gone is collected: removed, or, for the only copy
+of a checkpoint left by an interrupted replace, put back under its name.
+
+Torch-free: the daemon imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import dirs
+from .dirs import fsync_dir
+from .format.manifest import MANIFEST_NAME
+
+_LEFTOVER = re.compile(
+    r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old|del)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$"
+)
+
+
+def leftover_name(name: str, kind: str) -> str:
+    return f".{name}.fp-{kind}-{os.getpid()}-{secrets.token_hex(4)}@{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    path: Path
+    target_name: str
+    # "tmp": an unfinished (or replaced) save; "old": moved aside by a replace;
+    # "del": a checkpoint being deleted (retention)
+    kind: str
+    pid: int
+    host: str
+
+    @property
+    def owner_alive(self) -> bool:
+        """Whether the process that made it may still be writing it."""
+        if self.host != socket.gethostname():
+            return True  # cannot tell; never touch another machine's save
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def leftover_of(path: Path) -> Leftover | None:
+    """The leftover a directory of this name would be (its name alone, no I/O)."""
+    m = _LEFTOVER.match(path.name)
+    if not m:
+        return None
+    return Leftover(path, m["name"], m["kind"], int(m["pid"]), m["host"])
+
+
+def parse_leftover(path: Path) -> Leftover | None:
+    leftover = leftover_of(path)
+    if leftover is None or not path.is_dir():
+        return None
+    return leftover
+
+
+def find_leftovers(root: Path) -> list[Leftover]:
+    found = []
+    for entry in sorted(root.iterdir()):
+        leftover = parse_leftover(entry)
+        if leftover is not None:
+            found.append(leftover)
+    return found
+
+
+def restores(leftover: Leftover, *, dir_fd: int | None = None) -> bool:
+    """Whether gc puts this leftover back instead of removing it: the old copy
+    of an interrupted replace, when it is the only copy left. With dir_fd
+    (the open parent), entries in it, and never through a link."""
+    if dir_fd is None:
+        target = leftover.path.parent / leftover.target_name
+        return (
+            leftover.kind == "old"
+            and not os.path.lexists(target)
+            and (leftover.path / MANIFEST_NAME).exists()
+        )
+    if leftover.kind != "old" or dirs.lexists(leftover.target_name, dir_fd):
+        return False
+    fd = dirs.open_dir(leftover.path.name, dir_fd)
+    try:
+        return stat.S_ISREG(os.stat(MANIFEST_NAME, dir_fd=fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def collect(leftover: Leftover, *, dir_fd: int | None = None) -> str:
+    """Clean one leftover whose owner is gone; returns what was done. With
+    dir_fd (the open parent), entries in it, and never through a link."""
+    target = leftover.path.parent / leftover.target_name
+    if restores(leftover, dir_fd=dir_fd):
+        if dir_fd is None:
+            os.rename(leftover.path, target)
+            fsync_dir(target.parent)
+        else:
+            os.rename(leftover.path.name, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
+        return f"restored {target} from {leftover.path.name}"
+    if dir_fd is None:
+        shutil.rmtree(leftover.path)
+    else:
+        dirs.remove_tree(leftover.path.name, dir_fd)
+    return f"removed {leftover.path.name}"

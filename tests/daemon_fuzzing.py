@@ -1,0 +1,307 @@
+"""Requests and file-system attacks for the daemon's fuzz test (test_daemon_fuzz.py).
+
+A seeded generator: every case is one call of one of the daemon's 13 RPCs,
+its request random (any field any value), structured (ids, paths, segments
+and headers the daemon gave out or would accept) or a valid one with one field
+mutated. Between calls, attacks on what lies in the root and in the shm
+directory: a staging directory or a path component swapped for a symlink to a
+sentinel outside the root, planted manifest.json links and FIFOs, FIFO job
+markers, hard links and odd entries named as segments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from daemon_raw import Raw, entry, file_header, raw_header, valid_tree
+from daemon_support import Daemon
+
+from fastpersist import _engine
+from fastpersist._proto import fastpersist_pb2 as pb
+from fastpersist.commit import leftover_name
+from fastpersist.shm import Segment
+
+SECRET = b"FUZZ-SECRET-7f3a"
+OLD = time.time() - 3600
+U32, U64 = 2**32 - 1, 2**64 - 1
+
+
+class Fuzzer:
+    def __init__(self, daemon: Daemon, raw: Raw, sentinel: Path, seed: int) -> None:
+        self.d = daemon
+        self.raw = raw
+        self.sentinel = sentinel
+        self.rng = random.Random(seed)
+        self.ids: list[str] = []  # checkpoint ids the daemon gave out
+        self.jobs: list[str] = []  # job ids, real and planted
+        self.paths = ["a/ck", "a/b/ck", "p/ck", "p/q/ck", "escape/x", "planted", "fifo",
+                      "j/ck", "a", "deep/" * 20 + "ck"]
+        self.segments: list[Segment] = []
+        self.watches: list[Any] = []
+        # The symlinks the attacks made, by inode: each with the name it was made
+        # under (a directory above it may move; its own name may not).
+        self.planted_links: dict[int, str] = {}
+        self.sockets: list[socket.socket] = []
+        self.n = 0
+        (daemon.root / "p").mkdir()
+        self._link(daemon.root / "p-link", sentinel)
+        self._link(daemon.root / "escape", sentinel)
+
+    # -- values -------------------------------------------------------------------
+
+    def pick(self, xs: list[Any]) -> Any:
+        return self.rng.choice(xs)
+
+    def u32(self) -> int:
+        return self.pick([0, 1, 2, 3, 7, 4096, 2**31, U32, self.rng.randrange(U32)])
+
+    def u64(self) -> int:
+        return self.pick([0, 1, 16, 4096, 1 << 20, 2**32, 2**63, U64, self.rng.randrange(U64)])
+
+    def text(self) -> str:
+        r = self.rng
+        return self.pick(["", "a", "..", "/etc/passwd", "a/../../x", "x\x00y", ".hidden",
+                          "n" * 300, "é/ü/ck", "a//b", "p-link/x", "escape", "planted",
+                          "fastpersist-" + "z" * 140, "../" * 50, "a/" * 600,
+                          "".join(chr(r.randrange(32, 0x2FFF)) for _ in range(r.randrange(20))),
+                          *self.paths])
+
+    def ident(self) -> str:
+        if self.ids and self.rng.random() < 0.7:
+            i = self.pick(self.ids)
+            return self.pick([i, i, i[:-1], i.upper(), i + "0"])
+        return self.text()
+
+    def job_id(self) -> str:
+        if self.jobs and self.rng.random() < 0.7:
+            j = self.pick(self.jobs)
+            return self.pick([j, j, j.rpartition(":")[0] + ":00", j + "x"])
+        return self.pick([self.text(), "a:b", ":", "x" * 600 + ":s", ".a.fp-tmp-1-0@h:s"])
+
+    def path(self) -> str:
+        return self.pick(self.paths) if self.rng.random() < 0.6 else self.text()
+
+    def segment(self) -> tuple[str, int, int]:
+        r = self.rng
+        if self.segments and r.random() < 0.7:
+            s = self.pick(self.segments)
+            return s.name, s.data_offset + self.pick([0, 0, 0, 100, 4096, -4096]), \
+                self.pick([0, 16, 64, s.size, s.size + 1])
+        name = self.pick(["fastpersist-hl", "fastpersist-dir", "fastpersist-fifo",
+                          "fastpersist-sock", "fastpersist-link", "../x", "", self.text()])
+        return name, self.u64(), self.u64()
+
+    def header(self) -> tuple[bytes, int]:
+        """A data file's header and its data length: valid, odd or garbage."""
+        r = self.rng
+        kind = r.randrange(6)
+        if kind == 0:
+            n = r.randrange(1, 5)
+            return file_header([(f"t{i}", r.randrange(1, 64)) for i in range(n)])
+        if kind == 1:
+            shape = [self.pick([0, 1, 2, 999_999_999, 2**62, 2**64, -1])
+                     for _ in range(self.pick([1, 3, 65, 300, 3000]))]
+            return raw_header({"w": entry(self.pick(["F32", "F33", 5, None]), shape, 0,
+                                          self.pick([0, 16, 2**70]))}), 16
+        if kind == 2:
+            return raw_header({f"t{i}": entry("U8", [1], i, i + 1) for i in range(r.randrange(
+                1, 3000))}), self.pick([0, 1, 100, 3000])
+        if kind == 3:
+            return struct.pack("<Q", self.u64()) + r.randbytes(r.randrange(64)), self.u64()
+        if kind == 4:
+            return raw_header(self.pick([[], "x", {"w": 1}, {"__metadata__": {"a": "b"}},
+                                         json.loads("[" * 50 + "]" * 50)])), 0
+        return r.randbytes(r.randrange(0, 8192)), self.u64()
+
+    def manifest(self) -> bytes:
+        r = self.rng
+        doc = {"format": "fastpersist-checkpoint", "schema_version": self.pick([1, 2, 3, -1]),
+               "files": [{"name": self.pick(["data-r000000-000.safetensors", "../x", "a"]),
+                          "size": self.u64(), "data_start": 4096, "header_crc32c": 0}],
+               "tensors": [], "tree": None, "globals": self.pick([[], None, [{"name": "w"}]])}
+        return self.pick([json.dumps(doc).encode(), b"[" * 1000, r.randbytes(100), b"{}", b""])
+
+    # -- requests -------------------------------------------------------------------
+
+    def calls(self) -> list[Callable[[], Any]]:
+        s, r = self.raw.stub, self.rng
+        t = 10
+        return [
+            lambda: s.Info(pb.InfoRequest(), timeout=t),
+            lambda: self._begin(pb.BeginRequest(
+                path=self.path(), client_id=self.pick(["c", "", "x" * 300, f"c{r.randrange(40)}"]),
+                staging_bytes=self.pick([4096, 1 << 20, self.u64()]),
+                file_count=self.pick([0, 1, 2, self.u32()]),
+                job_id=self.job_id() if r.random() < 0.3 else "", rank=self.u32())),
+            lambda: self._submit_shm(),
+            lambda: s.SubmitStream(iter(self._stream()), timeout=t),  # a list: built first
+            lambda: s.Commit(pb.CommitRequest(
+                checkpoint_id=self.ident(), tree_json=self.pick([valid_tree(), "{", "[" * 5000,
+                                                                 "NaN", "null", self.text()]),
+                tensor_order=self.pick([["w"], [], ["t0"], ["w", "w"], [self.text()] * 3])),
+                timeout=t),
+            lambda: s.Abort(pb.AbortRequest(checkpoint_id=self.ident()), timeout=t),
+            lambda: s.Wait(pb.WaitRequest(checkpoint_id=self.ident(),
+                                          min_files_written=self.u32()), timeout=2),
+            lambda: self._watch(),
+            lambda: s.List(pb.ListRequest(path=self.path()), timeout=t),
+            lambda: s.Delete(pb.DeleteRequest(path=self.path()), timeout=t),
+            lambda: self._begin_job(),
+            lambda: s.CommitJob(pb.CommitJobRequest(job_id=self.job_id(), manifest=self.manifest(),
+                                                    node=self.pick(["", "n0", "x" * 600])),
+                                timeout=t),
+            lambda: s.AbortJob(pb.AbortJobRequest(job_id=self.job_id()), timeout=t),
+            lambda: self._save(),
+        ]
+
+    def _begin(self, req: pb.BeginRequest) -> None:
+        reply = self.raw.stub.Begin(req, timeout=10)
+        self.ids = [*self.ids, reply.checkpoint_id][-50:]
+
+    def _begin_job(self) -> None:
+        reply = self.raw.stub.BeginJob(pb.BeginJobRequest(path=self.path(), client_id="c"),
+                                       timeout=10)
+        self.jobs = [*self.jobs, reply.job_id][-20:]
+
+    def fresh(self) -> str:
+        """A checkpoint just begun (RECEIVING), for a submission to reach deep."""
+        self.n += 1
+        ident = self.raw.begin(f"f/{self.n}", client=f"f{self.rng.randrange(8)}",
+                               staging=self.pick([4096, 1 << 20, 64 << 20]),
+                               files=self.pick([1, 2]))
+        self.ids = [*self.ids, ident][-50:]
+        return ident
+
+    def _submit_shm(self) -> None:
+        header, n = self.header()
+        name, offset, length = self.segment()
+        if self.segments and self.rng.random() < 0.5:
+            seg = self.pick(self.segments)
+            name, offset, length = seg.name, seg.data_offset, n
+        ident = self.fresh() if self.rng.random() < 0.5 else self.ident()
+        for seg in self.segments:
+            if seg.name == name and self.rng.random() < 0.8:
+                seg.seal(ident)
+        self.raw.stub.SubmitShm(pb.SubmitShmRequest(
+            checkpoint_id=ident, file=pb.DataFile(index=self.pick([0, 1, self.u32()]),
+                                                  header=header),
+            data=pb.ShmRef(segment=name, offset=max(0, min(offset, U64)),
+                           length=max(0, min(length, U64)))), timeout=10)
+
+    def _stream(self) -> list[pb.StreamChunk]:
+        header, n = self.header()
+        r = self.rng
+        chunks = []
+        if r.random() < 0.9:
+            ident = self.fresh() if r.random() < 0.5 else self.ident()
+            chunks.append(pb.StreamChunk(header=pb.StreamHeader(
+                checkpoint_id=ident, file=pb.DataFile(index=self.pick([0, 1, self.u32()]),
+                                                      header=header),
+                data_length=min(self.pick([n, n + 1, 0, self.u64()]), U64))))
+        for _ in range(r.randrange(4)):
+            if r.random() < 0.1:
+                chunks.append(pb.StreamChunk(header=pb.StreamHeader(checkpoint_id="x")))
+            else:
+                chunks.append(pb.StreamChunk(data=b"\0" * self.pick([0, 1, 16, 4096, 70_000])))
+        return chunks
+
+    def _watch(self) -> None:
+        call = self.raw.stub.Watch(pb.WaitRequest(checkpoint_id=self.ident()), timeout=10)
+        self.watches.append(call)
+        next(call)
+        while len(self.watches) > 8:
+            self.watches.pop(0).cancel()
+
+    def _save(self) -> None:
+        """A whole valid save, sometimes left half-way (no Watch, no Commit)."""
+        r = self.rng
+        header, n = file_header([("w", 4)])
+        seg = self.new_segment(b"\x01" * n)
+        ident = self.raw.begin(self.pick(self.paths), client=f"s{r.randrange(4)}",
+                               staging=seg.size)
+        self.ids = [*self.ids, ident][-50:]
+        self.raw.submit(ident, 0, header, seg.name, 0, n)
+        if r.random() < 0.7:
+            self._watch_id(ident)
+            self.raw.commit(ident, valid_tree(), ["w"])
+            self.raw.wait(ident)
+
+    def _watch_id(self, ident: str) -> None:
+        self.watches.append(self.raw.watch(ident))
+        while len(self.watches) > 8:
+            self.watches.pop(0).cancel()
+
+    def new_segment(self, data: bytes) -> Segment:
+        seg = self.raw.segment(data)
+        self.segments = [*self.segments, seg][-10:]
+        return seg
+
+    # -- attacks on the file system ---------------------------------------------------------
+
+    def _link(self, at: Path, to: Path) -> None:
+        at.symlink_to(to, target_is_directory=to.is_dir())
+        self.planted_links[os.lstat(at).st_ino] = at.name
+
+    def attack(self) -> None:
+        self.n += 1
+        root, shm, r, k = self.d.root, self.d.shm_dir, self.rng, self.n
+        kind = r.randrange(8)
+        if kind == 0:  # a staging directory swapped for a link out
+            staging = [p for p in root.rglob(".*.fp-tmp-*") if p.is_dir() and not p.is_symlink()]
+            if staging:
+                victim = self.pick(staging)
+                try:
+                    victim.rename(victim.with_name(f"moved-{k}"))
+                except OSError:
+                    return
+                self._link(victim, self.sentinel)
+        elif kind == 1:  # root/p and root/p-link swap places
+            _engine.rename_exchange(str(root / "p"), str(root / "p-link"))
+            link = root / ("p" if (root / "p").is_symlink() else "p-link")
+            self.planted_links[os.lstat(link).st_ino] = link.name
+        elif kind == 2:  # a checkpoint whose manifest.json is a link out, or a FIFO
+            d = root / f"planted-{k}"
+            d.mkdir()
+            if r.random() < 0.5:
+                self._link(d / "manifest.json", self.sentinel / "secret")
+            else:
+                os.mkfifo(d / "manifest.json")
+        elif kind == 3:  # a job directory whose marker is a FIFO
+            (root / "j").mkdir(exist_ok=True)
+            name = leftover_name("ck", "tmp")
+            (root / "j" / name).mkdir()
+            os.mkfifo(root / "j" / name / ".fastpersist-job")
+            self.jobs.append(f"{name}:secret")
+        elif kind == 4:  # a hard link to someone's file, named as a segment
+            hl = shm / "fastpersist-hl"
+            if not hl.exists():
+                os.link(self.sentinel_shm, hl)
+        elif kind == 5:  # odd entries named as segments, old enough to be reclaimed
+            for name, make in (("fastpersist-dir", lambda p: p.mkdir()),
+                               ("fastpersist-fifo", os.mkfifo),
+                               ("fastpersist-link", lambda p: self._link(p, self.sentinel))):
+                p = shm / name
+                if not os.path.lexists(p):
+                    make(p)
+                    os.utime(p, (OLD, OLD), follow_symlinks=False)
+            if not os.path.lexists(shm / "fastpersist-sock"):
+                sock = socket.socket(socket.AF_UNIX)
+                sock.bind(str(shm / "fastpersist-sock"))
+                self.sockets.append(sock)
+        elif kind == 6:  # a fresh segment for the structured requests
+            self.new_segment(r.randbytes(r.randrange(1, 8192)))
+        else:  # a directory of the paths replaced by a file
+            victim = root / self.pick(["a", "a/b", "deep"])
+            if victim.is_dir() and not victim.is_symlink() and r.random() < 0.2:
+                victim.rename(root / f"aside-{k}")
+                victim.write_bytes(b"not a directory")
+
+    sentinel_shm: Path  # a secret file on the shm tmpfs, outside the shm directory
