@@ -1,28 +1,29 @@
 """Memory and counts the daemon accepts: staging budgets, checkpoints in flight,
-and the buffers of streamed files.
+and the slots of streamed files.
 
 A checkpoint reserves, at Begin, the shared memory it will reference; the sum
 over checkpoints in flight is bounded by --staging-budget and per client by
 --client-budget. A Begin that does not fit is refused (RESOURCE_EXHAUSTED).
 The Ledger keeps the sums as the checkpoints come and go, so that checking a
 Begin (with the service lock held) costs the same with ten thousand
-checkpoints known as with one.
+checkpoints known as with one. A streamed file needs no staging: it goes to
+disk through one of --max-streams slots of two blocks each (streams.py).
 
 Torch-free: this runs in the daemon.
 """
 
 from __future__ import annotations
 
-import mmap
 from collections import Counter
 from dataclasses import dataclass
 
-from ..shm import Mapping
+from .. import knobs
 from .requests import MAX_IN_FLIGHT_PER_CLIENT, RequestError
 
 # Checkpoints in flight over all clients: each holds two descriptors, a staging
 # directory and its bookkeeping; client ids are the clients' to choose.
 MAX_IN_FLIGHT = 1024
+DEFAULT_STREAMS = 4
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,6 @@ class Ledger:
             del self._bytes[client], self._count[client]
 
 
-def anonymous_buffer(nbytes: int) -> Mapping:
-    """Memory for a streamed data file (SubmitStream): page-aligned, so the
-    engine writes it with O_DIRECT like a shared-memory segment."""
-    try:
-        m = mmap.mmap(-1, max(nbytes, 1))
-    except (OSError, OverflowError, MemoryError) as exc:
-        raise RequestError("RESOURCE_EXHAUSTED",
-                           f"cannot hold a {nbytes}-byte streamed file in memory: {exc}") from None
-    return Mapping(m, memoryview(m)[:nbytes])
+def stream_block() -> int:
+    """The size of each of a stream slot's two blocks: the engine's block size."""
+    return knobs.current().block_size

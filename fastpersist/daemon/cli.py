@@ -3,7 +3,7 @@
     fastpersistd --root DIR [--socket PATH] [--socket-group GROUP]
                  [--listen HOST:PORT --tls-cert FILE --tls-key FILE --token-file FILE]
                  [--staging-budget BYTES] [--client-budget BYTES] [--shm-dir DIR]
-                 [--metrics-listen HOST:PORT] [--write-concurrency N]
+                 [--metrics-listen HOST:PORT] [--write-concurrency N] [--max-streams N]
                  [--idle-timeout SECONDS] [--drain-timeout SECONDS]
                  [--log-format json|text] [--log-level LEVEL]
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from .. import shm
 from .._version import __version__
 from . import logs
-from .budgets import Budgets
+from .budgets import DEFAULT_STREAMS, Budgets
 from .health import NOT_SERVING, Watchdog, health_servicer, set_status
 from .metrics import Metrics
 from .rootfs import Root
@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics over HTTP here")
     p.add_argument("--write-concurrency", type=int, default=2,
                    help="data files written at once, over all clients (default 2)")
+    p.add_argument("--max-streams", type=int, default=DEFAULT_STREAMS,
+                   help="data files streamed over gRPC at once (tensors over a client's "
+                        "staging budget); each is written to disk as it arrives through two "
+                        "FASTPERSIST_BLOCK_SIZE (8 MiB) blocks, and a further stream waits for "
+                        f"one (default {DEFAULT_STREAMS})")
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="abort an unwatched checkpoint not handed over after this many seconds")
     p.add_argument("--drain-timeout", type=float, default=None,
@@ -97,6 +102,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "--token-file")
     if args.write_concurrency < 1:
         p.error("--write-concurrency must be at least 1")
+    if args.max_streams < 1:
+        p.error("--max-streams must be at least 1")
     if args.shm_dir is None:
         args.shm_dir = shm.shm_dir()
     if not args.shm_dir.is_dir():
@@ -132,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     direct = root.probe_direct_io()
     service = Service(root, args.shm_dir, Budgets(args.staging_budget, args.client_budget),
                       metrics, write_concurrency=args.write_concurrency,
-                      idle_timeout=args.idle_timeout)
+                      idle_timeout=args.idle_timeout, max_streams=args.max_streams)
     servicer = Servicer(service, direct)
     health = health_servicer()
 
