@@ -13,6 +13,7 @@ Memory is read from /proc/PID/status: VmRSS now, VmHWM the peak (reset through
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from daemon_raw import (
     Raw,
     assert_serving,
     close_remote_savers,
+    details_of,
     entry,
     raw_header,
     staging_dirs,
@@ -37,6 +39,7 @@ from support import Mounter
 import fastpersist
 from fastpersist import DiskFullError
 from fastpersist._proto import fastpersist_pb2 as pb
+from fastpersist.daemon.budgets import DEFAULT_STREAMS, cgroup_memory_limit, own_memory
 from fastpersist.daemon_client import CHUNK
 from fastpersist.format.manifest import MANIFEST_NAME
 
@@ -306,3 +309,50 @@ def test_a_stalled_stream_gives_its_slot_back(daemon_at: Any,
         go_on.set()
         raw.close()
     assert_serving(d)
+
+
+def test_default_budgets_refuse_a_begin_that_cannot_fit(daemon: Daemon) -> None:
+    """No flags: the daemon accepts half of the shared-memory file system, one
+    client half of that, and refuses a Begin over it naming the numbers,
+    before anything is made."""
+    st = os.statvfs(daemon.shm_dir)
+    staging = st.f_blocks * st.f_frsize // 2
+    info = daemon.client().info()
+    assert info.staging_budget == staging
+    ready = daemon.events("ready")[0]
+    assert ready["client_budget"] == staging // 2
+    assert ready["memory_bound"] == sum(own_memory(2, 4).values())
+    raw = Raw(daemon)
+    try:
+        code, details = details_of(lambda: raw.begin("big", staging=staging // 2 + 1))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(staging // 2) in details and str(staging // 2 + 1) in details, details
+        assert not (daemon.root / "big").exists() and staging_dirs(daemon.root) == []
+    finally:
+        raw.close()
+
+
+def test_own_memory_with_the_defaults_fits_the_daemonset_limit() -> None:
+    """The bound the CLI help and deploy/README.md state: 64 MiB idle, 2 writers
+    x 64 MiB of bounce buffers, 4 streams x (2 x 8 MiB blocks + 12 x 1 MiB
+    chunks) = 304 MiB, under the DaemonSet's 512 MiB."""
+    parts = own_memory(2, DEFAULT_STREAMS)
+    assert parts == {"idle": 64 * MIB, "writers": 128 * MIB, "streams": 4 * 28 * MIB}
+    assert sum(parts.values()) == 304 * MIB < 512 * MIB
+
+
+@pytest.mark.parametrize(("lines", "files", "want"), [
+    ("0::/pod/ctr\n", {"pod/ctr/memory.max": "536870912\n"}, 512 * MIB),
+    ("0::/pod/ctr\n", {"pod/ctr/memory.max": "max\n"}, None),
+    ("4:memory:/a/b\n1:cpu,cpuacct:/a\n", {"memory/a/b/memory.limit_in_bytes": "1073741824"},
+     1 << 30),
+    ("4:memory:/a/b\n", {"memory/a/b/memory.limit_in_bytes": str((1 << 63) - 4096)}, None),
+    ("4:memory:/elsewhere\n", {}, None),
+])
+def test_cgroup_memory_limit(tmp_path: Path, lines: str, files: dict[str, str],
+                             want: int | None) -> None:
+    (tmp_path / "cgroup").write_text(lines)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    assert cgroup_memory_limit(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == want
