@@ -114,8 +114,9 @@ class RemoteSaver(Saver):
         budget = knobs.staging_budget
         files = group_into_files(stored, budget, knobs.file_bytes)
         staged_bytes = sum(f.nbytes for f in files if f.staged)
-        largest_unstaged = max((f.nbytes for f in files if not f.staged), default=0)
-        reserve = (min(staged_bytes, budget) if budget else staged_bytes) + largest_unstaged
+        # Unstaged files are streamed, and the daemon writes them to disk as they
+        # arrive: they take none of its staging.
+        reserve = min(staged_bytes, budget) if budget else staged_bytes
         ident = self.client.begin(relative, reserve, len(files))
         future = SaveFuture(target)
         job = _Job(future, ident, relative, len(files), tree_json, [t.name for t in stored],

@@ -1,12 +1,23 @@
-"""Memory and counts the daemon accepts: staging budgets, checkpoints in flight,
-and the buffers of streamed files.
+"""Memory and counts: the clients' shared memory the daemon accepts, checkpoints
+in flight, and the daemon's own memory.
 
-A checkpoint reserves, at Begin, the shared memory it will reference; the sum
-over checkpoints in flight is bounded by --staging-budget and per client by
---client-budget. A Begin that does not fit is refused (RESOURCE_EXHAUSTED).
-The Ledger keeps the sums as the checkpoints come and go, so that checking a
-Begin (with the service lock held) costs the same with ten thousand
-checkpoints known as with one.
+Shared memory. A checkpoint reserves, at Begin, the shared memory it will
+reference; the sum over checkpoints in flight is bounded by --staging-budget
+and per client by --client-budget. A Begin that does not fit is refused
+(RESOURCE_EXHAUSTED, naming the numbers) before anything is made. Those pages
+are the trainers': tmpfs charges them to the cgroup that first touches them,
+not to the daemon. By default the daemon accepts at once half of the
+shared-memory file system, and one client half of that. The Ledger keeps the
+sums as the checkpoints come and go, so that checking a Begin (with the
+service lock held) costs the same with ten thousand checkpoints known as with
+one.
+
+The daemon's own memory is bounded by construction, whatever the requests:
+streamed files need no staging and go to disk through --max-streams slots of
+two blocks each (streams.py), and the --write-concurrency workers each hold at
+most the engine's bounce buffers (FASTPERSIST_BUFFER_BUDGET). own_memory()
+adds it up; the daemon logs it at start and warns if its cgroup's limit is
+lower.
 
 Torch-free: this runs in the daemon.
 """
@@ -14,18 +25,29 @@ Torch-free: this runs in the daemon.
 from __future__ import annotations
 
 import contextlib
-import mmap
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from ..shm import Mapping
+from .. import knobs
 from .requests import MAX_IN_FLIGHT_PER_CLIENT, RequestError
 
 # Checkpoints in flight over all clients: each holds two descriptors, a staging
 # directory and its bookkeeping; client ids are the clients' to choose.
 MAX_IN_FLIGHT = 1024
+MIB = 1 << 20
+DEFAULT_STREAMS = 4
+# The chunk the client library streams (daemon_client.CHUNK), and how many of
+# them a stream holds in gRPC and protobuf (the transport's window, the message
+# arriving, its parsed copy, the bytes being copied): measured, 4 streams held
+# 33 MiB of 1 MiB messages at their peak.
+CLIENT_CHUNK = 1 * MIB
+CHUNKS_HELD = 12
+# An idle daemon: the interpreter, gRPC, its modules (44 MiB measured), with room.
+IDLE_BYTES = 64 * MIB
 
 
 @dataclass(frozen=True)
@@ -106,12 +128,53 @@ def parsing(nbytes: int) -> Iterator[None]:
         yield
 
 
-def anonymous_buffer(nbytes: int) -> Mapping:
-    """Memory for a streamed data file (SubmitStream): page-aligned, so the
-    engine writes it with O_DIRECT like a shared-memory segment."""
+def default_budgets(shm_dir: Path) -> Budgets:
+    """Half of the shared-memory file system's size for all clients, half of
+    that for one: staged checkpoints live there, and a Begin refused with the
+    numbers is better than a client's ENOSPC (or a node out of memory)."""
+    st = os.statvfs(shm_dir)
+    staging = st.f_blocks * st.f_frsize // 2
+    return Budgets(staging, staging // 2)
+
+
+def stream_block() -> int:
+    """The size of each of a stream slot's two blocks: the engine's block size."""
+    return knobs.current().block_size
+
+
+def own_memory(write_concurrency: int, max_streams: int) -> dict[str, int]:
+    """An upper bound of the daemon's own (cgroup-charged) memory, by part."""
+    k = knobs.current()
+    # The engine's bounce buffers per write: one block per pool thread, or
+    # queue_depth blocks per io_uring thread; both fit FASTPERSIST_BUFFER_BUDGET.
+    per_write = max(k.io_threads, k.uring_threads * k.io_queue_depth) * k.block_size
+    return {
+        "idle": IDLE_BYTES,
+        "writers": write_concurrency * per_write,
+        "streams": max_streams * (2 * stream_block() + CHUNKS_HELD * CLIENT_CHUNK),
+    }
+
+
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
+                        mount: str = "/sys/fs/cgroup") -> int | None:
+    """This process's cgroup memory limit (v2 memory.max, or v1
+    memory.limit_in_bytes), None where there is none or it cannot be read."""
     try:
-        m = mmap.mmap(-1, max(nbytes, 1))
-    except (OSError, OverflowError, MemoryError) as exc:
-        raise RequestError("RESOURCE_EXHAUSTED",
-                           f"cannot hold a {nbytes}-byte streamed file in memory: {exc}") from None
-    return Mapping(m, memoryview(m)[:nbytes])
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates.append(Path(mount, path.lstrip("/"), "memory.max"))
+        elif "memory" in controllers.split(","):
+            candidates.append(Path(mount, "memory", path.lstrip("/"), "memory.limit_in_bytes"))
+    for file in candidates:
+        try:
+            text = file.read_text().strip()
+        except OSError:
+            continue  # another namespace's path, or the controller is not mounted
+        # "max" (v2) or a page-rounded 2**63 (v1) says there is no limit.
+        return int(text) if text.isdigit() and int(text) < 1 << 60 else None
+    return None

@@ -46,6 +46,14 @@ TERMINAL = (State.COMMITTED, State.FAILED, State.ABORTED)
 
 
 @dataclass
+class StreamHandle:
+    """A data file being streamed into the checkpoint (streams.py)."""
+
+    cancel: Callable[[], None]  # ends the stream's RPC (when the checkpoint ends first)
+    last_chunk: float | None = None  # monotonic time of its last chunk; None while waiting
+
+
+@dataclass
 class PendingFile:
     index: int
     header: bytes
@@ -67,7 +75,7 @@ class Checkpoint:
                  "error_code", "file_records", "files_total", "files_written", "finished_at",
                  "first_submit", "handed_over", "id", "job", "last_activity", "mapped_bytes",
                  "names", "part_json", "pending", "rank", "relpath", "remove_parents",
-                 "reserved", "staging", "state", "submitted", "target", "tensor_order",
+                 "reserved", "staging", "state", "streams", "submitted", "target", "tensor_order",
                  "tensor_records", "tree", "watchers")
 
     def __init__(self, ident: str, client: str, target: Path, relpath: str,
@@ -89,6 +97,7 @@ class Checkpoint:
         self.error = ""
         self.error_code = ""
         self.pending: deque[PendingFile] = deque()
+        self.streams: dict[int, StreamHandle] = {}  # data files being streamed, by index
         self.submitted: set[int] = set()
         self.names: set[str] = set()  # tensor names over all submitted files
         self.mapped_bytes = 0  # data of submitted files not yet written
@@ -135,6 +144,25 @@ class Checkpoint:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def in_use(self) -> bool:
+        """Whether a worker or a stream writes into its staging directory."""
+        return self.busy or bool(self.streams)
+
+    def record_file(self, index: int, size: int, data_start: int,
+                    entries: list[safetensors_file.ParsedEntry], crcs: list[int]) -> None:
+        """Data file `index` is durable: `crcs` are its header's, then its tensors'."""
+        if self.terminal:  # aborted meanwhile: its records were dropped (drop_details)
+            return
+        name = self.file_name(index)
+        self.file_records[index] = FileRecord(name, size, data_start, crcs[0])
+        for e, crc in zip(entries, crcs[1:], strict=True):
+            self.tensor_records[e.name] = TensorRecord(
+                name=e.name, file=name, offset=data_start + e.begin, length=e.end - e.begin,
+                dtype=e.dtype, shape=e.shape, crc32c=crc)
+        self.files_written += 1
+        self.bytes_written += size
 
     def runnable(self) -> bool:
         if self.busy or self.terminal:

@@ -3,7 +3,7 @@
     fastpersistd --root DIR [--socket PATH] [--socket-group GROUP]
                  [--listen HOST:PORT --tls-cert FILE --tls-key FILE --token-file FILE]
                  [--staging-budget BYTES] [--client-budget BYTES] [--shm-dir DIR]
-                 [--metrics-listen HOST:PORT] [--write-concurrency N]
+                 [--metrics-listen HOST:PORT] [--write-concurrency N] [--max-streams N]
                  [--idle-timeout SECONDS] [--drain-timeout SECONDS]
                  [--log-format json|text] [--log-level LEVEL]
 
@@ -27,7 +27,13 @@ from pathlib import Path
 from .. import shm
 from .._version import __version__
 from . import logs
-from .budgets import Budgets
+from .budgets import (
+    DEFAULT_STREAMS,
+    Budgets,
+    cgroup_memory_limit,
+    default_budgets,
+    own_memory,
+)
 from .health import NOT_SERVING, Watchdog, health_servicer, set_status
 from .metrics import Metrics
 from .rootfs import Root
@@ -68,17 +74,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--token-file", type=Path,
                    help="file holding the bearer token TCP clients must send")
-    p.add_argument("--staging-budget", type=parse_size, default=0,
-                   help="client shared memory accepted at once, all clients (0: no limit)")
-    p.add_argument("--client-budget", type=parse_size, default=0,
-                   help="the same for one client (0: no limit)")
+    p.add_argument("--staging-budget", type=parse_size, default=None,
+                   help="clients' shared memory accepted at once, all clients; a Begin over it "
+                        "is refused (RESOURCE_EXHAUSTED). These pages are the trainers' (tmpfs "
+                        "charges the cgroup that touches them first), not the daemon's. "
+                        "Default: half of the --shm-dir file system; 0: no limit")
+    p.add_argument("--client-budget", type=parse_size, default=None,
+                   help="the same for one client (default: half of --staging-budget; 0: no "
+                        "limit)")
     p.add_argument("--shm-dir", type=Path, default=None,
                    help="where clients' shared-memory segments live (default "
                         "$FASTPERSIST_SHM_DIR or /dev/shm)")
     p.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus metrics over HTTP here")
     p.add_argument("--write-concurrency", type=int, default=2,
-                   help="data files written at once, over all clients (default 2)")
+                   help="data files written at once from shared memory, over all clients; each "
+                        "holds up to FASTPERSIST_BUFFER_BUDGET (64 MiB) of the engine's bounce "
+                        "buffers (default 2)")
+    p.add_argument("--max-streams", type=int, default=DEFAULT_STREAMS,
+                   help="data files streamed over gRPC at once (tensors over a client's "
+                        "staging budget); each is written to disk as it arrives through two "
+                        "FASTPERSIST_BLOCK_SIZE (8 MiB) blocks, and a further stream waits for "
+                        f"one (default {DEFAULT_STREAMS}). With the defaults the daemon's own "
+                        "memory stays under 64 MiB (idle) + 2 x 64 MiB (writers) + 4 x 28 MiB "
+                        "(streams) = 304 MiB, in the DaemonSet's 512 MiB limit; logged at "
+                        "start as memory_bound, with a warning if the cgroup allows less")
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="abort an unwatched checkpoint not handed over after this many seconds")
     p.add_argument("--drain-timeout", type=float, default=None,
@@ -98,10 +118,17 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "--token-file")
     if args.write_concurrency < 1:
         p.error("--write-concurrency must be at least 1")
+    if args.max_streams < 1:
+        p.error("--max-streams must be at least 1")
     if args.shm_dir is None:
         args.shm_dir = shm.shm_dir()
     if not args.shm_dir.is_dir():
         p.error(f"--shm-dir {args.shm_dir} is not a directory")
+    defaults = default_budgets(args.shm_dir)
+    if args.staging_budget is None:
+        args.staging_budget = defaults.staging
+    if args.client_budget is None:
+        args.client_budget = args.staging_budget // 2 if args.staging_budget else 0
 
 
 def _step(metrics: Metrics, what: str, step: Callable[[], object]) -> None:
@@ -145,7 +172,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     direct = root.probe_direct_io()
     service = Service(root, args.shm_dir, Budgets(args.staging_budget, args.client_budget),
                       metrics, write_concurrency=args.write_concurrency,
-                      idle_timeout=args.idle_timeout)
+                      idle_timeout=args.idle_timeout, max_streams=args.max_streams)
+    memory = own_memory(args.write_concurrency, args.max_streams)
+    limit = cgroup_memory_limit()
+    if limit is not None and sum(memory.values()) > limit:
+        logs.warning("memory-over-limit", bound=sum(memory.values()), limit=limit, **memory,
+                     hint="lower --max-streams, --write-concurrency or FASTPERSIST_BLOCK_SIZE")
     servicer = Servicer(service, direct)
     health = health_servicer()
 
@@ -171,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     logs.info("ready", version=__version__, root=str(root.path), socket=str(args.socket),
               listen=args.listen or "", direct_io=direct, staging_budget=args.staging_budget,
+              client_budget=args.client_budget, memory_bound=sum(memory.values()),
               pid=os.getpid(), openat2=root.uses_openat2)
     # Housekeeping until told to stop: idle checkpoints, orphaned segments.
     while not stop.wait(2.0):

@@ -62,11 +62,13 @@ MARKER_NAME = ".fastpersist-job"  # in a job's directory: the hash of its secret
 class Part(Protocol):
     """What a job needs of its parts (checkpoints.Checkpoint)."""
 
-    busy: bool
     tensor_records: dict[str, TensorRecord]
 
     @property
     def terminal(self) -> bool: ...
+
+    @property
+    def in_use(self) -> bool: ...
 
 
 P = TypeVar("P", bound=Part)
@@ -184,7 +186,7 @@ class Job(Generic[P]):
         of ours writes into it any more (and nobody took it on already).
         Called with the service lock held; remove() does the work without it."""
         if (self.state != JobState.ABORTED or not self.owner or self.removed
-                or any(p.busy for p in self.parts)):
+                or any(p.in_use for p in self.parts)):
             return False
         self.removed = True
         return True

@@ -198,13 +198,16 @@ class Registry:
             ck.mapped_bytes -= pending.nbytes
             self.janitor.submit("unmap", pending.data.close)
         ck.pending.clear()
+        if state != State.COMMITTED:
+            for stream in ck.streams.values():
+                stream.cancel()  # it removes its file and lets go of the directory
         ck.drop_details()
         if state != State.COMMITTED and ck.job is not None:
             # The job cannot be committed without this part; its directory goes
             # with the job (remove_job, here or when the worker is done).
             self.abort_job(ck.job, f"the part of rank {ck.rank} is {state.name.lower()}: "
                                    f"{error}")
-        elif state != State.COMMITTED and not ck.busy:
+        elif state != State.COMMITTED and not ck.in_use:
             self.clean_up(ck)
         if ck.job is None:  # a job is counted once, when it ends
             self.metrics.checkpoints.labels(result=state.name.lower()).inc()
@@ -218,6 +221,14 @@ class Registry:
         if not ck.cleaned and ck.staging is not None:
             ck.cleaned = True
             self.janitor.submit(f"remove the staging of {ck.relpath}", ck.clean_up)
+
+    def release(self, ck: Checkpoint) -> None:
+        """A worker or a stream is done with `ck`: if it failed meanwhile, its
+        directory goes once nothing else writes into it."""
+        if ck.job is not None:
+            self.remove_job(ck.job)  # if the job was aborted meanwhile
+        elif ck.terminal and ck.state != State.COMMITTED and not ck.in_use:
+            self.clean_up(ck)
 
     def abort_job(self, job: Job[Checkpoint], reason: str) -> None:
         """A job being committed is left to its commit."""
@@ -250,7 +261,7 @@ class Registry:
             return
         self.pruned_at = now
         finished = sorted((c.finished_at, i) for i, c in self.checkpoints.items()
-                          if c.finished_at is not None and not c.busy)
+                          if c.finished_at is not None and not c.in_use)
         excess = len(finished) - MAX_FINISHED
         for n, (at, ident) in enumerate(finished):
             if n < excess or now - at > KEEP_FINISHED_SECONDS:

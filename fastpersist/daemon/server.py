@@ -31,13 +31,13 @@ from .._version import __version__
 from ..commit import os_error
 from ..errors import CheckpointError
 from . import logs
-from .budgets import anonymous_buffer
 from .paths import PathError, parse
 from .requests import MAX_ID_BYTES, RequestError, check_names, code_for, invalid
 from .service import Service
 
 MAX_MESSAGE_BYTES = 64 << 20
-MAX_STREAM_CHUNK = 16 << 20
+# A SubmitStream data chunk (the client library sends 1 MiB ones; earlier ones 4 MiB).
+MAX_STREAM_CHUNK = 4 << 20
 # Each open Watch holds a worker thread; beyond this, calls are refused
 # (RESOURCE_EXHAUSTED) instead of queueing behind long-running streams.
 MAX_WORKERS = 128
@@ -133,27 +133,13 @@ class Servicer(pb_grpc.FastPersistServicer):
             if first is None or first.WhichOneof("part") != "header":
                 raise invalid("a SubmitStream must start with a header chunk")
             head = first.header
-            length = head.data_length
             ck, entries = self.service.check_submit(head.checkpoint_id, head.file.index,
-                                                    head.file.header, length)
-            buffer = anonymous_buffer(length)
-            try:
-                received = 0
-                for chunk in request_iterator:
-                    if chunk.WhichOneof("part") != "data":
-                        raise invalid("only data chunks may follow the header chunk")
-                    n = len(chunk.data)
-                    if received + n > length:
-                        raise invalid(f"the stream carries more than the {length} bytes its "
-                                      "header announced")
-                    buffer.view[received:received + n] = chunk.data
-                    received += n
-                if received != length:
-                    raise invalid(f"the stream ended after {received} of {length} bytes")
-            except BaseException:
-                buffer.close()
-                raise
-            self.service.submit(ck, head.file.index, head.file.header, entries, buffer)
+                                                    head.file.header, head.data_length,
+                                                    streamed=True)
+            # Written to disk as it arrives; the call returns when the file is durable.
+            self.service.streams.receive(ck, head.file.index, head.file.header, entries,
+                                         head.data_length, _data_chunks(request_iterator),
+                                         cancel=context.cancel, alive=context.is_active)
             return pb.SubmitResponse()
         return self._guard(context, run)
 
@@ -234,6 +220,16 @@ class Servicer(pb_grpc.FastPersistServicer):
             self.service.abort_job(request.job_id)
             return pb.AbortJobResponse()
         return self._guard(context, run)
+
+
+def _data_chunks(chunks: Iterator[pb.StreamChunk]) -> Iterator[memoryview]:
+    for chunk in chunks:
+        if chunk.WhichOneof("part") != "data":
+            raise invalid("only data chunks may follow the header chunk")
+        if len(chunk.data) > MAX_STREAM_CHUNK:
+            raise invalid(f"a data chunk of {len(chunk.data)} bytes is over the "
+                          f"{MAX_STREAM_CHUNK}-byte limit")
+        yield memoryview(chunk.data)
 
 
 class TokenAuth(grpc.ServerInterceptor):  # type: ignore[misc]

@@ -21,7 +21,7 @@ from ..engine import Engine, get_engine
 from ..format import safetensors_file
 from ..shm import Mapping
 from . import logs
-from .budgets import Budgets, parsing
+from .budgets import DEFAULT_STREAMS, Budgets, parsing, stream_block
 from .catalog import Catalog
 from .checkpoints import TERMINAL, Checkpoint, PendingFile, State
 from .job_service import JobService, create_staging
@@ -37,6 +37,8 @@ from .requests import (
     parse_tree,
 )
 from .rootfs import Root
+from .stream_file import Slots
+from .streams import Streams
 from .writer import Writers
 
 
@@ -45,7 +47,7 @@ class Service:
 
     def __init__(self, root: Root, shm_dir: Path, budgets: Budgets, metrics: Metrics,
                  write_concurrency: int = 2, idle_timeout: float = 300.0,
-                 engine: Engine | None = None) -> None:
+                 engine: Engine | None = None, max_streams: int = DEFAULT_STREAMS) -> None:
         self.root = root
         self.shm_dir = shm_dir
         # Segments are opened by name in the directory held open (shm.open_range).
@@ -57,6 +59,7 @@ class Service:
         self.jobs = JobService(self.registry, root)
         self.catalog = Catalog(self.registry, root)
         self.writers = Writers(self.registry, engine or get_engine(), write_concurrency)
+        self.streams = Streams(self.registry, Slots(max_streams, stream_block()))
         metrics.staging_budget.set(budgets.staging)
 
     # -- queries -----------------------------------------------------------
@@ -148,9 +151,11 @@ class Service:
 
     # -- Submit ----------------------------------------------------------------
 
-    def check_submit(self, ident: str, index: int, header: bytes, data_length: int
+    def check_submit(self, ident: str, index: int, header: bytes, data_length: int,
+                     streamed: bool = False
                      ) -> tuple[Checkpoint, list[safetensors_file.ParsedEntry]]:
-        """Validate a submission before its data is mapped or received."""
+        """Validate a submission before its data is mapped or received. A
+        streamed file is not held in memory (streams.py): it needs no staging."""
         r = self.registry
         with r.cond:
             ck = r.get(ident)
@@ -160,12 +165,12 @@ class Service:
             entries = parse_data_file(index, header, data_length, ck.files_total)
         with r.cond:
             r.require_receiving(ck, "submit a file to")
-            if index in ck.submitted:
+            if index in ck.submitted or index in ck.streams:
                 raise invalid(f"data file {index} was already submitted")
             dup = next((e.name for e in entries if e.name in ck.names), None)
             if dup is not None:
                 raise invalid(f"tensor {dup!r} is already in another data file")
-            if ck.mapped_bytes + data_length > ck.reserved:
+            if not streamed and ck.mapped_bytes + data_length > ck.reserved:
                 raise RequestError(
                     "RESOURCE_EXHAUSTED",
                     f"data file {index} ({data_length} bytes) would exceed the {ck.reserved} "
@@ -179,7 +184,7 @@ class Service:
         with r.cond:
             try:
                 r.require_receiving(ck, "submit a file to")
-                if index in ck.submitted:
+                if index in ck.submitted or index in ck.streams:
                     raise invalid(f"data file {index} was already submitted")
                 dup = next((e.name for e in entries if e.name in ck.names), None)
                 if dup is not None:
@@ -321,6 +326,7 @@ class Service:
         r = self.registry
         with r.cond:
             r.prune()
+            self.streams.reap_stalled(now, self.idle_timeout)
             for ck in list(r.checkpoints.values()):
                 if (not ck.terminal and not ck.handed_over and ck.watchers == 0
                         and now - ck.last_activity > self.idle_timeout):
@@ -360,7 +366,7 @@ class Service:
                 if not ck.terminal and not ck.handed_over:
                     r.finish(ck, State.ABORTED, "fastpersistd is shutting down",
                              "CheckpointAbortedError")
-            while any(not c.terminal or c.busy for c in r.checkpoints.values()) or any(
+            while any(not c.terminal or c.in_use for c in r.checkpoints.values()) or any(
                     j.committing for j in r.jobs.values()):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

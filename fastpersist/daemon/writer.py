@@ -23,7 +23,7 @@ from .._version import __version__
 from ..commit import os_error
 from ..engine import Engine, Segment
 from ..errors import CheckpointIOError
-from ..format.manifest import FileRecord, Manifest, TensorRecord
+from ..format.manifest import Manifest
 from . import logs
 from .checkpoints import Checkpoint, PendingFile, State
 from .jobs import part_json
@@ -119,10 +119,7 @@ class Writers:
                     self.idle_since = time.monotonic()
                     if job is not None:
                         ck.mapped_bytes -= job.nbytes
-                    if ck.job is not None:
-                        r.remove_job(ck.job)  # if the job was aborted meanwhile
-                    elif ck.terminal and ck.state != State.COMMITTED:
-                        r.clean_up(ck)  # no worker writes into it any more
+                    r.release(ck)
                     r.cond.notify_all()
 
     def _write(self, ck: Checkpoint, job: PendingFile) -> None:
@@ -157,15 +154,7 @@ class Writers:
         assert result.crcs is not None
         size = job.data_start + job.nbytes
         with r.cond:
-            if ck.terminal:  # aborted meanwhile: its records are dropped (drop_details)
-                return
-            ck.file_records[job.index] = FileRecord(name, size, job.data_start, result.crcs[0])
-            for e, crc in zip(job.entries, result.crcs[1:], strict=True):
-                ck.tensor_records[e.name] = TensorRecord(
-                    name=e.name, file=name, offset=job.data_start + e.begin,
-                    length=e.end - e.begin, dtype=e.dtype, shape=e.shape, crc32c=crc)
-            ck.files_written += 1
-            ck.bytes_written += size
+            ck.record_file(job.index, size, job.data_start, job.entries, result.crcs)
         r.metrics.bytes_written.inc(size)
 
     def _commit(self, ck: Checkpoint) -> None:
