@@ -174,17 +174,18 @@ class Checkpointer:
             pointed_at = os.stat(pointer).st_mtime_ns
         except OSError:
             name, pointed_at = "", 0
-        m = _STEP_DIR.match(name)
-        pointed = int(m[1]) if m else None
-        if pointed is None or not any(s == pointed and _is_committed(e) for s, e in dirs):
+        # Entries are returned as found: a checkpoint saved by hand as step-7 is
+        # step-7, not path_for(7).
+        pointed = next(((s, e) for s, e in dirs if e.name == name and _is_committed(e)), None)
+        if pointed is None:
             # No pointer, or it names something gone: the highest committed step.
-            return next((self.path_for(s) for s, e in reversed(dirs) if _is_committed(e)), None)
+            return next((e for _, e in reversed(dirs) if _is_committed(e)), None)
         for step, entry in reversed(dirs):
-            if step <= pointed:
+            if step <= pointed[0]:
                 break
-            if _committed_at(self.path_for(step)) > pointed_at and _is_committed(entry):
-                return self.path_for(step)
-        return self.path_for(pointed)
+            if _committed_at(entry) > pointed_at and _is_committed(entry):
+                return entry
+        return pointed[1]
 
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         path = self.latest()
@@ -213,11 +214,12 @@ class Checkpointer:
     def _apply_retention(self, newest: Path) -> None:
         if self.keep_last is None:
             return
-        steps = self.steps()
+        committed = [(s, e) for s, e in self._step_dirs() if _is_committed(e)]
+        steps = sorted({s for s, _ in committed})
         keep = set(steps[-self.keep_last:])
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
-        for step in steps:
-            path = self.path_for(step)
-            if step not in keep and path != newest:
-                delete_checkpoint(path)
+        # Delete what was listed, by the name it has (not path_for(step)).
+        for step, entry in committed:
+            if step not in keep and entry != newest:
+                delete_checkpoint(entry)

@@ -147,6 +147,27 @@ def test_retention_and_pointer_wait_for_the_newer_checkpoint(
         assert names(root) == ["latest", "step-00000002"]
 
 
+def test_retention_deletes_what_it_listed_under_a_hand_made_name(tmp_path: Path) -> None:
+    """A checkpoint saved by hand as step-1 (not step-00000001) is retained and
+    deleted by the name it has; later saves keep working."""
+    root = tmp_path / "ckpts"
+    fastpersist.save(small_state(1), root / "step-1")
+    with Checkpointer(root, keep_last=2) as ckpt:
+        for step in (2, 3, 4):
+            ckpt.save(step, small_state(step)).result()
+        assert ckpt.steps() == [3, 4]
+        assert names(root) == ["latest", "step-00000003", "step-00000004"]
+        assert ckpt.latest() == root / "step-00000004"
+
+
+def test_latest_returns_the_directory_it_found(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    fastpersist.save(small_state(7), root / "step-7")
+    ckpt = Checkpointer(root)
+    assert ckpt.latest() == root / "step-7"
+    check_state(ckpt.load_latest(), 7)
+
+
 def test_latest_falls_back_to_a_scan(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     with Checkpointer(root) as ckpt:
