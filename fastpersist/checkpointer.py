@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .api import MapLocation, load
 from .checkpoint import read_manifest
-from .commit import delete_checkpoint, fsync_dir, os_error, write_durably
+from .commit import delete_checkpoint, fsync_dir, leftover_name, os_error, write_durably
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
@@ -201,7 +201,7 @@ class Checkpointer:
             self._apply_retention(path)
 
     def _point_latest_at(self, path: Path) -> None:
-        tmp = self.root / f".{LATEST}.tmp-{os.getpid()}"
+        tmp = self.root / leftover_name(LATEST, "tmp")  # gc knows the name
         try:
             write_durably(tmp, (path.name + "\n").encode())
             os.replace(tmp, self.root / LATEST)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import shutil
 import signal
 import time
@@ -422,9 +421,6 @@ def zygote() -> Iterator[Zygote]:
     z.close()
 
 
-_LATEST_TMP = re.compile(r"^\.latest\.tmp-(\d+)$")
-
-
 def check_after_crash(root: Path, child: Child, done_floor: int) -> int | None:
     """Check what a crashed training loop left under root against the contract,
     collect its leftovers, and return the step `latest` names (None: none yet).
@@ -464,17 +460,8 @@ def check_after_crash(root: Path, child: Child, done_floor: int) -> int | None:
         with pytest.raises(CheckpointNotFoundError):
             fastpersist.load(lo.path)
     known = {"latest", *(f"step-{s:08d}" for s in steps), *(lo.path.name for lo in leftovers)}
-    strays = []
-    for n in names(root):
-        if n in known:
-            continue
-        m = _LATEST_TMP.match(n)
-        if m and int(m[1]) == child.pid:
-            # A kill inside the pointer update; see
-            # test_failed_pointer_update_leaves_no_stray_file.
-            (root / n).unlink()
-            continue
-        strays.append(n)
+    # (A kill inside the pointer update leaves its temporary file: a leftover too.)
+    strays = [n for n in names(root) if n not in known]
     assert not strays, f"unrecognisable entries after the crash: {strays}"
     for lo in leftovers:
         collect(lo)

@@ -646,10 +646,10 @@ def _check_run(root: Path, handed_over: int | None, pids: set[int]) -> list[int]
         elif entry.name == "latest":
             name = entry.read_text().strip()
             assert (root / name / "manifest.json").is_file(), f"latest names {name}"
-        elif entry.name.startswith(".latest.tmp-") or ".fp-del-" in entry.name:
+        elif parse_leftover(entry) is not None:
             # the client's own leftovers (pointer update, retention), for gc
             lo = parse_leftover(entry)
-            assert lo is None or (lo.pid in pids and not lo.owner_alive), entry
+            assert lo is not None and lo.pid in pids and not lo.owner_alive, entry
         else:
             pytest.fail(f"unexpected entry after the kill: {entry.name}")
     if handed_over is not None:
