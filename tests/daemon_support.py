@@ -25,7 +25,7 @@ from fastpersist.errors import CheckpointError
 
 class Daemon:
     def __init__(self, workdir: Path, *args: str, root: Path | None = None,
-                 shm_dir: Path | None = None) -> None:
+                 shm_dir: Path | None = None, umask: int = -1) -> None:
         self.root = root or workdir / "root"
         self.root.mkdir(parents=True, exist_ok=True)
         # Socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
@@ -34,6 +34,7 @@ class Daemon:
         # Segments live on a tmpfs as in production, in a directory of this test's own.
         self.shm_dir = shm_dir or Path(tempfile.mkdtemp(prefix="fpt-", dir=_shm_base()))
         self.args = list(args)
+        self.umask = umask  # the daemon process's (-1: this process's)
         self.log_path = workdir / f"fastpersistd-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -46,7 +47,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fastpersist.daemon", "--root", str(self.root),
              "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), *self.args],
-            stdout=log, stderr=log, env=os.environ.copy(),
+            stdout=log, stderr=log, env=os.environ.copy(), umask=self.umask,
         )
         log.close()
         deadline = time.monotonic() + timeout

@@ -53,6 +53,12 @@ def parse_size(text: str) -> int:
     return int(m[1]) << (10 * power)
 
 
+def group_id(text: str) -> int:
+    """A group name, or a numeric gid (which needs no /etc/group entry: a
+    container's groups often have none). KeyError: no such group."""
+    return int(text) if text.isdigit() else grp.getgrnam(text).gr_gid
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastpersistd", description=__doc__.splitlines()[0])
     p.add_argument("--root", required=True, type=Path,
@@ -60,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "to it")
     p.add_argument("--socket", type=Path, default=Path(DEFAULT_SOCKET),
                    help=f"Unix socket to serve, created 0660 (default {DEFAULT_SOCKET})")
-    p.add_argument("--socket-group", help="group to give the socket (trainers in it may connect)")
+    p.add_argument("--socket-group",
+                   help="group to give the socket, by name or number (trainers in it may "
+                        "connect)")
     p.add_argument("--listen", metavar="HOST:PORT",
                    help="also serve TCP; needs --tls-cert, --tls-key and --token-file")
     p.add_argument("--tls-cert", type=Path)
@@ -124,7 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_args(p, args)
     logs.setup(args.log_format, args.log_level)
     root = Root(args.root.resolve())
-    group = grp.getgrnam(args.socket_group).gr_gid if args.socket_group else None
+    try:
+        # Looked up here, not while parsing: the deployed arguments are checked
+        # on machines without the group.
+        group = group_id(args.socket_group) if args.socket_group else None
+    except KeyError:
+        p.error(f"--socket-group: no group {args.socket_group!r}")
 
     metrics = Metrics()
     _step(metrics, "clean up leftovers", root.clean_up_leftovers)
