@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -161,6 +162,37 @@ class DaemonClient:
                             file_count=file_count, job_id=job_id, rank=rank),
             timeout=CALL_TIMEOUT))
         return str(reply.checkpoint_id)
+
+    def open(self, relative: str, staging_bytes: int, file_count: int, *, job_id: str = "",
+             rank: int = 0) -> tuple[str, Any]:
+        """Begin a checkpoint with Open: (its id, the stream of its statuses that
+        follow). The open stream is this process's lease on the checkpoint: if
+        it ends before Commit (this process died, or cancelled it), the daemon
+        aborts the checkpoint at once."""
+        part = f"the part of rank {rank} of " if job_id else ""
+        what = f"cannot begin {part}checkpoint {relative}"
+        call = self.stub.Open(pb.BeginRequest(
+            path=relative, client_id=CLIENT_ID, staging_bytes=staging_bytes,
+            file_count=file_count, job_id=job_id, rank=rank))
+        # The first message is Begin's answer and gets its time limit; the rest
+        # of the stream lasts as long as the checkpoint.
+        timer = threading.Timer(CALL_TIMEOUT, call.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            first = next(call)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise self.error(exc, what) from None
+            # A daemon older than Open: Begin, and Watch right away.
+            ident = self.begin(relative, staging_bytes, file_count, job_id=job_id, rank=rank)
+            return ident, self.stub.Watch(pb.WaitRequest(checkpoint_id=ident))
+        except StopIteration:
+            raise DaemonError(f"{what}: fastpersistd ended the stream without an answer",
+                              "INTERNAL") from None
+        finally:
+            timer.cancel()
+        return str(first.checkpoint_id), call
 
     def begin_job(self, relative: str) -> str:
         reply = self._call(f"cannot begin distributed checkpoint {relative}",

@@ -3,17 +3,18 @@
 Call sequence of one save (caller = the training thread, writer = the
 RemoteSaver's background thread, daemon = fastpersistd):
 
-    caller  1. flatten and plan the state, as in-process; Begin (the daemon
-               checks the path and reserves staging)
+    caller  1. flatten and plan the state, as in-process; Open (Begin: the
+               daemon checks the path and reserves staging; its reply is a
+               stream of progress, and while it is open, the daemon's sign
+               that we are alive)
     caller  2. per data file: take a shared-memory buffer, copy the tensors in
                (laid out as the file's data section), hand it to the writer
-    writer  3. open the Watch stream (the daemon's sign that we are alive),
-               SubmitShm per file; a tensor too large for the staging budget is
+    writer  3. SubmitShm per file; a tensor too large for the staging budget is
                streamed over gRPC instead (SubmitStream)
     writer  4. Commit: from the reply on, the checkpoint is the daemon's and is
                committed even if this process dies
     caller  5. returns the SaveFuture once 4 is done
-    writer  6. follow Watch until the daemon reports it durable (or failed),
+    writer  6. follow the progress until the daemon reports it durable (or failed),
                return the buffers to the pool, resolve the future
 
 The on-disk checkpoint is the same as an in-process save's: same header, same
@@ -70,22 +71,25 @@ class _Job:
     handoff: queue.Queue[Any]
     on_commit: Callable[[Path], None] | None
     budget: int  # FASTPERSIST_STAGING_BUDGET at the save (0: unbounded)
+    progress: Progress  # open from Begin on: the daemon's sign that we are alive
     handed_over: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
 
 class Progress:
-    """Follows a checkpoint's Watch stream on a thread of its own. The open
-    stream is also the daemon's sign that this client is alive: if it closes
-    before Commit (this process died), the daemon aborts the checkpoint."""
+    """Follows a checkpoint's progress stream on a thread of its own: Open's
+    (DaemonClient.open), or a Watch. The open stream is also the daemon's sign
+    that this client is alive: if it closes before Commit (this process died),
+    the daemon aborts the checkpoint."""
 
-    def __init__(self, client: DaemonClient, ident: str) -> None:
+    def __init__(self, client: DaemonClient, ident: str, call: Any = None) -> None:
         self._cond = threading.Condition()
         self._status: pb.CheckpointStatus | None = None
         self._error: BaseException | None = None
         self._ended = False
         self._client = client
-        self._call = client.stub.Watch(pb.WaitRequest(checkpoint_id=ident))
+        self._call = call if call is not None else client.stub.Watch(
+            pb.WaitRequest(checkpoint_id=ident))
         self._thread = threading.Thread(target=self._follow, name="fastpersist-watch",
                                         daemon=True)
         self._thread.start()
@@ -218,10 +222,10 @@ class RemoteSaver(Saver):
         staged_bytes = sum(f.nbytes for f in files if f.staged)
         largest_unstaged = max((f.nbytes for f in files if not f.staged), default=0)
         reserve = (min(staged_bytes, budget) if budget else staged_bytes) + largest_unstaged
-        ident = self.client.begin(relative, reserve, len(files))
+        ident, stream = self.client.open(relative, reserve, len(files))
         future = SaveFuture(target)
         job = _Job(future, ident, relative, len(files), tree_json, [t.name for t in stored],
-                   queue.Queue(), on_commit, budget)
+                   queue.Queue(), on_commit, budget, Progress(self.client, ident, stream))
         with self._lock:
             self._in_flight.append(future)
         self._ensure_thread()
@@ -286,7 +290,7 @@ class RemoteSaver(Saver):
         sent: list[StagedFile] = []  # buffers the daemon may still read
         progress: Progress | None = None
         try:
-            progress = Progress(self.client, job.ident)
+            progress = job.progress
             while True:
                 item = job.handoff.get()
                 if item is _STOP:

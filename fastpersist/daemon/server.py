@@ -32,6 +32,7 @@ from ..commit import os_error
 from ..errors import CheckpointError
 from . import logs
 from .budgets import anonymous_buffer
+from .checkpoints import Checkpoint
 from .paths import PathError, parse
 from .requests import MAX_ID_BYTES, RequestError, check_names, code_for, invalid
 from .service import Service
@@ -113,6 +114,21 @@ class Servicer(pb_grpc.FastPersistServicer):
                                     request.job_id, request.rank)
             return pb.BeginResponse(checkpoint_id=ck.id)
         return self._guard(context, run)
+
+    def Open(self, request: pb.BeginRequest, context: grpc.ServicerContext
+             ) -> Iterator[pb.CheckpointStatus]:
+        def run() -> Checkpoint:
+            return self.service.begin(parse(request.path), request.client_id,
+                                      request.staging_bytes, request.file_count,
+                                      request.job_id, request.rank, leased=True)
+        ck = self._guard(context, run)
+        # The lease ends with the call, however it ends (done, cancelled, the
+        # client's connection gone): gRPC's termination callback, rather than
+        # the generator's cleanup, which a call broken off may never run.
+        if not context.add_callback(lambda: self.service.watch_ended(ck)):
+            self.service.watch_ended(ck)  # over already
+        for status in self.service.follow(ck, context.is_active):
+            yield _status(status)
 
     def SubmitShm(self, request: pb.SubmitShmRequest, context: grpc.ServicerContext
                   ) -> pb.SubmitResponse:

@@ -92,10 +92,13 @@ class Service:
     # -- Begin ---------------------------------------------------------------
 
     def begin(self, path: RequestPath, client: str, staging_bytes: int,
-              file_count: int, job_id: str = "", rank: int = 0) -> Checkpoint:
+              file_count: int, job_id: str = "", rank: int = 0, *, leased: bool = False
+              ) -> Checkpoint:
         """Reserve the target and the staging under the lock; make the staging
         directory without it (a slow disk must not stall other requests); then
-        hand out the id, unless the daemon began to drain meanwhile."""
+        hand out the id, unless the daemon began to drain meanwhile. leased:
+        the request's stream is the client's lease (Open): the checkpoint is
+        born watched, and watch_ended() must follow when the stream ends."""
         check_client(client)
         check_file_count(file_count)
         target, relpath = path.under(self.root.path), path.text
@@ -121,6 +124,9 @@ class Service:
                         joined = None
                     job.parts.append(ck)
                     job.touch()
+                # Counted before anybody can see it: there is no moment in which
+                # the checkpoint exists and its client's death would go unnoticed.
+                ck.watchers = 1 if leased else 0
                 r.add(ck)
         finally:
             if joined is not None:  # not taken on: refused, or another request was first
@@ -284,22 +290,28 @@ class Service:
         with r.cond:
             ck = r.get(ident)
             ck.watchers += 1
-            last: dict[str, Any] | None = None
         try:
-            while True:
-                with r.cond:
-                    status = ck.status()
-                    while status == last and alive():
-                        r.cond.wait(1.0)
-                        status = ck.status()
-                if not alive():
-                    return
-                last = status
-                yield status
-                if status["state"] in TERMINAL:
-                    return
+            yield from self.follow(ck, alive)
         finally:
             self.watch_ended(ck)
+
+    def follow(self, ck: Checkpoint, alive: Callable[[], bool],
+               last: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+        """ck's statuses from the first that differs from `last`, until a
+        terminal one or until alive() turns false (checked every second)."""
+        r = self.registry
+        while True:
+            with r.cond:
+                status = ck.status()
+                while status == last and alive():
+                    r.cond.wait(1.0)
+                    status = ck.status()
+            if not alive():
+                return
+            last = status
+            yield status
+            if status["state"] in TERMINAL:
+                return
 
     def watch_ended(self, ck: Checkpoint) -> None:
         r = self.registry

@@ -126,9 +126,9 @@ class ThroughDaemon:
         if not files:
             return []
         reserve = sum(f.buffer.numel() for f in files if f.buffer is not None)
-        ident = self.client.begin(self.client.relative(target), reserve, len(files),
-                                  job_id=where, rank=rank)
-        progress = Progress(self.client, ident)  # our liveness lease until the hand-over
+        ident, stream = self.client.open(self.client.relative(target), reserve, len(files),
+                                         job_id=where, rank=rank)
+        progress = Progress(self.client, ident, stream)  # our liveness lease until the hand-over
         handed_over = False
         try:
             for index, file in enumerate(files):
