@@ -12,16 +12,14 @@
 Checkpoints are ROOT/step-NNNNNNNN. After each one is durable, and only then,
 ROOT/latest is updated (atomically) to name it, for tools and people, and
 retention deletes the checkpoints that are neither among the newest keep_last
-nor a multiple of keep_every. A crash at any moment leaves `latest` naming a
-complete checkpoint; Checkpointer.latest() also finds a higher step committed
-after the pointer was written (by the daemon, after the trainer died).
+nor a multiple of keep_every (retention.py has the rules). A crash at any
+moment leaves `latest` naming a complete checkpoint. A failure there fails the
+save's future with PostCommitError: the checkpoint itself is committed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import threading
 import warnings
 from pathlib import Path
@@ -30,17 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from .api import MapLocation, load
 from .checkpoint import read_manifest
-from .commit import delete_checkpoint, fsync_dir, leftover_name, os_error, write_durably
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
+from .retention import LATEST, AfterCommit, apply_at, step_of
 from .saver import SaveFuture, Saver
 
 if TYPE_CHECKING:
     from .distributed.saver import DistributedSaver
-
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _committed_at(path: Path) -> int:
@@ -84,6 +79,7 @@ class Checkpointer:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.after_commit = AfterCommit(True, keep_last, keep_every)
         self.allow_pickle = allow_pickle
         address = current_knobs().daemon if daemon is None else daemon
         self._saver: Saver | DistributedSaver
@@ -151,8 +147,8 @@ class Checkpointer:
         by ascending step: names only, no manifest is read."""
         if not self.root.is_dir():
             return []
-        return sorted((int(m[1]), entry) for entry in self.root.iterdir()
-                      if (m := _STEP_DIR.match(entry.name)))
+        return sorted((step, entry) for entry in self.root.iterdir()
+                      if (step := step_of(entry.name)) is not None)
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints under root, ascending."""
@@ -197,29 +193,4 @@ class Checkpointer:
 
     def _committed(self, path: Path) -> None:
         with self._lock:
-            self._point_latest_at(path)
-            self._apply_retention(path)
-
-    def _point_latest_at(self, path: Path) -> None:
-        tmp = self.root / leftover_name(LATEST, "tmp")  # gc knows the name
-        try:
-            write_durably(tmp, (path.name + "\n").encode())
-            os.replace(tmp, self.root / LATEST)
-            fsync_dir(self.root)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise os_error(exc, f"cannot update {self.root / LATEST}") from exc
-
-    def _apply_retention(self, newest: Path) -> None:
-        if self.keep_last is None:
-            return
-        committed = [(s, e) for s, e in self._step_dirs() if _is_committed(e)]
-        steps = sorted({s for s, _ in committed})
-        keep = set(steps[-self.keep_last:])
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        # Delete what was listed, by the name it has (not path_for(step)).
-        for step, entry in committed:
-            if step not in keep and entry != newest:
-                delete_checkpoint(entry)
+            apply_at(self.root, path.name, self.after_commit)
