@@ -13,8 +13,14 @@ Checkpoints are ROOT/step-NNNNNNNN. After each one is durable, and only then,
 ROOT/latest is updated (atomically) to name it, for tools and people, and
 retention deletes the checkpoints that are neither among the newest keep_last
 nor a multiple of keep_every (retention.py has the rules). A crash at any
-moment leaves `latest` naming a complete checkpoint. A failure there fails the
-save's future with PostCommitError: the checkpoint itself is committed.
+moment leaves `latest` naming a complete checkpoint.
+
+Who does it: in-process, the writer thread after each commit. Through a
+daemon, which owns everything under its --root (the trainer needs read access
+only), the policy travels with each commit and the daemon applies it before it
+reports the checkpoint committed, even if the trainer died after the hand-over.
+Either way a failure there fails the save's future with PostCommitError: the
+checkpoint itself is committed.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from .saver import SaveFuture, Saver
 
 if TYPE_CHECKING:
     from .distributed.saver import DistributedSaver
+    from .remote import RemoteSaver
 
 
 def _committed_at(path: Path) -> int:
@@ -65,7 +72,8 @@ class Checkpointer:
         if set; "": in-process). `root` must lie under the daemon's --root.
     process_group: a torch.distributed job (call save() on every rank; `root`
         on storage they all see): distributed saves, each unique byte written
-        once; rank 0 moves `latest` and applies retention.
+        once; whoever commits the job (rank 0, or its daemon) moves `latest`
+        and applies retention.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -83,14 +91,17 @@ class Checkpointer:
         self.allow_pickle = allow_pickle
         address = current_knobs().daemon if daemon is None else daemon
         self._saver: Saver | DistributedSaver
+        # The savers that take the policy along with the commit (to the daemon,
+        # or to the distributed job's commit); the in-process Saver calls back.
+        self._delegated: RemoteSaver | DistributedSaver | None = None
         if process_group is not None:
             from .distributed.saver import DistributedSaver
 
-            self._saver = DistributedSaver(process_group, daemon=address)
+            self._saver = self._delegated = DistributedSaver(process_group, daemon=address)
         elif address:
             from .remote import RemoteSaver
 
-            self._saver = RemoteSaver(address, max_in_flight)
+            self._saver = self._delegated = RemoteSaver(address, max_in_flight)
         else:
             self._saver = Saver(max_in_flight)
         self._lock = threading.Lock()  # latest pointer and retention
@@ -106,6 +117,11 @@ class Checkpointer:
         """
         if step < 0:
             raise ValueError("step must be >= 0")
+        if self._delegated is not None:
+            return self._delegated.save(state, self.path_for(step),
+                                        allow_pickle=self.allow_pickle,
+                                        wait_for_snapshot=wait_for_snapshot,
+                                        after_commit=self.after_commit)
         return self._saver.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                 wait_for_snapshot=wait_for_snapshot,
                                 on_commit=self._committed)
@@ -159,10 +175,10 @@ class Checkpointer:
 
         ROOT/latest is trusted (an operator may point it back at an older step
         to roll back), except where a higher step was committed after the
-        pointer was written: with a daemon, a save handed over just before the
-        trainer died is committed after the trainer could move the pointer, and
-        it is the newest state there is. Reads only the manifests it needs:
-        newest first, stopping at the answer."""
+        pointer was written: its pointer update failed (PostCommitError), or
+        an older daemon committed it after the trainer that would have moved
+        the pointer had died; it is the newest state there is. Reads only the
+        manifests it needs: newest first, stopping at the answer."""
         dirs = self._step_dirs()
         pointer = self.root / LATEST
         try:
@@ -189,7 +205,7 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         return load(path, map_location, allow_pickle=self.allow_pickle, **kwargs)
 
-    # -- runs on the writer thread, after a commit ------------------------
+    # -- runs on the writer thread, after a commit (in-process) -------------
 
     def _committed(self, path: Path) -> None:
         with self._lock:

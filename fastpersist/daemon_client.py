@@ -25,6 +25,7 @@ from . import errors
 from ._proto import fastpersist_pb2 as pb
 from ._proto import fastpersist_pb2_grpc as pb_grpc
 from .errors import CheckpointError, DaemonError, DaemonUnavailableError
+from .retention import AfterCommit
 
 # Unary calls are quick (no I/O waits in them); a daemon that does not answer
 # in this long is treated as gone rather than hung on.
@@ -200,10 +201,14 @@ class DaemonClient:
                                path=relative, client_id=CLIENT_ID), timeout=CALL_TIMEOUT))
         return str(reply.job_id)
 
-    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
-        self._call("cannot commit the distributed checkpoint", lambda: self.stub.CommitJob(
-            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node),
+    def commit_job(self, job_id: str, manifest: bytes, node: str,
+                   after_commit: AfterCommit | None = None) -> str:
+        """Commit a job; returns what failed of after_commit ("": nothing)."""
+        reply = self._call("cannot commit the distributed checkpoint", lambda: self.stub.CommitJob(
+            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node,
+                                after_commit=_after_commit(after_commit)),
             timeout=CALL_TIMEOUT))
+        return str(reply.after_commit_error)
 
     def abort_job(self, job_id: str) -> None:
         self._call("cannot abort the distributed checkpoint", lambda: self.stub.AbortJob(
@@ -230,10 +235,13 @@ class DaemonClient:
         self._call(f"cannot stream data file {index}", lambda: self.stub.SubmitStream(
             messages()))
 
-    def commit(self, ident: str, tree_json: str, tensor_order: list[str]) -> None:
+    def commit(self, ident: str, tree_json: str, tensor_order: list[str], *,
+               after_commit: AfterCommit | None = None) -> None:
         self._call("cannot hand the checkpoint over", lambda: self.stub.Commit(
             pb.CommitRequest(checkpoint_id=ident, tree_json=tree_json,
-                             tensor_order=tensor_order), timeout=CALL_TIMEOUT))
+                             tensor_order=tensor_order,
+                             after_commit=_after_commit(after_commit)),
+            timeout=CALL_TIMEOUT))
 
     def abort(self, ident: str) -> None:
         self._call("cannot abort", lambda: self.stub.Abort(
@@ -254,6 +262,13 @@ class DaemonClient:
     def delete(self, relative: str) -> None:
         self._call(f"cannot delete {relative}", lambda: self.stub.Delete(
             pb.DeleteRequest(path=relative), timeout=CALL_TIMEOUT))
+
+
+def _after_commit(policy: AfterCommit | None) -> pb.AfterCommit | None:
+    if policy is None:
+        return None
+    return pb.AfterCommit(point_latest=policy.point_latest, keep_last=policy.keep_last or 0,
+                          keep_every=policy.keep_every or 0)
 
 
 def state_name(state: int) -> str:

@@ -48,9 +48,11 @@ from .errors import (
     CheckpointError,
     DaemonError,
     DaemonUnavailableError,
+    PostCommitError,
 )
 from .knobs import current as current_knobs
 from .plan import StoredTensor, memory_of
+from .retention import AfterCommit
 from .saver import _STOP, SaveFuture, Saver
 from .snapshot import StagedFile, group_into_files, stage_file
 from .staging import StagingPool
@@ -72,6 +74,7 @@ class _Job:
     on_commit: Callable[[Path], None] | None
     budget: int  # FASTPERSIST_STAGING_BUDGET at the save (0: unbounded)
     progress: Progress  # open from Begin on: the daemon's sign that we are alive
+    after_commit: AfterCommit | None = None  # a Checkpointer's, applied by the daemon
     handed_over: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -196,19 +199,23 @@ class RemoteSaver(Saver):
 
     def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              wait_for_snapshot: bool = True, on_commit: Callable[[Path], None] | None = None,
-             overlap_writes: bool = False) -> SaveFuture:
+             overlap_writes: bool = False, after_commit: AfterCommit | None = None
+             ) -> SaveFuture:
         """See Saver.save. overlap_writes: let the daemon write each file while
         the next is copied (fastpersist.save, whose caller waits for the whole
         save anyway). Otherwise, when the whole snapshot fits the staging budget,
         files are handed over once the copy is done, so that the daemon's writes
         do not compete with the caller's copy for cores and memory bandwidth:
-        the stall is the copy, and the writes follow in the background."""
+        the stall is the copy, and the writes follow in the background.
+        after_commit: a Checkpointer's policy, which the daemon applies in the
+        checkpoint's directory before it reports it committed."""
         return self._entered(lambda: self._save(obj, path, allow_pickle, wait_for_snapshot,
-                                                on_commit, overlap_writes))
+                                                on_commit, overlap_writes, after_commit))
 
     def _save(self, obj: Any, path: str | os.PathLike[str], allow_pickle: bool,
               wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None,
-              overlap_writes: bool = False) -> SaveFuture:
+              overlap_writes: bool = False, after_commit: AfterCommit | None = None
+              ) -> SaveFuture:
         self.raise_unobserved_failure()
         target = Path(os.path.abspath(os.fspath(path)))
         relative = self.client.relative(target)
@@ -225,7 +232,8 @@ class RemoteSaver(Saver):
         ident, stream = self.client.open(relative, reserve, len(files))
         future = SaveFuture(target)
         job = _Job(future, ident, relative, len(files), tree_json, [t.name for t in stored],
-                   queue.Queue(), on_commit, budget, Progress(self.client, ident, stream))
+                   queue.Queue(), on_commit, budget, Progress(self.client, ident, stream),
+                   after_commit)
         with self._lock:
             self._in_flight.append(future)
         self._ensure_thread()
@@ -313,9 +321,12 @@ class RemoteSaver(Saver):
                     # waiting for this buffer; take it back once it is written.
                     progress.wait(files_written=index + 1)
                     self._release(sent.pop())
-            self.client.commit(job.ident, job.tree_json, job.tensor_order)
+            self.client.commit(job.ident, job.tree_json, job.tensor_order,
+                               after_commit=job.after_commit)
             job.handed_over.set()
-            progress.wait()
+            status = progress.wait()
+            if status.after_commit_error:
+                raise PostCommitError(status.after_commit_error)
         except DaemonError as exc:
             self._fail_job(job, self._cause(job, exc), queue_done)
             return

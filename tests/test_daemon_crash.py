@@ -743,6 +743,8 @@ def test_latest_names_the_checkpoint_the_daemon_committed_after_the_client_died(
     wait_until("the daemon to settle", lambda: settled(d), timeout=15, every=0.05)
     assert _outcomes(d, c.pid, killed_at) == ["committed", "committed-after-kill"], d.log
     assert _check_run(root, 1, {c.pid}) == [0, 1]
+    # The daemon moved the pointer itself, with the commit: nobody else was left to.
+    assert (root / "latest").read_text() == "step-00000001\n"
 
     resumed = fastpersist.Checkpointer(root, daemon="")
     assert resumed.steps() == [0, 1]

@@ -19,6 +19,7 @@ import grp
 import os
 import re
 import signal
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -126,6 +127,25 @@ def _reclaim(shm_dir: Path, metrics: Metrics) -> None:
         logs.info("reclaimed-segment", segment=name)
 
 
+def take_root_group(root_fd: int) -> None:
+    """Everything the daemon creates under --root belongs to the root's group,
+    so that the trainers in that group can read it (and, with a umask of 0027,
+    nobody else can). As root, the daemon takes that group as its effective
+    group; otherwise its own group must be it, or the root carry the setgid
+    bit (new entries then inherit its group), and it warns if neither holds."""
+    st = os.fstat(root_fd)
+    if os.getegid() == st.st_gid:
+        return
+    if os.geteuid() == 0:
+        os.setegid(st.st_gid)  # before any thread starts: one group for all of them
+        logs.info("root-group", gid=st.st_gid)
+    elif not st.st_mode & stat.S_ISGID:
+        logs.warning("root-group", gid=st.st_gid, daemon_gid=os.getegid(),
+                     reason="checkpoints will belong to the daemon's group, not the root's: "
+                            "trainers in the root's group may not be able to read them "
+                            "(chmod g+s the root, or run the daemon with its group)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -139,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyError:
         p.error(f"--socket-group: no group {args.socket_group!r}")
 
+    take_root_group(root.fd)
     metrics = Metrics()
     _step(metrics, "clean up leftovers", root.clean_up_leftovers)
     _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))

@@ -30,6 +30,7 @@ from .._proto import fastpersist_pb2_grpc as pb_grpc
 from .._version import __version__
 from ..commit import os_error
 from ..errors import CheckpointError
+from ..retention import AfterCommit
 from . import logs
 from .budgets import anonymous_buffer
 from .checkpoints import Checkpoint
@@ -178,7 +179,7 @@ class Servicer(pb_grpc.FastPersistServicer):
         def run() -> pb.CommitResponse:
             check_names(request.tensor_order)
             self.service.commit(request.checkpoint_id, request.tree_json,
-                                list(request.tensor_order))
+                                list(request.tensor_order), _after_commit(request))
             return pb.CommitResponse()
         return self._guard(context, run)
 
@@ -240,8 +241,9 @@ class Servicer(pb_grpc.FastPersistServicer):
         def run() -> pb.CommitJobResponse:
             if len(request.node) > MAX_ID_BYTES:
                 raise invalid(f"a node is at most {MAX_ID_BYTES} characters")
-            self.service.commit_job(request.job_id, request.manifest, request.node)
-            return pb.CommitJobResponse()
+            error = self.service.commit_job(request.job_id, request.manifest, request.node,
+                                            _after_commit(request))
+            return pb.CommitJobResponse(after_commit_error=error)
         return self._guard(context, run)
 
     def AbortJob(self, request: pb.AbortJobRequest, context: grpc.ServicerContext
@@ -250,6 +252,13 @@ class Servicer(pb_grpc.FastPersistServicer):
             self.service.abort_job(request.job_id)
             return pb.AbortJobResponse()
         return self._guard(context, run)
+
+
+def _after_commit(request: pb.CommitRequest | pb.CommitJobRequest) -> AfterCommit | None:
+    if not request.HasField("after_commit"):
+        return None
+    a = request.after_commit
+    return AfterCommit(a.point_latest, a.keep_last or None, a.keep_every or None)
 
 
 class TokenAuth(grpc.ServerInterceptor):  # type: ignore[misc]

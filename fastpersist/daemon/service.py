@@ -19,8 +19,10 @@ from typing import Any
 
 from ..engine import Engine, get_engine
 from ..format import safetensors_file
+from ..retention import AfterCommit
 from ..shm import Mapping
 from . import logs
+from .after_commit import AfterCommits, check_target
 from .budgets import Budgets
 from .catalog import Catalog
 from .checkpoints import TERMINAL, Checkpoint, PendingFile, State
@@ -54,9 +56,11 @@ class Service:
         self.metrics = metrics
         self.idle_timeout = idle_timeout
         self.registry = Registry(budgets, metrics)
-        self.jobs = JobService(self.registry, root)
+        after_commits = AfterCommits(metrics)
+        self.jobs = JobService(self.registry, root, after_commits)
         self.catalog = Catalog(self.registry, root)
-        self.writers = Writers(self.registry, engine or get_engine(), write_concurrency)
+        self.writers = Writers(self.registry, engine or get_engine(), write_concurrency,
+                               after_commits)
         metrics.staging_budget.set(budgets.staging)
 
     # -- queries -----------------------------------------------------------
@@ -208,12 +212,17 @@ class Service:
 
     # -- Commit / Abort --------------------------------------------------------
 
-    def commit(self, ident: str, tree_json: str, tensor_order: list[str]) -> None:
+    def commit(self, ident: str, tree_json: str, tensor_order: list[str],
+               after_commit: AfterCommit | None = None) -> None:
         tree = parse_tree(tree_json)
         r = self.registry
         with r.cond:
             ck = r.get(ident)
             r.require_receiving(ck, "commit")
+            if after_commit is not None:
+                if ck.job is not None:
+                    raise invalid("a part of a job takes no after_commit; CommitJob does")
+                check_target(ck.target, ck.relpath)
             if len(ck.submitted) != ck.files_total:
                 missing = [i for i in range(ck.files_total) if i not in ck.submitted][:10]
                 raise RequestError("FAILED_PRECONDITION",
@@ -229,6 +238,7 @@ class Service:
                               f"hold {len(names)} different ones")
             ck.tree = tree
             ck.tensor_order = list(tensor_order)
+            ck.after_commit = after_commit
             ck.handed_over = True
             ck.state = State.WRITING
             ck.last_activity = time.monotonic()
@@ -255,8 +265,9 @@ class Service:
     def begin_job(self, path: RequestPath, client: str) -> str:
         return self.jobs.begin_job(path, client)
 
-    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
-        self.jobs.commit_job(job_id, manifest, node)
+    def commit_job(self, job_id: str, manifest: bytes, node: str,
+                   after_commit: AfterCommit | None = None) -> str:
+        return self.jobs.commit_job(job_id, manifest, node, after_commit)
 
     def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
         self.jobs.abort_job(job_id, reason)
