@@ -20,9 +20,10 @@ happens even if the trainer is gone by then).
                    the one just committed is never deleted (nor counted): it
                    may be the only copy of something newer.
 
-Everything is done relative to the root's directory descriptor, and nothing in
-it is followed through a symbolic link: the daemon does this as root, in
-directories that others may be able to write.
+Everything is done relative to the root's directory descriptor, with the
+primitives of dirs.py and commit.py (write_durably, delete_checkpoint), and
+nothing in it is followed through a symbolic link: the daemon does this as
+root, in directories that others may be able to write.
 
 Torch-free: the daemon imports this module.
 """
@@ -33,13 +34,13 @@ import contextlib
 import errno
 import os
 import re
-import shutil
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .commit import leftover_name
+from . import dirs
+from .commit import delete_checkpoint, leftover_name, write_durably
 from .errors import CheckpointError, PostCommitError
 from .format.manifest import MANIFEST_NAME, Manifest
 
@@ -47,14 +48,13 @@ LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MAX_POINTER_BYTES = 4096
 # Manifests are read to tell a committed checkpoint from a broken one; one
-# larger than this (millions of tensors) is taken as committed unread.
-MAX_MANIFEST_BYTES = 256 << 20
+# larger than this (millions of tensors) is taken as committed unread: parsing
+# it would take more memory than the daemon may use (as for its List).
+MAX_MANIFEST_BYTES = 64 << 20
 # `latest` names a higher step "committed since this checkpoint began" when that
 # step's manifest is at most this much older than the beginning: file times are
 # a clock tick coarser than time.time().
 CLOCK_SLACK_SECONDS = 1.0
-
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -94,35 +94,12 @@ def to_delete(entries: list[tuple[int, str]], newest: str, policy: AfterCommit,
             if step not in recent and not (every and step % every == 0)]
 
 
-# -- reading, relative to a directory descriptor -------------------------------------
-
-
-def _read_regular(name: str, dir_fd: int, limit: int) -> bytes:
-    """A regular file's content, at most `limit` bytes (OSError otherwise): a
-    symlink, FIFO or device under the name is neither followed nor read."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                 dir_fd=dir_fd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", name)
-        if st.st_size > limit:
-            raise OSError(errno.EFBIG, f"larger than {limit} bytes", name)
-        chunks, left = [], st.st_size
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+# -- reading, relative to a directory descriptor (dirs.py) ---------------------------
 
 
 @contextlib.contextmanager
 def _entry(name: str, dir_fd: int) -> Iterator[int]:
-    fd = os.open(name, _DIR, dir_fd=dir_fd)
+    fd = dirs.open_dir(name, dir_fd)
     try:
         yield fd
     finally:
@@ -143,11 +120,11 @@ def is_committed(name: str, dir_fd: int) -> bool:
     """Whether `name` holds a checkpoint whose manifest reads and validates."""
     try:
         with _entry(name, dir_fd) as fd:
-            data = _read_regular(MANIFEST_NAME, fd, MAX_MANIFEST_BYTES)
+            data = dirs.read_regular(MANIFEST_NAME, fd, MAX_MANIFEST_BYTES)
         Manifest.from_json(data, name)
     except OSError as exc:
         return exc.errno == errno.EFBIG  # too large to read here: taken as committed
-    except (CheckpointError, ValueError, RecursionError):
+    except (CheckpointError, ValueError, TypeError, KeyError, RecursionError):
         return False
     return True
 
@@ -166,7 +143,7 @@ def checkpoints(dir_fd: int) -> list[tuple[int, str]]:
 def read_pointer(dir_fd: int) -> str | None:
     """The name `latest` holds, or None (no pointer, or not a small file)."""
     try:
-        return _read_regular(LATEST, dir_fd, MAX_POINTER_BYTES).decode().strip()
+        return dirs.read_regular(LATEST, dir_fd, MAX_POINTER_BYTES).decode().strip()
     except (OSError, UnicodeDecodeError):
         return None
 
@@ -177,33 +154,14 @@ def read_pointer(dir_fd: int) -> str | None:
 def point_latest(dir_fd: int, name: str) -> None:
     """Make `latest` name `name`, atomically and durably."""
     tmp = leftover_name(LATEST, "tmp")  # gc knows the name
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o644, dir_fd=dir_fd)
     try:
-        try:
-            os.write(fd, (name + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durably(tmp, (name + "\n").encode(), dir_fd=dir_fd)
         os.replace(tmp, LATEST, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.fsync(dir_fd)
-
-
-def delete(dir_fd: int, name: str) -> None:
-    """Delete checkpoint `name` so that no crash leaves it half-deleted under
-    its name: rename it to a hidden `del` leftover (durably), then remove that
-    (gc finishes the removal after a crash)."""
-    aside = leftover_name(name, "del")
-    try:
-        os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except FileNotFoundError:
-        return  # deleted by somebody else meanwhile
-    os.fsync(dir_fd)
-    shutil.rmtree(aside, ignore_errors=True, dir_fd=dir_fd)
 
 
 def _pointer_is_newer(dir_fd: int, newest: str, since: float | None) -> bool:
@@ -242,7 +200,14 @@ def apply(dir_fd: int, where: Path, newest: str, policy: AfterCommit,
         for name in to_delete(checkpoints(dir_fd), newest, policy,
                               lambda n: is_committed(n, dir_fd)):
             what = f"deleting {where / name} (retention)"
-            delete(dir_fd, name)
+            try:
+                # Renamed to a `del` leftover first (durably), then removed:
+                # no crash leaves it half-deleted under its name.
+                delete_checkpoint(where / name, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+                continue  # deleted by somebody else meanwhile
             deleted.append(name)
     except OSError as exc:
         raise PostCommitError(f"checkpoint {where / newest} is committed, but {what} failed: "

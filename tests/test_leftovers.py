@@ -49,12 +49,13 @@ CASES: dict[str, tuple[str, str]] = {
             ck.save(2, state(2)).result()
     """),
     "a checkpoint being deleted by retention": ("", f"""
-        real = shutil.rmtree
-        def rmtree(path, *a, **k):
-            if ".fp-del-" in str(path):
+        from fastpersist import dirs
+        real = dirs.remove_tree
+        def remove_tree(name, *a, **k):
+            if ".fp-del-" in str(name):
                 {KILL}
-            real(path, *a, **k)
-        shutil.rmtree = rmtree
+            real(name, *a, **k)
+        dirs.remove_tree = remove_tree
         with fastpersist.Checkpointer(RUN, keep_last=1) as ck:
             ck.save(2, state(2)).result()
     """),
