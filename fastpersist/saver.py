@@ -229,10 +229,13 @@ class Saver:
         raise_failure_of(failed)
 
     def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="fastpersist-writer",
-                                            daemon=True)
-            self._thread.start()
+        # Locked: threads saving at once must not start a writer each (close()
+        # would stop one and wait for the other forever).
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fastpersist-writer",
+                                                daemon=True)
+                self._thread.start()
 
     # -- writer side ------------------------------------------------------
 
