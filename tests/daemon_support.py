@@ -25,7 +25,7 @@ from fastpersist.errors import CheckpointError
 
 class Daemon:
     def __init__(self, workdir: Path, *args: str, root: Path | None = None,
-                 shm_dir: Path | None = None, umask: int = -1) -> None:
+                 shm_dir: Path | None = None, umask: int = -1, prelude: str = "") -> None:
         self.root = root or workdir / "root"
         self.root.mkdir(parents=True, exist_ok=True)
         # Socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
@@ -35,6 +35,8 @@ class Daemon:
         self.shm_dir = shm_dir or Path(tempfile.mkdtemp(prefix="fpt-", dir=_shm_base()))
         self.args = list(args)
         self.umask = umask  # the daemon process's (-1: this process's)
+        # Python run in the daemon's process before it starts (fault injection)
+        self.prelude = prelude
         self.log_path = workdir / f"fastpersistd-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -44,8 +46,11 @@ class Daemon:
 
     def start(self, timeout: float = 30.0) -> Daemon:
         log = open(self.log_path, "ab")  # noqa: SIM115 (the process owns it)
+        command = ["-m", "fastpersist.daemon"] if not self.prelude else [
+            "-c", self.prelude + "\nimport sys\nfrom fastpersist.daemon.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fastpersist.daemon", "--root", str(self.root),
+            [sys.executable, *command, "--root", str(self.root),
              "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), *self.args],
             stdout=log, stderr=log, env=os.environ.copy(), umask=self.umask,
         )

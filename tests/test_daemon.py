@@ -286,6 +286,7 @@ def test_prometheus_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         assert metrics["fastpersist_checkpoints_in_flight"] == 0
         assert metrics["fastpersist_staging_reserved_bytes"] == 0
         assert metrics["fastpersist_last_checkpoint_throughput_bytes_per_second"] > 0
+        assert metrics["fastpersist_after_commit_failures_total"] == 0
     finally:
         _close_remote_savers()
         d.cleanup()

@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,7 +139,31 @@ def test_checkpointer_through_a_root_daemon_needs_only_read_access(shared_tree: 
         d.cleanup()
 
 
-def test_a_policy_that_fails_leaves_the_checkpoint_committed(daemon: Any) -> None:
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_a_policy_that_fails_leaves_the_checkpoint_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from daemon_support import Daemon
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    daemon = Daemon(tmp_path, "--metrics-listen", f"127.0.0.1:{port}").start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(daemon.shm_dir))
+    try:
+        _fail_a_policy(daemon)
+        assert _metric(port, "fastpersist_after_commit_failures_total") == 1
+    finally:
+        daemon.cleanup()
+
+
+def _fail_a_policy(daemon: Any) -> None:
     run = daemon.root / "run"
     with fastpersist.Checkpointer(run, keep_last=1, daemon=daemon.address) as ckpt:
         ckpt.save(1, {"w": torch.ones(8)}).result()

@@ -10,6 +10,7 @@ commit.leftover_name fails the last check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -187,5 +188,42 @@ def test_a_starting_daemon_removes_dead_processes_temporary_files(tmp_path: Path
         assert not gone.exists()
         assert alive.exists() and other.exists()
         assert any(gone.name in e["action"] for e in d.events("cleanup"))
+    finally:
+        d.cleanup()
+
+
+def test_a_daemon_killed_as_it_moves_latest_leaves_only_what_gc_removes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a daemon, the Checkpointer's pointer is the daemon's temporary:
+    the same leftover pattern, collected by the restarted daemon."""
+    from daemon_support import Daemon
+
+    kill_at_the_pointer = textwrap.dedent(f"""
+        import os, signal
+        real = os.replace
+        def replace(src, dst, *a, **k):
+            if str(dst) == "latest":
+                {KILL}
+            return real(src, dst, *a, **k)
+        os.replace = replace
+    """)
+    d = Daemon(tmp_path, prelude=kill_at_the_pointer).start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    run = d.root / "runs" / "run1"
+    try:
+        ck = fastpersist.Checkpointer(run, keep_last=1, daemon=d.address)
+        future = ck.save(1, {"step": 1, "w": torch.full((1000,), 1.0)})
+        with pytest.raises(fastpersist.CheckpointError):
+            future.result()
+        with contextlib.suppress(fastpersist.CheckpointError):
+            ck.close()
+        assert d.proc is not None and d.proc.wait(30) == -signal.SIGKILL
+        (leftover,) = walk_leftovers(d.root)
+        assert leftover.target_name == "latest" and not leftover.is_dir
+        assert not leftover.owner_alive and leftover.pid == d.proc.pid
+        assert (run / "step-00000001" / MANIFEST_NAME).is_file()  # committed before
+        d.start()
+        assert walk_leftovers(d.root) == []
+        assert _everything_under(d.root) == ["runs", "runs/run1", "runs/run1/step-00000001"]
     finally:
         d.cleanup()
