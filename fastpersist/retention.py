@@ -167,9 +167,11 @@ def point_latest(dir_fd: int, name: str) -> None:
 def _pointer_is_newer(dir_fd: int, newest: str, since: float | None) -> bool:
     """Whether `latest` names a higher step than `newest`, committed since
     `since` (when `newest` began): then it stays."""
+    if since is None:
+        return False
     current = read_pointer(dir_fd)
     step, mine = (None, None) if current is None else (step_of(current), step_of(newest))
-    if since is None or current is None or step is None or mine is None or step <= mine:
+    if current is None or step is None or mine is None or step <= mine:
         return False
     st = _manifest_stat(current, dir_fd)
     return (st is not None and st.st_mtime >= since - CLOCK_SLACK_SECONDS

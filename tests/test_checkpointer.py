@@ -39,6 +39,7 @@ from fastpersist import (
     checkpoint,
 )
 from fastpersist.commit import collect, find_leftovers
+from fastpersist.format.manifest import MANIFEST_NAME
 
 HELPER = Path(__file__).parent / "helpers" / "checkpointer_child.py"
 STEP_FRACTION = 1 / 16  # as in the helper
@@ -447,7 +448,12 @@ def check_after_crash(root: Path, child: Child, done_floor: int) -> int | None:
         # that retention deleted or that was not committed yet).
         assert (root / name).is_dir(), f"latest names {name}, which does not exist"
         checkpoint.read_manifest(root / name)
-        assert latest is not None and latest.name == name
+        # latest() follows the pointer, or a higher step committed after it: the
+        # kill came between that step's commit and its pointer update.
+        assert latest is not None and (latest.name == name or (
+            latest_step is not None and latest_step > int(name.split("-")[1])
+            and (latest / MANIFEST_NAME).stat().st_mtime_ns
+            > (root / "latest").stat().st_mtime_ns)), (latest, name)
     # Every committed checkpoint is complete; none of the done multiples of keep_every
     # was deleted by retention.
     steps = ckpt.steps()

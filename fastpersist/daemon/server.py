@@ -78,7 +78,8 @@ class Servicer(pb_grpc.FastPersistServicer):
                 raise  # context.abort's own exception: the status is set already
             if isinstance(exc, grpc.RpcError) and not context.is_active():
                 # The client went away mid-request (a broken stream): nobody to
-                # answer. Its checkpoint is aborted when its Watch lease breaks.
+                # answer. Its checkpoint is aborted when its lease (Open or
+                # Watch stream) breaks.
                 logs.info("request-cancelled", peer=context.peer())
                 raise
             logs.event(logging.ERROR, "internal-error", error=repr(exc),
