@@ -20,6 +20,7 @@ from .errors import (
     DistributedCheckpointError,
     ManifestError,
     PickleNotAllowedError,
+    PostCommitError,
     TruncatedFileError,
     UnsupportedValueError,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "DistributedCheckpointError",
     "ManifestError",
     "PickleNotAllowedError",
+    "PostCommitError",
     "SaveFuture",
     "TruncatedFileError",
     "UnsupportedValueError",

@@ -12,16 +12,20 @@
 Checkpoints are ROOT/step-NNNNNNNN. After each one is durable, and only then,
 ROOT/latest is updated (atomically) to name it, for tools and people, and
 retention deletes the checkpoints that are neither among the newest keep_last
-nor a multiple of keep_every. A crash at any moment leaves `latest` naming a
-complete checkpoint; Checkpointer.latest() also finds a higher step committed
-after the pointer was written (by the daemon, after the trainer died).
+nor a multiple of keep_every (retention.py has the rules). A crash at any
+moment leaves `latest` naming a complete checkpoint.
+
+Who does it: in-process, the writer thread after each commit. Through a
+daemon, which owns everything under its --root (the trainer needs read access
+only), the policy travels with each commit and the daemon applies it before it
+reports the checkpoint committed, even if the trainer died after the hand-over.
+Either way a failure there fails the save's future with PostCommitError: the
+checkpoint itself is committed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import threading
 import warnings
 from pathlib import Path
@@ -30,17 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 from .api import MapLocation, load
 from .checkpoint import read_manifest
-from .commit import delete_checkpoint, fsync_dir, os_error, write_durably
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
+from .retention import LATEST, AfterCommit, apply_at, step_of
 from .saver import SaveFuture, Saver
 
 if TYPE_CHECKING:
     from .distributed.saver import DistributedSaver
-
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+    from .remote import RemoteSaver
 
 
 def _committed_at(path: Path) -> int:
@@ -70,7 +72,8 @@ class Checkpointer:
         if set; "": in-process). `root` must lie under the daemon's --root.
     process_group: a torch.distributed job (call save() on every rank; `root`
         on storage they all see): distributed saves, each unique byte written
-        once; rank 0 moves `latest` and applies retention.
+        once; whoever commits the job (rank 0, or its daemon) moves `latest`
+        and applies retention.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -84,17 +87,21 @@ class Checkpointer:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.after_commit = AfterCommit(True, keep_last, keep_every)
         self.allow_pickle = allow_pickle
         address = current_knobs().daemon if daemon is None else daemon
         self._saver: Saver | DistributedSaver
+        # The savers that take the policy along with the commit (to the daemon,
+        # or to the distributed job's commit); the in-process Saver calls back.
+        self._delegated: RemoteSaver | DistributedSaver | None = None
         if process_group is not None:
             from .distributed.saver import DistributedSaver
 
-            self._saver = DistributedSaver(process_group, daemon=address)
+            self._saver = self._delegated = DistributedSaver(process_group, daemon=address)
         elif address:
             from .remote import RemoteSaver
 
-            self._saver = RemoteSaver(address, max_in_flight)
+            self._saver = self._delegated = RemoteSaver(address, max_in_flight)
         else:
             self._saver = Saver(max_in_flight)
         self._lock = threading.Lock()  # latest pointer and retention
@@ -110,6 +117,11 @@ class Checkpointer:
         """
         if step < 0:
             raise ValueError("step must be >= 0")
+        if self._delegated is not None:
+            return self._delegated.save(state, self.path_for(step),
+                                        allow_pickle=self.allow_pickle,
+                                        wait_for_snapshot=wait_for_snapshot,
+                                        after_commit=self.after_commit)
         return self._saver.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                 wait_for_snapshot=wait_for_snapshot,
                                 on_commit=self._committed)
@@ -151,8 +163,8 @@ class Checkpointer:
         by ascending step: names only, no manifest is read."""
         if not self.root.is_dir():
             return []
-        return sorted((int(m[1]), entry) for entry in self.root.iterdir()
-                      if (m := _STEP_DIR.match(entry.name)))
+        return sorted((step, entry) for entry in self.root.iterdir()
+                      if (step := step_of(entry.name)) is not None)
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints under root, ascending."""
@@ -163,10 +175,10 @@ class Checkpointer:
 
         ROOT/latest is trusted (an operator may point it back at an older step
         to roll back), except where a higher step was committed after the
-        pointer was written: with a daemon, a save handed over just before the
-        trainer died is committed after the trainer could move the pointer, and
-        it is the newest state there is. Reads only the manifests it needs:
-        newest first, stopping at the answer."""
+        pointer was written: its pointer update failed (PostCommitError), or
+        an older daemon committed it after the trainer that would have moved
+        the pointer had died; it is the newest state there is. Reads only the
+        manifests it needs: newest first, stopping at the answer."""
         dirs = self._step_dirs()
         pointer = self.root / LATEST
         try:
@@ -174,17 +186,18 @@ class Checkpointer:
             pointed_at = os.stat(pointer).st_mtime_ns
         except OSError:
             name, pointed_at = "", 0
-        m = _STEP_DIR.match(name)
-        pointed = int(m[1]) if m else None
-        if pointed is None or not any(s == pointed and _is_committed(e) for s, e in dirs):
+        # Entries are returned as found: a checkpoint saved by hand as step-7 is
+        # step-7, not path_for(7).
+        pointed = next(((s, e) for s, e in dirs if e.name == name and _is_committed(e)), None)
+        if pointed is None:
             # No pointer, or it names something gone: the highest committed step.
-            return next((self.path_for(s) for s, e in reversed(dirs) if _is_committed(e)), None)
+            return next((e for _, e in reversed(dirs) if _is_committed(e)), None)
         for step, entry in reversed(dirs):
-            if step <= pointed:
+            if step <= pointed[0]:
                 break
-            if _committed_at(self.path_for(step)) > pointed_at and _is_committed(entry):
-                return self.path_for(step)
-        return self.path_for(pointed)
+            if _committed_at(entry) > pointed_at and _is_committed(entry):
+                return entry
+        return pointed[1]
 
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         path = self.latest()
@@ -192,32 +205,8 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         return load(path, map_location, allow_pickle=self.allow_pickle, **kwargs)
 
-    # -- runs on the writer thread, after a commit ------------------------
+    # -- runs on the writer thread, after a commit (in-process) -------------
 
     def _committed(self, path: Path) -> None:
         with self._lock:
-            self._point_latest_at(path)
-            self._apply_retention(path)
-
-    def _point_latest_at(self, path: Path) -> None:
-        tmp = self.root / f".{LATEST}.tmp-{os.getpid()}"
-        try:
-            write_durably(tmp, (path.name + "\n").encode())
-            os.replace(tmp, self.root / LATEST)
-            fsync_dir(self.root)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise os_error(exc, f"cannot update {self.root / LATEST}") from exc
-
-    def _apply_retention(self, newest: Path) -> None:
-        if self.keep_last is None:
-            return
-        steps = self.steps()
-        keep = set(steps[-self.keep_last:])
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        for step in steps:
-            path = self.path_for(step)
-            if step not in keep and path != newest:
-                delete_checkpoint(path)
+            apply_at(self.root, path.name, self.after_commit)

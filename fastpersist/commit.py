@@ -48,6 +48,7 @@ from .leftovers import leftover_name as leftover_name
 from .leftovers import leftover_of as leftover_of
 from .leftovers import parse_leftover as parse_leftover
 from .leftovers import restores as restores
+from .leftovers import walk_leftovers as walk_leftovers
 
 
 def os_error(exc: OSError, what: str) -> CheckpointError:

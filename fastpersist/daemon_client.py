@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from . import errors
 from ._proto import fastpersist_pb2 as pb
 from ._proto import fastpersist_pb2_grpc as pb_grpc
 from .errors import CheckpointError, DaemonError, DaemonMayStillCommitError, DaemonUnavailableError
+from .retention import AfterCommit
 
 # Unary calls are quick (no I/O waits in them); a daemon that does not answer
 # in this long is treated as gone rather than hung on.
@@ -178,16 +180,51 @@ class DaemonClient:
             timeout=CALL_TIMEOUT))
         return str(reply.checkpoint_id)
 
+    def open(self, relative: str, staging_bytes: int, file_count: int, *, job_id: str = "",
+             rank: int = 0) -> tuple[str, Any]:
+        """Begin a checkpoint with Open: (its id, the stream of its statuses that
+        follow). The open stream is this process's lease on the checkpoint: if
+        it ends before Commit (this process died, or cancelled it), the daemon
+        aborts the checkpoint at once."""
+        part = f"the part of rank {rank} of " if job_id else ""
+        what = f"cannot begin {part}checkpoint {relative}"
+        call = self.stub.Open(pb.BeginRequest(
+            path=relative, client_id=CLIENT_ID, staging_bytes=staging_bytes,
+            file_count=file_count, job_id=job_id, rank=rank))
+        # The first message is Begin's answer and gets its time limit; the rest
+        # of the stream lasts as long as the checkpoint.
+        timer = threading.Timer(CALL_TIMEOUT, call.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            first = next(call)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise self.error(exc, what) from None
+            # A daemon older than Open: Begin, and Watch right away.
+            ident = self.begin(relative, staging_bytes, file_count, job_id=job_id, rank=rank)
+            return ident, self.stub.Watch(pb.WaitRequest(checkpoint_id=ident))
+        except StopIteration:
+            raise DaemonError(f"{what}: fastpersistd ended the stream without an answer",
+                              "INTERNAL") from None
+        finally:
+            timer.cancel()
+        return str(first.checkpoint_id), call
+
     def begin_job(self, relative: str) -> str:
         reply = self._call(f"cannot begin distributed checkpoint {relative}",
                            lambda: self.stub.BeginJob(pb.BeginJobRequest(
                                path=relative, client_id=CLIENT_ID), timeout=CALL_TIMEOUT))
         return str(reply.job_id)
 
-    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
-        self._call("cannot commit the distributed checkpoint", lambda: self.stub.CommitJob(
-            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node),
+    def commit_job(self, job_id: str, manifest: bytes, node: str,
+                   after_commit: AfterCommit | None = None) -> str:
+        """Commit a job; returns what failed of after_commit ("": nothing)."""
+        reply = self._call("cannot commit the distributed checkpoint", lambda: self.stub.CommitJob(
+            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node,
+                                after_commit=_after_commit(after_commit)),
             timeout=CALL_TIMEOUT))
+        return str(reply.after_commit_error)
 
     def abort_job(self, job_id: str) -> None:
         self._call("cannot abort the distributed checkpoint", lambda: self.stub.AbortJob(
@@ -214,11 +251,13 @@ class DaemonClient:
         self._call(f"cannot stream data file {index}", lambda: self.stub.SubmitStream(
             messages()))
 
-    def commit(self, ident: str, tree_json: str, tensor_order: list[str],
-               timeout: float = CALL_TIMEOUT) -> None:
+    def commit(self, ident: str, tree_json: str, tensor_order: list[str], *,
+               after_commit: AfterCommit | None = None, timeout: float = CALL_TIMEOUT) -> None:
         self._call("cannot hand the checkpoint over", lambda: self.stub.Commit(
             pb.CommitRequest(checkpoint_id=ident, tree_json=tree_json,
-                             tensor_order=tensor_order), timeout=timeout))
+                             tensor_order=tensor_order,
+                             after_commit=_after_commit(after_commit)),
+            timeout=timeout))
 
     def abort(self, ident: str) -> None:
         self._call("cannot abort", lambda: self.stub.Abort(
@@ -231,13 +270,13 @@ class DaemonClient:
             timeout=timeout))
         return status
 
-    def outcome(self, ident: str, commit: tuple[str, list[str]] | None = None,
+    def outcome(self, ident: str, commit: tuple[str, list[str], AfterCommit | None] | None = None,
                 patience: float | None = None,
                 handed_over: Callable[[], None] = lambda: None) -> pb.CheckpointStatus:
         """How checkpoint `ident` ended, asked after its Commit reply or its
         progress stream was lost: its COMMITTED, FAILED or ABORTED status.
 
-        commit=(tree_json, tensor_order) when Commit's reply was lost: Commit is
+        commit=(tree_json, tensor_order, after_commit) when Commit's reply was lost: Commit is
         sent again first, so that the daemon holds it either way (a second
         Commit is refused with FAILED_PRECONDITION if the first arrived);
         handed_over() runs once the daemon answered it. Each
@@ -287,10 +326,11 @@ class DaemonClient:
                 written = status.files_written
                 deadline = time.monotonic() + patience
 
-    def _commit_again(self, ident: str, commit: tuple[str, list[str]], timeout: float) -> None:
+    def _commit_again(self, ident: str, commit: tuple[str, list[str], AfterCommit | None],
+                      timeout: float) -> None:
         """Commit, as a retry of one whose reply was lost."""
         try:
-            self.commit(ident, *commit, timeout=timeout)
+            self.commit(ident, commit[0], commit[1], after_commit=commit[2], timeout=timeout)
         except DaemonError as exc:
             # FAILED_PRECONDITION: the first Commit arrived, or the checkpoint
             # had ended (Wait says which). Anything else: refused, not held.
@@ -318,6 +358,13 @@ class DaemonClient:
     def delete(self, relative: str) -> None:
         self._call(f"cannot delete {relative}", lambda: self.stub.Delete(
             pb.DeleteRequest(path=relative), timeout=CALL_TIMEOUT))
+
+
+def _after_commit(policy: AfterCommit | None) -> pb.AfterCommit | None:
+    if policy is None:
+        return None
+    return pb.AfterCommit(point_latest=policy.point_latest, keep_last=policy.keep_last or 0,
+                          keep_every=policy.keep_every or 0)
 
 
 def state_name(state: int) -> str:

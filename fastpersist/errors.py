@@ -57,6 +57,11 @@ class CheckpointAbortedError(CheckpointError):
     """An asynchronous save was aborted (close(abort=True)) before it committed."""
 
 
+class PostCommitError(CheckpointError):
+    """The checkpoint was committed (it is durable and loads), but what a
+    Checkpointer does after a commit failed: moving `latest`, or retention."""
+
+
 class PickleNotAllowedError(CheckpointError):
     """The checkpoint holds pickled values and the caller did not opt in to unpickling."""
 

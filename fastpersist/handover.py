@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -40,23 +41,27 @@ from .errors import (
     DaemonError,
     DaemonMayStillCommitError,
     DaemonUnavailableError,
+    PostCommitError,
 )
+from .retention import AfterCommit
 from .segments import SegmentBuffers, submit_staged
 from .snapshot import StagedFile
 
 
 class Progress:
-    """Follows a checkpoint's Watch stream on a thread of its own. The open
-    stream is also the daemon's sign that this client is alive: if it closes
-    before Commit (this process died), the daemon aborts the checkpoint."""
+    """Follows a checkpoint's progress stream on a thread of its own: Open's
+    (DaemonClient.open), or a Watch. The open stream is also the daemon's sign
+    that this client is alive: if it closes before Commit (this process died),
+    the daemon aborts the checkpoint."""
 
-    def __init__(self, client: DaemonClient, ident: str) -> None:
+    def __init__(self, client: DaemonClient, ident: str, call: Any = None) -> None:
         self._cond = threading.Condition()
         self._status: pb.CheckpointStatus | None = None
         self._error: BaseException | None = None
         self._ended = False
         self._client = client
-        self._call = client.stub.Watch(pb.WaitRequest(checkpoint_id=ident))
+        self._call = call if call is not None else client.stub.Watch(
+            pb.WaitRequest(checkpoint_id=ident))
         self._thread = threading.Thread(target=self._follow, name="fastpersist-watch",
                                         daemon=True)
         self._thread.start()
@@ -104,7 +109,7 @@ class Handover:
     """See the module docstring. `what` names the checkpoint in errors."""
 
     def __init__(self, client: DaemonClient, segments: SegmentBuffers, ident: str,
-                 what: str) -> None:
+                 what: str, stream: Any = None) -> None:
         self.client = client
         self.segments = segments
         self.ident = ident
@@ -112,8 +117,8 @@ class Handover:
         self.stage = SUBMITTING
         self.status: pb.CheckpointStatus | None = None  # the latest the daemon reported
         self._lent: list[tuple[int, StagedFile]] = []
-        self._commit: tuple[str, list[str]] | None = None
-        self.progress = Progress(client, ident)
+        self._commit: tuple[str, list[str], AfterCommit | None] | None = None
+        self.progress = Progress(client, ident, stream)
 
     def submit(self, index: int, staged: StagedFile) -> None:
         self._lent.append((index, staged))  # lent (or not) by submit_staged
@@ -123,11 +128,13 @@ class Handover:
         """Until the first `files` files are durable (their buffers are returned)."""
         self._seen(self.progress.wait(files_written=files))
 
-    def commit(self, tree_json: str, tensor_order: list[str]) -> None:
-        """Hand the checkpoint over; from the reply on it is the daemon's."""
+    def commit(self, tree_json: str, tensor_order: list[str],
+               after_commit: AfterCommit | None = None) -> None:
+        """Hand the checkpoint over; from the reply on it is the daemon's.
+        after_commit: a Checkpointer's policy, which the daemon applies."""
         self.stage = COMMITTING
-        self._commit = (tree_json, tensor_order)
-        self.client.commit(self.ident, tree_json, tensor_order)
+        self._commit = (tree_json, tensor_order, after_commit)
+        self.client.commit(self.ident, tree_json, tensor_order, after_commit=after_commit)
         self.stage = HANDED_OVER
 
     def wait_end(self) -> pb.CheckpointStatus:
@@ -145,6 +152,8 @@ class Handover:
                 staged.returned()
         if status.state in TERMINAL and status.state != COMMITTED:
             raise failure(status)
+        if status.state == COMMITTED and status.after_commit_error:
+            raise PostCommitError(status.after_commit_error)
 
     def outcome_after(self, exc: Exception, handed_over: Callable[[], None] = lambda: None
                       ) -> BaseException | None:

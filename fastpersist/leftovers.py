@@ -30,6 +30,10 @@ _LEFTOVER = re.compile(
 
 
 def leftover_name(name: str, kind: str) -> str:
+    """The hidden name of a temporary for `name`: a staging directory or temp
+    file ("tmp"), an old copy moved aside ("old"), a checkpoint being deleted
+    ("del"). Every temporary fastpersist makes is named so, and nothing else:
+    `fpctl gc` and the daemon recognise them by this one pattern (_LEFTOVER)."""
     return f".{name}.fp-{kind}-{os.getpid()}-{secrets.token_hex(4)}@{socket.gethostname()}"
 
 
@@ -37,11 +41,13 @@ def leftover_name(name: str, kind: str) -> str:
 class Leftover:
     path: Path
     target_name: str
-    # "tmp": an unfinished (or replaced) save; "old": moved aside by a replace;
-    # "del": a checkpoint being deleted (retention)
+    # "tmp": an unfinished (or replaced) save, or a temporary file (the `latest`
+    # pointer's, fpctl restore's, the daemon's O_DIRECT probe); "old": moved
+    # aside by a replace; "del": a checkpoint being deleted (retention)
     kind: str
     pid: int
     host: str
+    is_dir: bool = True
 
     @property
     def owner_alive(self) -> bool:
@@ -57,27 +63,54 @@ class Leftover:
         return True
 
 
-def leftover_of(path: Path) -> Leftover | None:
-    """The leftover a directory of this name would be (its name alone, no I/O)."""
+def leftover_of(path: Path, *, is_dir: bool = True) -> Leftover | None:
+    """The leftover an entry of this name and type would be (its name alone,
+    no I/O): a directory of any kind, or a regular file of kind "tmp"."""
     m = _LEFTOVER.match(path.name)
-    if not m:
+    if not m or not (is_dir or m["kind"] == "tmp"):
         return None
-    return Leftover(path, m["name"], m["kind"], int(m["pid"]), m["host"])
+    return Leftover(path, m["name"], m["kind"], int(m["pid"]), m["host"], is_dir)
 
 
 def parse_leftover(path: Path) -> Leftover | None:
-    leftover = leftover_of(path)
-    if leftover is None or not path.is_dir():
+    """The leftover at `path`, or None if it is not one: a directory of any
+    kind, or a regular file of kind "tmp" (never a symbolic link)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
         return None
-    return leftover
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        return None
+    return leftover_of(path, is_dir=stat.S_ISDIR(mode))
 
 
 def find_leftovers(root: Path) -> list[Leftover]:
+    """The leftovers directly in `root`, by name."""
     found = []
     for entry in sorted(root.iterdir()):
         leftover = parse_leftover(entry)
         if leftover is not None:
             found.append(leftover)
+    return found
+
+
+def walk_leftovers(root: Path) -> list[Leftover]:
+    """The leftovers anywhere under `root` (a Checkpointer root, a daemon's
+    --root with runs in subdirectories), not looking inside checkpoints or
+    leftovers, nor following symbolic links."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if MANIFEST_NAME in filenames:
+            dirnames[:] = []  # a checkpoint: nothing of ours inside
+            continue
+        here = Path(dirpath)
+        for name in sorted(dirnames + filenames):
+            leftover = parse_leftover(here / name)
+            if leftover is None:
+                continue
+            found.append(leftover)
+            if name in dirnames:
+                dirnames.remove(name)
     return found
 
 
@@ -116,7 +149,10 @@ def collect(leftover: Leftover, *, dir_fd: int | None = None) -> str:
             os.fsync(dir_fd)
         return f"restored {target} from {leftover.path.name}"
     if dir_fd is None:
-        shutil.rmtree(leftover.path)
+        if leftover.is_dir:
+            shutil.rmtree(leftover.path)
+        else:
+            os.unlink(leftover.path)
     else:
-        dirs.remove_tree(leftover.path.name, dir_fd)
+        dirs.remove_tree(leftover.path.name, dir_fd)  # (unlinks a file)
     return f"removed {leftover.path.name}"

@@ -3,17 +3,18 @@
 Call sequence of one save (caller = the training thread, writer = the
 RemoteSaver's background thread, daemon = fastpersistd):
 
-    caller  1. flatten and plan the state, as in-process; Begin (the daemon
-               checks the path and reserves staging)
+    caller  1. flatten and plan the state, as in-process; Open (Begin: the
+               daemon checks the path and reserves staging; its reply is a
+               stream of progress, and while it is open, the daemon's sign
+               that we are alive)
     caller  2. per data file: take a shared-memory buffer, copy the tensors in
                (laid out as the file's data section), hand it to the writer
-    writer  3. open the Watch stream (the daemon's sign that we are alive),
-               SubmitShm per file; a tensor too large for the staging budget is
+    writer  3. SubmitShm per file; a tensor too large for the staging budget is
                streamed over gRPC instead (SubmitStream)
     writer  4. Commit: from the reply on, the checkpoint is the daemon's and is
                committed even if this process dies
     caller  5. returns the SaveFuture once 4 is done
-    writer  6. follow Watch until the daemon reports it durable (or failed),
+    writer  6. follow the progress until the daemon reports it durable (or failed),
                give the buffers back to the pool, resolve the future
 
 Buffers (the rule in staging.py): a segment is lent to the daemon from its
@@ -53,6 +54,7 @@ from .daemon_client import DaemonClient
 from .errors import CheckpointAbortedError, CheckpointError
 from .handover import Handover
 from .knobs import current as current_knobs
+from .retention import AfterCommit
 from .saver import _STOP, SaveFuture, Saver
 from .segments import SegmentBuffers, socket_group
 from .snapshot import StagedFile, group_into_files, stage_file
@@ -70,6 +72,8 @@ class _Job:
     handoff: queue.Queue[Any]
     on_commit: Callable[[Path], None] | None
     budget: int  # FASTPERSIST_STAGING_BUDGET at the save (0: unbounded)
+    handover: Handover  # its progress stream is open from Open on: our lease
+    after_commit: AfterCommit | None = None  # a Checkpointer's, applied by the daemon
     handed_over: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     queue_done: bool = False  # the caller's last item (stop or error) was taken
@@ -90,19 +94,23 @@ class RemoteSaver(Saver):
 
     def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              wait_for_snapshot: bool = True, on_commit: Callable[[Path], None] | None = None,
-             overlap_writes: bool = False) -> SaveFuture:
+             overlap_writes: bool = False, after_commit: AfterCommit | None = None
+             ) -> SaveFuture:
         """See Saver.save. overlap_writes: let the daemon write each file while
         the next is copied (fastpersist.save, whose caller waits for the whole
         save anyway). Otherwise, when the whole snapshot fits the staging budget,
         files are handed over once the copy is done, so that the daemon's writes
         do not compete with the caller's copy for cores and memory bandwidth:
-        the stall is the copy, and the writes follow in the background."""
+        the stall is the copy, and the writes follow in the background.
+        after_commit: a Checkpointer's policy, which the daemon applies in the
+        checkpoint's directory before it reports it committed."""
         return self._entered(lambda: self._save(obj, path, allow_pickle, wait_for_snapshot,
-                                                on_commit, overlap_writes))
+                                                on_commit, overlap_writes, after_commit))
 
     def _save(self, obj: Any, path: str | os.PathLike[str], allow_pickle: bool,
               wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None,
-              overlap_writes: bool = False) -> SaveFuture:
+              overlap_writes: bool = False, after_commit: AfterCommit | None = None
+              ) -> SaveFuture:
         self.raise_unobserved_failure()
         target = Path(os.path.abspath(os.fspath(path)))
         relative = self.client.relative(target)
@@ -117,10 +125,12 @@ class RemoteSaver(Saver):
         # Unstaged files are streamed, and the daemon writes them to disk as they
         # arrive: they take none of its staging.
         reserve = min(staged_bytes, budget) if budget else staged_bytes
-        ident = self.client.begin(relative, reserve, len(files))
+        ident, stream = self.client.open(relative, reserve, len(files))
         future = SaveFuture(target)
         job = _Job(future, ident, relative, len(files), tree_json, [t.name for t in stored],
-                   queue.Queue(), on_commit, budget)
+                   queue.Queue(), on_commit, budget,
+                   Handover(self.client, self._segments, ident, str(target), stream),
+                   after_commit)
         with self._lock:
             self._in_flight.append(future)
         self._ensure_thread()
@@ -182,21 +192,16 @@ class RemoteSaver(Saver):
         future = job.future
         future._persist_started = time.perf_counter()
         taken: list[StagedFile] = []  # every file taken from the caller
-        handover: Handover | None = None
+        handover = job.handover
         error: BaseException | None = None
         try:
-            handover = Handover(self.client, self._segments, job.ident, str(future.path))
             self._hand_over(job, handover, taken)
         except BaseException as exc:
             error = exc
-            if handover is None:
-                with contextlib.suppress(CheckpointError):
-                    self.client.abort(job.ident)
-            elif isinstance(exc, Exception):
+            if isinstance(exc, Exception):
                 error = handover.outcome_after(exc, handed_over=job.handed_over.set)
         finally:
-            if handover is not None:
-                handover.close()
+            handover.close()
             # The pool decides: reused, or quarantined if the daemon may still read it.
             for staged in taken:
                 self._pool.give_back(staged)
@@ -241,7 +246,7 @@ class RemoteSaver(Saver):
                 # waiting for this buffer; take it back once it is written.
                 handover.wait_written(index + 1)
                 self._pool.give_back(staged)
-        handover.commit(job.tree_json, job.tensor_order)
+        handover.commit(job.tree_json, job.tensor_order, job.after_commit)
         job.handed_over.set()
         handover.wait_end()
 

@@ -132,22 +132,19 @@ class Fuzzer:
     # -- requests -------------------------------------------------------------------
 
     def calls(self) -> list[Callable[[], Any]]:
-        s, r = self.raw.stub, self.rng
+        s = self.raw.stub
         t = 10
         return [
             lambda: s.Info(pb.InfoRequest(), timeout=t),
-            lambda: self._begin(pb.BeginRequest(
-                path=self.path(), client_id=self.pick(["c", "", "x" * 300, f"c{r.randrange(40)}"]),
-                staging_bytes=self.pick([4096, 1 << 20, self.u64()]),
-                file_count=self.pick([0, 1, 2, self.u32()]),
-                job_id=self.job_id() if r.random() < 0.3 else "", rank=self.u32())),
+            lambda: self._begin(self.begin_request()),
+            lambda: self._open(self.begin_request()),
             lambda: self._submit_shm(),
             lambda: s.SubmitStream(iter(self._stream()), timeout=t),  # a list: built first
             lambda: s.Commit(pb.CommitRequest(
                 checkpoint_id=self.ident(), tree_json=self.pick([valid_tree(), "{", "[" * 5000,
                                                                  "NaN", "null", self.text()]),
-                tensor_order=self.pick([["w"], [], ["t0"], ["w", "w"], [self.text()] * 3])),
-                timeout=t),
+                tensor_order=self.pick([["w"], [], ["t0"], ["w", "w"], [self.text()] * 3]),
+                after_commit=self.after_commit()), timeout=t),
             lambda: s.Abort(pb.AbortRequest(checkpoint_id=self.ident()), timeout=t),
             lambda: s.Wait(pb.WaitRequest(checkpoint_id=self.ident(),
                                           min_files_written=self.u32()), timeout=2),
@@ -156,11 +153,40 @@ class Fuzzer:
             lambda: s.Delete(pb.DeleteRequest(path=self.path()), timeout=t),
             lambda: self._begin_job(),
             lambda: s.CommitJob(pb.CommitJobRequest(job_id=self.job_id(), manifest=self.manifest(),
-                                                    node=self.pick(["", "n0", "x" * 600])),
+                                                    node=self.pick(["", "n0", "x" * 600]),
+                                                    after_commit=self.after_commit()),
                                 timeout=t),
             lambda: s.AbortJob(pb.AbortJobRequest(job_id=self.job_id()), timeout=t),
             lambda: self._save(),
         ]
+
+    def begin_request(self) -> pb.BeginRequest:
+        r = self.rng
+        return pb.BeginRequest(
+            path=self.path(), client_id=self.pick(["c", "", "x" * 300, f"c{r.randrange(40)}"]),
+            staging_bytes=self.pick([4096, 1 << 20, self.u64()]),
+            file_count=self.pick([0, 1, 2, self.u32()]),
+            job_id=self.job_id() if r.random() < 0.3 else "", rank=self.u32())
+
+    def after_commit(self) -> pb.AfterCommit | None:
+        """A Checkpointer's policy, sometimes (on paths that are rarely step-N)."""
+        r = self.rng
+        if r.random() < 0.5:
+            return None
+        return pb.AfterCommit(point_latest=r.random() < 0.5, keep_last=self.pick([0, 1, 2]),
+                              keep_every=self.pick([0, 1, 3, self.u32()]))
+
+    def _open(self, req: pb.BeginRequest) -> None:
+        """Begin answered by a stream, kept open (the lease) or dropped at once."""
+        call = self.raw.stub.Open(req, timeout=10)
+        first = next(call)
+        self.ids = [*self.ids, first.checkpoint_id][-50:]
+        if self.rng.random() < 0.3:
+            call.cancel()  # a client gone before anything else: the daemon aborts it
+            return
+        self.watches.append(call)
+        while len(self.watches) > 8:
+            self.watches.pop(0).cancel()
 
     def _begin(self, req: pb.BeginRequest) -> None:
         reply = self.raw.stub.Begin(req, timeout=10)

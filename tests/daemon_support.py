@@ -29,7 +29,8 @@ GATED_DAEMON = Path(__file__).parent / "helpers" / "gated_daemon.py"
 
 class Daemon:
     def __init__(self, workdir: Path, *args: str, root: Path | None = None,
-                 shm_dir: Path | None = None, gate: Path | None = None) -> None:
+                 shm_dir: Path | None = None, gate: Path | None = None, umask: int = -1,
+                 prelude: str = "") -> None:
         self.root = root or workdir / "root"
         self.root.mkdir(parents=True, exist_ok=True)
         # Socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
@@ -41,6 +42,9 @@ class Daemon:
         # With a gate: each data-file write waits until the gate file exists
         # (tests/helpers/gated_daemon.py; open_gate()).
         self.gate = gate
+        self.umask = umask  # the daemon process's (-1: this process's)
+        # Python run in the daemon's process before it starts (fault injection)
+        self.prelude = prelude
         self.log_path = workdir / f"fastpersistd-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -50,12 +54,17 @@ class Daemon:
 
     def start(self, timeout: float = 30.0) -> Daemon:
         log = open(self.log_path, "ab")  # noqa: SIM115 (the process owns it)
-        program = ([sys.executable, "-m", "fastpersist.daemon"] if self.gate is None
-                   else [sys.executable, str(GATED_DAEMON), str(self.gate)])
+        if self.gate is not None:
+            program = [sys.executable, str(GATED_DAEMON), str(self.gate)]
+        elif self.prelude:
+            program = [sys.executable, "-c", self.prelude + "\nimport sys\n"
+                       "from fastpersist.daemon.cli import main\nsys.exit(main(sys.argv[1:]))"]
+        else:
+            program = [sys.executable, "-m", "fastpersist.daemon"]
         self.proc = subprocess.Popen(
             [*program, "--root", str(self.root),
              "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), *self.args],
-            stdout=log, stderr=log, env=os.environ.copy(),
+            stdout=log, stderr=log, env=os.environ.copy(), umask=self.umask,
         )
         log.close()
         deadline = time.monotonic() + timeout

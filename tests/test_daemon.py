@@ -286,6 +286,7 @@ def test_prometheus_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         assert metrics["fastpersist_checkpoints_in_flight"] == 0
         assert metrics["fastpersist_staging_reserved_bytes"] == 0
         assert metrics["fastpersist_last_checkpoint_throughput_bytes_per_second"] > 0
+        assert metrics["fastpersist_after_commit_failures_total"] == 0
     finally:
         _close_remote_savers()
         d.cleanup()
@@ -353,3 +354,38 @@ def test_long_idle_client_is_not_aborted_while_watching(tmp_path: Path,
     finally:
         _close_remote_savers()
         d.cleanup()
+
+
+def test_a_daemon_without_open_is_used_through_begin_and_watch(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon older than the client (a rolling update) answers Open with
+    UNIMPLEMENTED: the client begins with Begin and watches at once."""
+    import grpc
+
+    from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
+
+    class Unimplemented(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNIMPLEMENTED
+
+        def details(self) -> str:
+            return "Method not found!"
+
+    class OldDaemonsOpen:
+        def __next__(self) -> Any:
+            raise Unimplemented()
+
+        def cancel(self) -> None:
+            pass
+
+    real_init = pb_grpc.FastPersistStub.__init__
+
+    def stub_init(self: Any, channel: Any) -> None:
+        real_init(self, channel)
+        self.Open = lambda request: OldDaemonsOpen()
+
+    monkeypatch.setattr(pb_grpc.FastPersistStub, "__init__", stub_init)
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    fastpersist.save(state, daemon.root / "old", daemon=daemon.address)
+    assert_same(state, fastpersist.load(daemon.root / "old"))
+    assert [e["path"] for e in daemon.events("begin")] == ["old"]

@@ -1,4 +1,4 @@
-"""Fuzzing fastpersistd: random, structured and mutated calls of its 13 RPCs,
+"""Fuzzing fastpersistd: random, structured and mutated calls of its 14 RPCs,
 with attacks on its root and shm directory in between (tests/daemon_fuzzing.py).
 
 The daemon must never die or freeze (a prober asks Info and health all along),
@@ -38,8 +38,8 @@ SEED = int(os.environ.get("FASTPERSIST_FUZZ_SEED", "20261130"))
 UNSPECIFIC = {Code.UNKNOWN, Code.INTERNAL}
 # The daemon is gone or frozen (a Wait may run into its own short deadline).
 DEAD = {Code.UNAVAILABLE, Code.CANCELLED, Code.DEADLINE_EXCEEDED}
-RPC_NAMES = ["Info", "Begin", "SubmitShm", "SubmitStream", "Commit", "Abort", "Wait", "Watch",
-             "List", "Delete", "BeginJob", "CommitJob", "AbortJob", "save"]
+RPC_NAMES = ["Info", "Begin", "Open", "SubmitShm", "SubmitStream", "Commit", "Abort", "Wait",
+             "Watch", "List", "Delete", "BeginJob", "CommitJob", "AbortJob", "save"]
 # Growth of the daemon's RSS allowed from the end of the warm-up to the end.
 # Measured: see test_the_daemon_survives_fuzzing's report and the README.
 MAX_RSS_GROWTH = 48 << 20

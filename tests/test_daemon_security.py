@@ -104,7 +104,8 @@ def test_socket_is_created_0660(daemon: Daemon) -> None:
     assert stat.S_IMODE(st.st_mode) == 0o660
 
 
-def test_socket_group_is_applied(start_daemon: Callable[..., Daemon]) -> None:
+@pytest.mark.parametrize("by", ["name", "number"])  # a number needs no /etc/group entry
+def test_socket_group_is_applied(by: str, start_daemon: Callable[..., Daemon]) -> None:
     mine = os.getgid()
     group = next((g for g in grp.getgrall() if g.gr_gid != mine), None)
     if group is None:
@@ -113,7 +114,7 @@ def test_socket_group_is_applied(start_daemon: Callable[..., Daemon]) -> None:
         group = next((grp.getgrgid(g) for g in os.getgroups() if g != mine), None)
         if group is None:
             pytest.skip("not root and in no supplementary group: cannot chown the socket")
-    d = start_daemon("--socket-group", group.gr_name)
+    d = start_daemon("--socket-group", group.gr_name if by == "name" else str(group.gr_gid))
     st = os.lstat(d.socket)
     assert st.st_gid == group.gr_gid
     assert stat.S_IMODE(st.st_mode) == 0o660

@@ -191,6 +191,12 @@ def test_async_save_and_checkpointer_through_the_daemon(daemon: Daemon, tmp_path
     ok(reports)
     assert all(r["steps"] == [1, 2] for r in reports), reports
     assert len(daemon.events("committed-job")) == 4  # single + three steps
+    # The Checkpointer's `latest` and retention went with each job's commit, and
+    # the daemon applied them (it owns its root; the ranks need read access only).
+    applied = daemon.events("after-commit")
+    assert [e["path"] for e in applied] == [f"run/step-{s:08d}" for s in range(3)], applied
+    assert all(e["latest"] for e in applied) and applied[-1]["deleted"] == ["step-00000000"]
+    assert (root / "run" / "latest").read_text() == "step-00000002\n"
     # The state when each call returned, not the later scribbles.
     check_loaded(describe_here(fastpersist.load(root / "single")), tp=False)
     loaded = fastpersist.load(root / "run" / "step-00000002")

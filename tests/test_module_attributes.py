@@ -11,7 +11,8 @@ PUBLIC = {
     "CheckpointAbortedError", "CheckpointError", "CheckpointExistsError", "CheckpointIOError",
     "CheckpointNotFoundError", "CheckpointPermissionError", "Checkpointer",
     "ChecksumMismatchError", "CorruptCheckpointError", "DiskFullError",
-    "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "SaveFuture",
+    "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "PostCommitError",
+    "SaveFuture",
     "TruncatedFileError", "UnsupportedValueError",
     "__version__", "async_save", "load", "save",
 }
@@ -37,6 +38,7 @@ def test_format_engine_and_commit_import_without_torch() -> None:
         "import sys\n"
         "import fastpersist, fastpersist.format.manifest, fastpersist.format.safetensors_file\n"
         "import fastpersist.engine, fastpersist.commit, fastpersist.knobs, fastpersist.errors\n"
+        "import fastpersist.retention\n"
         "fastpersist.engine.get_engine()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

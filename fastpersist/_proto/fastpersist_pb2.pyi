@@ -102,14 +102,26 @@ class SubmitResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "tree_json", "tensor_order")
+    __slots__ = ("checkpoint_id", "tree_json", "tensor_order", "after_commit")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ORDER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_COMMIT_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     tree_json: str
     tensor_order: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, checkpoint_id: _Optional[str] = ..., tree_json: _Optional[str] = ..., tensor_order: _Optional[_Iterable[str]] = ...) -> None: ...
+    after_commit: AfterCommit
+    def __init__(self, checkpoint_id: _Optional[str] = ..., tree_json: _Optional[str] = ..., tensor_order: _Optional[_Iterable[str]] = ..., after_commit: _Optional[_Union[AfterCommit, _Mapping]] = ...) -> None: ...
+
+class AfterCommit(_message.Message):
+    __slots__ = ("point_latest", "keep_last", "keep_every")
+    POINT_LATEST_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    KEEP_EVERY_FIELD_NUMBER: _ClassVar[int]
+    point_latest: bool
+    keep_last: int
+    keep_every: int
+    def __init__(self, point_latest: _Optional[bool] = ..., keep_last: _Optional[int] = ..., keep_every: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ()
@@ -134,7 +146,7 @@ class WaitRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., min_files_written: _Optional[int] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("checkpoint_id", "path", "state", "bytes_written", "bytes_total", "error", "files_written", "files_total", "error_code", "part_json")
+    __slots__ = ("checkpoint_id", "path", "state", "bytes_written", "bytes_total", "error", "files_written", "files_total", "error_code", "part_json", "after_commit_error")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[CheckpointStatus.State]
@@ -159,6 +171,7 @@ class CheckpointStatus(_message.Message):
     FILES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     PART_JSON_FIELD_NUMBER: _ClassVar[int]
+    AFTER_COMMIT_ERROR_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     path: str
     state: CheckpointStatus.State
@@ -169,7 +182,8 @@ class CheckpointStatus(_message.Message):
     files_total: int
     error_code: str
     part_json: str
-    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[CheckpointStatus.State, str]] = ..., bytes_written: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., files_written: _Optional[int] = ..., files_total: _Optional[int] = ..., error_code: _Optional[str] = ..., part_json: _Optional[str] = ...) -> None: ...
+    after_commit_error: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[CheckpointStatus.State, str]] = ..., bytes_written: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., files_written: _Optional[int] = ..., files_total: _Optional[int] = ..., error_code: _Optional[str] = ..., part_json: _Optional[str] = ..., after_commit_error: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("path",)
@@ -222,18 +236,22 @@ class BeginJobResponse(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class CommitJobRequest(_message.Message):
-    __slots__ = ("job_id", "manifest", "node")
+    __slots__ = ("job_id", "manifest", "node", "after_commit")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_COMMIT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     manifest: bytes
     node: str
-    def __init__(self, job_id: _Optional[str] = ..., manifest: _Optional[bytes] = ..., node: _Optional[str] = ...) -> None: ...
+    after_commit: AfterCommit
+    def __init__(self, job_id: _Optional[str] = ..., manifest: _Optional[bytes] = ..., node: _Optional[str] = ..., after_commit: _Optional[_Union[AfterCommit, _Mapping]] = ...) -> None: ...
 
 class CommitJobResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("after_commit_error",)
+    AFTER_COMMIT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    after_commit_error: str
+    def __init__(self, after_commit_error: _Optional[str] = ...) -> None: ...
 
 class AbortJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -44,6 +44,11 @@ class FastPersistStub:
                 request_serializer=fastpersist__pb2.BeginRequest.SerializeToString,
                 response_deserializer=fastpersist__pb2.BeginResponse.FromString,
                 _registered_method=True)
+        self.Open = channel.unary_stream(
+                '/fastpersist.v1.FastPersist/Open',
+                request_serializer=fastpersist__pb2.BeginRequest.SerializeToString,
+                response_deserializer=fastpersist__pb2.CheckpointStatus.FromString,
+                _registered_method=True)
         self.SubmitShm = channel.unary_unary(
                 '/fastpersist.v1.FastPersist/SubmitShm',
                 request_serializer=fastpersist__pb2.SubmitShmRequest.SerializeToString,
@@ -112,6 +117,15 @@ class FastPersistServicer:
 
     def Begin(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Open(self, request, context):
+        """Begin, answered by a stream: first the checkpoint's status (with its id),
+        then every change of it, ending with a terminal one; the stream is the
+        client's liveness lease (see above). Errors as Begin's.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -194,6 +208,11 @@ def add_FastPersistServicer_to_server(servicer, server):
                     servicer.Begin,
                     request_deserializer=fastpersist__pb2.BeginRequest.FromString,
                     response_serializer=fastpersist__pb2.BeginResponse.SerializeToString,
+            ),
+            'Open': grpc.unary_stream_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=fastpersist__pb2.BeginRequest.FromString,
+                    response_serializer=fastpersist__pb2.CheckpointStatus.SerializeToString,
             ),
             'SubmitShm': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitShm,
@@ -305,6 +324,33 @@ class FastPersist:
             '/fastpersist.v1.FastPersist/Begin',
             fastpersist__pb2.BeginRequest.SerializeToString,
             fastpersist__pb2.BeginResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Open(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fastpersist.v1.FastPersist/Open',
+            fastpersist__pb2.BeginRequest.SerializeToString,
+            fastpersist__pb2.CheckpointStatus.FromString,
             options,
             channel_credentials,
             insecure,

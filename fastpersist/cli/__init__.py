@@ -4,7 +4,7 @@
     fpctl inspect CKPT                 files, tensors (dtype, shape, offset, CRC32C)
     fpctl verify CKPT                  re-read every byte; exit 1 on any corruption
     fpctl restore CKPT --to FILE       one torch.save (or safetensors) file
-    fpctl gc ROOT                      remove what interrupted saves left behind
+    fpctl gc ROOT                      remove what interrupted saves left anywhere under ROOT
     fpctl gather DIR... --to CKPT      one checkpoint from a node-local one's node dirs
     fpctl daemon status [--daemon ADDR]  is fastpersistd serving; its root, staging, work
 
@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="restoring:cmd_restore")
 
     p = sub.add_parser("gc", help="clean up after interrupted saves",
-                       description="Remove the staging directories of saves whose process "
-                       "is gone, and put back a checkpoint that an interrupted replace "
-                       "moved aside. Leftovers of running saves are left alone.")
+                       description="Remove, anywhere under ROOT, the staging directories "
+                       "and temporary files of saves (and pointer updates, restores) whose "
+                       "process is gone, and put back a checkpoint that an interrupted "
+                       "replace moved aside. Leftovers of running saves are left alone.")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
     p.add_argument("--json", action="store_true", help="print the actions as JSON")

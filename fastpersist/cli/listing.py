@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import read_manifest
-from ..commit import Leftover, collect, find_leftovers, os_error, restores
+from ..commit import Leftover, collect, find_leftovers, os_error, restores, walk_leftovers
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ._output import EXIT_ERROR, EXIT_OK, human_size, local_time, print_json, print_table, warn
@@ -58,10 +58,13 @@ def _leftover_entry(leftover: Leftover) -> Entry:
         state = f"replaced (old copy of {leftover.target_name})"
     elif leftover.kind == "del":
         state = f"being deleted (by pid {leftover.pid} on {leftover.host}, {_owner(leftover)})"
+    elif not leftover.is_dir:
+        state = (f"temporary file (of pid {leftover.pid} on {leftover.host}, "
+                 f"{_owner(leftover)})")
     else:
         state = f"incomplete (save by pid {leftover.pid} on {leftover.host}, {_owner(leftover)})"
-    return Entry(leftover.path.name, str(leftover.path), state, _disk_usage(leftover.path),
-                 None, None)
+    size = _disk_usage(leftover.path) if leftover.is_dir else leftover.path.lstat().st_size
+    return Entry(leftover.path.name, str(leftover.path), state, size, None, None)
 
 
 def _checkpoint_entry(path: Path) -> Entry:
@@ -119,7 +122,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     root = _root(args.root)
     results: list[dict[str, Any]] = []
     status = EXIT_OK
-    for leftover in find_leftovers(root):
+    for leftover in walk_leftovers(root):
         if leftover.owner_alive:
             action = "skipped"
             message = (f"skipped {leftover.path.name}: its save (pid {leftover.pid} on "

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from ..api import load
 from ..checkpoint import read_manifest
-from ..commit import fsync_dir, fsync_file, os_error
+from ..commit import fsync_dir, fsync_file, leftover_name, os_error
 from ..errors import CheckpointError, CheckpointExistsError
 from ._output import EXIT_OK, human_size, warn
 
@@ -129,8 +129,9 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp) then fsync, rename over `target`, fsync the directory."""
-    tmp = target.with_name(target.name + ".tmp")
+    """write(tmp) then fsync, rename over `target`, fsync the directory. The
+    temporary is a hidden leftover name, so `fpctl gc` removes it after a crash."""
+    tmp = target.with_name(leftover_name(target.name, "tmp"))  # `fpctl gc` knows the name
     try:
         write(tmp)
         fsync_file(tmp)

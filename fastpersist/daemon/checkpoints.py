@@ -27,6 +27,7 @@ from ..commit import Staging
 from ..format import safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
 from ..format.names import data_file_name, part_file_name
+from ..retention import AfterCommit
 from ..shm import Mapping
 from .jobs import Job
 
@@ -71,12 +72,12 @@ class PendingFile:
 
 class Checkpoint:
     # Thousands stay known after they finish (registry.MAX_FINISHED): no __dict__.
-    __slots__ = ("busy", "bytes_total", "bytes_written", "cleaned", "client", "error",
-                 "error_code", "file_records", "files_total", "files_written", "finished_at",
-                 "first_submit", "handed_over", "id", "job", "last_activity", "mapped_bytes",
-                 "names", "part_json", "pending", "rank", "relpath", "remove_parents",
-                 "reserved", "staging", "state", "streams", "submitted", "target", "tensor_order",
-                 "tensor_records", "tree", "watchers")
+    __slots__ = ("after_commit", "after_commit_error", "begun_unix", "busy", "bytes_total",
+                 "bytes_written", "cleaned", "client", "error", "error_code", "file_records",
+                 "files_total", "files_written", "finished_at", "first_submit", "handed_over",
+                 "id", "job", "last_activity", "mapped_bytes", "names", "part_json", "pending",
+                 "rank", "relpath", "remove_parents", "reserved", "staging", "state", "streams",
+                 "submitted", "target", "tensor_order", "tensor_records", "tree", "watchers")
 
     def __init__(self, ident: str, client: str, target: Path, relpath: str,
                  staging: Staging | None, files_total: int, reserved: int,
@@ -109,6 +110,9 @@ class Checkpoint:
         self.handed_over = False  # Commit received
         self.tree: Any = None
         self.tensor_order: list[str] = []
+        self.after_commit: AfterCommit | None = None  # a Checkpointer's policy (Commit)
+        self.after_commit_error = ""  # what of it failed, once committed
+        self.begun_unix = time.time()  # to tell newer saves of the same root (retention.py)
         self.busy = False  # a worker is writing one of its files or committing it
         self.watchers = 0
         self.last_activity = time.monotonic()
@@ -175,7 +179,7 @@ class Checkpoint:
             "bytes_written": self.bytes_written, "bytes_total": self.bytes_total,
             "error": self.error, "files_written": self.files_written,
             "files_total": self.files_total, "error_code": self.error_code,
-            "part_json": self.part_json,
+            "part_json": self.part_json, "after_commit_error": self.after_commit_error,
         }
 
 

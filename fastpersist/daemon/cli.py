@@ -20,6 +20,7 @@ import grp
 import os
 import re
 import signal
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -60,6 +61,12 @@ def parse_size(text: str) -> int:
     return int(m[1]) << (10 * power)
 
 
+def group_id(text: str) -> int:
+    """A group name, or a numeric gid (which needs no /etc/group entry: a
+    container's groups often have none). KeyError: no such group."""
+    return int(text) if text.isdigit() else grp.getgrnam(text).gr_gid
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastpersistd", description=__doc__.splitlines()[0])
     p.add_argument("--root", required=True, type=Path,
@@ -67,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "to it")
     p.add_argument("--socket", type=Path, default=Path(DEFAULT_SOCKET),
                    help=f"Unix socket to serve, created 0660 (default {DEFAULT_SOCKET})")
-    p.add_argument("--socket-group", help="group to give the socket (trainers in it may connect)")
+    p.add_argument("--socket-group",
+                   help="group to give the socket, by name or number (trainers in it may "
+                        "connect)")
     p.add_argument("--listen", metavar="HOST:PORT",
                    help="also serve TCP; needs --tls-cert, --tls-key and --token-file")
     p.add_argument("--tls-cert", type=Path)
@@ -157,6 +166,25 @@ def _limit_malloc_arenas() -> None:
             ctypes.CDLL(None).mallopt(-8, 2)
 
 
+def take_root_group(root_fd: int) -> None:
+    """Everything the daemon creates under --root belongs to the root's group,
+    so that the trainers in that group can read it (and, with a umask of 0027,
+    nobody else can). As root, the daemon takes that group as its effective
+    group; otherwise its own group must be it, or the root carry the setgid
+    bit (new entries then inherit its group), and it warns if neither holds."""
+    st = os.fstat(root_fd)
+    if os.getegid() == st.st_gid:
+        return
+    if os.geteuid() == 0:
+        os.setegid(st.st_gid)  # before any thread starts: one group for all of them
+        logs.info("root-group", gid=st.st_gid)
+    elif not st.st_mode & stat.S_ISGID:
+        logs.warning("root-group", gid=st.st_gid, daemon_gid=os.getegid(),
+                     reason="checkpoints will belong to the daemon's group, not the root's: "
+                            "trainers in the root's group may not be able to read them "
+                            "(chmod g+s the root, or run the daemon with its group)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -164,8 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _limit_malloc_arenas()
     logs.setup(args.log_format, args.log_level)
     root = Root(args.root.resolve())
-    group = grp.getgrnam(args.socket_group).gr_gid if args.socket_group else None
+    try:
+        # Looked up here, not while parsing: the deployed arguments are checked
+        # on machines without the group.
+        group = group_id(args.socket_group) if args.socket_group else None
+    except KeyError:
+        p.error(f"--socket-group: no group {args.socket_group!r}")
 
+    take_root_group(root.fd)
     metrics = Metrics()
     _step(metrics, "clean up leftovers", root.clean_up_leftovers)
     _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))

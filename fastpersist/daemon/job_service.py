@@ -15,7 +15,9 @@ import threading
 
 from ..commit import Staging, os_error
 from ..errors import CheckpointError
+from ..retention import AfterCommit
 from . import logs
+from .after_commit import AfterCommits, check_target, held_parent
 from .budgets import parsing
 from .checkpoints import Checkpoint, State
 from .jobs import MARKER_NAME, Job, JobState, check_job_manifest
@@ -37,9 +39,10 @@ def create_staging(root: Root, path: RequestPath) -> tuple[Staging, list[tuple[s
 
 
 class JobService:
-    def __init__(self, registry: Registry, root: Root) -> None:
+    def __init__(self, registry: Registry, root: Root, after_commits: AfterCommits) -> None:
         self.registry = registry
         self.root = root
+        self.after_commits = after_commits
 
     def begin_job(self, path: RequestPath, client: str) -> str:
         """Make a job's directory; returns its id (DIRECTORY:SECRET). The target
@@ -113,13 +116,17 @@ class JobService:
         self.registry.require_open(job)
         return job
 
-    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
-        """Check the job manifest against the directory, write it, publish.
+    def commit_job(self, job_id: str, manifest: bytes, node: str,
+                   after_commit: AfterCommit | None = None) -> str:
+        """Check the job manifest against the directory, write it, publish, then
+        apply a Checkpointer's policy; returns what of it failed ("": nothing).
         The checks and the I/O run outside the lock, as a worker's commit does;
         meanwhile `committing` keeps parts out and aborts off."""
         r = self.registry
         with r.cond:
             job = r.get_job(job_id)
+            if after_commit is not None:
+                check_target(job.target, job.relpath)
             if not job.owner:
                 raise RequestError("FAILED_PRECONDITION",
                                    f"job {job.id} was begun by another daemon; commit it there")
@@ -131,6 +138,16 @@ class JobService:
                                    "durable yet")
             job.committing = True
             job.touch()
+        with held_parent(job.staging, after_commit) as parent:
+            self._publish(job, manifest, node)
+            # Jobs of one root commit in order (a distributed save waits for
+            # the previous one), hence no `since`.
+            return "" if after_commit is None or parent is None else self.after_commits.apply(
+                parent, job.target, job.relpath, after_commit)
+
+    def _publish(self, job: Job[Checkpoint], manifest: bytes, node: str) -> None:
+        """The second half of commit_job, without the lock."""
+        r = self.registry
         published = False
         try:
             try:

@@ -35,6 +35,10 @@ class Metrics:
             "fastpersist_housekeeping_failures",
             "Clean-ups and housekeeping passes that failed (logged; the daemon goes on)",
             registry=r)
+        self.after_commit_failures = Counter(
+            "fastpersist_after_commit_failures",
+            "Checkpoints committed whose Checkpointer policy (moving `latest`, retention) "
+            "failed", registry=r)
         self.reclaimed_segments = Counter(
             "fastpersist_reclaimed_segments", "Shared-memory segments of dead clients unlinked",
             registry=r)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import socket
 import stat
 from collections.abc import Iterator, Sequence
@@ -28,7 +27,7 @@ from pathlib import Path
 from .. import dirs
 from ..errors import ManifestError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..leftovers import collect, leftover_of
+from ..leftovers import collect, leftover_name, leftover_of
 from . import logs
 from .paths import PathError
 
@@ -172,8 +171,10 @@ class Root:
         return fd
 
     def probe_direct_io(self) -> bool:
-        """Whether the root's file system accepts O_DIRECT (tmpfs does not)."""
-        name = f".fastpersistd-probe-{os.getpid()}-{secrets.token_hex(4)}"
+        """Whether the root's file system accepts O_DIRECT (tmpfs does not). The
+        probe file has a leftover name: a daemon killed here leaves nothing that
+        the next one (or `fpctl gc`) does not remove."""
+        name = leftover_name("fastpersistd-probe", "tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         os.close(os.open(name, flags, 0o600, dir_fd=self.fd))
         try:
@@ -189,21 +190,24 @@ class Root:
 
     def clean_up_leftovers(self) -> None:
         """Remove what a killed daemon (or a crashed in-process save) left: staging
-        directories of saves that never committed, old copies of interrupted
-        replaces (put back where they are the only copy). Same rules as `fpctl
-        gc`; our own PID counts as dead: a container restarts with the same PID.
-        Walks by descriptors, never into a link; whatever else lies in the root
-        (files, FIFOs, sockets, unreadable directories) is left alone."""
+        directories of saves that never committed, temporary files, old copies
+        of interrupted replaces (put back where they are the only copy). Same
+        rules as `fpctl gc`; our own PID counts as dead: a container restarts
+        with the same PID. Walks by descriptors, never into a link; whatever
+        else lies in the root (other files, FIFOs, sockets, unreadable
+        directories) is left alone."""
         host = socket.gethostname()
         for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=self.fd):
             if MANIFEST_NAME in filenames:
                 dirnames[:] = []  # a checkpoint: nothing of ours inside
                 continue
-            for name in list(dirnames):
-                leftover = leftover_of(Path(dirpath) / name)
+            files = [n for n in filenames if stat.S_ISREG(_lstat_mode(n, dir_fd))]
+            for name, is_dir in [(n, True) for n in list(dirnames)] + [(n, False) for n in files]:
+                leftover = leftover_of(Path(dirpath) / name, is_dir=is_dir)
                 if leftover is None:
                     continue
-                dirnames.remove(name)
+                if is_dir:
+                    dirnames.remove(name)
                 if leftover.host != host:
                     continue
                 if leftover.pid != os.getpid() and leftover.owner_alive:

@@ -30,7 +30,9 @@ from .._proto import fastpersist_pb2_grpc as pb_grpc
 from .._version import __version__
 from ..commit import os_error
 from ..errors import CheckpointError
+from ..retention import AfterCommit
 from . import logs
+from .checkpoints import Checkpoint
 from .paths import PathError, parse
 from .requests import MAX_ID_BYTES, RequestError, check_names, code_for, invalid
 from .service import Service
@@ -76,7 +78,8 @@ class Servicer(pb_grpc.FastPersistServicer):
                 raise  # context.abort's own exception: the status is set already
             if isinstance(exc, grpc.RpcError) and not context.is_active():
                 # The client went away mid-request (a broken stream): nobody to
-                # answer. Its checkpoint is aborted when its Watch lease breaks.
+                # answer. Its checkpoint is aborted when its lease (Open or
+                # Watch stream) breaks.
                 logs.info("request-cancelled", peer=context.peer())
                 raise
             logs.event(logging.ERROR, "internal-error", error=repr(exc),
@@ -114,6 +117,21 @@ class Servicer(pb_grpc.FastPersistServicer):
             return pb.BeginResponse(checkpoint_id=ck.id)
         return self._guard(context, run)
 
+    def Open(self, request: pb.BeginRequest, context: grpc.ServicerContext
+             ) -> Iterator[pb.CheckpointStatus]:
+        def run() -> Checkpoint:
+            return self.service.begin(parse(request.path), request.client_id,
+                                      request.staging_bytes, request.file_count,
+                                      request.job_id, request.rank, leased=True)
+        ck = self._guard(context, run)
+        # The lease ends with the call, however it ends (done, cancelled, the
+        # client's connection gone): gRPC's termination callback, rather than
+        # the generator's cleanup, which a call broken off may never run.
+        if not context.add_callback(lambda: self.service.watch_ended(ck)):
+            self.service.watch_ended(ck)  # over already
+        for status in self.service.follow(ck, context.is_active):
+            yield _status(status)
+
     def SubmitShm(self, request: pb.SubmitShmRequest, context: grpc.ServicerContext
                   ) -> pb.SubmitResponse:
         def run() -> pb.SubmitResponse:
@@ -148,7 +166,7 @@ class Servicer(pb_grpc.FastPersistServicer):
         def run() -> pb.CommitResponse:
             check_names(request.tensor_order)
             self.service.commit(request.checkpoint_id, request.tree_json,
-                                list(request.tensor_order))
+                                list(request.tensor_order), _after_commit(request))
             return pb.CommitResponse()
         return self._guard(context, run)
 
@@ -210,8 +228,9 @@ class Servicer(pb_grpc.FastPersistServicer):
         def run() -> pb.CommitJobResponse:
             if len(request.node) > MAX_ID_BYTES:
                 raise invalid(f"a node is at most {MAX_ID_BYTES} characters")
-            self.service.commit_job(request.job_id, request.manifest, request.node)
-            return pb.CommitJobResponse()
+            error = self.service.commit_job(request.job_id, request.manifest, request.node,
+                                            _after_commit(request))
+            return pb.CommitJobResponse(after_commit_error=error)
         return self._guard(context, run)
 
     def AbortJob(self, request: pb.AbortJobRequest, context: grpc.ServicerContext
@@ -230,6 +249,13 @@ def _data_chunks(chunks: Iterator[pb.StreamChunk]) -> Iterator[memoryview]:
             raise invalid(f"a data chunk of {len(chunk.data)} bytes is over the "
                           f"{MAX_STREAM_CHUNK}-byte limit")
         yield memoryview(chunk.data)
+
+
+def _after_commit(request: pb.CommitRequest | pb.CommitJobRequest) -> AfterCommit | None:
+    if not request.HasField("after_commit"):
+        return None
+    a = request.after_commit
+    return AfterCommit(a.point_latest, a.keep_last or None, a.keep_every or None)
 
 
 class TokenAuth(grpc.ServerInterceptor):  # type: ignore[misc]

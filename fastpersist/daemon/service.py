@@ -19,8 +19,10 @@ from typing import Any
 
 from ..engine import Engine, get_engine
 from ..format import safetensors_file
+from ..retention import AfterCommit
 from ..shm import Mapping
 from . import logs
+from .after_commit import AfterCommits, check_target
 from .budgets import DEFAULT_STREAMS, Budgets, parsing, stream_block
 from .catalog import Catalog
 from .checkpoints import TERMINAL, Checkpoint, PendingFile, State
@@ -56,9 +58,11 @@ class Service:
         self.metrics = metrics
         self.idle_timeout = idle_timeout
         self.registry = Registry(budgets, metrics)
-        self.jobs = JobService(self.registry, root)
+        after_commits = AfterCommits(metrics)
+        self.jobs = JobService(self.registry, root, after_commits)
         self.catalog = Catalog(self.registry, root)
-        self.writers = Writers(self.registry, engine or get_engine(), write_concurrency)
+        self.writers = Writers(self.registry, engine or get_engine(), write_concurrency,
+                               after_commits)
         self.streams = Streams(self.registry, Slots(max_streams, stream_block()))
         metrics.staging_budget.set(budgets.staging)
 
@@ -95,10 +99,13 @@ class Service:
     # -- Begin ---------------------------------------------------------------
 
     def begin(self, path: RequestPath, client: str, staging_bytes: int,
-              file_count: int, job_id: str = "", rank: int = 0) -> Checkpoint:
+              file_count: int, job_id: str = "", rank: int = 0, *, leased: bool = False
+              ) -> Checkpoint:
         """Reserve the target and the staging under the lock; make the staging
         directory without it (a slow disk must not stall other requests); then
-        hand out the id, unless the daemon began to drain meanwhile."""
+        hand out the id, unless the daemon began to drain meanwhile. leased:
+        the request's stream is the client's lease (Open): the checkpoint is
+        born watched, and watch_ended() must follow when the stream ends."""
         check_client(client)
         check_file_count(file_count)
         target, relpath = path.under(self.root.path), path.text
@@ -124,6 +131,9 @@ class Service:
                         joined = None
                     job.parts.append(ck)
                     job.touch()
+                # Counted before anybody can see it: there is no moment in which
+                # the checkpoint exists and its client's death would go unnoticed.
+                ck.watchers = 1 if leased else 0
                 r.add(ck)
         finally:
             if joined is not None:  # not taken on: refused, or another request was first
@@ -208,13 +218,18 @@ class Service:
 
     # -- Commit / Abort --------------------------------------------------------
 
-    def commit(self, ident: str, tree_json: str, tensor_order: list[str]) -> None:
+    def commit(self, ident: str, tree_json: str, tensor_order: list[str],
+               after_commit: AfterCommit | None = None) -> None:
         with parsing(len(tree_json)):
             tree = parse_tree(tree_json)
         r = self.registry
         with r.cond:
             ck = r.get(ident)
             r.require_receiving(ck, "commit")
+            if after_commit is not None:
+                if ck.job is not None:
+                    raise invalid("a part of a job takes no after_commit; CommitJob does")
+                check_target(ck.target, ck.relpath)
             if len(ck.submitted) != ck.files_total:
                 missing = [i for i in range(ck.files_total) if i not in ck.submitted][:10]
                 raise RequestError("FAILED_PRECONDITION",
@@ -230,6 +245,7 @@ class Service:
                               f"hold {len(names)} different ones")
             ck.tree = tree
             ck.tensor_order = list(tensor_order)
+            ck.after_commit = after_commit
             ck.handed_over = True
             ck.state = State.WRITING
             ck.last_activity = time.monotonic()
@@ -256,8 +272,9 @@ class Service:
     def begin_job(self, path: RequestPath, client: str) -> str:
         return self.jobs.begin_job(path, client)
 
-    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
-        self.jobs.commit_job(job_id, manifest, node)
+    def commit_job(self, job_id: str, manifest: bytes, node: str,
+                   after_commit: AfterCommit | None = None) -> str:
+        return self.jobs.commit_job(job_id, manifest, node, after_commit)
 
     def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
         self.jobs.abort_job(job_id, reason)
@@ -291,22 +308,28 @@ class Service:
         with r.cond:
             ck = r.get(ident)
             ck.watchers += 1
-            last: dict[str, Any] | None = None
         try:
-            while True:
-                with r.cond:
-                    status = ck.status()
-                    while status == last and alive():
-                        r.cond.wait(1.0)
-                        status = ck.status()
-                if not alive():
-                    return
-                last = status
-                yield status
-                if status["state"] in TERMINAL:
-                    return
+            yield from self.follow(ck, alive)
         finally:
             self.watch_ended(ck)
+
+    def follow(self, ck: Checkpoint, alive: Callable[[], bool],
+               last: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+        """ck's statuses from the first that differs from `last`, until a
+        terminal one or until alive() turns false (checked every second)."""
+        r = self.registry
+        while True:
+            with r.cond:
+                status = ck.status()
+                while status == last and alive():
+                    r.cond.wait(1.0)
+                    status = ck.status()
+            if not alive():
+                return
+            last = status
+            yield status
+            if status["state"] in TERMINAL:
+                return
 
     def watch_ended(self, ck: Checkpoint) -> None:
         r = self.registry

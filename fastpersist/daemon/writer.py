@@ -25,6 +25,7 @@ from ..engine import Engine, Segment
 from ..errors import CheckpointIOError
 from ..format.manifest import Manifest
 from . import logs
+from .after_commit import AfterCommits, held_parent
 from .checkpoints import Checkpoint, PendingFile, State
 from .jobs import part_json
 from .registry import Registry
@@ -32,12 +33,14 @@ from .requests import invalid
 
 
 class Writers:
-    def __init__(self, registry: Registry, engine: Engine, concurrency: int) -> None:
+    def __init__(self, registry: Registry, engine: Engine, concurrency: int,
+                 after_commits: AfterCommits) -> None:
         self.registry = registry
         self.engine = engine
         self.busy = 0  # workers writing or committing (registry lock)
         self.idle_since = time.monotonic()
         self.released_at = 0.0
+        self.after_commits = after_commits
         self.threads = [threading.Thread(target=self._work, name=f"fpd-writer-{i}", daemon=True)
                         for i in range(concurrency)]
         for t in self.threads:
@@ -173,13 +176,20 @@ class Writers:
         except ValueError as exc:  # NaN in a client's tree, say
             raise invalid(f"the tree cannot be written as JSON: {exc}") from None
         assert ck.staging is not None
-        ck.staging.commit(data)
-        seconds = time.monotonic() - (ck.first_submit or time.monotonic())
-        # Logged before the status says so: whoever sees COMMITTED finds the line.
-        logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,
-                  seconds=round(seconds, 3))
+        with held_parent(ck.staging, ck.after_commit) as parent:
+            ck.staging.commit(data)
+            seconds = time.monotonic() - (ck.first_submit or time.monotonic())
+            # Logged before the status says so: whoever sees COMMITTED finds the line.
+            logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,
+                      seconds=round(seconds, 3))
+            # A Checkpointer's `latest` and retention: before COMMITTED is
+            # reported, so that they are done even if the client is gone.
+            error = "" if ck.after_commit is None or parent is None else \
+                self.after_commits.apply(parent, ck.target, ck.relpath, ck.after_commit,
+                                         ck.begun_unix)
         r = self.registry
         with r.cond:
+            ck.after_commit_error = error
             r.finish(ck, State.COMMITTED, "", "")
             if seconds > 0:
                 r.metrics.throughput.set(ck.bytes_written / seconds)

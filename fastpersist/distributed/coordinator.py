@@ -42,7 +42,12 @@ import torch.distributed as dist
 
 from .. import state
 from .._version import __version__
-from ..errors import CheckpointAbortedError, CheckpointError, DistributedCheckpointError
+from ..errors import (
+    CheckpointAbortedError,
+    CheckpointError,
+    DistributedCheckpointError,
+    PostCommitError,
+)
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
     Chunk,
@@ -54,6 +59,7 @@ from ..format.manifest import (
 from ..format.names import rank_of_part_file
 from ..knobs import current as current_knobs
 from ..plan import StoredTensor
+from ..retention import AfterCommit
 from ..snapshot import StagedFile, group_into_files
 from ..state import TensorLeaf
 from .describe import (
@@ -194,8 +200,13 @@ class Save:
 
     def __init__(self, co: _Coordinator, obj: Any, path: str | os.PathLike[str],
                  storage: Storage, *, node_local: bool, allow_pickle: bool,
-                 aborted: Callable[[], bool] = lambda: False) -> None:
+                 aborted: Callable[[], bool] = lambda: False,
+                 after_commit: AfterCommit | None = None) -> None:
         self.co = co
+        # A Checkpointer's policy: applied with rank 0's publish, the job's
+        # commit point (never before it: other nodes' publishes may be undone).
+        self.after_commit_policy = after_commit
+        self.after_commit_error = ""  # what of it failed, as the storage reported
         self.aborted = aborted  # this rank gave the save up (DistributedSaver.close(abort=True))
         self.obj = obj
         self.storage = storage
@@ -350,20 +361,26 @@ class Save:
         if self.staged is None:
             return None
         try:
-            self.storage.publish(self.staged, manifest,
-                                 self.nodes[self.co.rank] if self.node_local else None)
+            self.after_commit_error = self.storage.publish(
+                self.staged, manifest, self.nodes[self.co.rank] if self.node_local else None,
+                self.after_commit_policy if self.co.rank == 0 else None)
         except Exception as exc:
             return _failure(self.co.rank, "commit", exc)
         self.published = True
         return None
 
-    def after_commit(self, fn: Callable[[Path], None]) -> None:
-        """Run fn(target) on rank 0 after the commit (Checkpointer: the `latest`
-        pointer, retention); every rank returns when it is done, or raises its error."""
+    def after_commit(self, fn: Callable[[Path], None] | None) -> None:
+        """Run fn(target) on rank 0 after the commit, and report a failure of
+        the after-commit policy applied with the commit (Checkpointer: the
+        `latest` pointer, retention); every rank returns when it is done, or
+        raises its error."""
         error = None
         if self.co.rank == 0:
             try:
-                fn(self.target)
+                if self.after_commit_error:
+                    raise PostCommitError(self.after_commit_error)
+                if fn is not None:
+                    fn(self.target)
             except Exception as exc:
                 error = _failure(0, "after commit", exc)
         self.phase.agree("after commit", error)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointAbortedError, CheckpointError, DistributedCheckpointError
 from ..knobs import current as current_knobs
+from ..retention import AfterCommit
 from ..saver import SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
 from ..snapshot import StagedFile, group_into_files, stage_file
 from .coordinator import Save, coordinator_for
@@ -58,13 +59,19 @@ class DistributedSaver:
 
     def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              wait_for_snapshot: bool = True,
-             on_commit: Callable[[Path], None] | None = None) -> SaveFuture:
+             on_commit: Callable[[Path], None] | None = None,
+             after_commit: AfterCommit | None = None) -> SaveFuture:
+        """See async_save. on_commit(path) runs on rank 0 after the commit;
+        after_commit (a Checkpointer's policy) is applied by whoever commits
+        the job (rank 0, or its daemon) right after the commit. Either failing
+        fails the save on every rank (phase "after commit"), committed."""
         if self._closed:
             raise CheckpointError("this saver is closed")
         self.raise_unobserved_failure()
         self.wait()  # the previous save's collectives end before this one's begin
         job = Save(self.co, obj, path, self.storage, node_local=self.node_local,
-                   allow_pickle=allow_pickle, aborted=self._abort.is_set)
+                   allow_pickle=allow_pickle, aborted=self._abort.is_set,
+                   after_commit=after_commit)
         future = SaveFuture(job.target)
         job.prepare()  # raises the same error on every rank
         staged: list[StagedFile] = []
@@ -102,8 +109,8 @@ class DistributedSaver:
                 for f in files:
                     f.wait_copied()
             job.finish(files)
-            if on_commit is not None:
-                # Rank 0 moves `latest` and applies retention; every rank returns after.
+            if on_commit is not None or job.after_commit_policy is not None:
+                # `latest` and retention are done; every rank returns after.
                 job.after_commit(on_commit)
         except DistributedCheckpointError as exc:
             if self._abort.is_set() and set(exc.failures) == {self.co.rank}:

@@ -10,7 +10,11 @@ disk) whose first rank stages and publishes:
     write(target, where, rank, files, node)
                                     each rank: its files, durable, and their
                                     records for the job manifest
-    publish(where, manifest, node)  the domain's first rank: the commit
+    publish(where, manifest, node, after_commit)
+                                    the domain's first rank: the commit, then
+                                    a Checkpointer's policy if given (rank 0,
+                                    the job's commit point); returns what of
+                                    the policy failed ("": nothing)
     abort(where) / unpublish(target)   after a failure
 """
 
@@ -25,7 +29,7 @@ from typing import Protocol
 from .. import datafile
 from ..commit import Staging, delete_checkpoint, os_error
 from ..engine import get_engine
-from ..errors import CheckpointError, DaemonError, ManifestError
+from ..errors import CheckpointError, DaemonError, ManifestError, PostCommitError
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
     FileRecord,
@@ -33,6 +37,7 @@ from ..format.manifest import (
     records_from_json,
 )
 from ..format.names import part_file_name
+from ..retention import AfterCommit, apply_at
 from ..snapshot import StagedFile
 from ..staging import StagingPool
 
@@ -47,7 +52,8 @@ class Storage(Protocol):
     def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
               node: str | None) -> Records: ...
 
-    def publish(self, where: str, manifest: bytes, node: str | None) -> None: ...
+    def publish(self, where: str, manifest: bytes, node: str | None,
+                after_commit: AfterCommit | None = None) -> str: ...
 
     def abort(self, where: str) -> None: ...
 
@@ -86,9 +92,18 @@ class InProcess:
             out.append((_with_node(record, node), records))
         return out
 
-    def publish(self, where: str, manifest: bytes, node: str | None) -> None:
-        self._staging[where].commit(manifest)
-        del self._staging[where]
+    def publish(self, where: str, manifest: bytes, node: str | None,
+                after_commit: AfterCommit | None = None) -> str:
+        staging = self._staging[where]
+        staging.commit(manifest)
+        del self._staging[where]  # (kept until then for abort())
+        if after_commit is None:
+            return ""
+        try:
+            apply_at(staging.target.parent, staging.target.name, after_commit)
+        except PostCommitError as exc:
+            return str(exc)
+        return ""
 
     def abort(self, where: str) -> None:
         staging = self._staging.pop(where, None)
@@ -133,11 +148,11 @@ class ThroughDaemon:
         if not files:
             return []
         reserve = sum(f.buffer.numel() for f in files if f.buffer is not None)
-        ident = self.client.begin(self.client.relative(target), reserve, len(files),
-                                  job_id=where, rank=rank)
-        # The open Watch stream is our liveness lease until the hand-over.
+        ident, stream = self.client.open(self.client.relative(target), reserve, len(files),
+                                         job_id=where, rank=rank)
+        # Open's stream is our liveness lease until the hand-over.
         handover = Handover(self.client, self._segments, ident,
-                            f"the part of rank {rank} of {target}")
+                            f"the part of rank {rank} of {target}", stream)
         try:
             for index, file in enumerate(files):
                 handover.submit(index, file)
@@ -155,8 +170,9 @@ class ThroughDaemon:
             handover.close()
         return _part_records(status.part_json, node)
 
-    def publish(self, where: str, manifest: bytes, node: str | None) -> None:
-        self.client.commit_job(where, manifest, node or "")
+    def publish(self, where: str, manifest: bytes, node: str | None,
+                after_commit: AfterCommit | None = None) -> str:
+        return self.client.commit_job(where, manifest, node or "", after_commit)
 
     def abort(self, where: str) -> None:
         with contextlib.suppress(CheckpointError):

@@ -14,6 +14,10 @@ FASTPERSIST_SHM_DIR (both set by the test), and reports on stdout, one line each
                   (run it with a small FASTPERSIST_STAGING_BUDGET: several files);
                   with "block_stream", the first streamed file (a tensor over half
                   the budget) stops halfway instead: "streaming", then waits
+  job "begun":    async_save(make_state(step), target), killing itself (SIGKILL)
+                  the moment the daemon's answer to Begin, the checkpoint's id,
+                  is in the client's hands: before anything else is sent;
+                  "ready" before
   job "segment":  creates a shared-memory segment of `size` bytes, "segment NAME",
                   waits to be killed
   job "loop":     a Checkpointer (daemon mode, keep_last) saving steps start,
@@ -97,6 +101,28 @@ def block(job: dict[str, Any]) -> None:
     wait_for_kill()
 
 
+def begun(job: dict[str, Any]) -> None:
+    from fastpersist.daemon_client import DaemonClient
+
+    # Whichever call hands the client its checkpoint id: Begin, or Open (Begin
+    # whose reply is the checkpoint's progress stream).
+    for name in ("begin", "open"):
+        real = getattr(DaemonClient, name, None)
+        if real is None:
+            continue
+
+        def answered(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            _real(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(DaemonClient, name, answered)
+    state = make_state(job["step"], job["tensors"], job["numel"])
+    emit("ready")
+    fastpersist.async_save(state, job["target"])
+    emit("handed-over")  # the test fails on this: the kill did not happen
+    wait_for_kill()
+
+
 def segment(job: dict[str, Any]) -> None:
     from fastpersist import shm
 
@@ -120,7 +146,8 @@ def loop(job: dict[str, Any]) -> None:
 def main() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     job = json.loads(sys.argv[1])
-    {"handover": handover, "block": block, "segment": segment, "loop": loop}[job["kind"]](job)
+    {"handover": handover, "block": block, "begun": begun, "segment": segment,
+     "loop": loop}[job["kind"]](job)
 
 
 if __name__ == "__main__":
