@@ -98,7 +98,10 @@ def test_checkpointer_through_a_root_daemon_needs_only_read_access(shared_tree: 
     try:
         run = root / "run"
         job = {"uid": TRAINER_UID, "gid": TRAINER_GID, "groups": [GROUP],
-               "drop_first": _readable_by_others(Path(sys.base_prefix)),
+               # The interpreter, the virtualenv and this checkout (a clean clone
+               # may sit in a 0700 temporary directory, as in CI).
+               "drop_first": all(_readable_by_others(Path(p)) for p in (
+                   sys.base_prefix, sys.prefix, Path(__file__).parent.parent)),
                "root": str(run), "address": d.address, "steps": STEPS, "keep_last": KEEP_LAST}
         env = {k: v for k, v in os.environ.items() if not k.startswith("FASTPERSIST_")}
         env.update({"HOME": str(home), "TMPDIR": str(home), "PYTHONDONTWRITEBYTECODE": "1",

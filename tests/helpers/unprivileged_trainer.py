@@ -29,16 +29,33 @@ def drop_privileges() -> None:
 if JOB["drop_first"]:
     drop_privileges()
 
+import importlib  # noqa: E402
+import pkgutil  # noqa: E402
+
 import torch  # noqa: E402
 
 import fastpersist  # noqa: E402
-import fastpersist.api  # noqa: E402
-import fastpersist.checkpoint  # noqa: E402
-import fastpersist.checkpointer  # noqa: E402
-import fastpersist.remote  # noqa: E402
 from fastpersist import CheckpointError  # noqa: E402
+from fastpersist.daemon_client import DaemonClient  # noqa: E402
+
+
+def import_everything_first() -> None:
+    """Still as root, where the unprivileged uid cannot read the interpreter's
+    files: import every module the run may import later, lazily (fastpersist's
+    own, and gRPC's channel machinery, by making a call on a channel)."""
+    for m in pkgutil.walk_packages(fastpersist.__path__, "fastpersist."):
+        if not m.name.startswith(("fastpersist.daemon", "fastpersist.cli")):
+            importlib.import_module(m.name)
+    client = DaemonClient(JOB["address"])
+    try:
+        client.info()
+        client.health()
+    finally:
+        client.close()
+
 
 if not JOB["drop_first"]:
+    import_everything_first()
     drop_privileges()
 
 
