@@ -11,11 +11,22 @@
 A crash before 3 leaves a staging directory and the old checkpoint; a crash
 after 3 leaves the new checkpoint and, under the staging name, the old one.
 Either way `fpctl gc` recognises the leftovers by name and removes them.
+
+A node-local distributed checkpoint is committed by one node (rank 0's) for
+all: the other nodes stop after 2 (Staging.prepare), with their directory
+renamed to a `.NAME.fp-prep-...` name and a marker naming the committing
+node, and do 3-4 (publish_prepared) only once that node has published, or
+discard the part (discard_prepared) once it is known that it never will.
+Until then the part is in doubt: gc leaves it alone, and
+fastpersist/distributed/settling.py decides it with the job's other nodes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
+import json
 import os
 import re
 import secrets
@@ -33,8 +44,13 @@ from .errors import (
 )
 from .format.manifest import MANIFEST_NAME
 
+# In a prepared part (kind "prep"): which node's publish commits its job.
+PREPARED_MARKER = ".fastpersist-prepared"
+IN_DOUBT_HELP = ("a node-local distributed checkpoint's part, published only if its job "
+                 "committed: fastpersist.distributed.settle decides it")
+
 _LEFTOVER = re.compile(
-    r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old|del)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$"
+    r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old|del|prep)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$"
 )
 
 
@@ -176,6 +192,31 @@ class Staging:
         try:
             write_durably(self.path / MANIFEST_NAME, manifest)
             fsync_dir(self.path)
+        except OSError as exc:
+            raise os_error(exc, f"cannot commit checkpoint {self.target}") from exc
+        return self.publish(remove_replaced=remove_replaced)
+
+    def prepare(self, manifest: bytes, commit_node: str) -> Path:
+        """Step 2 for a node-local distributed checkpoint's part (module
+        docstring): manifest and marker durable, the directory renamed to a
+        `prep` name and that rename durable. Returns the new path."""
+        marker = json.dumps({"commit_node": commit_node,
+                             "manifest_sha256": manifest_digest(manifest)}).encode()
+        prepared = self.path.parent / leftover_name(self.target.name, "prep")
+        try:
+            write_durably(self.path / MANIFEST_NAME, manifest)
+            write_durably(self.path / PREPARED_MARKER, marker)
+            fsync_dir(self.path)
+            os.rename(self.path, prepared)
+            fsync_dir(prepared.parent)
+        except OSError as exc:
+            raise os_error(exc, f"cannot prepare checkpoint {self.target}") from exc
+        self.path = prepared
+        return prepared
+
+    def publish(self, *, remove_replaced: bool = True) -> Path | None:
+        """Steps 3-4 above, for a directory whose manifest is durable."""
+        try:
             replaced = self._publish()
             fsync_dir(self.target.parent)
         except CheckpointError:
@@ -233,6 +274,61 @@ def delete_checkpoint(path: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def manifest_digest(manifest: bytes) -> str:
+    """Names a job: every node's directory of it holds the same manifest."""
+    return hashlib.sha256(manifest).hexdigest()
+
+
+def publish_prepared(prepared: Path, target: Path, *, remove_replaced: bool = True
+                     ) -> Path | None:
+    """Steps 3-4 for a prepared part whose job committed: it is a checkpoint
+    under its name on return (Staging.commit for remove_replaced)."""
+    replaced = Staging(target=target, path=prepared).publish(remove_replaced=remove_replaced)
+    # Its job is no longer in doubt. (Left behind by a crash, it is ignored.)
+    with contextlib.suppress(FileNotFoundError):
+        (target / PREPARED_MARKER).unlink()
+    return replaced
+
+
+def discard_prepared(prepared: Path) -> None:
+    """Remove a prepared part whose job did not commit. Renamed aside first:
+    a part half removed must never look prepared (settle would publish it)."""
+    m = _LEFTOVER.match(prepared.name)
+    aside = prepared.parent / leftover_name(m["name"] if m else prepared.name, "del")
+    try:
+        os.rename(prepared, aside)
+        fsync_dir(prepared.parent)
+    except OSError as exc:
+        raise os_error(exc, f"cannot remove {prepared}") from exc
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class PreparedPart:
+    """What a prepared part says of itself (Staging.prepare)."""
+
+    path: Path
+    target_name: str
+    commit_node: str  # the node whose publish of target_name commits the job
+    digest: str  # manifest_digest of the job manifest
+
+
+def read_prepared(leftover: Leftover) -> PreparedPart | None:
+    """The prepared part at a `prep` leftover; None if it is not one, or its
+    marker or manifest cannot be read (then nothing can decide it)."""
+    if leftover.kind != "prep":
+        return None
+    try:
+        marker = json.loads((leftover.path / PREPARED_MARKER).read_bytes())
+        digest = manifest_digest((leftover.path / MANIFEST_NAME).read_bytes())
+        node = marker["commit_node"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(node, str) or marker.get("manifest_sha256") != digest:
+        return None
+    return PreparedPart(leftover.path, leftover.target_name, node, digest)
+
+
 def leftover_name(name: str, kind: str) -> str:
     return f".{name}.fp-{kind}-{os.getpid()}-{secrets.token_hex(4)}@{socket.gethostname()}"
 
@@ -242,7 +338,8 @@ class Leftover:
     path: Path
     target_name: str
     # "tmp": an unfinished (or replaced) save; "old": moved aside by a replace;
-    # "del": a checkpoint being deleted (retention)
+    # "del": a checkpoint being deleted (retention); "prep": a prepared part of
+    # a node-local distributed checkpoint, in doubt (module docstring)
     kind: str
     pid: int
     host: str
@@ -291,6 +388,9 @@ def restores(leftover: Leftover) -> bool:
 def collect(leftover: Leftover) -> str:
     """Clean one leftover whose owner is gone; returns what was done."""
     target = leftover.path.parent / leftover.target_name
+    if leftover.kind == "prep":
+        # Its job may have committed: only the job's nodes together can tell.
+        return f"kept {leftover.path.name}: in doubt ({IN_DOUBT_HELP})"
     if restores(leftover):
         os.rename(leftover.path, target)
         fsync_dir(target.parent)

@@ -168,10 +168,22 @@ class DaemonClient:
                                path=relative, client_id=CLIENT_ID), timeout=CALL_TIMEOUT))
         return str(reply.job_id)
 
-    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
-        self._call("cannot commit the distributed checkpoint", lambda: self.stub.CommitJob(
-            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node),
-            timeout=CALL_TIMEOUT))
+    def commit_job(self, job_id: str, manifest: bytes, node: str, *,
+                   prepare_for: str = "") -> str:
+        """Commit the job; with prepare_for, prepare this node's part (the
+        node named commits the job) and return the prepared part's name."""
+        what = "prepare" if prepare_for else "commit"
+        reply = self._call(f"cannot {what} the distributed checkpoint", lambda: self.stub.CommitJob(
+            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node,
+                                prepare_for=prepare_for), timeout=CALL_TIMEOUT))
+        return str(reply.prepared)
+
+    def resolve_prepared(self, relative: str, prepared: str, publish: bool) -> None:
+        what = "publish" if publish else "discard"
+        self._call(f"cannot {what} the prepared part {prepared} of {relative}",
+                   lambda: self.stub.ResolvePrepared(pb.ResolvePreparedRequest(
+                       path=relative, prepared=prepared, publish=publish),
+                       timeout=CALL_TIMEOUT))
 
     def abort_job(self, job_id: str) -> None:
         self._call("cannot abort the distributed checkpoint", lambda: self.stub.AbortJob(

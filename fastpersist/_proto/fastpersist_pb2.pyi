@@ -222,18 +222,22 @@ class BeginJobResponse(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class CommitJobRequest(_message.Message):
-    __slots__ = ("job_id", "manifest", "node")
+    __slots__ = ("job_id", "manifest", "node", "prepare_for")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FOR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     manifest: bytes
     node: str
-    def __init__(self, job_id: _Optional[str] = ..., manifest: _Optional[bytes] = ..., node: _Optional[str] = ...) -> None: ...
+    prepare_for: str
+    def __init__(self, job_id: _Optional[str] = ..., manifest: _Optional[bytes] = ..., node: _Optional[str] = ..., prepare_for: _Optional[str] = ...) -> None: ...
 
 class CommitJobResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("prepared",)
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    prepared: str
+    def __init__(self, prepared: _Optional[str] = ...) -> None: ...
 
 class AbortJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -242,5 +246,19 @@ class AbortJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class AbortJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResolvePreparedRequest(_message.Message):
+    __slots__ = ("path", "prepared", "publish")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    prepared: str
+    publish: bool
+    def __init__(self, path: _Optional[str] = ..., prepared: _Optional[str] = ..., publish: _Optional[bool] = ...) -> None: ...
+
+class ResolvePreparedResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -45,7 +45,16 @@ from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ..format.names import data_file_name, part_file_name
 from ..shm import Mapping
 from . import logs
-from .jobs import MARKER_NAME, Job, JobState, check_job_manifest, part_json, split_job_id
+from .jobs import (
+    MARKER_NAME,
+    Job,
+    JobState,
+    check_job_manifest,
+    part_json,
+    prepared_part,
+    resolve_prepared,
+    split_job_id,
+)
 from .metrics import Metrics
 
 MAX_FILES = 100_000
@@ -211,6 +220,7 @@ class Service:
         self._cond = threading.Condition()
         self._checkpoints: dict[str, Checkpoint] = {}
         self._jobs: dict[str, Job] = {}
+        self._resolving: set[Path] = set()  # targets a prepared part is published to
         self._served: dict[str, int] = {}  # client -> tick of its last file (fairness)
         self._tick = 0
         self._stopping = False
@@ -236,7 +246,8 @@ class Service:
         with self._cond:
             return any(c.target == target for c in self._checkpoints.values()
                        if not c.terminal) or any(j.target == target and j.open and j.owner
-                                                 for j in self._jobs.values())
+                                                 for j in self._jobs.values()
+                                                 ) or target in self._resolving
 
     def get_job(self, job_id: str) -> Job:
         """The job with this id (DIRECTORY:SECRET); NOT_FOUND without the right secret."""
@@ -317,6 +328,9 @@ class Service:
                     "FAILED_PRECONDITION",
                     f"a checkpoint of {c.relpath} is in flight; {relpath} may not be it, "
                     "inside it or around it")
+        if target in self._resolving:
+            raise RequestError("FAILED_PRECONDITION",
+                               f"a prepared part of {relpath} is being published")
         # A job another daemon began is that daemon's to guard (and to finish:
         # this one never learns when it is committed).
         for j in self._jobs.values():
@@ -372,10 +386,11 @@ class Service:
         self._require_open(job)
         return job, new
 
-    def commit_job(self, job_id: str, manifest: bytes, node: str) -> None:
-        """Check the job manifest against the directory, write it, publish.
-        The checks and the I/O run outside the lock, as a worker's commit does;
-        meanwhile `committing` keeps parts out and aborts off."""
+    def commit_job(self, job_id: str, manifest: bytes, node: str, prepare_for: str = "") -> str:
+        """Check the job manifest against the directory, write it, publish;
+        with prepare_for, prepare the part instead (jobs.py) and return its
+        name. The checks and the I/O run outside the lock, as a worker's commit
+        does; meanwhile `committing` keeps parts out and aborts off."""
         with self._cond:
             job = self.get_job(job_id)
             if not job.owner:
@@ -395,9 +410,13 @@ class Service:
                 check_job_manifest(job, manifest, node)
             except ValueError as exc:  # refused: the job stays open for a good manifest
                 raise invalid(f"job {job.id}: {exc}") from None
+            prepared, replaced = "", None
             try:
                 (job.staging.path / MARKER_NAME).unlink()
-                replaced = job.staging.commit(manifest, remove_replaced=False)
+                if prepare_for:
+                    prepared = job.staging.prepare(manifest, prepare_for).name
+                else:
+                    replaced = job.staging.commit(manifest, remove_replaced=False)
             except (OSError, CheckpointError) as exc:
                 code = _code_for(exc) if isinstance(exc, CheckpointError) else "INTERNAL"
                 raise RequestError(code, f"cannot commit {job.relpath}: {exc}") from None
@@ -417,12 +436,34 @@ class Service:
                     job.finish(JobState.COMMITTED)
                     self.metrics.checkpoints.labels(result="committed").inc()
                     self._cond.notify_all()
-        logs.info("committed-job", job=job.id, path=job.relpath, parts=len(job.parts))
-        if replaced is not None:
-            # The checkpoint it replaced: removed after the reply, which must not
-            # wait for a large tree to be deleted (on a crash, startup does it).
-            threading.Thread(target=shutil.rmtree, args=(replaced,), kwargs={
-                "ignore_errors": True}, name="fpd-remove-replaced", daemon=True).start()
+        logs.info("prepared-job" if prepare_for else "committed-job", job=job.id,
+                  path=job.relpath, parts=len(job.parts), **(
+                      {"prepared": prepared} if prepare_for else {}))
+        _remove_later(replaced)
+        return prepared
+
+    def resolve_prepared(self, target: Path, relpath: str, name: str, publish: bool) -> None:
+        """Publish or discard a prepared part (jobs.py). The I/O runs outside
+        the lock; meanwhile the target counts as in flight."""
+        try:
+            prepared = prepared_part(target, name)
+        except LookupError as exc:
+            raise RequestError("NOT_FOUND", str(exc)) from None
+        except (ValueError, OSError) as exc:
+            raise invalid(str(exc)) from None
+        with self._cond:
+            self._check_target_free(target, relpath, None)
+            self._resolving.add(target)
+        try:
+            replaced = resolve_prepared(target, prepared, publish)
+        except CheckpointError as exc:
+            raise RequestError(_code_for(exc), str(exc)) from None
+        finally:
+            with self._cond:
+                self._resolving.discard(target)
+        logs.info("published-prepared" if publish else "discarded-prepared", path=relpath,
+                  prepared=name)
+        _remove_later(replaced)
 
     def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
         with self._cond:
@@ -806,6 +847,14 @@ class Service:
                       if j.finished_at is not None and now - j.finished_at > KEEP_FINISHED_SECONDS
                       and all(p.id not in self._checkpoints for p in j.parts)]:
             del self._jobs[ident]
+
+
+def _remove_later(replaced: Path | None) -> None:
+    """A checkpoint a publish replaced: removed after the reply, which must not
+    wait for a large tree to be deleted (on a crash, startup does it)."""
+    if replaced is not None:
+        threading.Thread(target=shutil.rmtree, args=(replaced,), kwargs={
+            "ignore_errors": True}, name="fpd-remove-replaced", daemon=True).start()
 
 
 def _split(job_id: str) -> tuple[str, str]:

@@ -17,6 +17,13 @@ directory (BeginJob) commits, aborts or removes it, and only it holds the
 path against other saves; a joining daemon forgets the job once its parts
 are written and --idle-timeout has passed.
 
+Node-local checkpoints are committed by rank 0's node for all: the other
+nodes' first ranks call CommitJob with prepare_for, and their part is made
+durable under a hidden `prep` name (commit.Staging.prepare) instead of
+published; ResolvePrepared publishes or discards it once the ranks know
+whether rank 0's node committed (resolve_prepared below). The daemon never
+decides a prepared part itself, and never removes one on its own.
+
 A job is dropped (its directory removed) by AbortJob, when one of its parts
 fails or loses its client, and when nothing touched it (no request, no file
 written into the directory, by this daemon or another) for --idle-timeout
@@ -40,7 +47,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..commit import Staging, leftover_name, parse_leftover
+from ..commit import (
+    Staging,
+    discard_prepared,
+    leftover_name,
+    parse_leftover,
+    publish_prepared,
+)
 from ..errors import ManifestError
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
@@ -227,3 +240,29 @@ def check_job_manifest(job: Job, data: bytes, node: str) -> None:
                 t.file, t.offset, t.length, t.crc32c):
             raise ValueError(f"tensor {t.name!r}: the manifest's record differs from the one "
                              "this daemon wrote")
+
+
+def prepared_part(target: Path, name: str) -> Path:
+    """The prepared part `name` of `target` (next to it, a `prep` directory of
+    that name: never a symlink). ValueError if it is not one; LookupError if
+    there is none."""
+    if "/" in name or name in ("", ".", ".."):
+        raise ValueError(f"{name!r} is not a prepared part's name")
+    path = target.parent / name
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise LookupError(f"no prepared part {name} of {target.name}") from None
+    leftover = parse_leftover(path) if stat.S_ISDIR(st.st_mode) else None
+    if leftover is None or leftover.kind != "prep" or leftover.target_name != target.name:
+        raise ValueError(f"{name!r} is not a prepared part of {target.name}")
+    return path
+
+
+def resolve_prepared(target: Path, prepared: Path, publish: bool) -> Path | None:
+    """Publish a prepared part (its job committed), or discard it; returns a
+    checkpoint the publish replaced, for the caller to remove."""
+    if publish:
+        return publish_prepared(prepared, target, remove_replaced=False)
+    discard_prepared(prepared)
+    return None

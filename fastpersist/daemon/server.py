@@ -222,8 +222,18 @@ class Servicer(pb_grpc.FastPersistServicer):
     def CommitJob(self, request: pb.CommitJobRequest, context: grpc.ServicerContext
                   ) -> pb.CommitJobResponse:
         def run() -> pb.CommitJobResponse:
-            self.service.commit_job(request.job_id, request.manifest, request.node)
-            return pb.CommitJobResponse()
+            prepared = self.service.commit_job(request.job_id, request.manifest, request.node,
+                                               request.prepare_for)
+            return pb.CommitJobResponse(prepared=prepared)
+        return self._guard(context, run)
+
+    def ResolvePrepared(self, request: pb.ResolvePreparedRequest,
+                        context: grpc.ServicerContext) -> pb.ResolvePreparedResponse:
+        def run() -> pb.ResolvePreparedResponse:
+            target = self._path(request.path)
+            self.service.resolve_prepared(target, request.path.strip("/"), request.prepared,
+                                          request.publish)
+            return pb.ResolvePreparedResponse()
         return self._guard(context, run)
 
     def AbortJob(self, request: pb.AbortJobRequest, context: grpc.ServicerContext
