@@ -9,18 +9,20 @@
     4 write     each rank writes its pieces into data-rRRRRR-NNN files there,
                 fsynced (itself, or through its node's daemon); gather the
                 file and tensor records to rank 0
-    5 commit    rank 0 builds the job manifest (schema 2) and broadcasts it;
-                node-local: other nodes publish their part first, then rank 0
-                publishes its own, last, so a crash before that leaves no
-                checkpoint under the name on rank 0's node
+    5 commit    rank 0 builds the job manifest (schema 2) and broadcasts it,
+                and publishes its domain: the commit point. Node-local, the
+                other nodes prepare their part (durable, hidden) before it,
+                and publish it after it (commit_point.py)
 
 All of it runs over a gloo group of its own, made once per process group, so
 checkpoint traffic never queues behind (or blocks) training collectives, and
 with a timeout (FASTPERSIST_DIST_TIMEOUT), so a dead or hung rank makes the
-others fail instead of hanging. Every phase ends in a collective that carries
+others fail instead of hanging. Every phase ends in an exchange that carries
 each rank's error, if any: a failure anywhere raises the same
 DistributedCheckpointError on every rank, naming each failed rank and phase,
-and the staging directories are removed.
+and the staging directories are removed (phases.py). An exchange that fails
+itself (a rank died or hung) ends the save with one outcome on every rank
+that survives, naming the lost ranks (commit_point.py, outcome.py).
 
 Where the bytes go is a storage.Storage: written in-process, or handed to
 each node's fastpersistd as parts of one job that the daemon commits.
@@ -37,10 +39,11 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import state
-from ..errors import CheckpointAbortedError, CheckpointError
+from ..errors import CheckpointAbortedError, CheckpointError, DistributedCheckpointError
 from ..knobs import current as current_knobs
 from ..plan import StoredTensor
 from ..snapshot import StagedFile, group_into_files
+from .commit_point import CommitPoint
 from .describe import (
     Held,
     describe,
@@ -58,9 +61,11 @@ from .layout import (
     unaliased,
     within,
 )
-from .phases import Coordinator, Failure, Phase, coordinator_for, failure
+from .outcome import Ballot, SaveStore, forget, job_store, post_mortem, this_process
+from .phases import Coordinator, Failure, Phase, RanksLost, coordinator_for, failure
 from .planner import Item, Plan, RankInfo, layout_digest, make_plan
-from .storage import InProcess, Storage
+from .settling import has_prepared, settle_with
+from .storage import InProcess, Storage, ident_of
 
 
 def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None, *,
@@ -86,7 +91,7 @@ def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None
     job.finish(files)
 
 
-class Save:
+class Save(CommitPoint):
     """One distributed save, in two halves: prepare() (describe, plan, stage:
     quick, in the caller) and finish() (write, commit: in the caller for save,
     in the background for async_save). Every rank runs both halves of its
@@ -103,30 +108,29 @@ class Save:
         self.allow_pickle = allow_pickle
         self.knobs = current_knobs()
         self.target = Path(os.path.abspath(os.fspath(path)))
-        self.staged: str | None = None  # this rank staged its domain (storage.stage)
-        self.published = False
-        self.phase = Phase(co, self._clean_up)
-
-    def _clean_up(self) -> None:
-        """After a failure. Its own errors are warned about, not raised: every
-        rank must raise the job's one error."""
-        try:
-            if self.staged is not None and not self.published:
-                self.storage.abort(self.staged)
-            elif self.staged is not None and self.published and self.co.rank != 0:
-                # node-local: the job failed after this node published
-                self.storage.unpublish(self.target)
-        except Exception as exc:
-            warnings.warn(f"rank {self.co.rank}: cleaning up the failed save of {self.target} "
-                          f"failed too: {exc}", RuntimeWarning, stacklevel=2)
+        self.phase = Phase(co, self.clean_up)
+        self.timeout = self.knobs.dist_timeout
+        self.grace = min(self.timeout, 30)
+        co.saves += 1
+        self.store = SaveStore(job_store(), f"fastpersist/{co.token}/{co.saves}")
+        self.ballot = Ballot(self.store)
+        self.processes = co.processes  # until this save's describe exchange
 
     def prepare(self) -> None:
+        try:
+            self._prepare()
+        except RanksLost as lost:
+            self.lost(lost)  # before the commit window: raises
+
+    def _prepare(self) -> None:
         co, phase, knobs = self.co, self.phase, self.knobs
         # 1 describe
         error = None
         self.held: list[Held] = []
         items: tuple[Item, ...] = ()
         values: list[tuple[str, str]] = []
+        # Node-local: prepared parts left next to the target are settled first.
+        prepared = self.node_local and has_prepared(self.target.parent)
         try:
             tree, leaves = state.encode(self.obj, allow_pickle=self.allow_pickle, sharded=True)
             self.tree = tree
@@ -134,21 +138,28 @@ class Save:
             items = tuple(h.item for h in self.held)
             values = replica_values(self.obj)
             me = RankView(knobs.node, layout_digest(items), str(self.target),
-                           values_digest(values))
+                          values_digest(values), this_process(), prepared)
         except Exception as exc:
             error = failure(co.rank, "describe", exc)
-            me = RankView(knobs.node, "", str(self.target), "")
+            me = RankView(knobs.node, "", str(self.target), "", this_process(), prepared)
         self.obj = None  # the tensors live on in self.held; the rest is in the tree
         phase.agree("describe", error)
         everyone = phase.collective("describe", lambda: co.all_gather(me))
+        self.processes = co.processes = [v.process for v in everyone]
+        if co.saves > 1:
+            # Every rank is past the save before: its keys in the store can go.
+            forget(SaveStore(self.store.store, f"fastpersist/{co.token}/{co.saves - 1}"),
+                   ["save", "after"], co.rank, co.size)
         self.nodes = [v.node for v in everyone]
         domain = domains(everyone, self.node_local)
         conflict = target_conflict(everyone, domain)
         if conflict is not None:
-            phase.on_failure()
             raise conflict
         if len({v.values for v in everyone}) > 1 and not co.warned_values:
             self._warn_differing_values(values)
+        leaders = {d: min(r for r in range(co.size) if domain[r] == d) for d in set(domain)}
+        if any(v.prepared for v in everyone):
+            self._settle(leaders[domain[co.rank]] == co.rank)
 
         # 2 plan (cached while no rank's layout changes)
         key = [repr((v.node, v.layout)) for v in everyone] + [
@@ -175,7 +186,6 @@ class Save:
         self.plan = plan
 
         # 3 stage: the first rank of each domain makes the directory
-        leaders = {d: min(r for r in range(co.size) if domain[r] == d) for d in set(domain)}
         error, made_path = None, ""
         if leaders[domain[co.rank]] == co.rank:
             try:
@@ -185,6 +195,19 @@ class Save:
         phase.agree("stage", error)
         paths = phase.collective("stage", lambda: co.all_gather(made_path))
         self.directory = paths[leaders[domain[co.rank]]]
+        if domain[co.rank] == domain[0]:
+            # What survivors look for if rank 0 is lost at its publish (storage.fate).
+            self.staging_ident = ident_of(self.storage.place(self.target, self.directory))
+
+    def _settle(self, leader: bool) -> None:
+        """settling.py for the target's directory. A failure there is not this
+        save's: rank 0 warns of it, and the save goes on."""
+        try:
+            settle_with(self.co, self.target.parent, self.storage, leader, self.nodes)
+        except DistributedCheckpointError as exc:
+            if self.co.rank == 0:
+                warnings.warn(f"{exc} (before the save of {self.target.name})",
+                              RuntimeWarning, stacklevel=3)
 
     def _warn_differing_values(self, values: list[tuple[str, str]]) -> None:
         """Once per process group (every rank takes this branch together): the
@@ -216,6 +239,14 @@ class Save:
 
     def finish(self, files: list[StagedFile] | BaseException) -> None:
         """Write this rank's files (or report why it has none) and commit."""
+        try:
+            self._finish(files)
+        except RanksLost as lost:
+            self.lost(lost)  # returns if the job committed anyway
+            return
+        self.check_in("save")
+
+    def _finish(self, files: list[StagedFile] | BaseException) -> None:
         co, phase = self.co, self.phase
         self.held = []
         # 4 write this rank's pieces
@@ -230,46 +261,50 @@ class Save:
         except Exception as exc:
             error = failure(co.rank, "write", exc)
         phase.agree("write", error)
+        # From here on rank 0 may hold every record, build the manifest and
+        # commit: a lost exchange no longer means that the job failed.
+        self.committing = True
         gathered = phase.collective("write", lambda: co.gather(written))
-
-        # 5 commit
-        manifest: bytes | None = None
+        # 5 commit (commit_point.py)
+        manifest = None
         if co.rank == 0:
             assert gathered is not None
             manifest = job_manifest(self.plan, self.tree, gathered)
-        manifest = phase.collective("commit", lambda: co.broadcast(manifest))
-        assert manifest is not None
-        # Other domains publish first; rank 0's domain publishes last: the commit point.
-        phase.agree("commit", self._publish(manifest) if co.rank != 0 else None)
-        # Returns only once the checkpoint is durable everywhere (or raises everywhere).
-        phase.agree("commit", self._publish(manifest) if co.rank == 0 else None)
+        self.commit(manifest)
 
     def _raise_if_aborted(self) -> None:
         if self.aborted():
             raise CheckpointAbortedError(f"rank {self.co.rank} aborted the save of {self.target}")
 
-    def _publish(self, manifest: bytes) -> Failure | None:
-        """Commit this domain's staging directory, if this rank made it."""
-        if self.staged is None:
-            return None
-        try:
-            self.storage.publish(self.staged, manifest,
-                                 self.nodes[self.co.rank] if self.node_local else None)
-        except Exception as exc:
-            return failure(self.co.rank, "commit", exc)
-        self.published = True
-        return None
-
     def after_commit(self, fn: Callable[[Path], None]) -> None:
         """Run fn(target) on rank 0 after the commit (Checkpointer: the `latest`
-        pointer, retention); every rank returns when it is done, or raises its error."""
+        pointer, retention); every rank returns when it is done, or raises its
+        error. With ranks lost after the commit, it is done on rank 0 alone and
+        every rank returns: the checkpoint is committed either way."""
         error = None
         if self.co.rank == 0:
             try:
                 fn(self.target)
             except Exception as exc:
                 error = failure(0, "after commit", exc)
-        self.phase.agree("after commit", error)
+        if self.ranks_lost:
+            self._warn_after_commit(error)
+            return
+        try:
+            self.phase.agree("after commit", error)
+        except RanksLost as lost:
+            verdict = post_mortem(self.store, "after", self.co.rank, self.co.size, lost.phase,
+                                  lost.cause, self.processes, self.grace, self.timeout)
+            warnings.warn(f"distributed checkpoint {self.target.name} was committed, but "
+                          f"{verdict.describe()}", RuntimeWarning, stacklevel=2)
+            self._warn_after_commit(error)
+            return
+        self.check_in("after")
+
+    def _warn_after_commit(self, error: Failure | None) -> None:
+        if error is not None:
+            warnings.warn(f"{self.target}: {error.error} (after the commit; not raised, as the "
+                          "other ranks cannot learn it)", RuntimeWarning, stacklevel=3)
 
 
 __all__ = ["Save", "coordinator_for", "save", "tensor_bytes_by_rank"]

@@ -20,6 +20,7 @@ from ..format.manifest import (
 from ..format.names import rank_of_part_file
 from ..state import TensorLeaf
 from .describe import Held
+from .outcome import ProcessId
 from .planner import Piece, Plan
 
 
@@ -30,6 +31,8 @@ class RankView(NamedTuple):
     layout: str  # planner.layout_digest of its items
     target: str  # the checkpoint path it saves to
     values: str  # describe.values_digest of the values saved once for the job
+    process: ProcessId  # so that ranks on its machine can tell if it died
+    prepared: bool  # node-local: its target's directory holds prepared parts (settling.py)
 
 
 def unaliased(leaves: list[TensorLeaf]) -> list[TensorLeaf]:

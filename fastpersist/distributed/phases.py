@@ -3,12 +3,15 @@
 Every phase of a save ends in an exchange (a collective over the checkpoint's
 own gloo group) that carries each rank's error, if any, so that every rank
 raises the same error (Phase.agree). An exchange that fails itself means
-that a rank died or hung, or the network broke.
+that a rank died or hung, or the network broke: Phase.collective raises
+RanksLost, and the save finds out who is gone and whether the job committed
+(outcome.py) before it answers.
 """
 
 from __future__ import annotations
 
 import datetime
+import secrets
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, DistributedCheckpointError
 from ..knobs import current as current_knobs
+from .outcome import ProcessId
 from .planner import PlanCache
 
 T = TypeVar("T")
@@ -38,6 +42,13 @@ class Coordinator:
         self.cache = PlanCache()
         self.plans_made = 0  # for tests and benchmarks: cache hits make none
         self.warned_values = False  # ranks' differing values are reported once
+        # Names this group's keys in the job's store: a job restarted under
+        # torchrun meets the keys of its previous incarnation there.
+        self.token: str = self.broadcast(secrets.token_hex(8) if self.rank == 0 else None)
+        self.saves = 0  # every rank counts its saves alike: they run in one order
+        # The ranks' processes (outcome.ProcessId) as of the last describe: for
+        # a rank lost before the next save's describe exchange.
+        self.processes: list[ProcessId] | None = None
 
     def all_gather(self, value: T) -> list[T]:
         out: list[Any] = [None] * self.size
@@ -78,6 +89,16 @@ def failure(rank: int, phase: str, exc: BaseException) -> Failure:
     return Failure(rank, phase, "".join(traceback.format_exception_only(exc)).strip())
 
 
+class RanksLost(Exception):
+    """An exchange failed: a rank died or hung, or the group broke. Never
+    reaches the user: the save turns it into its one error (outcome.py)."""
+
+    def __init__(self, phase: str, cause: str) -> None:
+        super().__init__(f"the {phase} exchange failed: {cause}")
+        self.phase = phase
+        self.cause = cause
+
+
 class Phase:
     """Runs one phase's exchange, and agrees with every rank on its outcome."""
 
@@ -89,11 +110,7 @@ class Phase:
         try:
             return fn()
         except Exception as exc:  # a peer died, hung, or the group broke
-            self.on_failure()
-            raise DistributedCheckpointError(
-                f"rank {self.co.rank}: the checkpoint's {phase} exchange with the other ranks "
-                f"failed ({exc}); a rank may have died or hung (FASTPERSIST_DIST_TIMEOUT="
-                f"{current_knobs().dist_timeout} s)") from exc
+            raise RanksLost(phase, str(exc).split(". This is typically")[0]) from exc
 
     def agree(self, phase: str, error: Failure | None) -> None:
         """Every rank learns every failure of this phase; all raise the same error."""
@@ -110,4 +127,5 @@ def failed(failures: list[Failure], what: str = "distributed checkpoint failed")
         {f.rank: f"{f.phase}: {f.error}" for f in failures})
 
 
-__all__ = ["Coordinator", "Failure", "Phase", "coordinator_for", "failed", "failure"]
+__all__ = ["Coordinator", "Failure", "Phase", "RanksLost", "coordinator_for", "failed",
+           "failure"]
