@@ -17,6 +17,9 @@ root that others may write too, gives a Staging its directories as open
 descriptors instead (DirFds, from daemon/rootfs.py): the same steps then run
 relative to them (dirs.py), so that nothing swapped into the path after Begin
 (a symbolic link to elsewhere) is followed, written or published.
+
+A node-local distributed checkpoint's part stops after 2, hidden, until its
+job's outcome is known (prepared.py).
 """
 
 from __future__ import annotations
@@ -229,12 +232,30 @@ class Staging:
         for the caller (remove_replaced()) under the returned (hidden,
         leftover) path."""
         try:
-            if self.fds is None:
-                write_durably(self.path / MANIFEST_NAME, manifest)
-                fsync_dir(self.path)
-            else:
-                write_durably(MANIFEST_NAME, manifest, dir_fd=self.fds.staging)
-                os.fsync(self.fds.staging)
+            self.write_file(MANIFEST_NAME, manifest)
+            self.fsync()
+        except OSError as exc:
+            raise os_error(exc, f"cannot commit checkpoint {self.target}") from exc
+        return self.publish(remove_replaced=remove_replaced)
+
+    def write_file(self, name: str, data: bytes) -> None:
+        """A small new file in the staging directory, durable (not its name)."""
+        if self.fds is None:
+            write_durably(self.path / name, data)
+        else:
+            write_durably(name, data, dir_fd=self.fds.staging)
+
+    def fsync(self) -> None:
+        """Make the staging directory's entries durable."""
+        if self.fds is None:
+            fsync_dir(self.path)
+        else:
+            os.fsync(self.fds.staging)
+
+    def publish(self, *, remove_replaced: bool = True) -> Path | None:
+        """Steps 3-4 above, for a staging directory whose manifest is durable
+        (commit(), or a prepared part: prepared.py)."""
+        try:
             replaced = self._publish()
             if self.fds is None:
                 fsync_dir(self.target.parent)

@@ -226,6 +226,21 @@ class DaemonClient:
             timeout=CALL_TIMEOUT))
         return str(reply.after_commit_error)
 
+    def prepare_job(self, job_id: str, manifest: bytes, node: str, commit_node: str) -> str:
+        """A node-local job's part on a node other than rank 0's (commit_node):
+        durable but not visible; returns the prepared part's name."""
+        reply = self._call("cannot prepare the distributed checkpoint", lambda: self.stub.CommitJob(
+            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node,
+                                prepare_for=commit_node), timeout=CALL_TIMEOUT))
+        return str(reply.prepared)
+
+    def resolve_prepared(self, relative: str, prepared: str, publish: bool) -> None:
+        what = "publish" if publish else "discard"
+        self._call(f"cannot {what} the prepared part {prepared} of {relative}",
+                   lambda: self.stub.ResolvePrepared(pb.ResolvePreparedRequest(
+                       path=relative, prepared=prepared, publish=publish),
+                       timeout=CALL_TIMEOUT))
+
     def abort_job(self, job_id: str) -> None:
         self._call("cannot abort the distributed checkpoint", lambda: self.stub.AbortJob(
             pb.AbortJobRequest(job_id=job_id), timeout=CALL_TIMEOUT))

@@ -91,8 +91,12 @@ class DaemonMayStillCommitError(DaemonUnavailableError):
 
 class DistributedCheckpointError(CheckpointError):
     """A distributed save or load failed on one or more ranks. Raised on every
-    rank with the same message, which names each failed rank and phase."""
+    rank with the same message, which names each failed (or lost) rank and
+    phase. `committed`: whether the job committed anyway (a node could not
+    publish its part after the commit); None when that is in doubt."""
 
-    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+    def __init__(self, message: str, failures: dict[int, str] | None = None, *,
+                 committed: bool | None = False) -> None:
         super().__init__(message)
         self.failures = failures or {}
+        self.committed = committed

@@ -2,9 +2,12 @@
 
 A save works in a hidden directory beside its target (commit.py), named
 `.NAME.fp-KIND-PID-RAND@HOST`: "tmp" an unfinished (or replaced) save, "old" a
-checkpoint moved aside by a replace, "del" a checkpoint being deleted. A
-leftover whose process is gone is collected: removed, or, for the only copy
-of a checkpoint left by an interrupted replace, put back under its name.
+checkpoint moved aside by a replace, "del" a checkpoint being deleted,
+"prep" a prepared part of a node-local distributed checkpoint (prepared.py).
+A leftover whose process is gone is collected: removed, or, for the only copy
+of a checkpoint left by an interrupted replace, put back under its name. A
+prepared part is never collected: it is in doubt until its job's nodes
+decide it together (fastpersist.distributed.settle).
 
 Torch-free: the daemon imports this module.
 """
@@ -24,8 +27,11 @@ from . import dirs
 from .dirs import fsync_dir
 from .format.manifest import MANIFEST_NAME
 
+IN_DOUBT_HELP = ("a node-local distributed checkpoint's part, published only if its job "
+                 "committed: fastpersist.distributed.settle decides it")
+
 _LEFTOVER = re.compile(
-    r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old|del)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$"
+    r"^\.(?P<name>.+)\.fp-(?P<kind>tmp|old|del|prep)-(?P<pid>\d+)-[0-9a-f]+@(?P<host>.+)$"
 )
 
 
@@ -43,7 +49,8 @@ class Leftover:
     target_name: str
     # "tmp": an unfinished (or replaced) save, or a temporary file (the `latest`
     # pointer's, fpctl restore's, the daemon's O_DIRECT probe); "old": moved
-    # aside by a replace; "del": a checkpoint being deleted (retention)
+    # aside by a replace; "del": a checkpoint being deleted (retention);
+    # "prep": a prepared part of a node-local distributed checkpoint, in doubt
     kind: str
     pid: int
     host: str
@@ -140,6 +147,9 @@ def collect(leftover: Leftover, *, dir_fd: int | None = None) -> str:
     """Clean one leftover whose owner is gone; returns what was done. With
     dir_fd (the open parent), entries in it, and never through a link."""
     target = leftover.path.parent / leftover.target_name
+    if leftover.kind == "prep":
+        # Its job may have committed: only the job's nodes together can tell.
+        return f"kept {leftover.path.name}: in doubt ({IN_DOUBT_HELP})"
     if restores(leftover, dir_fd=dir_fd):
         if dir_fd is None:
             os.rename(leftover.path, target)

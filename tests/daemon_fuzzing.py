@@ -42,6 +42,7 @@ class Fuzzer:
         self.rng = random.Random(seed)
         self.ids: list[str] = []  # checkpoint ids the daemon gave out
         self.jobs: list[str] = []  # job ids, real and planted
+        self.prepared: list[str] = []  # prepared parts' names, real and planted
         self.paths = ["a/ck", "a/b/ck", "p/ck", "p/q/ck", "escape/x", "planted", "fifo",
                       "j/ck", "a", "deep/" * 20 + "ck"]
         self.segments: list[Segment] = []
@@ -152,13 +153,28 @@ class Fuzzer:
             lambda: s.List(pb.ListRequest(path=self.path()), timeout=t),
             lambda: s.Delete(pb.DeleteRequest(path=self.path()), timeout=t),
             lambda: self._begin_job(),
-            lambda: s.CommitJob(pb.CommitJobRequest(job_id=self.job_id(), manifest=self.manifest(),
-                                                    node=self.pick(["", "n0", "x" * 600]),
-                                                    after_commit=self.after_commit()),
-                                timeout=t),
+            lambda: self._commit_job(),
+            lambda: s.ResolvePrepared(pb.ResolvePreparedRequest(
+                path=self.path(), prepared=self.prepared_name(), publish=self.rng.random() < 0.5),
+                timeout=t),
             lambda: s.AbortJob(pb.AbortJobRequest(job_id=self.job_id()), timeout=t),
             lambda: self._save(),
         ]
+
+    def prepared_name(self) -> str:
+        if self.prepared and self.rng.random() < 0.7:
+            p = self.pick(self.prepared)
+            return self.pick([p, p, p + "x", p.replace("prep", "tmp")])
+        return self.pick([self.text(), ".a.fp-prep-1-00@h", ".ckpt.fp-prep-1-00@h", "/x", "."])
+
+    def _commit_job(self) -> None:
+        """CommitJob, sometimes preparing the part (prepare_for) instead."""
+        prepare_for = self.pick(["", "", "n0", "x" * 600])
+        reply = self.raw.stub.CommitJob(pb.CommitJobRequest(
+            job_id=self.job_id(), manifest=self.manifest(), node=self.pick(["", "n0", "x" * 600]),
+            after_commit=self.after_commit(), prepare_for=prepare_for), timeout=10)
+        if reply.prepared:
+            self.prepared = [*self.prepared, reply.prepared][-20:]
 
     def begin_request(self) -> pb.BeginRequest:
         r = self.rng
@@ -279,7 +295,7 @@ class Fuzzer:
     def attack(self) -> None:
         self.n += 1
         root, shm, r, k = self.d.root, self.d.shm_dir, self.rng, self.n
-        kind = r.randrange(8)
+        kind = r.randrange(9)
         if kind == 0:  # a staging directory swapped for a link out
             staging = [p for p in root.rglob(".*.fp-tmp-*") if p.is_dir() and not p.is_symlink()]
             if staging:
@@ -324,6 +340,19 @@ class Fuzzer:
                 self.sockets.append(sock)
         elif kind == 6:  # a fresh segment for the structured requests
             self.new_segment(r.randbytes(r.randrange(1, 8192)))
+        elif kind == 7:  # prepared parts for ResolvePrepared: real-looking, or a link out
+            parent = root / self.pick(["a", "p", "j"])
+            if parent.is_dir() and not parent.is_symlink():
+                name = leftover_name("ck", "prep")
+                if r.random() < 0.5:
+                    (parent / name).mkdir()
+                    (parent / name / "manifest.json").write_bytes(b"{}")
+                    if r.random() < 0.5:  # its marker a link out
+                        self._link(parent / name / ".fastpersist-prepared",
+                                   self.sentinel / "secret")
+                else:
+                    self._link(parent / name, self.sentinel)
+                self.prepared = [*self.prepared, name][-20:]
         else:  # a directory of the paths replaced by a file
             victim = root / self.pick(["a", "a/b", "deep"])
             if victim.is_dir() and not victim.is_symlink() and r.random() < 0.2:

@@ -8,6 +8,7 @@ node, and a node's daemon with per-node environment (env_by_node).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -32,11 +33,23 @@ def free_port() -> int:
 
 def run_job(tmp_path: Path, scenario: str, nodes: list[str], args: dict[str, Any],
             env: dict[str, str] | None = None, timeout: float = 120,
-            env_by_node: dict[str, dict[str, str]] | None = None) -> list[dict[str, Any]]:
-    """Run len(nodes) ranks (rank r on node nodes[r]); their reports, by rank."""
+            env_by_node: dict[str, dict[str, str]] | None = None,
+            agent_store: bool = False) -> list[dict[str, Any]]:
+    """Run len(nodes) ranks (rank r on node nodes[r]); their reports, by rank.
+
+    The job's c10d store lives in rank 0's process (init_process_group's
+    default), or with agent_store in this process, as torchrun's agent hosts
+    it: then it outlives every rank."""
     out = tmp_path / f"out-{scenario}-{len(os.listdir(tmp_path))}"
     out.mkdir()
     port = free_port()
+    store = None
+    if agent_store:
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60))
+        env = {**(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     procs = []
     for rank, node in enumerate(nodes):
         e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(nodes)),
@@ -54,6 +67,7 @@ def run_job(tmp_path: Path, scenario: str, nodes: list[str], args: dict[str, Any
             for q in procs:
                 q.kill()
             raise AssertionError(f"a rank hung: {[q.args for q in procs]}") from None
+    del store  # the job is over
     reports = []
     for rank in range(len(nodes)):
         f = out / f"rank-{rank}.json"

@@ -39,7 +39,8 @@ UNSPECIFIC = {Code.UNKNOWN, Code.INTERNAL}
 # The daemon is gone or frozen (a Wait may run into its own short deadline).
 DEAD = {Code.UNAVAILABLE, Code.CANCELLED, Code.DEADLINE_EXCEEDED}
 RPC_NAMES = ["Info", "Begin", "Open", "SubmitShm", "SubmitStream", "Commit", "Abort", "Wait",
-             "Watch", "List", "Delete", "BeginJob", "CommitJob", "AbortJob", "save"]
+             "Watch", "List", "Delete", "BeginJob", "CommitJob", "ResolvePrepared", "AbortJob",
+             "save"]
 # Growth of the daemon's RSS allowed from the end of the warm-up to the end.
 # Measured: see test_the_daemon_survives_fuzzing's report and the README.
 MAX_RSS_GROWTH = 48 << 20

@@ -127,7 +127,12 @@ def test_node_local_each_node_through_its_own_daemon(tmp_path: Path) -> None:
         held = {}
         for node, d in daemons.items():
             assert len(d.events("part-written")) == 2  # its own node's two ranks
-            assert len(d.events("committed-job")) == 1
+            # Rank 0's node commits the job; b prepares its part, then publishes it.
+            if node == "a":
+                assert len(d.events("committed-job")) == 1
+            else:
+                assert [e["path"] for e in d.events("prepared-job")] == ["ckpt"]
+                assert [e["path"] for e in d.events("published-prepared")] == ["ckpt"]
             ck = d.root / "ckpt"
             mine = {f.name for f in read_manifest(ck).files if f.node == node}
             assert {p.name for p in ck.iterdir()} == mine | {"manifest.json"}
@@ -144,9 +149,9 @@ def test_node_local_each_node_through_its_own_daemon(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fail_rank", [2, 0], ids=["other-node-first", "rank0-last"])
 def test_a_failed_job_commit_leaves_nothing_on_any_node(tmp_path: Path, fail_rank: int) -> None:
-    """Node-local through two daemons: node b commits its job before rank 0's
-    node. If b's commit fails, a's job is aborted; if rank 0's fails after b
-    committed, b deletes its checkpoint again through its daemon."""
+    """Node-local through two daemons: node b prepares its part of the job
+    before rank 0's node commits. If b's prepare fails, a's job is aborted; if
+    rank 0's commit fails after b prepared, b's daemon discards the part."""
     daemons = {n: _daemon(tmp_path / f"daemon-{n}", root=tmp_path / "disks" / n)
                for n in ("a", "b")}
     try:
@@ -156,11 +161,13 @@ def test_a_failed_job_commit_leaves_nothing_on_any_node(tmp_path: Path, fail_ran
              "fail_rank": fail_rank},
             env_by_node=_node_env(daemons))
         assert {r.get("error_type") for r in reports} == {"DistributedCheckpointError"}, reports
-        assert f"rank {fail_rank} (commit)" in reports[0]["error"], reports[0]["error"]
+        step = "commit" if fail_rank == 0 else "prepare"
+        assert f"rank {fail_rank} ({step})" in reports[0]["error"], reports[0]["error"]
         for node, d in daemons.items():
             assert sorted(os.listdir(d.root)) == [], f"node {node}: {os.listdir(d.root)}"
         if fail_rank == 0:
-            assert daemons["b"].events("committed-job") and daemons["b"].events("deleted")
+            assert daemons["b"].events("prepared-job")
+            assert daemons["b"].events("discarded-prepared")
         else:
             assert daemons["a"].events("aborted-job")
     finally:
@@ -217,7 +224,8 @@ def test_a_rank_killed_after_its_hand_over_fails_the_job_and_leaves_nothing(
                            "FASTPERSIST_DIST_TIMEOUT": "5"})
     assert reports[1].get("missing") and reports[1]["returncode"] == -9
     assert reports[0]["error_type"] == "DistributedCheckpointError", reports[0]
-    assert "a rank may have died or hung" in reports[0]["error"]
+    assert "rank 1 died" in reports[0]["error"], reports[0]
+    assert list(reports[0]["failures"]) == ["1"], reports[0]
     assert not ckpt.exists() and _hidden(daemon.root) == []
     assert [e["job"] for e in daemon.events("aborted-job")], daemon.log[-2000:]
 

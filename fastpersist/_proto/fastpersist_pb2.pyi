@@ -236,22 +236,26 @@ class BeginJobResponse(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class CommitJobRequest(_message.Message):
-    __slots__ = ("job_id", "manifest", "node", "after_commit")
+    __slots__ = ("job_id", "manifest", "node", "after_commit", "prepare_for")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     AFTER_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FOR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     manifest: bytes
     node: str
     after_commit: AfterCommit
-    def __init__(self, job_id: _Optional[str] = ..., manifest: _Optional[bytes] = ..., node: _Optional[str] = ..., after_commit: _Optional[_Union[AfterCommit, _Mapping]] = ...) -> None: ...
+    prepare_for: str
+    def __init__(self, job_id: _Optional[str] = ..., manifest: _Optional[bytes] = ..., node: _Optional[str] = ..., after_commit: _Optional[_Union[AfterCommit, _Mapping]] = ..., prepare_for: _Optional[str] = ...) -> None: ...
 
 class CommitJobResponse(_message.Message):
-    __slots__ = ("after_commit_error",)
+    __slots__ = ("after_commit_error", "prepared")
     AFTER_COMMIT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
     after_commit_error: str
-    def __init__(self, after_commit_error: _Optional[str] = ...) -> None: ...
+    prepared: str
+    def __init__(self, after_commit_error: _Optional[str] = ..., prepared: _Optional[str] = ...) -> None: ...
 
 class AbortJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -260,5 +264,19 @@ class AbortJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class AbortJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResolvePreparedRequest(_message.Message):
+    __slots__ = ("path", "prepared", "publish")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    prepared: str
+    publish: bool
+    def __init__(self, path: _Optional[str] = ..., prepared: _Optional[str] = ..., publish: _Optional[bool] = ...) -> None: ...
+
+class ResolvePreparedResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -104,6 +104,11 @@ class FastPersistStub:
                 request_serializer=fastpersist__pb2.AbortJobRequest.SerializeToString,
                 response_deserializer=fastpersist__pb2.AbortJobResponse.FromString,
                 _registered_method=True)
+        self.ResolvePrepared = channel.unary_unary(
+                '/fastpersist.v1.FastPersist/ResolvePrepared',
+                request_serializer=fastpersist__pb2.ResolvePreparedRequest.SerializeToString,
+                response_deserializer=fastpersist__pb2.ResolvePreparedResponse.FromString,
+                _registered_method=True)
 
 
 class FastPersistServicer:
@@ -196,6 +201,12 @@ class FastPersistServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolvePrepared(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FastPersistServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -268,6 +279,11 @@ def add_FastPersistServicer_to_server(servicer, server):
                     servicer.AbortJob,
                     request_deserializer=fastpersist__pb2.AbortJobRequest.FromString,
                     response_serializer=fastpersist__pb2.AbortJobResponse.SerializeToString,
+            ),
+            'ResolvePrepared': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolvePrepared,
+                    request_deserializer=fastpersist__pb2.ResolvePreparedRequest.FromString,
+                    response_serializer=fastpersist__pb2.ResolvePreparedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -648,6 +664,33 @@ class FastPersist:
             '/fastpersist.v1.FastPersist/AbortJob',
             fastpersist__pb2.AbortJobRequest.SerializeToString,
             fastpersist__pb2.AbortJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolvePrepared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastpersist.v1.FastPersist/ResolvePrepared',
+            fastpersist__pb2.ResolvePreparedRequest.SerializeToString,
+            fastpersist__pb2.ResolvePreparedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,7 @@ from ..checkpoint import read_manifest
 from ..commit import Leftover, collect, find_leftovers, os_error, restores, walk_leftovers
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MANIFEST_NAME
+from ..prepared import read_prepared
 from ._output import EXIT_ERROR, EXIT_OK, human_size, local_time, print_json, print_table, warn
 
 
@@ -54,7 +55,12 @@ def _owner(leftover: Leftover) -> str:
 
 
 def _leftover_entry(leftover: Leftover) -> Entry:
-    if leftover.kind == "old":
+    if leftover.kind == "prep":
+        part = read_prepared(leftover)
+        decides = f"node {part.commit_node}'s" if part else "the committing node's"
+        state = (f"in doubt (part of distributed checkpoint {leftover.target_name}: committed "
+                 f"only if {decides} copy is; fastpersist.distributed.settle decides)")
+    elif leftover.kind == "old":
         state = f"replaced (old copy of {leftover.target_name})"
     elif leftover.kind == "del":
         state = f"being deleted (by pid {leftover.pid} on {leftover.host}, {_owner(leftover)})"
@@ -123,7 +129,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     status = EXIT_OK
     for leftover in walk_leftovers(root):
-        if leftover.owner_alive:
+        if leftover.kind == "prep":
+            action = "skipped"
+            message = collect(leftover).replace("kept", "skipped", 1)  # never removed here
+        elif leftover.owner_alive:
             action = "skipped"
             message = (f"skipped {leftover.path.name}: its save (pid {leftover.pid} on "
                        f"{leftover.host}) may still be running")

@@ -3,18 +3,24 @@
 A job (jobs.py) is one distributed checkpoint's staging directory; its parts
 are ordinary checkpoints begun with its id (service.py). CommitJob checks the
 ranks' manifest against the directory and publishes it, as a worker commits a
-checkpoint (commit.Staging).
+checkpoint (commit.Staging); for a node-local checkpoint's part on a node
+other than rank 0's, it prepares it instead, and ResolvePrepared later
+publishes or discards it (prepared.py).
 
 Torch-free: this runs in the daemon.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from pathlib import Path
 
+from .. import dirs
 from ..commit import Staging, os_error
 from ..errors import CheckpointError
+from ..prepared import check_prepared_name, discard_prepared, prepare, publish_prepared
 from ..retention import AfterCommit
 from . import logs
 from .after_commit import AfterCommits, check_target, held_parent
@@ -122,6 +128,23 @@ class JobService:
         apply a Checkpointer's policy; returns what of it failed ("": nothing).
         The checks and the I/O run outside the lock, as a worker's commit does;
         meanwhile `committing` keeps parts out and aborts off."""
+        job = self._start_commit(job_id, after_commit)
+        with held_parent(job.staging, after_commit) as parent:
+            self._publish(job, manifest, node)
+            # Jobs of one root commit in order (a distributed save waits for
+            # the previous one), hence no `since`.
+            return "" if after_commit is None or parent is None else self.after_commits.apply(
+                parent, job.target, job.relpath, after_commit)
+
+    def prepare_job(self, job_id: str, manifest: bytes, node: str, commit_node: str) -> str:
+        """commit_job for a node-local checkpoint's part on a node other than
+        rank 0's (`commit_node`): made durable but not published; returns the
+        prepared part's name, for ResolvePrepared."""
+        job = self._start_commit(job_id, None)
+        return self._publish(job, manifest, node, commit_node)
+
+    def _start_commit(self, job_id: str, after_commit: AfterCommit | None) -> Job[Checkpoint]:
+        """The job, checked and marked `committing`."""
         r = self.registry
         with r.cond:
             job = r.get_job(job_id)
@@ -138,17 +161,15 @@ class JobService:
                                    "durable yet")
             job.committing = True
             job.touch()
-        with held_parent(job.staging, after_commit) as parent:
-            self._publish(job, manifest, node)
-            # Jobs of one root commit in order (a distributed save waits for
-            # the previous one), hence no `since`.
-            return "" if after_commit is None or parent is None else self.after_commits.apply(
-                parent, job.target, job.relpath, after_commit)
+        return job
 
-    def _publish(self, job: Job[Checkpoint], manifest: bytes, node: str) -> None:
-        """The second half of commit_job, without the lock."""
+    def _publish(self, job: Job[Checkpoint], manifest: bytes, node: str,
+                 prepare_for: str = "") -> str:
+        """The second half of commit_job (with prepare_for: of prepare_job,
+        returning the prepared part's name), without the lock."""
         r = self.registry
         published = False
+        prepared, replaced = "", None
         try:
             try:
                 with parsing(len(manifest)):
@@ -158,7 +179,11 @@ class JobService:
             try:
                 assert job.staging.fds is not None
                 os.unlink(MARKER_NAME, dir_fd=job.staging.fds.staging)
-                replaced = job.staging.commit(manifest, remove_replaced=False)
+                if prepare_for:
+                    prepared = prepare(job.staging, manifest, prepare_for).name
+                    job.staging.close()
+                else:
+                    replaced = job.staging.commit(manifest, remove_replaced=False)
             except (OSError, CheckpointError) as exc:
                 error = exc if isinstance(exc, CheckpointError) else os_error(
                     exc, f"cannot commit {job.relpath}")
@@ -181,12 +206,60 @@ class JobService:
                     job.finish(JobState.COMMITTED)
                     r.metrics.checkpoints.labels(result="committed").inc()
                     r.cond.notify_all()
-        logs.info("committed-job", job=job.id, path=job.relpath, parts=len(job.parts))
+        if prepare_for:
+            logs.info("prepared-job", job=job.id, path=job.relpath, parts=len(job.parts),
+                      prepared=prepared, commit_node=prepare_for)
+        else:
+            logs.info("committed-job", job=job.id, path=job.relpath, parts=len(job.parts))
         if replaced is not None:
             # The checkpoint it replaced: removed after the reply, which must not
             # wait for a large tree to be deleted (on a crash, startup does it).
             threading.Thread(target=job.staging.remove_replaced, name="fpd-remove-replaced",
                              daemon=True).start()
+        return prepared
+
+    def resolve_prepared(self, path: RequestPath, name: str, publish: bool) -> None:
+        """Publish the prepared part `name` of the checkpoint at `path` (its job
+        committed), or discard it (it did not): by names in the open parent,
+        the target claimed meanwhile, as Delete does. The daemon never decides
+        which; the job's ranks do (fastpersist/distributed/settling.py)."""
+        try:
+            parent_fd = self.root.open_dir(path.parts[:-1])
+        except FileNotFoundError:
+            raise RequestError("NOT_FOUND", f"no prepared part {shown(name)} of {path.text}: "
+                                            "its directory does not exist") from None
+        try:
+            target = path.under(self.root.path)
+            try:
+                prepared = check_prepared_name(target, name, parent_fd)
+            except LookupError as exc:
+                raise RequestError("NOT_FOUND", str(exc)) from None
+            except ValueError as exc:
+                raise invalid(str(exc)) from None
+            r = self.registry
+            with r.cond:
+                r.check_target_free(target, path.text, None)
+                r.claims[target] += 1
+            try:
+                replaced = None
+                if publish:
+                    replaced = publish_prepared(prepared, target, remove_replaced=False,
+                                                dir_fd=parent_fd)
+                else:
+                    discard_prepared(prepared, dir_fd=parent_fd)
+            except CheckpointError as exc:
+                raise RequestError(code_for(exc), str(exc)) from None
+            finally:
+                with r.cond:
+                    r.claims[target] -= 1
+                    if not r.claims[target]:
+                        del r.claims[target]
+            logs.info("published-prepared" if publish else "discarded-prepared",
+                      path=path.text, prepared=name)
+            if replaced is not None:
+                _remove_later(replaced, parent_fd)
+        finally:
+            os.close(parent_fd)
 
     def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
         r = self.registry
@@ -198,3 +271,19 @@ class JobService:
                                    "delete the checkpoint instead")
             r.abort_job(job, reason)
         r.janitor.flush()  # answer once the job's directory is gone
+
+
+def _remove_later(replaced: Path, parent_fd: int) -> None:
+    """A checkpoint a publish replaced (a hidden leftover in parent_fd):
+    removed after the reply, which must not wait for a large tree to be
+    deleted (on a crash, startup does it)."""
+    fd = os.dup(parent_fd)
+
+    def remove() -> None:
+        try:
+            with contextlib.suppress(OSError):
+                dirs.remove_tree(replaced.name, fd)
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=remove, name="fpd-remove-replaced", daemon=True).start()

@@ -23,6 +23,13 @@ written into the directory, by this daemon or another) for --idle-timeout
 after its parts here finished: the ranks died before committing it. The daemon
 never commits a job on its own; the manifest is the ranks' together.
 
+Node-local checkpoints are committed by rank 0's node for all: the other
+nodes' first ranks call CommitJob with prepare_for, and their part is made
+durable under a hidden `prep` name (prepared.py) instead of published;
+ResolvePrepared publishes or discards it once the ranks know whether rank 0's
+node committed. The daemon never decides a prepared part itself, and never
+removes one on its own.
+
 Torch-free: this runs in the daemon.
 """
 

@@ -226,11 +226,28 @@ class Servicer(pb_grpc.FastPersistServicer):
     def CommitJob(self, request: pb.CommitJobRequest, context: grpc.ServicerContext
                   ) -> pb.CommitJobResponse:
         def run() -> pb.CommitJobResponse:
-            if len(request.node) > MAX_ID_BYTES:
+            if len(request.node) > MAX_ID_BYTES or len(request.prepare_for) > MAX_ID_BYTES:
                 raise invalid(f"a node is at most {MAX_ID_BYTES} characters")
+            if request.prepare_for:
+                if request.HasField("after_commit"):
+                    raise invalid("a prepared part is not published: no after_commit with "
+                                  "prepare_for")
+                prepared = self.service.jobs.prepare_job(
+                    request.job_id, request.manifest, request.node, request.prepare_for)
+                return pb.CommitJobResponse(prepared=prepared)
             error = self.service.commit_job(request.job_id, request.manifest, request.node,
                                             _after_commit(request))
             return pb.CommitJobResponse(after_commit_error=error)
+        return self._guard(context, run)
+
+    def ResolvePrepared(self, request: pb.ResolvePreparedRequest,
+                        context: grpc.ServicerContext) -> pb.ResolvePreparedResponse:
+        def run() -> pb.ResolvePreparedResponse:
+            if len(request.prepared) > MAX_ID_BYTES:
+                raise invalid(f"a prepared part's name is at most {MAX_ID_BYTES} characters")
+            self.service.jobs.resolve_prepared(parse(request.path), request.prepared,
+                                               request.publish)
+            return pb.ResolvePreparedResponse()
         return self._guard(context, run)
 
     def AbortJob(self, request: pb.AbortJobRequest, context: grpc.ServicerContext

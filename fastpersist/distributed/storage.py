@@ -15,7 +15,22 @@ disk) whose first rank stages and publishes:
                                     a Checkpointer's policy if given (rank 0,
                                     the job's commit point); returns what of
                                     the policy failed ("": nothing)
-    abort(where) / unpublish(target)   after a failure
+    abort(where)                    after a failure
+
+Node-local, the other domains' first ranks publish in two steps around the
+commit (prepared.py):
+
+    prepare(target, where, manifest, node, commit_node)
+                                    before the commit: everything durable,
+                                    nothing visible; returns the prepared part
+    resolve(target, prepared, publish)
+                                    after it: publish the part, or discard it
+                                    if the job did not commit (settling.py too)
+
+On shared storage, after a failed exchange with no store to agree in:
+
+    fate(target, where, ident)      whether rank 0 published: takes the staging
+                                    place out of its reach, then looks
 """
 
 from __future__ import annotations
@@ -23,11 +38,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Protocol
 
 from .. import datafile
-from ..commit import Staging, delete_checkpoint, os_error
+from ..commit import Staging, leftover_name, os_error
 from ..engine import get_engine
 from ..errors import CheckpointError, DaemonError, ManifestError, PostCommitError
 from ..format.manifest import (
@@ -37,6 +55,7 @@ from ..format.manifest import (
     records_from_json,
 )
 from ..format.names import part_file_name
+from ..prepared import discard_prepared, prepare, publish_prepared
 from ..retention import AfterCommit, apply_at
 from ..snapshot import StagedFile
 from ..staging import StagingPool
@@ -57,9 +76,27 @@ class Storage(Protocol):
 
     def abort(self, where: str) -> None: ...
 
-    def unpublish(self, target: Path) -> None: ...
+    def prepare(self, target: Path, where: str, manifest: bytes, node: str,
+                commit_node: str) -> str: ...
+
+    def resolve(self, target: Path, prepared: str, publish: bool) -> None: ...
+
+    def place(self, target: Path, where: str) -> Path: ...
+
+    def fate(self, target: Path, where: str, ident: Ident, wait: float) -> bool | None: ...
 
     def close(self) -> None: ...
+
+
+Ident = tuple[int, int]  # a directory's (st_dev, st_ino): it keeps them when renamed
+
+
+def ident_of(path: Path) -> Ident | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _with_node(record: FileRecord, node: str | None) -> FileRecord:
@@ -110,8 +147,37 @@ class InProcess:
         if staging is not None:
             staging.abort()
 
-    def unpublish(self, target: Path) -> None:
-        delete_checkpoint(target)
+    def prepare(self, target: Path, where: str, manifest: bytes, node: str,
+                commit_node: str) -> str:
+        prepared = prepare(self._staging[where], manifest, commit_node)
+        del self._staging[where]
+        return str(prepared)
+
+    def resolve(self, target: Path, prepared: str, publish: bool) -> None:
+        if publish:
+            publish_prepared(Path(prepared), target)
+        else:
+            discard_prepared(Path(prepared))
+
+    def place(self, target: Path, where: str) -> Path:
+        return Path(where)
+
+    def fate(self, target: Path, where: str, ident: Ident, wait: float) -> bool | None:
+        # Renamed away, the staging directory can no longer be published; if
+        # rank 0 published first, the target is that directory. (With
+        # RENAME_EXCHANGE, `where` then holds the checkpoint it replaced, which
+        # rank 0 was about to remove: we remove it.)
+        aside = target.parent / leftover_name(target.name, "del")
+        try:
+            os.rename(where, aside)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return True if ident_of(target) == ident else None
+        committed = ident_of(target) == ident
+        shutil.rmtree(aside, ignore_errors=True)
+        self._staging.pop(where, None)
+        return committed
 
     def close(self) -> None:
         self.pool.clear()
@@ -178,8 +244,33 @@ class ThroughDaemon:
         with contextlib.suppress(CheckpointError):
             self.client.abort_job(where)
 
-    def unpublish(self, target: Path) -> None:
-        self.client.delete(self.client.relative(target))
+    def prepare(self, target: Path, where: str, manifest: bytes, node: str,
+                commit_node: str) -> str:
+        name = self.client.prepare_job(where, manifest, node, commit_node)
+        return str(target.parent / name)
+
+    def resolve(self, target: Path, prepared: str, publish: bool) -> None:
+        self.client.resolve_prepared(self.client.relative(target), Path(prepared).name, publish)
+
+    def place(self, target: Path, where: str) -> Path:
+        return target.parent / where.rpartition(":")[0]
+
+    def fate(self, target: Path, where: str, ident: Ident, wait: float) -> bool | None:
+        # Our daemon drops the job unless it committed it or is committing it
+        # (it is the one that began it when it runs on rank 0's node); then
+        # the directory shows what became of it: renamed to the target, or gone.
+        with contextlib.suppress(CheckpointError):
+            self.client.abort_job(where)
+        place = self.place(target, where)
+        deadline = time.monotonic() + wait
+        while True:
+            if ident_of(target) == ident:
+                return True
+            if not os.path.lexists(place):
+                return ident_of(target) == ident  # it may have moved in between
+            if time.monotonic() > deadline:
+                return None  # another node's daemon holds it, and nobody there answers
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.pool.clear()
@@ -204,4 +295,5 @@ def storage_for(daemon: str) -> Storage:
     return ThroughDaemon(daemon) if daemon else InProcess()
 
 
-__all__ = ["InProcess", "Records", "Storage", "ThroughDaemon", "storage_for"]
+__all__ = ["Ident", "InProcess", "Records", "Storage", "ThroughDaemon", "ident_of",
+           "storage_for"]

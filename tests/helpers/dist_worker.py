@@ -13,6 +13,12 @@ Scenarios:
     die        save, with one rank killing itself in the write phase
     mismatch   save, with one rank holding a tensor the others do not
     fail_commit  save, with one rank's publishing of its directory failing
+    die_at_commit  save, with rank 0 SIGKILLed just before or just after it
+               publishes (the job's commit point: args["when"]), alone or,
+               with args["everyone"], after it killed every other rank too
+    hang       save, with one rank (args["hang_rank"]) stuck in its writes for
+               args["seconds"], longer than FASTPERSIST_DIST_TIMEOUT
+    settle     fastpersist.distributed.settle of the checkpoint's directory
     async      async_save, then a Checkpointer (keep_last=2) over 3 steps; the
                state is changed as soon as each call returns
     lost_watch through a daemon: save full + 1 to args["path"] + "/one" with
@@ -34,6 +40,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +144,31 @@ def _expected_local(t: Any, full: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    (out_dir / f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     result: dict[str, Any] = {"rank": rank, "node": os.environ.get("FASTPERSIST_NODE")}
     path = args["path"].format(node=os.environ.get("FASTPERSIST_NODE", ""))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _run(scenario, args, path, rank, result)
+    # Warnings a save gave (a rank that died after the commit, values that
+    # differ), in the report and, as usual, in the log.
+    result["warnings"] = [str(w.message) for w in seen]
+    for w in seen:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(result))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    return 0
+
+
+def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
+         result: dict[str, Any]) -> None:
+    out_dir = Path(sys.argv[2])
     try:
-        if scenario in ("save", "fail", "die", "mismatch", "fail_commit", "die_handed_over"):
+        if scenario in ("save", "fail", "die", "mismatch", "fail_commit", "die_handed_over",
+                        "die_at_commit", "hang"):
             if scenario == "fail" and rank == args["fail_rank"]:
                 _fail_writes()
             if scenario == "fail_commit" and rank == args["fail_rank"]:
@@ -151,6 +177,10 @@ def main() -> int:
                 _die_in_writes()
             if scenario == "die_handed_over" and rank in args["die_ranks"]:
                 _die_after_hand_over()
+            if scenario == "hang" and rank == args["hang_rank"]:
+                _slow_writes(args["seconds"])
+            if scenario == "die_at_commit" and rank == 0:
+                _die_at_commit(out_dir, args["when"], args.get("everyone", False))
             state = build_state(args)
             if args.get("per_rank_values"):
                 state["rank_note"] = rank  # values that differ between ranks
@@ -199,6 +229,12 @@ def main() -> int:
                           steps=ckpt.steps())
         elif scenario == "lost_watch":
             result.update(_lost_watch(args, rank, path), ok=True)
+        elif scenario == "settle":
+            from fastpersist.distributed import settle
+
+            settled = settle(Path(path).parent, dist.group.WORLD)
+            result.update(ok=True, promoted=settled.promoted, removed=settled.removed,
+                          in_doubt=settled.in_doubt)
         elif scenario == "load":
             like = like_state(args) if args.get("like") else None
             obj = fastpersist.load(path, like=like)
@@ -209,10 +245,6 @@ def main() -> int:
     except Exception as exc:
         result.update(ok=False, error_type=type(exc).__name__, error=str(exc),
                       traceback=traceback.format_exc())
-    (out_dir / f"rank-{rank}.json").write_text(json.dumps(result))
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-    return 0
 
 
 def _lost_watch(args: dict[str, Any], rank: int, path: str) -> dict[str, Any]:
@@ -280,30 +312,33 @@ def _fail_writes() -> None:
 
 
 def _fail_commits() -> None:
-    """This rank's commit of its staging directory fails as an I/O error would
-    (in-process, or as the daemon's answer to CommitJob)."""
+    """This rank's commit (or node-local preparing) of its staging directory
+    fails as an I/O error would (in-process, or as the daemon's answer to CommitJob)."""
     from fastpersist.commit import Staging
     from fastpersist.distributed import storage
     from fastpersist.errors import DaemonError
 
-    def broken(self: Any, manifest: bytes) -> None:
+    def broken(*a: Any, **k: Any) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     def refused(self: Any, *a: Any) -> None:
         raise DaemonError("cannot commit the distributed checkpoint: Input/output error",
                           "INTERNAL")
 
+    # Rank 0's node commits; the others' first ranks prepare their part first.
     Staging.commit = broken  # type: ignore[method-assign]
+    storage.prepare = broken  # type: ignore[assignment]  (prepared.prepare, as storage has it)
     storage.ThroughDaemon.publish = refused  # type: ignore[method-assign]
+    storage.ThroughDaemon.prepare = refused  # type: ignore[method-assign,assignment]
 
 
-def _slow_writes() -> None:
-    """This rank's writes start after a second (in-process or through a daemon)."""
+def _slow_writes(seconds: float = 1.0) -> None:
+    """This rank's writes start after `seconds` (in-process or through a daemon)."""
     from fastpersist.distributed import storage
 
     for cls in (storage.InProcess, storage.ThroughDaemon):
         def slow(self: Any, *a: Any, _write: Any = cls.write, **k: Any) -> Any:
-            time.sleep(1.0)
+            time.sleep(seconds)
             return _write(self, *a, **k)
 
         cls.write = slow  # type: ignore[method-assign]
@@ -332,6 +367,31 @@ def _die_after_hand_over() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     DaemonClient.commit = commit_then_die  # type: ignore[method-assign]
+
+
+def _die_at_commit(out_dir: Path, when: str, everyone: bool) -> None:
+    """Rank 0 is SIGKILLed just before or just after its publish, the job's
+    commit point (in-process, or CommitJob through its daemon); with everyone,
+    every other rank of the job is killed first: a whole-job crash."""
+    from fastpersist.distributed import storage
+
+    def kill() -> None:
+        if everyone:
+            for f in out_dir.glob("pid-*"):
+                if int(f.read_text()) != os.getpid():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(f.read_text()), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    for cls in (storage.InProcess, storage.ThroughDaemon):
+        def publish(self: Any, *a: Any, _publish: Any = cls.publish, **k: Any) -> str:
+            if when == "before":
+                kill()
+            _publish(self, *a, **k)
+            kill()
+            return ""
+
+        cls.publish = publish  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

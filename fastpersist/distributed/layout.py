@@ -1,0 +1,123 @@
+"""A distributed save's layout: the tensors stored once, the storage domain of
+each rank, the pieces a rank holds, and the job manifest built from the
+records every rank wrote. Pure functions of their inputs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+from .._version import __version__
+from ..errors import DistributedCheckpointError
+from ..format.manifest import (
+    DISTRIBUTED_SCHEMA_VERSION,
+    Chunk,
+    FileRecord,
+    GlobalTensor,
+    Manifest,
+    TensorRecord,
+)
+from ..format.names import rank_of_part_file
+from ..state import TensorLeaf
+from .describe import Held
+from .outcome import ProcessId
+from .planner import Piece, Plan
+
+
+class RankView(NamedTuple):
+    """What each rank tells all the others in the describe phase."""
+
+    node: str
+    layout: str  # planner.layout_digest of its items
+    target: str  # the checkpoint path it saves to
+    values: str  # describe.values_digest of the values saved once for the job
+    process: ProcessId  # so that ranks on its machine can tell if it died
+    prepared: bool  # node-local: its target's directory holds prepared parts (settling.py)
+
+
+def unaliased(leaves: list[TensorLeaf]) -> list[TensorLeaf]:
+    """Number the tree's tensors (node["e"]); a tensor that appears under several
+    keys (tied weights) is stored once, under its first key, and every key
+    refers to it, so load gives back one tensor. (Different views of one
+    storage are stored separately, each its own bytes.)"""
+    first: dict[tuple[Any, ...], int] = {}
+    unique: list[TensorLeaf] = []
+    for leaf in leaves:
+        t = leaf.tensor
+        same = None if leaf.node.get("sharded") or t.numel() == 0 else (
+            str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if same is not None and same in first:
+            leaf.node["e"] = first[same]
+            continue
+        leaf.node["e"] = len(unique)
+        if same is not None:
+            first[same] = len(unique)
+        unique.append(leaf)
+    return unique
+
+
+def domains(everyone: list[RankView], node_local: bool) -> list[str]:
+    """Storage domain of each rank: its node's disk, or the one shared filesystem."""
+    return [v.node if node_local else "shared" for v in everyone]
+
+
+def target_conflict(everyone: list[RankView], domain: list[str]
+                    ) -> DistributedCheckpointError | None:
+    """Ranks that share storage must name the same checkpoint directory."""
+    first: dict[str, tuple[int, str]] = {}
+    for r, target in enumerate(v.target for v in everyone):
+        d = domain[r]
+        if d in first and first[d][1] != target:
+            other, path = first[d]
+            msg = (f"rank {r} saves to {target} but rank {other}, which shares its storage "
+                   f"({'node ' + d if d != 'shared' else 'shared filesystem'}), saves to {path}")
+            return DistributedCheckpointError(f"distributed checkpoint failed: {msg}",
+                                              {r: f"describe: {msg}"})
+        first.setdefault(d, (r, target))
+    return None
+
+
+def within(piece: Piece, held: Held) -> bool:
+    """Pieces are row ranges of the box a writer holds."""
+    item = held.item
+    if not piece.shape:
+        return not item.shape
+    return (item.offsets[0] <= piece.offsets[0]
+            and piece.offsets[0] + piece.shape[0] <= item.offsets[0] + item.shape[0]
+            and piece.offsets[1:] == item.offsets[1:] and piece.shape[1:] == item.shape[1:])
+
+
+def job_manifest(plan: Plan, tree: Any, gathered: list[Any]) -> bytes:
+    """The job manifest (schema 2), from every rank's file and tensor records."""
+    files: list[FileRecord] = []
+    records: list[TensorRecord] = []
+    index_of: dict[str, int] = {}
+    for per_rank in gathered:
+        for record, tensors in per_rank:
+            files.append(record)
+            for t in tensors:
+                index_of[t.name] = len(records)
+                records.append(t)
+    chunks: dict[str, list[Chunk]] = {k: [] for k in plan.keys}
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for piece in plan.pieces:
+        chunks[piece.key].append(Chunk(index_of[piece.name], piece.offsets))
+        meta[piece.key] = (piece.dtype, piece.global_shape)
+    globals_ = tuple(GlobalTensor(k, meta[k][0], meta[k][1], tuple(chunks[k])) for k in plan.keys)
+    return Manifest(files=tuple(files), tensors=tuple(records), tree=tree,
+                    fastpersist_version=__version__, created_unix=time.time(),
+                    schema_version=DISTRIBUTED_SCHEMA_VERSION, globals=globals_).to_json()
+
+
+def tensor_bytes_by_rank(manifest: Manifest) -> dict[int, int]:
+    """Tensor bytes each rank wrote into a distributed checkpoint, by rank."""
+    out: dict[int, int] = {}
+    for t in manifest.tensors:
+        rank = rank_of_part_file(t.file)
+        if rank is not None:
+            out[rank] = out.get(rank, 0) + t.length
+    return dict(sorted(out.items()))
+
+
+__all__ = ["RankView", "domains", "job_manifest", "target_conflict", "tensor_bytes_by_rank",
+           "unaliased", "within"]

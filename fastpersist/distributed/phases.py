@@ -1,0 +1,131 @@
+"""The exchanges of a distributed save, and the agreement on each phase's outcome.
+
+Every phase of a save ends in an exchange (a collective over the checkpoint's
+own gloo group) that carries each rank's error, if any, so that every rank
+raises the same error (Phase.agree). An exchange that fails itself means
+that a rank died or hung, or the network broke: Phase.collective raises
+RanksLost, and the save finds out who is gone and whether the job committed
+(outcome.py) before it answers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError, DistributedCheckpointError
+from ..knobs import current as current_knobs
+from .outcome import ProcessId
+from .planner import PlanCache
+
+T = TypeVar("T")
+
+
+class Coordinator:
+    """The gloo group and plan cache for one process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        timeout = datetime.timedelta(seconds=current_knobs().dist_timeout)
+        # Collective over the whole world: every rank must make its first
+        # distributed save (or load) at the same point, as with any new_group.
+        self.group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        self.ranks = ranks
+        self.rank = dist.get_rank(self.group)
+        self.size = len(ranks)
+        self.cache = PlanCache()
+        self.plans_made = 0  # for tests and benchmarks: cache hits make none
+        self.warned_values = False  # ranks' differing values are reported once
+        # Names this group's keys in the job's store: a job restarted under
+        # torchrun meets the keys of its previous incarnation there.
+        self.token: str = self.broadcast(secrets.token_hex(8) if self.rank == 0 else None)
+        self.saves = 0  # every rank counts its saves alike: they run in one order
+        # The ranks' processes (outcome.ProcessId) as of the last describe: for
+        # a rank lost before the next save's describe exchange.
+        self.processes: list[ProcessId] | None = None
+
+    def all_gather(self, value: T) -> list[T]:
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def gather(self, value: T) -> list[T] | None:
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(value, out, dst=self.ranks[0], group=self.group)
+        return out
+
+    def broadcast(self, value: T | None) -> T:
+        box = [value]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
+        return box[0]  # type: ignore[return-value]
+
+
+_coordinators: dict[Any, Coordinator] = {}
+
+
+def coordinator_for(group: dist.ProcessGroup | None) -> Coordinator:
+    key = group if group is not None else "world"
+    if key not in _coordinators:
+        _coordinators[key] = Coordinator(group)
+    return _coordinators[key]
+
+
+@dataclass
+class Failure:
+    rank: int
+    phase: str
+    error: str
+
+
+def failure(rank: int, phase: str, exc: BaseException) -> Failure:
+    if isinstance(exc, CheckpointError | OSError | ValueError | TypeError):
+        return Failure(rank, phase, f"{type(exc).__name__}: {exc}")
+    return Failure(rank, phase, "".join(traceback.format_exception_only(exc)).strip())
+
+
+class RanksLost(Exception):
+    """An exchange failed: a rank died or hung, or the group broke. Never
+    reaches the user: the save turns it into its one error (outcome.py)."""
+
+    def __init__(self, phase: str, cause: str) -> None:
+        super().__init__(f"the {phase} exchange failed: {cause}")
+        self.phase = phase
+        self.cause = cause
+
+
+class Phase:
+    """Runs one phase's exchange, and agrees with every rank on its outcome."""
+
+    def __init__(self, co: Coordinator, on_failure: Callable[[], None]) -> None:
+        self.co = co
+        self.on_failure = on_failure
+
+    def collective(self, phase: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # a peer died, hung, or the group broke
+            raise RanksLost(phase, str(exc).split(". This is typically")[0]) from exc
+
+    def agree(self, phase: str, error: Failure | None) -> None:
+        """Every rank learns every failure of this phase; all raise the same error."""
+        failures = [f for f in self.collective(phase, lambda: self.co.all_gather(error)) if f]
+        if failures:
+            self.on_failure()
+            raise failed(failures)
+
+
+def failed(failures: list[Failure], what: str = "distributed checkpoint failed") -> \
+        DistributedCheckpointError:
+    return DistributedCheckpointError(
+        f"{what}: " + "; ".join(f"rank {f.rank} ({f.phase}): {f.error}" for f in failures),
+        {f.rank: f"{f.phase}: {f.error}" for f in failures})
+
+
+__all__ = ["Coordinator", "Failure", "Phase", "RanksLost", "coordinator_for", "failed",
+           "failure"]
