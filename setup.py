@@ -9,7 +9,7 @@ import os
 from setuptools import Extension, setup
 
 SOURCES = ["fp_crc32c.c", "fp_util.c", "fp_write.c", "fp_read.c", "fp_uring.c", "fp_fault.c",
-           "fp_module.c"]
+           "fp_piece.c", "fp_module.c"]
 
 # FASTPERSIST_SANITIZE=1 builds with ASan/UBSan for the sanitizer CI job.
 extra_compile = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",

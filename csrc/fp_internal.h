@@ -29,10 +29,11 @@ typedef struct {
     uint32_t crc;
 } fp_piece;
 
+/* fp_piece.c: what the read and the write paths share about pieces. */
 void fp_fold_piece_crcs(const fp_piece *pieces, size_t npieces, uint32_t *crcs, size_t nsegs);
-
 /* memcpy that also returns the CRC32C of the bytes (when checksum is set). */
 uint32_t fp_copy_with_crc(char *dst, const char *src, uint64_t len, int checksum);
+
 int fp_pwrite_full(int fd, const char *buf, size_t len, uint64_t off);
 /* Bytes read (short only at end of file), or -errno. */
 int64_t fp_pread_full(int fd, char *buf, size_t len, uint64_t off);

@@ -1,6 +1,7 @@
 /*
- * Shared pieces of the engine: error messages, the bounce-buffer cache, the
- * thread runner and the directory operations.
+ * Shared pieces of the engine: error messages, the bounce-buffer cache, full
+ * pread/pwrite, the thread runner, first-error bookkeeping, opening with
+ * O_DIRECT and the directory operations. Only the libc and the kernel below.
  */
 #define _GNU_SOURCE
 #include "fp_engine.h"
@@ -103,23 +104,6 @@ size_t fp_bounce_cached_bytes(void)
         total += bounce_sizes[i];
     pthread_mutex_unlock(&bounce_lock);
     return total;
-}
-
-/* Copy and checksum in cache-sized steps, so the checksum pulls the bytes into
- * cache for the copy and memory is read once. */
-#define COPY_STEP (96u * 1024u)
-
-uint32_t fp_copy_with_crc(char *dst, const char *src, uint64_t len, int checksum)
-{
-    uint32_t crc = 0;
-    for (uint64_t done = 0; done < len;) {
-        uint64_t n = len - done < COPY_STEP ? len - done : COPY_STEP;
-        if (checksum)
-            crc = fp_crc32c(crc, src + done, n);
-        memcpy(dst + done, src + done, n);
-        done += n;
-    }
-    return crc;
 }
 
 int fp_pwrite_full(int fd, const char *buf, size_t len, uint64_t off)

@@ -133,13 +133,6 @@ static void *write_worker(void *arg)
     return NULL;
 }
 
-void fp_fold_piece_crcs(const fp_piece *pieces, size_t npieces, uint32_t *crcs, size_t nsegs)
-{
-    memset(crcs, 0, nsegs * sizeof *crcs);
-    for (size_t i = 0; i < npieces; i++)
-        crcs[pieces[i].seg] = fp_crc32c_combine(crcs[pieces[i].seg], pieces[i].crc, pieces[i].len);
-}
-
 static int check_segments(const fp_wseg *segs, size_t nsegs, uint64_t size)
 {
     uint64_t prev_end = 0;
