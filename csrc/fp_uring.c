@@ -4,10 +4,12 @@
  * each thread, every thread with its own ring.
  *
  * A pool thread sleeps in pwrite while its block is on the wire, so N writes
- * in flight cost N threads. A thread with a ring assembles block k+1 (copy
- * and CRC, fp_fill_block) while its earlier blocks are being written, and
- * queues reads ahead, finishing each (copy-out, CRC) as it completes. Threads
- * are capped at the CPUs: the copying is theirs, the waiting is the ring's.
+ * in flight cost N threads. A thread with a ring has block k+1 assembled
+ * (copy and CRC, fp_block_source) while its earlier blocks are being written,
+ * and queues reads ahead, finishing each (copy-out, CRC, fp_read_io_done) as
+ * it completes. Threads are capped at the CPUs: the copying is theirs, the
+ * waiting is the ring's. What each I/O holds is the job's (fp_write_job.c,
+ * fp_read_job.c); this file only moves bytes.
  *
  * Memory ordering is liburing's: SQEs are published by a release store of the
  * SQ tail; the CQ tail is loaded with acquire before CQEs are read and the CQ
