@@ -8,8 +8,9 @@
  *   entry points   fp_write.c     fp_read.c      check, open, plan, pick a backend, fsync
  *   backends       fp_pool.c      fp_uring.c     keep I/Os in flight: threads or io_uring
  *   jobs           fp_write_job.c fp_read_job.c  plans; fill a block, finish a read (CRCs)
- *   shared         fp_util.c  fp_fault.c  fp_piece.c
- *                                                errors, buffers, threads, SIGBUS guard, pieces
+ *   shared         fp_util.c  fp_fault.c  fp_piece.c  fp_ring.c
+ *                                                errors, buffers, threads, SIGBUS guard,
+ *                                                pieces, one io_uring
  *   checksum       fp_crc32c.c
  *
  * A job knows what each I/O holds and never how it is issued; a backend knows
@@ -122,6 +123,35 @@ uint32_t fp_copy_with_crc(char *dst, const char *src, uint64_t len, int checksum
 /* crcs[s] = CRC32C of segment s, from the CRCs of its pieces (in file order).
  * On the owner's thread, after the run; crcs holds nsegs entries. */
 void fp_fold_piece_crcs(const fp_piece *pieces, size_t npieces, uint32_t *crcs, size_t nsegs);
+
+/* ---- shared: fp_ring.c --------------------------------------------------- */
+
+/*
+ * An io_uring. A ring belongs to the thread that submits to it: every
+ * function below is called by that thread only.
+ */
+typedef struct fp_ring fp_ring;
+
+/* A ring of at least `entries` SQEs (the CQ has twice as many) whose kernel
+ * has IORING_OP_READ/WRITE; 0 or -errno, *out NULL on failure. */
+int fp_ring_open(fp_ring **out, unsigned entries);
+/* Unmap and close; NULL is accepted. The kernel must hold none of its I/Os. */
+void fp_ring_close(fp_ring *ring);
+
+/* Queue one read or write (op: IORING_OP_READ/WRITE) of at most 1 GiB of buf
+ * at off, tagged `data`; buf must stay valid until its CQE is reaped. The
+ * caller keeps no more I/Os in flight than the ring has SQEs. */
+void fp_ring_prep(fp_ring *ring, int op, int fd, char *buf, uint64_t len, uint64_t off,
+                  uint64_t data);
+/* Submit every queued SQE, then wait until wait_nr CQEs are ready. Retries
+ * EINTR, short submissions and, a while, EAGAIN/EBUSY. 0 or -errno. */
+int fp_ring_enter(fp_ring *ring, unsigned wait_nr);
+/* Wait for one CQE without submitting: 0 or -errno (EINTR included). */
+int fp_ring_wait_one(fp_ring *ring);
+/* Reap one CQE: 1 with its data and res, or 0 when none is ready. */
+int fp_ring_next(fp_ring *ring, uint64_t *data, int32_t *res);
+/* I/Os the kernel has taken and not yet completed into a reaped CQE. */
+unsigned fp_ring_in_kernel(fp_ring *ring);
 
 /* ---- jobs: fp_write_job.c ------------------------------------------------ */
 
@@ -237,9 +267,6 @@ void fp_pool_read(fp_read_job *job, unsigned threads);
 
 /* ---- backends: fp_uring.c ------------------------------------------------ */
 
-/* An io_uring. A ring belongs to the thread that submits to it. */
-typedef struct fp_ring fp_ring;
-
 /*
  * The ring for a call with this backend and queue depth, or *ring = NULL
  * where the thread pool is to be used (POOL, or AUTO where io_uring is
@@ -247,7 +274,6 @@ typedef struct fp_ring fp_ring;
  * bad. The caller closes the ring (fp_ring_close accepts NULL).
  */
 int fp_ring_for(fp_backend backend, unsigned queue_depth, fp_ring **ring);
-void fp_ring_close(fp_ring *ring);
 
 /*
  * Run the job on min(threads, CPUs) threads, each with up to queue_depth I/Os

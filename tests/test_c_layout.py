@@ -22,7 +22,7 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # and never in a higher one. fp_internal.h states the same order.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checksum", ("fp_crc32c.c",)),
-    ("shared", ("fp_util.c", "fp_fault.c", "fp_piece.c")),
+    ("shared", ("fp_util.c", "fp_fault.c", "fp_piece.c", "fp_ring.c")),
     ("jobs", ("fp_write_job.c", "fp_read_job.c")),
     ("backends", ("fp_pool.c", "fp_uring.c")),
     ("entry points", ("fp_write.c", "fp_read.c")),
