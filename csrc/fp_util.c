@@ -1,7 +1,8 @@
 /*
- * Shared pieces of the engine: error messages, the bounce-buffer cache, full
- * pread/pwrite, the thread runner, first-error bookkeeping, opening with
- * O_DIRECT and the directory operations. Only the libc and the kernel below.
+ * What every layer above needs from libc and the kernel, and nothing more:
+ * the thread-local error message, the bounce-buffer cache, full
+ * pread/pwrite, the thread runner, first-error bookkeeping across threads
+ * and opening with O_DIRECT. It calls no other engine file.
  */
 #define _GNU_SOURCE
 #include "fp_engine.h"
@@ -14,13 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <linux/openat2.h>
-#include <sys/syscall.h>
 #include <unistd.h>
-
-#ifndef SYS_openat2
-#define SYS_openat2 437 /* the same number on every architecture */
-#endif
 
 static __thread char last_error[512];
 
@@ -178,56 +173,6 @@ void fp_fail(fp_status *st, int err, const char *fmt, ...)
 int fp_failed(fp_status *st)
 {
     return __atomic_load_n(&st->err, __ATOMIC_ACQUIRE) != 0;
-}
-
-int fp_fsync_dir(const char *path)
-{
-    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) {
-        int err = errno;
-        fp_set_error("open directory %s: %s", path, strerror(err));
-        return -err;
-    }
-    int rc = 0;
-    if (fsync(fd) != 0) {
-        rc = -errno;
-        fp_set_error("fsync directory %s: %s", path, strerror(errno));
-    }
-    close(fd);
-    return rc;
-}
-
-#ifndef RENAME_EXCHANGE
-#define RENAME_EXCHANGE (1 << 1)
-#endif
-
-int fp_rename_exchange(const char *a, const char *b)
-{
-    return fp_rename_exchange_at(AT_FDCWD, a, AT_FDCWD, b);
-}
-
-int fp_rename_exchange_at(int a_dir, const char *a, int b_dir, const char *b)
-{
-    /* Through syscall(): glibc gained a renameat2 wrapper only in 2.28. */
-    if (syscall(SYS_renameat2, a_dir, a, b_dir, b, RENAME_EXCHANGE) != 0) {
-        int err = errno;
-        fp_set_error("exchange %s and %s: %s", a, b, strerror(err));
-        return -err;
-    }
-    return 0;
-}
-
-int fp_openat2(int dir_fd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve)
-{
-    struct open_how how = {.flags = flags, .mode = mode, .resolve = resolve};
-    /* Through syscall(): glibc has no openat2 wrapper before 2.39. */
-    long fd = syscall(SYS_openat2, dir_fd, path, &how, sizeof how);
-    if (fd < 0) {
-        int err = errno;
-        fp_set_error("openat2 %s: %s", path, strerror(err));
-        return -err;
-    }
-    return (int)fd;
 }
 
 int fp_open_for(int dir_fd, const char *path, int flags, fp_direct_mode mode, int *used_direct)
