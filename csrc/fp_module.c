@@ -75,35 +75,19 @@ fail:
 #define DEFAULT_BACKEND FP_BACKEND_POOL
 #define DEFAULT_QUEUE_DEPTH 8
 
+/* Out-of-range values (negative ones included) fail the engine's check. */
 static int parse_opts(fp_opts *o, Py_ssize_t block_size, int threads, int direct, int backend,
                       int queue_depth)
 {
-    if (block_size <= 0 || block_size % FP_ALIGN) {
-        PyErr_Format(PyExc_ValueError, "block_size must be a positive multiple of %u", FP_ALIGN);
-        return -1;
-    }
-    if (threads < 1 || threads > 64) {
-        PyErr_SetString(PyExc_ValueError, "threads must be between 1 and 64");
-        return -1;
-    }
-    if (direct < FP_DIRECT_OFF || direct > FP_DIRECT_AUTO) {
-        PyErr_SetString(PyExc_ValueError, "direct must be DIRECT_OFF, DIRECT_ON or DIRECT_AUTO");
-        return -1;
-    }
-    if (backend < FP_BACKEND_POOL || backend > FP_BACKEND_AUTO) {
-        PyErr_SetString(PyExc_ValueError,
-                        "backend must be BACKEND_POOL, BACKEND_URING or BACKEND_AUTO");
-        return -1;
-    }
-    if (queue_depth < 1 || queue_depth > (int)FP_MAX_QUEUE_DEPTH) {
-        PyErr_Format(PyExc_ValueError, "queue_depth must be between 1 and %u", FP_MAX_QUEUE_DEPTH);
-        return -1;
-    }
-    o->block_size = (size_t)block_size;
+    o->block_size = block_size > 0 ? (size_t)block_size : 0;
     o->threads = (unsigned)threads;
     o->direct = (fp_direct_mode)direct;
     o->backend = (fp_backend)backend;
     o->queue_depth = (unsigned)queue_depth;
+    if (fp_check_opts(o) < 0) {
+        PyErr_SetString(PyExc_ValueError, fp_last_error());
+        return -1;
+    }
     return 0;
 }
 

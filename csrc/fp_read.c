@@ -49,11 +49,9 @@ static int read_once(const char *path, const fp_rseg *segs, size_t nsegs, const 
 int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
                  uint32_t *crcs, int *used_direct)
 {
-    if (!opts->block_size || opts->block_size % FP_ALIGN) {
-        fp_set_error("block size %zu is not a positive multiple of %u", opts->block_size,
-                     FP_ALIGN);
-        return -FP_EBADARG;
-    }
+    int rc = fp_check_opts(opts);
+    if (rc < 0)
+        return rc;
     for (size_t i = 0; i < nsegs; i++) {
         if (segs[i].off + segs[i].len < segs[i].off) {
             fp_set_error("segment %zu: offset + length overflows", i);
@@ -61,7 +59,7 @@ int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_o
         }
     }
     fp_ring *ring = NULL;
-    int rc = fp_ring_for(opts->backend, opts->queue_depth, &ring);
+    rc = fp_ring_for(opts->backend, opts->queue_depth, &ring);
     if (rc < 0)
         return rc;
     rc = read_once(path, segs, nsegs, opts, opts->direct, ring, crcs, used_direct);

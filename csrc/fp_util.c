@@ -1,8 +1,9 @@
 /*
  * What every layer above needs from libc and the kernel, and nothing more:
  * the thread-local error message, the bounce-buffer cache, full
- * pread/pwrite, the thread runner, first-error bookkeeping across threads
- * and opening with O_DIRECT. It calls no other engine file.
+ * pread/pwrite, the thread runner, first-error bookkeeping across threads,
+ * opening with O_DIRECT, and the ranges of a call's options. It calls no
+ * other engine file.
  */
 #define _GNU_SOURCE
 #include "fp_engine.h"
@@ -30,6 +31,24 @@ void fp_set_error(const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(last_error, sizeof last_error, fmt, ap);
     va_end(ap);
+}
+
+int fp_check_opts(const fp_opts *o)
+{
+    /* The messages name the options as the Python binding spells them. */
+    if (!o->block_size || o->block_size % FP_ALIGN)
+        fp_set_error("block_size must be a positive multiple of %u", FP_ALIGN);
+    else if (o->threads < 1 || o->threads > FP_MAX_THREADS)
+        fp_set_error("threads must be between 1 and %u", (unsigned)FP_MAX_THREADS);
+    else if ((unsigned)o->direct > FP_DIRECT_AUTO)
+        fp_set_error("direct must be DIRECT_OFF, DIRECT_ON or DIRECT_AUTO");
+    else if ((unsigned)o->backend > FP_BACKEND_AUTO)
+        fp_set_error("backend must be BACKEND_POOL, BACKEND_URING or BACKEND_AUTO");
+    else if (o->queue_depth < 1 || o->queue_depth > FP_MAX_QUEUE_DEPTH)
+        fp_set_error("queue_depth must be between 1 and %u", FP_MAX_QUEUE_DEPTH);
+    else
+        return 0;
+    return -FP_EBADARG;
 }
 
 /*

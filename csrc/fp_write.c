@@ -84,12 +84,9 @@ int fp_write_file_at(int dir_fd, const char *name, const fp_wseg *segs, size_t n
         return -FP_EBADARG;
     }
     int flags = O_WRONLY | (in_dir ? O_CREAT | O_EXCL | O_NOFOLLOW : O_CREAT | O_TRUNC);
-    if (!opts->block_size || opts->block_size % FP_ALIGN) {
-        fp_set_error("block size %zu is not a positive multiple of %u", opts->block_size,
-                     FP_ALIGN);
-        return -FP_EBADARG;
-    }
-    int rc = check_segments(segs, nsegs, size);
+    int rc = fp_check_opts(opts);
+    if (rc == 0)
+        rc = check_segments(segs, nsegs, size);
     if (rc < 0)
         return rc;
     fp_ring *ring = NULL;
