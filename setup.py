@@ -8,7 +8,9 @@ import os
 
 from setuptools import Extension, setup
 
-SOURCES = ["fp_crc32c.c", "fp_util.c", "fp_write.c", "fp_read.c", "fp_uring.c", "fp_fault.c",
+# In layer order, lowest first (csrc/fp_internal.h; tests/test_c_layout.py).
+SOURCES = ["fp_crc32c.c", "fp_util.c", "fp_fault.c", "fp_piece.c", "fp_ring.c", "fp_write_job.c",
+           "fp_read_job.c", "fp_pool.c", "fp_uring.c", "fp_write.c", "fp_read.c", "fp_dir.c",
            "fp_module.c"]
 
 # FASTPERSIST_SANITIZE=1 builds with ASan/UBSan for the sanitizer CI job.

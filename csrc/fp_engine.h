@@ -57,6 +57,14 @@ typedef struct {
 } fp_opts;
 
 /*
+ * 0 if every option is in range, else -FP_EBADARG with a message naming the
+ * first bad one: block_size a positive multiple of FP_ALIGN, threads 1..64,
+ * direct and backend one of their values, queue_depth 1..FP_MAX_QUEUE_DEPTH.
+ * fp_write_file and fp_read_file check their options with it.
+ */
+int fp_check_opts(const fp_opts *opts);
+
+/*
  * Write `size` bytes to `path` (created or truncated): each segment's bytes at
  * its offset, zeros in any gap. Segments must be sorted by offset, must not
  * overlap and must end at or before `size`. crcs[i] receives the CRC32C of

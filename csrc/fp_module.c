@@ -1,5 +1,7 @@
 /*
- * fastpersist._engine: the Python face of the C engine.
+ * fastpersist._engine: the Python face of the C engine. It only converts:
+ * Python arguments into fp_engine.h calls, and their results and errors back
+ * into Python objects and exceptions; the checks and the I/O are the engine's.
  *
  * Buffers come in through the buffer protocol and are never copied here; the
  * GIL is released for the whole of every I/O call, so other Python threads
@@ -16,31 +18,43 @@
 #include <stdlib.h>
 #include <string.h>
 
+/*
+ * The segments of one call: each (buffer, offset) pair's buffer, held from
+ * acquire_segments to release_segments, as the engine's fp_wseg (writes) or
+ * fp_rseg (reads) list, with room for the CRC of each.
+ */
 typedef struct {
     Py_buffer *views;
-    Py_ssize_t n;
-} buffer_list;
+    Py_ssize_t n; /* buffers held, and entries of segs and crcs */
+    void *segs;   /* fp_wseg[n] or fp_rseg[n] */
+    uint32_t *crcs;
+} seg_list;
 
-static void release_buffers(buffer_list *bl)
+_Static_assert(sizeof(fp_wseg) == sizeof(fp_rseg), "one allocation serves both lists");
+
+static void release_segments(seg_list *sl)
 {
-    for (Py_ssize_t i = 0; i < bl->n; i++)
-        PyBuffer_Release(&bl->views[i]);
-    PyMem_Free(bl->views);
-    bl->views = NULL;
-    bl->n = 0;
+    for (Py_ssize_t i = 0; i < sl->n; i++)
+        PyBuffer_Release(&sl->views[i]);
+    PyMem_Free(sl->views);
+    PyMem_Free(sl->segs);
+    PyMem_Free(sl->crcs);
+    *sl = (seg_list){0};
 }
 
-/* Acquire every (buffer, offset) pair of `seq`; fills offsets. */
-static int acquire_segments(PyObject *seq, int writable, buffer_list *bl, uint64_t **offsets)
+/* Acquire every (buffer, offset) pair of `seq`, writable ones for a read. */
+static int acquire_segments(PyObject *seq, int writable, seg_list *sl)
 {
     PyObject *fast = PySequence_Fast(seq, "segments must be a sequence of (buffer, offset)");
     if (!fast)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    bl->views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
-    *offsets = PyMem_Calloc(n ? (size_t)n : 1, sizeof(uint64_t));
-    bl->n = 0;
-    if (!bl->views || !*offsets) {
+    size_t room = n ? (size_t)n : 1;
+    sl->views = PyMem_Calloc(room, sizeof(Py_buffer));
+    sl->segs = PyMem_Calloc(room, sizeof(fp_rseg));
+    sl->crcs = PyMem_Calloc(room, sizeof(uint32_t));
+    sl->n = 0;
+    if (!sl->views || !sl->segs || !sl->crcs) {
         PyErr_NoMemory();
         goto fail;
     }
@@ -52,18 +66,20 @@ static int acquire_segments(PyObject *seq, int writable, buffer_list *bl, uint64
             PyErr_Format(PyExc_TypeError, "segment %zd must be a (buffer, offset) tuple", i);
             goto fail;
         }
-        if (PyObject_GetBuffer(obj, &bl->views[i], writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
+        Py_buffer *v = &sl->views[i];
+        if (PyObject_GetBuffer(obj, v, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
             goto fail;
-        bl->n = i + 1;
-        (*offsets)[i] = off;
+        sl->n = i + 1;
+        if (writable)
+            ((fp_rseg *)sl->segs)[i] = (fp_rseg){v->buf, off, (uint64_t)v->len};
+        else
+            ((fp_wseg *)sl->segs)[i] = (fp_wseg){v->buf, off, (uint64_t)v->len};
     }
     Py_DECREF(fast);
     return 0;
 fail:
     Py_DECREF(fast);
-    release_buffers(bl);
-    PyMem_Free(*offsets);
-    *offsets = NULL;
+    release_segments(sl);
     return -1;
 }
 
@@ -75,35 +91,19 @@ fail:
 #define DEFAULT_BACKEND FP_BACKEND_POOL
 #define DEFAULT_QUEUE_DEPTH 8
 
+/* Out-of-range values (negative ones included) fail the engine's check. */
 static int parse_opts(fp_opts *o, Py_ssize_t block_size, int threads, int direct, int backend,
                       int queue_depth)
 {
-    if (block_size <= 0 || block_size % FP_ALIGN) {
-        PyErr_Format(PyExc_ValueError, "block_size must be a positive multiple of %u", FP_ALIGN);
-        return -1;
-    }
-    if (threads < 1 || threads > 64) {
-        PyErr_SetString(PyExc_ValueError, "threads must be between 1 and 64");
-        return -1;
-    }
-    if (direct < FP_DIRECT_OFF || direct > FP_DIRECT_AUTO) {
-        PyErr_SetString(PyExc_ValueError, "direct must be DIRECT_OFF, DIRECT_ON or DIRECT_AUTO");
-        return -1;
-    }
-    if (backend < FP_BACKEND_POOL || backend > FP_BACKEND_AUTO) {
-        PyErr_SetString(PyExc_ValueError,
-                        "backend must be BACKEND_POOL, BACKEND_URING or BACKEND_AUTO");
-        return -1;
-    }
-    if (queue_depth < 1 || queue_depth > (int)FP_MAX_QUEUE_DEPTH) {
-        PyErr_Format(PyExc_ValueError, "queue_depth must be between 1 and %u", FP_MAX_QUEUE_DEPTH);
-        return -1;
-    }
-    o->block_size = (size_t)block_size;
+    o->block_size = block_size > 0 ? (size_t)block_size : 0;
     o->threads = (unsigned)threads;
     o->direct = (fp_direct_mode)direct;
     o->backend = (fp_backend)backend;
     o->queue_depth = (unsigned)queue_depth;
+    if (fp_check_opts(o) < 0) {
+        PyErr_SetString(PyExc_ValueError, fp_last_error());
+        return -1;
+    }
     return 0;
 }
 
@@ -126,18 +126,26 @@ static PyObject *raise_engine_error(int rc, PyObject *path)
     return NULL;
 }
 
-static PyObject *crc_list(const uint32_t *crcs, Py_ssize_t n)
+/* What write_file and read_file return: (the segments' CRCs, or None without
+ * them, whether O_DIRECT was used), or the engine's error raised. */
+static PyObject *io_result(int rc, PyObject *path, const seg_list *sl, int with_crcs,
+                           int used_direct)
 {
-    PyObject *list = PyList_New(n);
-    for (Py_ssize_t i = 0; list && i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+    if (rc < 0)
+        return raise_engine_error(rc, path);
+    PyObject *direct = used_direct ? Py_True : Py_False;
+    if (!with_crcs)
+        return Py_BuildValue("(OO)", Py_None, direct);
+    PyObject *list = PyList_New(sl->n);
+    for (Py_ssize_t i = 0; list && i < sl->n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(sl->crcs[i]);
         if (!v) {
             Py_CLEAR(list);
             break;
         }
         PyList_SET_ITEM(list, i, v);
     }
-    return list;
+    return list ? Py_BuildValue("(NO)", list, direct) : NULL;
 }
 
 PyDoc_STRVAR(write_file_doc,
@@ -168,39 +176,18 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw)
                                      &do_fsync, &backend, &queue_depth, &dir_fd))
         return NULL;
     fp_opts opts = {.fsync = do_fsync, .checksum = 1};
-    buffer_list bl = {0};
-    uint64_t *offsets = NULL;
-    fp_wseg *segs = NULL;
-    uint32_t *crcs = NULL;
+    seg_list sl = {0};
     PyObject *result = NULL;
-    if (parse_opts(&opts, block_size, threads, direct, backend, queue_depth) < 0 ||
-        acquire_segments(seq, 0, &bl, &offsets) < 0)
-        goto done;
-    segs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *segs);
-    crcs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *crcs);
-    if (!segs || !crcs) {
-        PyErr_NoMemory();
-        goto done;
+    if (parse_opts(&opts, block_size, threads, direct, backend, queue_depth) == 0 &&
+        acquire_segments(seq, 0, &sl) == 0) {
+        int rc, used_direct = 0;
+        Py_BEGIN_ALLOW_THREADS
+        rc = fp_write_file_at(dir_fd, PyBytes_AS_STRING(path), sl.segs, (size_t)sl.n, size,
+                              &opts, sl.crcs, &used_direct);
+        Py_END_ALLOW_THREADS
+        result = io_result(rc, path, &sl, 1, used_direct);
     }
-    for (Py_ssize_t i = 0; i < bl.n; i++)
-        segs[i] = (fp_wseg){bl.views[i].buf, offsets[i], (uint64_t)bl.views[i].len};
-    int rc, used_direct = 0;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fp_write_file_at(dir_fd, PyBytes_AS_STRING(path), segs, (size_t)bl.n, size, &opts,
-                          crcs, &used_direct);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-        raise_engine_error(rc, path);
-        goto done;
-    }
-    PyObject *list = crc_list(crcs, bl.n);
-    if (list)
-        result = Py_BuildValue("(NO)", list, used_direct ? Py_True : Py_False);
-done:
-    release_buffers(&bl);
-    PyMem_Free(offsets);
-    PyMem_Free(segs);
-    PyMem_Free(crcs);
+    release_segments(&sl);
     Py_XDECREF(path);
     return result;
 }
@@ -227,43 +214,18 @@ static PyObject *py_read_file(PyObject *self, PyObject *args, PyObject *kw)
                                      &backend, &queue_depth))
         return NULL;
     fp_opts opts = {.checksum = checksum};
-    buffer_list bl = {0};
-    uint64_t *offsets = NULL;
-    fp_rseg *segs = NULL;
-    uint32_t *crcs = NULL;
+    seg_list sl = {0};
     PyObject *result = NULL;
-    if (parse_opts(&opts, block_size, threads, direct, backend, queue_depth) < 0 ||
-        acquire_segments(seq, 1, &bl, &offsets) < 0)
-        goto done;
-    segs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *segs);
-    crcs = PyMem_Calloc(bl.n ? (size_t)bl.n : 1, sizeof *crcs);
-    if (!segs || !crcs) {
-        PyErr_NoMemory();
-        goto done;
+    if (parse_opts(&opts, block_size, threads, direct, backend, queue_depth) == 0 &&
+        acquire_segments(seq, 1, &sl) == 0) {
+        int rc, used_direct = 0;
+        Py_BEGIN_ALLOW_THREADS
+        rc = fp_read_file(PyBytes_AS_STRING(path), sl.segs, (size_t)sl.n, &opts,
+                          checksum ? sl.crcs : NULL, &used_direct);
+        Py_END_ALLOW_THREADS
+        result = io_result(rc, path, &sl, checksum, used_direct);
     }
-    for (Py_ssize_t i = 0; i < bl.n; i++)
-        segs[i] = (fp_rseg){bl.views[i].buf, offsets[i], (uint64_t)bl.views[i].len};
-    int rc, used_direct = 0;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fp_read_file(PyBytes_AS_STRING(path), segs, (size_t)bl.n, &opts,
-                      checksum ? crcs : NULL, &used_direct);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-        raise_engine_error(rc, path);
-        goto done;
-    }
-    if (checksum) {
-        PyObject *list = crc_list(crcs, bl.n);
-        if (list)
-            result = Py_BuildValue("(NO)", list, used_direct ? Py_True : Py_False);
-    } else {
-        result = Py_BuildValue("(OO)", Py_None, used_direct ? Py_True : Py_False);
-    }
-done:
-    release_buffers(&bl);
-    PyMem_Free(offsets);
-    PyMem_Free(segs);
-    PyMem_Free(crcs);
+    release_segments(&sl);
     Py_XDECREF(path);
     return result;
 }

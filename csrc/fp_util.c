@@ -1,6 +1,9 @@
 /*
- * Shared pieces of the engine: error messages, the bounce-buffer cache, the
- * thread runner and the directory operations.
+ * What every layer above needs from libc and the kernel, and nothing more:
+ * the thread-local error message, the bounce-buffer cache, full
+ * pread/pwrite, the thread runner, first-error bookkeeping across threads,
+ * opening with O_DIRECT, and the ranges of a call's options. It calls no
+ * other engine file.
  */
 #define _GNU_SOURCE
 #include "fp_engine.h"
@@ -13,13 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <linux/openat2.h>
-#include <sys/syscall.h>
 #include <unistd.h>
-
-#ifndef SYS_openat2
-#define SYS_openat2 437 /* the same number on every architecture */
-#endif
 
 static __thread char last_error[512];
 
@@ -34,6 +31,24 @@ void fp_set_error(const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(last_error, sizeof last_error, fmt, ap);
     va_end(ap);
+}
+
+int fp_check_opts(const fp_opts *o)
+{
+    /* The messages name the options as the Python binding spells them. */
+    if (!o->block_size || o->block_size % FP_ALIGN)
+        fp_set_error("block_size must be a positive multiple of %u", FP_ALIGN);
+    else if (o->threads < 1 || o->threads > FP_MAX_THREADS)
+        fp_set_error("threads must be between 1 and %u", (unsigned)FP_MAX_THREADS);
+    else if ((unsigned)o->direct > FP_DIRECT_AUTO)
+        fp_set_error("direct must be DIRECT_OFF, DIRECT_ON or DIRECT_AUTO");
+    else if ((unsigned)o->backend > FP_BACKEND_AUTO)
+        fp_set_error("backend must be BACKEND_POOL, BACKEND_URING or BACKEND_AUTO");
+    else if (o->queue_depth < 1 || o->queue_depth > FP_MAX_QUEUE_DEPTH)
+        fp_set_error("queue_depth must be between 1 and %u", FP_MAX_QUEUE_DEPTH);
+    else
+        return 0;
+    return -FP_EBADARG;
 }
 
 /*
@@ -103,23 +118,6 @@ size_t fp_bounce_cached_bytes(void)
         total += bounce_sizes[i];
     pthread_mutex_unlock(&bounce_lock);
     return total;
-}
-
-/* Copy and checksum in cache-sized steps, so the checksum pulls the bytes into
- * cache for the copy and memory is read once. */
-#define COPY_STEP (96u * 1024u)
-
-uint32_t fp_copy_with_crc(char *dst, const char *src, uint64_t len, int checksum)
-{
-    uint32_t crc = 0;
-    for (uint64_t done = 0; done < len;) {
-        uint64_t n = len - done < COPY_STEP ? len - done : COPY_STEP;
-        if (checksum)
-            crc = fp_crc32c(crc, src + done, n);
-        memcpy(dst + done, src + done, n);
-        done += n;
-    }
-    return crc;
 }
 
 int fp_pwrite_full(int fd, const char *buf, size_t len, uint64_t off)
@@ -194,56 +192,6 @@ void fp_fail(fp_status *st, int err, const char *fmt, ...)
 int fp_failed(fp_status *st)
 {
     return __atomic_load_n(&st->err, __ATOMIC_ACQUIRE) != 0;
-}
-
-int fp_fsync_dir(const char *path)
-{
-    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) {
-        int err = errno;
-        fp_set_error("open directory %s: %s", path, strerror(err));
-        return -err;
-    }
-    int rc = 0;
-    if (fsync(fd) != 0) {
-        rc = -errno;
-        fp_set_error("fsync directory %s: %s", path, strerror(errno));
-    }
-    close(fd);
-    return rc;
-}
-
-#ifndef RENAME_EXCHANGE
-#define RENAME_EXCHANGE (1 << 1)
-#endif
-
-int fp_rename_exchange(const char *a, const char *b)
-{
-    return fp_rename_exchange_at(AT_FDCWD, a, AT_FDCWD, b);
-}
-
-int fp_rename_exchange_at(int a_dir, const char *a, int b_dir, const char *b)
-{
-    /* Through syscall(): glibc gained a renameat2 wrapper only in 2.28. */
-    if (syscall(SYS_renameat2, a_dir, a, b_dir, b, RENAME_EXCHANGE) != 0) {
-        int err = errno;
-        fp_set_error("exchange %s and %s: %s", a, b, strerror(err));
-        return -err;
-    }
-    return 0;
-}
-
-int fp_openat2(int dir_fd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve)
-{
-    struct open_how how = {.flags = flags, .mode = mode, .resolve = resolve};
-    /* Through syscall(): glibc has no openat2 wrapper before 2.39. */
-    long fd = syscall(SYS_openat2, dir_fd, path, &how, sizeof how);
-    if (fd < 0) {
-        int err = errno;
-        fp_set_error("openat2 %s: %s", path, strerror(err));
-        return -err;
-    }
-    return (int)fd;
 }
 
 int fp_open_for(int dir_fd, const char *path, int flags, fp_direct_mode mode, int *used_direct)

@@ -228,6 +228,28 @@ def test_bad_backend_or_queue_depth_raises_value_error(tmp_path: Path) -> None:
         _engine.write_file(str(tmp_path / "f"), [], 0, 4096, 1, 0, True, _engine.BACKEND_POOL)
 
 
+@pytest.mark.parametrize(("option", "message"), [
+    ({"block_size": -4096}, "block_size must be a positive multiple of 4096"),
+    ({"threads": 0}, "threads must be between 1 and 64"),
+    ({"threads": 65}, "threads must be between 1 and 64"),
+    ({"threads": -1}, "threads must be between 1 and 64"),
+    ({"direct": -1}, "direct must be DIRECT_OFF, DIRECT_ON or DIRECT_AUTO"),
+    ({"direct": 3}, "direct must be DIRECT_OFF, DIRECT_ON or DIRECT_AUTO"),
+    ({"backend": -1}, "backend must be BACKEND_POOL, BACKEND_URING or BACKEND_AUTO"),
+    ({"queue_depth": -5}, "queue_depth must be between 1 and 1024"),
+])
+def test_each_bad_option_is_named_before_any_segment_is_read(tmp_path: Path, option,
+                                                               message) -> None:
+    # The engine's fp_check_opts words the message; the binding calls it before it
+    # touches the segments, so a malformed list does not hide the bad option.
+    for call in (native_write, native_read):
+        segments = 5 if call is native_write else [(b"read-only", 0)]
+        with pytest.raises(ValueError) as info:
+            call(tmp_path / "f", segments, *(() if call is native_read else (10,)), **option)
+        assert str(info.value) == message
+    assert not (tmp_path / "f").exists()
+
+
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 
 # Runs in a child: a seccomp filter makes io_uring_setup fail with EPERM, as
@@ -317,12 +339,16 @@ def test_os_errors_carry_errno_and_path(tmp_path: Path, backend) -> None:
 
 
 def test_bounce_buffers_are_reused_across_calls(tmp_path: Path) -> None:
+    # An empty cache and one thread: the cache holds at most 32 buffers and
+    # evicts the oldest (of another test's size) when full, and the buffers a
+    # call with several threads allocates depend on how its threads overlap.
+    _engine.release_buffers()
     payload = os.urandom(1 << 20)
-    native_write(tmp_path / "a", [(payload, 0)], len(payload))
+    native_write(tmp_path / "a", [(payload, 0)], len(payload), threads=1)
     cached = _engine.cached_buffer_bytes()
     assert cached > 0
     for name in "bcd":
-        native_write(tmp_path / name, [(payload, 0)], len(payload))
+        native_write(tmp_path / name, [(payload, 0)], len(payload), threads=1)
     assert _engine.cached_buffer_bytes() == cached
     _engine.release_buffers()
     assert _engine.cached_buffer_bytes() == 0
