@@ -36,7 +36,7 @@ from _state import build_state, make_spec
 from _system import GIB, machine_facts
 
 import fastpersist
-from fastpersist.daemon_client import DaemonClient
+from fastpersist.protocol.client import DaemonClient
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20

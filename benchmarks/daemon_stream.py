@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 import fastpersist
-from fastpersist.daemon_client import DaemonClient
 from fastpersist.engine import get_engine
 from fastpersist.format.safetensors_file import HeaderEntry, layout
+from fastpersist.protocol.client import DaemonClient
 
 MIB = 1 << 20
 GIB = 1 << 30

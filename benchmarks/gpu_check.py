@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 import fastpersist
-from fastpersist.daemon_client import DaemonClient
-from fastpersist.saver import default_saver
+from fastpersist.protocol.client import DaemonClient
+from fastpersist.saving.saver import default_saver
 
 
 def cuda_state(nbytes: int) -> dict[str, object]:

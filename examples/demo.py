@@ -30,7 +30,7 @@ from gpt import GPT, GPTConfig, train_step, unique_bytes
 
 import fastpersist
 from fastpersist.cli import main as fpctl
-from fastpersist.daemon_client import DaemonClient
+from fastpersist.protocol.client import DaemonClient
 
 
 def make_model(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer]:

@@ -28,8 +28,8 @@ from gpt import GPT, GPTConfig, synthetic_batch, tensors_of
 from torch.nn.parallel import DistributedDataParallel
 
 import fastpersist
-from fastpersist.checkpoint import read_manifest
 from fastpersist.distributed.coordinator import tensor_bytes_by_rank
+from fastpersist.tensors.checkpoint import read_manifest
 
 
 def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:

@@ -26,17 +26,17 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .api import load, save
+    from .api import async_save, load, save
     from .checkpointer import Checkpointer
-    from .saver import SaveFuture, async_save
+    from .saving.futures import SaveFuture
 
 # The torch-facing API is imported on first use, so that the parts that need no
 # torch (format, engine, commit) import without it.
 _LAZY = {
     "load": ".api",
     "save": ".api",
-    "async_save": ".saver",
-    "SaveFuture": ".saver",
+    "async_save": ".api",
+    "SaveFuture": ".saving.futures",
     "Checkpointer": ".checkpointer",
 }
 

@@ -1,23 +1,28 @@
-"""fastpersist.save and fastpersist.load: drop-ins for torch.save/torch.load on state dicts."""
+"""fastpersist.save, async_save and load: drop-ins for torch.save/torch.load on state dicts.
+
+The one place that chooses how a save runs: in the caller's thread, on an
+in-process Saver, through fastpersistd (saving/remote.py), or as a
+distributed job (distributed/); checkpointer.py picks its own saver the same
+way. The layers below never choose.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import checkpoint, plan, state
 from .engine import get_engine
-from .errors import CheckpointError, ManifestError
-from .format import dtypes
 from .knobs import current as current_knobs
-from .persist import CheckpointWriter
-from .snapshot import group_into_files
-
-MapLocation = None | str | torch.device | Mapping[str, str]
+from .saving.futures import SaveFuture
+from .saving.persist import CheckpointWriter
+from .saving.saver import Saver, default_saver
+from .saving.snapshot import group_into_files
+from .tensors import checkpoint, plan, state
+from .tensors.factory import MapLocation, TensorFactory, target_device
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
@@ -68,7 +73,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     if node_local:
         raise ValueError("node_local=True needs process_group (a distributed save)")
     if address:
-        from .remote import remote_saver
+        from .saving.remote import remote_saver
 
         remote_saver(address).save(obj, path, allow_pickle=allow_pickle,
                                    overlap_writes=True).result()
@@ -85,87 +90,6 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     except BaseException:
         writer.abort()
         raise
-
-
-def _target_device(map_location: MapLocation, saved: str) -> str:
-    if map_location is None:
-        return saved
-    if isinstance(map_location, (str, torch.device)):
-        return str(map_location)
-    if isinstance(map_location, Mapping):
-        return str(map_location.get(saved, saved))
-    raise TypeError(
-        "map_location must be None, a device (str or torch.device) or a dict mapping saved "
-        f"devices to devices, not {type(map_location).__name__}"
-    )
-
-
-class _TensorFactory:
-    """Builds each tensor node's tensor from the loaded entries.
-
-    Nodes with the same entry, view and device get the same object, so tied
-    weights stay tied; views of one entry share its storage.
-    """
-
-    def __init__(self, entries: list[torch.Tensor], map_location: MapLocation, where: str) -> None:
-        self.entries = entries
-        self.map_location = map_location
-        self.where = where
-        self.moved: dict[tuple[int, str], torch.Tensor] = {}
-        self.made: dict[Any, torch.Tensor] = {}
-
-    def _entry_on(self, index: int, device: str) -> torch.Tensor:
-        key = (index, device)
-        if key not in self.moved:
-            try:
-                self.moved[key] = self.entries[index].to(device)
-            except (RuntimeError, AssertionError) as exc:
-                raise CheckpointError(
-                    f"{self.where}: cannot place a tensor on {device!r} ({exc}); pass "
-                    "map_location='cpu' (or another device) to load"
-                ) from exc
-        return self.moved[key]
-
-    def __call__(self, node: dict[str, Any]) -> torch.Tensor:
-        index = node.get("e")
-        if not isinstance(index, int) or not 0 <= index < len(self.entries):
-            raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
-        device = _target_device(self.map_location, node.get("device", "cpu"))
-        view = node.get("view")
-        key = (index, device, repr(view), node.get("param"), node.get("grad"))
-        if key in self.made:
-            return self.made[key]
-        base = self._entry_on(index, device)
-        t = base if view is None else self._view(base, view)
-        try:
-            if node.get("param"):
-                t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
-            elif node.get("grad"):
-                t = t.requires_grad_(True)
-        except RuntimeError as exc:  # an integer tensor marked as requiring gradients
-            raise ManifestError(f"{self.where}: tensor entry {index} cannot be a parameter "
-                                f"or require gradients ({exc})") from None
-        self.made[key] = t
-        return t
-
-    def _view(self, base: torch.Tensor, view: Any) -> torch.Tensor:
-        # The manifest's validation (format/tree.py) put the view inside its
-        # entry's bytes; checked again against the storage torch holds.
-        try:
-            dtype = dtypes.from_name(view["dtype"])
-            shape, stride, offset = list(view["shape"]), list(view["stride"]), int(view["offset"])
-            extent = 0 if 0 in shape else (
-                sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * dtype.itemsize
-            storage = base.untyped_storage()
-            if offset % dtype.itemsize or offset < 0 or offset + extent > storage.nbytes() or any(
-                s < 0 for s in stride
-            ) or any(n < 0 for n in shape):
-                raise ValueError("view lies outside its storage")
-            return torch.empty(0, dtype=dtype, device=base.device).set_(
-                storage, offset // dtype.itemsize, shape, stride
-            )
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            raise ManifestError(f"{self.where}: bad view {view!r} ({exc})") from None
 
 
 def load(
@@ -187,7 +111,7 @@ def load(
     allow_pickle=True. progress(n), if given, is called as each n bytes of
     tensors have been read (for progress bars).
     """
-    _target_device(map_location, "cpu")  # a bad map_location fails before any I/O
+    target_device(map_location, "cpu")  # a bad map_location fails before any I/O
     p = Path(os.path.abspath(os.fspath(path)))
     manifest = checkpoint.read_manifest(p)
     if verify is None:
@@ -202,5 +126,54 @@ def load(
                             verify=verify, progress=progress)
     entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify,
                                       progress=progress)
-    factory = _TensorFactory(entries, map_location, str(p))
+    factory = TensorFactory(entries, map_location, str(p))
     return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=str(p))
+
+
+# -- the one place that chooses a saver: in-process, through the daemon, distributed --
+
+
+def saver_for(daemon: str | None) -> Saver:
+    """The process-wide Saver: through fastpersistd at `daemon` (None: the
+    FASTPERSIST_DAEMON address, if set), else in-process. "" forces in-process."""
+    address = current_knobs().daemon if daemon is None else daemon
+    if address:
+        from .saving.remote import remote_saver
+
+        return remote_saver(address)
+    return default_saver()
+
+
+def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
+               wait_for_snapshot: bool = True, daemon: str | None = None,
+               process_group: Any = None, node_local: bool = False) -> SaveFuture:
+    """Save `obj` to `path` in the background; returns once the snapshot is taken.
+
+    On return every tensor has been copied into staging memory and the caller
+    may change the state freely (with wait_for_snapshot=False it returns as
+    soon as the device-to-host copies are queued: call future.wait_snapshot()
+    before changing CUDA tensors). `future.result()` returns when the
+    checkpoint is durable, with the same guarantees as save(), and raises the
+    background error if there was one. At most FASTPERSIST_MAX_IN_FLIGHT saves
+    (default 1) persist at once: the next call waits for the previous one.
+
+    With a daemon (`daemon="unix:///PATH"` or FASTPERSIST_DAEMON), the staging
+    memory is shared with fastpersistd, which writes the checkpoint; once this
+    returns (or wait_snapshot() does), the daemon commits it even if this
+    process dies. `path` must lie under the daemon's --root.
+
+    With process_group (call it on every rank), a distributed save as in
+    fastpersist.save: each rank snapshots only the pieces it was assigned, and
+    the writes and the global commit run in the background (the next call
+    waits for them); with a daemon, each rank's node's daemon writes its part.
+    """
+    if process_group is not None:
+        from .distributed.saver import saver_for as distributed_saver_for
+
+        address = current_knobs().daemon if daemon is None else daemon
+        return distributed_saver_for(process_group, node_local, address).save(
+            obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot)
+    if node_local:
+        raise ValueError("node_local=True needs process_group (a distributed save)")
+    return saver_for(daemon).save(obj, path, allow_pickle=allow_pickle,
+                                  wait_for_snapshot=wait_for_snapshot)

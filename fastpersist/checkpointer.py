@@ -32,17 +32,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .api import MapLocation, load
-from .checkpoint import read_manifest
+from .api import load
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
-from .retention import LATEST, AfterCommit, apply_at, step_of
-from .saver import SaveFuture, Saver
+from .saving.futures import SaveFuture
+from .saving.saver import Saver
+from .storage.retention import LATEST, AfterCommit, apply_at, step_of
+from .tensors.checkpoint import read_manifest
+from .tensors.factory import MapLocation
 
 if TYPE_CHECKING:
     from .distributed.saver import DistributedSaver
-    from .remote import RemoteSaver
+    from .saving.remote import RemoteSaver
 
 
 def _committed_at(path: Path) -> int:
@@ -99,7 +101,7 @@ class Checkpointer:
 
             self._saver = self._delegated = DistributedSaver(process_group, daemon=address)
         elif address:
-            from .remote import RemoteSaver
+            from .saving.remote import RemoteSaver
 
             self._saver = self._delegated = RemoteSaver(address, max_in_flight)
         else:

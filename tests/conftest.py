@@ -53,7 +53,7 @@ def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def _close_remote_savers() -> None:
     """Drop the process-wide RemoteSavers, so their segments go with the test."""
-    import fastpersist.remote as remote
+    import fastpersist.saving.remote as remote
 
     for saver in list(remote._remote_savers.values()):
         with contextlib.suppress(Exception):

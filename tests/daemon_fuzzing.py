@@ -26,8 +26,8 @@ from daemon_support import Daemon
 
 from fastpersist import _engine
 from fastpersist._proto import fastpersist_pb2 as pb
-from fastpersist.commit import leftover_name
-from fastpersist.shm import Segment
+from fastpersist.protocol.shm import Segment
+from fastpersist.storage.commit import leftover_name
 
 SECRET = b"FUZZ-SECRET-7f3a"
 OLD = time.time() - 3600

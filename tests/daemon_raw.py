@@ -23,11 +23,11 @@ from daemon_support import Daemon
 from grpc import StatusCode as Code
 
 import fastpersist
-from fastpersist import plan, state
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
 from fastpersist.format.safetensors_file import HeaderEntry, layout
-from fastpersist.shm import Segment
+from fastpersist.protocol.shm import Segment
+from fastpersist.tensors import plan, state
 
 OK = Code.OK
 ALIGN = 4096
@@ -197,7 +197,7 @@ def tree_of(directory: Path) -> list[str]:
 
 
 def close_remote_savers() -> None:
-    import fastpersist.remote as remote
+    import fastpersist.saving.remote as remote
 
     for saver in list(remote._remote_savers.values()):
         with contextlib.suppress(Exception):

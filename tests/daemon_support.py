@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastpersist.daemon_client import DaemonClient
 from fastpersist.errors import CheckpointError
+from fastpersist.protocol.client import DaemonClient
 
 GATED_DAEMON = Path(__file__).parent / "helpers" / "gated_daemon.py"
 

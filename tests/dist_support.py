@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastpersist.checkpoint import read_manifest
 from fastpersist.distributed.coordinator import tensor_bytes_by_rank
+from fastpersist.tensors.checkpoint import read_manifest
 
 WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
 # Small pieces, so that the test state's tensors are cut over the writers.

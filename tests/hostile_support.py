@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 import fastpersist
-from fastpersist import state
 from fastpersist.format import dtypes
+from fastpersist.tensors import state
 
 MANIFEST = "manifest.json"
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape

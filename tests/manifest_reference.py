@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from hostile_support import MANIFEST
 
-from fastpersist import CheckpointError, state
+from fastpersist import CheckpointError
 from fastpersist.format import dtypes
+from fastpersist.tensors import state
 
 
 class Invalid(Exception):

@@ -25,7 +25,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 import pytest
 
 import fastpersist
-from fastpersist import datafile, persist
+from fastpersist.saving import persist
+from fastpersist.tensors import datafile
 
 # --- patches of the writer -----------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """fastpersist.async_save: the caller pays for the snapshot, the write happens behind it.
 
-The contract (fastpersist/saver.py): async_save returns once every tensor
+The contract (fastpersist/saving/saver.py): async_save returns once every tensor
 is copied into staging memory, so the caller may then change the state in
 place; future.result() returns once the checkpoint is durable (with save()'s
 guarantees) and raises the background error; a failure nobody looked at is
@@ -39,14 +39,15 @@ from fastpersist import (
     CheckpointExistsError,
     DiskFullError,
     UnsupportedValueError,
-    checkpoint,
 )
-from fastpersist.commit import find_leftovers
-from fastpersist.saver import Saver, default_saver
+from fastpersist.saving.futures import STOP
+from fastpersist.saving.saver import Saver, default_saver
+from fastpersist.storage.commit import find_leftovers
+from fastpersist.tensors import checkpoint
 
 KIB = 1 << 10
 MIB = 1 << 20
-saver_module = importlib.import_module("fastpersist.saver")
+saver_module = importlib.import_module("fastpersist.saving.saver")
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -563,8 +564,8 @@ def test_closed_saver_refuses_saves(tmp_path: Path) -> None:
 def test_math_sanity_of_budget_split() -> None:
     """The split that the budget tests rely on: 10 x 256 KiB into files of two, plus
     one file per tensor above half the budget."""
-    from fastpersist import plan, state
-    from fastpersist.snapshot import group_into_files
+    from fastpersist.saving.snapshot import group_into_files
+    from fastpersist.tensors import plan, state
 
     s = {f"w{i:02d}": torch.zeros(64 * KIB) for i in range(10)}
     s["huge"] = torch.zeros(512 * KIB)
@@ -637,7 +638,7 @@ def test_saves_from_two_threads_start_one_writer_thread(tmp_path: Path,
         assert len(writers) == 1, f"{len(writers)} writer threads"
     finally:
         for _ in writers[1:]:  # so that close() does not wait forever on the old code
-            saver._jobs.put(saver_module._STOP)
+            saver._jobs.put(STOP)
         saver.close()
     for i in range(2):
         assert torch.equal(fastpersist.load(tmp_path / f"ck{i}")["i"], torch.full((4,), i))

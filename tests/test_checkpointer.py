@@ -36,10 +36,10 @@ from fastpersist import (
     CheckpointNotFoundError,
     DiskFullError,
     PostCommitError,
-    checkpoint,
 )
-from fastpersist.commit import collect, find_leftovers
 from fastpersist.format.manifest import MANIFEST_NAME
+from fastpersist.storage.commit import collect, find_leftovers
+from fastpersist.tensors import checkpoint
 
 HELPER = Path(__file__).parent / "helpers" / "checkpointer_child.py"
 STEP_FRACTION = 1 / 16  # as in the helper

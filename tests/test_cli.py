@@ -20,9 +20,9 @@ import safetensors.torch
 import torch
 
 import fastpersist
-from fastpersist import commit
-from fastpersist.checkpoint import read_manifest
 from fastpersist.cli import main
+from fastpersist.storage import commit
+from fastpersist.tensors.checkpoint import read_manifest
 
 DATA = "data-00000.safetensors"
 

@@ -1,7 +1,7 @@
 """CUDA tensors: save/load round trips to the same device, and async snapshots
 taken with device-to-host copies on a side stream into pinned staging memory.
 
-Skipped entirely without a GPU. The contract (fastpersist/snapshot.py): the
+Skipped entirely without a GPU. The contract (fastpersist/saving/snapshot.py): the
 copy waits for the work already queued on the compute stream (it sees the
 values as of the save call), does not block the caller when
 wait_for_snapshot=False, and future.wait_snapshot() returns once the copies are
@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import Checkpointer, checkpoint
-from fastpersist.saver import Saver
+from fastpersist import Checkpointer
+from fastpersist.saving.saver import Saver
+from fastpersist.tensors import checkpoint
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
@@ -29,7 +30,7 @@ if not torch.cuda.is_available():
 DEV = torch.device("cuda", 0)
 KIB = 1 << 10
 MIB = 1 << 20
-saver_module = importlib.import_module("fastpersist.saver")
+saver_module = importlib.import_module("fastpersist.saving.saver")
 
 
 @pytest.fixture(autouse=True)
@@ -258,7 +259,7 @@ def test_daemon_save_of_gpu_state(daemon: Any) -> None:
     """Through fastpersistd: D2H copies go into shared memory page-locked with
     cudaHostRegister; the snapshot holds the values as of the call, and the
     daemon's checkpoint equals an in-process save of the same state."""
-    from fastpersist.remote import RemoteSaver
+    from fastpersist.saving.remote import RemoteSaver
 
     state = gpu_state()
     expected = to_cpu(state)

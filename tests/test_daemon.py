@@ -219,7 +219,7 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous(tmp_path: Path,
 
 
 def _close_remote_savers() -> None:
-    import fastpersist.remote as remote
+    import fastpersist.saving.remote as remote
 
     for saver in list(remote._remote_savers.values()):
         saver.close(abort=True)
@@ -301,7 +301,7 @@ def test_daemon_runs_without_torch(tmp_path: Path) -> None:
         "        if name.split('.')[0] in ('torch', 'safetensors', 'numpy'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import fastpersist.daemon.cli, fastpersist.daemon_client, fastpersist.cli.daemon\n"
+        "import fastpersist.daemon.cli, fastpersist.protocol.client, fastpersist.cli.daemon\n"
         "print('ok')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -335,7 +335,7 @@ def test_long_idle_client_is_not_aborted_while_watching(tmp_path: Path,
     d = Daemon(tmp_path, "--idle-timeout", "1").start()
     monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
     monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(2 * MIB))
-    import fastpersist.remote as remote
+    import fastpersist.saving.remote as remote
 
     real = remote.stage_file
     calls = []

@@ -40,17 +40,13 @@ from typing import Any, TypeVar
 import pytest
 
 import fastpersist
-from fastpersist import (
-    CheckpointAbortedError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    checkpoint,
-    shm,
-)
-from fastpersist.commit import parse_leftover
+from fastpersist import CheckpointAbortedError, CheckpointError, CheckpointNotFoundError
 from fastpersist.engine import get_engine
 from fastpersist.errors import DaemonUnavailableError
-from fastpersist.remote import RemoteSaver
+from fastpersist.protocol import shm
+from fastpersist.saving.remote import RemoteSaver
+from fastpersist.storage.commit import parse_leftover
+from fastpersist.tensors import checkpoint
 
 HELPERS = Path(__file__).parent / "helpers"
 CLIENT = HELPERS / "daemon_crash_client.py"

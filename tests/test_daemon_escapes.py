@@ -35,8 +35,8 @@ from grpc import StatusCode as Code
 import fastpersist
 from fastpersist import _engine
 from fastpersist._proto import fastpersist_pb2 as pb
-from fastpersist.commit import leftover_name
 from fastpersist.daemon.paths import MAX_NAME_BYTES
+from fastpersist.storage.commit import leftover_name
 
 Status = pb.CheckpointStatus
 UNSPECIFIC = {Code.INTERNAL, Code.UNKNOWN}

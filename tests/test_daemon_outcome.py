@@ -25,10 +25,10 @@ import torch
 from daemon_support import Daemon
 
 import fastpersist
-from fastpersist import remote
-from fastpersist.daemon_client import DaemonClient
 from fastpersist.errors import CheckpointError, DaemonError, DaemonUnavailableError
-from fastpersist.remote import RemoteSaver
+from fastpersist.protocol.client import DaemonClient
+from fastpersist.saving import remote
+from fastpersist.saving.remote import RemoteSaver
 
 T = TypeVar("T")
 
@@ -104,7 +104,7 @@ def progress_class() -> Any:
     """The Watch follower (handover.Progress; remote.Progress before the fix,
     so that this file shows the defects on that code too)."""
     try:
-        return importlib.import_module("fastpersist.handover").Progress
+        return importlib.import_module("fastpersist.saving.handover").Progress
     except ImportError:
         return remote.Progress  # type: ignore[attr-defined]
 
@@ -213,7 +213,7 @@ def test_an_outcome_nobody_can_tell_quarantines_the_segments(
 
     spies = Spies(monkeypatch)
     break_watch_after_commit(monkeypatch)
-    monkeypatch.setattr("fastpersist.daemon_client.OUTCOME_PATIENCE", 1.0, raising=False)
+    monkeypatch.setattr("fastpersist.protocol.client.OUTCOME_PATIENCE", 1.0, raising=False)
 
     def unreachable(client: DaemonClient, *a: Any, **k: Any) -> Any:
         spies.asked.set()

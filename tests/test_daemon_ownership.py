@@ -33,10 +33,10 @@ import torch
 
 import fastpersist
 from fastpersist import PostCommitError
-from fastpersist.commit import walk_leftovers
 from fastpersist.errors import DaemonError
 from fastpersist.format.manifest import MANIFEST_NAME
-from fastpersist.retention import AfterCommit
+from fastpersist.storage.commit import walk_leftovers
+from fastpersist.storage.retention import AfterCommit
 
 HELPERS = Path(__file__).parent / "helpers"
 # Numeric ids without /etc/passwd or /etc/group entries, as in a container.

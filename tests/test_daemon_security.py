@@ -51,8 +51,8 @@ from grpc import StatusCode as Code
 import fastpersist
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
-from fastpersist.daemon_client import DaemonClient
 from fastpersist.errors import DaemonError, DaemonUnavailableError
+from fastpersist.protocol.client import DaemonClient
 
 OK = Code.OK
 INVALID = Code.INVALID_ARGUMENT

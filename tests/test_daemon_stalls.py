@@ -23,7 +23,7 @@ from daemon_support import Daemon
 from grpc import StatusCode as Code
 
 from fastpersist._proto import fastpersist_pb2 as pb
-from fastpersist.commit import leftover_name
+from fastpersist.storage.commit import leftover_name
 
 LIVENESS = 20.0  # seconds another client's call may take while a hostile one runs
 

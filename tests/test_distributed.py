@@ -28,8 +28,8 @@ from dist_support import (
 )
 
 import fastpersist
-from fastpersist.checkpoint import read_manifest
 from fastpersist.cli import main as fpctl
+from fastpersist.tensors.checkpoint import read_manifest
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch without distributed")
@@ -81,8 +81,8 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
 def _check_partial_reads(ckpt: Path) -> None:
     """A box of a global tensor is built from the chunks that overlap it, and
     only those are read."""
-    from fastpersist import checkpoint
     from fastpersist.distributed import restore
+    from fastpersist.tensors import checkpoint
 
     m = read_manifest(ckpt)
     assert m.globals is not None

@@ -31,9 +31,7 @@ from dist_support import (
 )
 
 import fastpersist
-from fastpersist import state
 from fastpersist._version import __version__
-from fastpersist.checkpoint import read_manifest
 from fastpersist.cli import main as fpctl
 from fastpersist.distributed.storage import Records, ThroughDaemon
 from fastpersist.errors import CheckpointNotFoundError, DaemonError
@@ -45,8 +43,10 @@ from fastpersist.format.manifest import (
     Manifest,
     TensorRecord,
 )
-from fastpersist.plan import StoredTensor
-from fastpersist.snapshot import stage_file
+from fastpersist.saving.snapshot import stage_file
+from fastpersist.tensors import state
+from fastpersist.tensors.checkpoint import read_manifest
+from fastpersist.tensors.plan import StoredTensor
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch without distributed")

@@ -25,7 +25,7 @@ from dist_support import check_loaded, describe_here, ok, run_job
 import fastpersist
 from fastpersist.cli import main as fpctl
 from fastpersist.errors import CheckpointNotFoundError, DaemonError
-from fastpersist.leftovers import IN_DOUBT_HELP
+from fastpersist.storage.leftovers import IN_DOUBT_HELP
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch without distributed")
@@ -115,8 +115,8 @@ def test_rank0_killed_right_after_its_commit_job_no_survivor_reports_failure(
 def _prepared(root: Path, name: str, value: bytes) -> Path:
     """A prepared part of `name`, as a node other than rank 0's leaves one,
     made on the daemon's root by a process that then exits."""
-    code = ("import sys; from pathlib import Path; from fastpersist.commit import Staging; "
-            "from fastpersist.prepared import prepare; "
+    code = ("import sys; from pathlib import Path; from fastpersist.storage.commit import Staging; "
+            "from fastpersist.storage.prepared import prepare; "
             "s = Staging.create(Path(sys.argv[1])); (s.path / 'data').write_bytes(sys.argv[2]"
             ".encode()); print(prepare(s, b'{}', 'a'))")
     out = subprocess.run([sys.executable, "-c", code, str(root / name), value.decode()],

@@ -25,7 +25,6 @@ from dist_support import check_loaded, describe_here, ok, run_job
 
 import fastpersist
 from fastpersist.cli import main as fpctl
-from fastpersist.commit import Staging
 from fastpersist.distributed import settling
 from fastpersist.distributed.outcome import (
     ABANDONED,
@@ -38,7 +37,8 @@ from fastpersist.distributed.outcome import (
     post_mortem,
     this_process,
 )
-from fastpersist.prepared import prepare
+from fastpersist.storage.commit import Staging
+from fastpersist.storage.prepared import prepare
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch without distributed")

@@ -27,9 +27,10 @@ import torch
 from support import Child, ForkServer
 
 import fastpersist
-from fastpersist import CheckpointNotFoundError, checkpoint
-from fastpersist.commit import Leftover, collect, find_leftovers
+from fastpersist import CheckpointNotFoundError
 from fastpersist.engine import get_engine
+from fastpersist.storage.commit import Leftover, collect, find_leftovers
+from fastpersist.tensors import checkpoint
 
 HELPER = Path(__file__).parent / "helpers" / "kill_saver.py"
 

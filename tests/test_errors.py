@@ -36,10 +36,10 @@ from fastpersist import (
     PickleNotAllowedError,
     TruncatedFileError,
     UnsupportedValueError,
-    checkpoint,
 )
-from fastpersist.commit import find_leftovers
 from fastpersist.engine import get_engine
+from fastpersist.storage.commit import find_leftovers
+from fastpersist.tensors import checkpoint
 
 DATA = "data-00000.safetensors"
 MANIFEST = "manifest.json"

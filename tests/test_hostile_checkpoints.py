@@ -31,8 +31,9 @@ from hostile_support import (
 )
 
 import fastpersist
-from fastpersist import ManifestError, UnsupportedValueError, checkpoint
+from fastpersist import ManifestError, UnsupportedValueError
 from fastpersist.cli import main
+from fastpersist.tensors import checkpoint
 
 Doc = dict[str, Any]
 

@@ -24,8 +24,8 @@ import torch
 
 import fastpersist
 from fastpersist.cli import main
-from fastpersist.commit import leftover_name, walk_leftovers
 from fastpersist.format.manifest import MANIFEST_NAME
+from fastpersist.storage.commit import leftover_name, walk_leftovers
 
 KILL = "os.kill(os.getpid(), signal.SIGKILL)"
 
@@ -50,7 +50,7 @@ CASES: dict[str, tuple[str, str]] = {
             ck.save(2, state(2)).result()
     """),
     "a checkpoint being deleted by retention": ("", f"""
-        from fastpersist import dirs
+        from fastpersist.storage import dirs
         real = dirs.remove_tree
         def remove_tree(name, *a, **k):
             if ".fp-del-" in str(name):
@@ -85,7 +85,8 @@ import os, shutil, signal, sys
 from pathlib import Path
 import torch
 import fastpersist
-from fastpersist import commit, datafile
+from fastpersist.storage import commit
+from fastpersist.tensors import datafile
 RUN = Path(sys.argv[1])
 def state(step):
     return {"step": step, "w": torch.full((1000,), float(step))}

@@ -35,9 +35,10 @@ from hypothesis import strategies as st
 from manifest_reference import Base, Invalid, TooBig, base_of, reference
 
 import fastpersist
-from fastpersist import CheckpointError, checkpoint
+from fastpersist import CheckpointError
 from fastpersist.cli.inspecting import describe
 from fastpersist.engine import get_engine
+from fastpersist.tensors import checkpoint
 
 BOMB = "__nesting_bomb__"
 

@@ -25,7 +25,7 @@ def test_public_names_are_pinned() -> None:
 
 
 def test_api_functions_are_functions_even_after_their_modules_import() -> None:
-    import fastpersist.saver  # binds the submodule on the package; must not shadow the API
+    import fastpersist.saving.saver  # binds the submodule on the package; must not shadow the API
 
     assert callable(fastpersist.async_save) and fastpersist.async_save.__name__ == "async_save"
     assert callable(fastpersist.save) and callable(fastpersist.load)
@@ -37,8 +37,10 @@ def test_format_engine_and_commit_import_without_torch() -> None:
     code = (
         "import sys\n"
         "import fastpersist, fastpersist.format.manifest, fastpersist.format.safetensors_file\n"
-        "import fastpersist.engine, fastpersist.commit, fastpersist.knobs, fastpersist.errors\n"
-        "import fastpersist.retention\n"
+        "import fastpersist.engine, fastpersist.knobs, fastpersist.errors\n"
+        "import fastpersist.storage.commit, fastpersist.storage.retention\n"
+        "import fastpersist.storage.prepared, fastpersist.protocol.shm\n"
+        "import fastpersist.protocol.client, fastpersist.daemon.service\n"
         "fastpersist.engine.get_engine()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

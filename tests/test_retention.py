@@ -1,4 +1,4 @@
-"""fastpersist/retention.py: the rules a Checkpointer's root follows after each
+"""fastpersist/storage/retention.py: the rules a Checkpointer's root follows after each
 commit, whoever applies them (the in-process writer thread, or fastpersistd).
 
 test_checkpointer.py runs them through a Checkpointer; these pin the cases a
@@ -18,7 +18,7 @@ import torch
 import fastpersist
 from fastpersist import Checkpointer
 from fastpersist.format.manifest import MANIFEST_NAME
-from fastpersist.retention import AfterCommit, apply_at, to_delete
+from fastpersist.storage.retention import AfterCommit, apply_at, to_delete
 
 
 def small(step: int) -> dict[str, object]:

@@ -135,7 +135,7 @@ def test_noncontiguous_and_partial_views_store_only_their_bytes(tmp_path: Path) 
     fastpersist.save(state, tmp_path / "ckpt")
     out = fastpersist.load(tmp_path / "ckpt")
     assert_same(state, out)
-    manifest = fastpersist.checkpoint.read_manifest(tmp_path / "ckpt")
+    manifest = fastpersist.tensors.checkpoint.read_manifest(tmp_path / "ckpt")
     assert manifest.tensor_bytes == (64 * 32 + 6) * 4  # not the 4 MB storage of `big`
 
 
@@ -235,12 +235,12 @@ def test_load_reports_progress_in_batches(tmp_path: Path, engine_name: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     state = {f"t{i}": torch.randn(500 + i) for i in range(20)}
     fastpersist.save(state, tmp_path / "ckpt")
-    monkeypatch.setattr(fastpersist.checkpoint, "_BATCH", 8 * 1024)  # many batches
+    monkeypatch.setattr(fastpersist.tensors.checkpoint, "_BATCH", 8 * 1024)  # many batches
     seen: list[int] = []
     out = fastpersist.load(tmp_path / "ckpt", progress=seen.append)
     assert_same(state, out)
     assert len(seen) > 3
-    assert sum(seen) == fastpersist.checkpoint.read_manifest(tmp_path / "ckpt").tensor_bytes
+    assert sum(seen) == fastpersist.tensors.checkpoint.read_manifest(tmp_path / "ckpt").tensor_bytes
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from fastpersist.plan import StoredTensor
-from fastpersist.snapshot import StagedFile, stage_file
-from fastpersist.staging import StagingPool
+from fastpersist.saving.snapshot import StagedFile, stage_file
+from fastpersist.saving.staging import StagingPool
+from fastpersist.tensors.plan import StoredTensor
 
 N = 4096
 

@@ -22,8 +22,8 @@ import sys
 from collections.abc import Sequence
 
 from .._version import __version__
-from ..commit import os_error
 from ..errors import CheckpointError
+from ..storage.commit import os_error
 from ._output import EXIT_ERROR, warn
 
 # Commands are imported when run: most need torch, `daemon status` must not

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..daemon_client import DaemonClient, as_dict
 from ..errors import CheckpointError
+from ..protocol.client import DaemonClient, as_dict
 from ._output import EXIT_ERROR, EXIT_OK, human_size, print_json, warn
 
 DEFAULT_ADDRESS = "unix:///run/fastpersist/fastpersistd.sock"

@@ -11,10 +11,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..checkpoint import read_manifest, verify
 from ..engine import get_engine
 from ..errors import CorruptCheckpointError
 from ..format.manifest import Manifest
+from ..tensors.checkpoint import read_manifest, verify
 from ._output import (
     EXIT_CORRUPT,
     EXIT_OK,
@@ -32,7 +32,7 @@ def _short(value: Any, limit: int = 40) -> str:
 
 
 def _describe(node: Any, manifest: Manifest) -> str:
-    """One phrase for a manifest tree node (see fastpersist.state for the tags)."""
+    """One phrase for a manifest tree node (see fastpersist.tensors.state for the tags)."""
     if not isinstance(node, dict):
         return _short(node)
     tag, value = node.get("t"), node.get("v")

@@ -11,11 +11,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import read_manifest
-from ..commit import Leftover, collect, find_leftovers, os_error, restores, walk_leftovers
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MANIFEST_NAME
-from ..prepared import read_prepared
+from ..storage.commit import Leftover, collect, find_leftovers, os_error, restores, walk_leftovers
+from ..storage.prepared import read_prepared
+from ..tensors.checkpoint import read_manifest
 from ._output import EXIT_ERROR, EXIT_OK, human_size, local_time, print_json, print_table, warn
 
 

@@ -24,9 +24,9 @@ import torch
 from tqdm import tqdm
 
 from ..api import load
-from ..checkpoint import read_manifest
-from ..commit import fsync_dir, fsync_file, leftover_name, os_error
 from ..errors import CheckpointError, CheckpointExistsError
+from ..storage.commit import fsync_dir, fsync_file, leftover_name, os_error
+from ..tensors.checkpoint import read_manifest
 from ._output import EXIT_OK, human_size, warn
 
 RESERVED_KEY = "__metadata__"  # the safetensors header's own metadata entry

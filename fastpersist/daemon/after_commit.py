@@ -19,9 +19,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..commit import Staging
 from ..errors import PostCommitError
-from ..retention import AfterCommit, apply, step_of
+from ..storage.commit import Staging
+from ..storage.retention import AfterCommit, apply, step_of
 from . import logs
 from .metrics import Metrics
 from .requests import invalid

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from ..commit import delete_checkpoint
+from ..storage.commit import delete_checkpoint
 from . import logs
 from .checkpoints import Checkpoint
 from .paths import RequestPath

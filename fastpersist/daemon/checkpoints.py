@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..commit import Staging
 from ..format import safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
 from ..format.names import data_file_name, part_file_name
-from ..retention import AfterCommit
-from ..shm import Mapping
+from ..protocol.shm import Mapping
+from ..storage.commit import Staging
+from ..storage.retention import AfterCommit
 from .jobs import Job
 
 # Terminal checkpoints stay known this long, so a late Wait still gets the result.

@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .. import shm
 from .._version import __version__
+from ..protocol import shm
 from . import logs
 from .budgets import (
     DEFAULT_STREAMS,

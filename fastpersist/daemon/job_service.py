@@ -17,11 +17,11 @@ import os
 import threading
 from pathlib import Path
 
-from .. import dirs
-from ..commit import Staging, os_error
 from ..errors import CheckpointError
-from ..prepared import check_prepared_name, discard_prepared, prepare, publish_prepared
-from ..retention import AfterCommit
+from ..storage import dirs
+from ..storage.commit import Staging, os_error
+from ..storage.prepared import check_prepared_name, discard_prepared, prepare, publish_prepared
+from ..storage.retention import AfterCommit
 from . import logs
 from .after_commit import AfterCommits, check_target, held_parent
 from .budgets import parsing

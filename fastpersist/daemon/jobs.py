@@ -47,8 +47,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
-from .. import dirs
-from ..commit import DirFds, Staging, write_durably
 from ..errors import ManifestError
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
@@ -58,7 +56,9 @@ from ..format.manifest import (
     TensorRecord,
     records_to_json,
 )
-from ..leftovers import leftover_name, leftover_of
+from ..storage import dirs
+from ..storage.commit import DirFds, Staging, write_durably
+from ..storage.leftovers import leftover_name, leftover_of
 
 MAX_MANIFEST_BYTES = 64 << 20  # the daemon's gRPC message limit
 

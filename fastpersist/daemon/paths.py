@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..leftovers import leftover_name
+from ..storage.leftovers import leftover_name
 
 MAX_PATH_BYTES = 1024
 MAX_COMPONENT_BYTES = 255

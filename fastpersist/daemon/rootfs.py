@@ -24,10 +24,10 @@ import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .. import dirs
 from ..errors import ManifestError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..leftovers import collect, leftover_name, leftover_of
+from ..storage import dirs
+from ..storage.leftovers import collect, leftover_name, leftover_of
 from . import logs
 from .paths import PathError
 

@@ -24,13 +24,14 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from .. import knobs, shm
+from .. import knobs
 from .._proto import fastpersist_pb2 as pb
 from .._proto import fastpersist_pb2_grpc as pb_grpc
 from .._version import __version__
-from ..commit import os_error
 from ..errors import CheckpointError
-from ..retention import AfterCommit
+from ..protocol import shm
+from ..storage.commit import os_error
+from ..storage.retention import AfterCommit
 from . import logs
 from .checkpoints import Checkpoint
 from .paths import PathError, parse
@@ -219,7 +220,7 @@ class Servicer(pb_grpc.FastPersistServicer):
     def BeginJob(self, request: pb.BeginJobRequest, context: grpc.ServicerContext
                  ) -> pb.BeginJobResponse:
         def run() -> pb.BeginJobResponse:
-            job_id = self.service.begin_job(parse(request.path), request.client_id)
+            job_id = self.service.jobs.begin_job(parse(request.path), request.client_id)
             return pb.BeginJobResponse(job_id=job_id)
         return self._guard(context, run)
 
@@ -235,7 +236,7 @@ class Servicer(pb_grpc.FastPersistServicer):
                 prepared = self.service.jobs.prepare_job(
                     request.job_id, request.manifest, request.node, request.prepare_for)
                 return pb.CommitJobResponse(prepared=prepared)
-            error = self.service.commit_job(request.job_id, request.manifest, request.node,
+            error = self.service.jobs.commit_job(request.job_id, request.manifest, request.node,
                                             _after_commit(request))
             return pb.CommitJobResponse(after_commit_error=error)
         return self._guard(context, run)
@@ -253,7 +254,7 @@ class Servicer(pb_grpc.FastPersistServicer):
     def AbortJob(self, request: pb.AbortJobRequest, context: grpc.ServicerContext
                  ) -> pb.AbortJobResponse:
         def run() -> pb.AbortJobResponse:
-            self.service.abort_job(request.job_id)
+            self.service.jobs.abort_job(request.job_id)
             return pb.AbortJobResponse()
         return self._guard(context, run)
 

@@ -2,8 +2,9 @@
 
 The registry (registry.py) holds the state and its lock; the write workers
 (writer.py) write and commit; this module takes requests in: Begin, Submit,
-Commit, Abort, Wait/Watch, the jobs' calls (job_service.py), and the
-housekeeping of idle checkpoints and shutdown.
+Commit, Abort, Wait/Watch, and the housekeeping of idle checkpoints and
+shutdown. The jobs' calls are `self.jobs` (job_service.py), List and Delete
+`self.catalog` (catalog.py).
 
 Torch-free: this runs in the daemon.
 """
@@ -19,8 +20,8 @@ from typing import Any
 
 from ..engine import Engine, get_engine
 from ..format import safetensors_file
-from ..retention import AfterCommit
-from ..shm import Mapping
+from ..protocol.shm import Mapping
+from ..storage.retention import AfterCommit
 from . import logs
 from .after_commit import AfterCommits, check_target
 from .budgets import DEFAULT_STREAMS, Budgets, parsing, stream_block
@@ -266,18 +267,6 @@ class Service:
                                    "aborted")
             r.finish(ck, State.ABORTED, reason, "CheckpointAbortedError")
         r.janitor.flush()  # answer once its staging directory is gone
-
-    # -- jobs (job_service.py) ----------------------------------------------------
-
-    def begin_job(self, path: RequestPath, client: str) -> str:
-        return self.jobs.begin_job(path, client)
-
-    def commit_job(self, job_id: str, manifest: bytes, node: str,
-                   after_commit: AfterCommit | None = None) -> str:
-        return self.jobs.commit_job(job_id, manifest, node, after_commit)
-
-    def abort_job(self, job_id: str, reason: str = "aborted by the client") -> None:
-        self.jobs.abort_job(job_id, reason)
 
     # -- List / Delete (catalog.py) ----------------------------------------------
 

@@ -42,7 +42,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .. import dirs, knobs
+from .. import knobs
+from ..storage import dirs
 
 # Buffered writes (no O_DIRECT) are made durable and dropped from the page
 # cache every this many bytes.

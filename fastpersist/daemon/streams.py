@@ -33,10 +33,11 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-from .. import dirs, knobs
-from ..commit import os_error
+from .. import knobs
 from ..errors import CheckpointIOError
 from ..format import safetensors_file
+from ..storage import dirs
+from ..storage.commit import os_error
 from . import logs
 from .checkpoints import Checkpoint, StreamHandle
 from .registry import Registry

@@ -18,12 +18,12 @@ import errno
 import threading
 import time
 
-from .. import dirs
 from .._version import __version__
-from ..commit import os_error
 from ..engine import Engine, Segment
 from ..errors import CheckpointIOError
 from ..format.manifest import Manifest
+from ..storage import dirs
+from ..storage.commit import os_error
 from . import logs
 from .after_commit import AfterCommits, held_parent
 from .checkpoints import Checkpoint, PendingFile, State

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import DistributedCheckpointError
-from ..retention import AfterCommit
+from ..storage.retention import AfterCommit
 from .outcome import (
     ABANDONED,
     COMMITTED,

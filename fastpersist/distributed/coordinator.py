@@ -38,7 +38,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import state
 from ..errors import (
     CheckpointAbortedError,
     CheckpointError,
@@ -46,9 +45,10 @@ from ..errors import (
     PostCommitError,
 )
 from ..knobs import current as current_knobs
-from ..plan import StoredTensor
-from ..retention import AfterCommit
-from ..snapshot import StagedFile, group_into_files
+from ..saving.snapshot import StagedFile, group_into_files
+from ..storage.retention import AfterCommit
+from ..tensors import state
+from ..tensors.plan import StoredTensor
 from .commit_point import CommitPoint
 from .describe import (
     Held,

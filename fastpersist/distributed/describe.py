@@ -12,8 +12,8 @@ import torch
 
 from ..errors import UnsupportedValueError
 from ..format import dtypes
-from ..plan import memory_of
-from ..state import TensorLeaf, _is_dtensor
+from ..tensors.plan import memory_of
+from ..tensors.state import TensorLeaf, is_dtensor
 from .planner import Item, Piece
 
 
@@ -88,7 +88,7 @@ def replica_values(obj: Any, path: str = "") -> list[tuple[str, str]]:
 
 def _collect(obj: Any, path: str, out: list[tuple[str, str]]) -> None:
     if isinstance(obj, torch.Tensor):
-        if (obj.device.type == "cpu" and not _is_dtensor(obj)
+        if (obj.device.type == "cpu" and not is_dtensor(obj)
                 and obj.numel() * obj.element_size() <= SMALL_TENSOR_BYTES):
             data = obj.detach().contiguous()
             crc = zlib.crc32(memory_of(data)) if data.numel() else 0

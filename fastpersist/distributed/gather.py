@@ -13,9 +13,9 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from ..checkpoint import read_manifest
-from ..commit import Staging, fsync_file, os_error
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..storage.commit import Staging, fsync_file, os_error
+from ..tensors.checkpoint import read_manifest
 
 
 def gather(sources: list[Path], to: Path) -> int:

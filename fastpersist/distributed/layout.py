@@ -18,7 +18,7 @@ from ..format.manifest import (
     TensorRecord,
 )
 from ..format.names import rank_of_part_file
-from ..state import TensorLeaf
+from ..tensors.state import TensorLeaf
 from .describe import Held
 from .outcome import ProcessId
 from .planner import Piece, Plan

@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint, state
 from ..engine import get_engine
 from ..errors import CheckpointNotFoundError, ManifestError
 from ..format import dtypes
 from ..format.manifest import GlobalTensor, Manifest
+from ..tensors import checkpoint, state
+from ..tensors.factory import TensorFactory
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
 
@@ -118,7 +119,6 @@ def _check_files_here(path: Path, manifest: Manifest, needed: set[int]) -> None:
 
 def load(path: Path, manifest: Manifest, map_location: Any, like: Any, *, allow_pickle: bool,
          verify: bool, progress: Callable[[int], None] | None) -> Any:
-    from ..api import _TensorFactory
 
     assert manifest.globals is not None
     globals_ = manifest.globals
@@ -135,7 +135,7 @@ def load(path: Path, manifest: Manifest, map_location: Any, like: Any, *, allow_
         wanted[i] = target.box
     tensors = read_boxes(path, manifest, wanted, verify=verify, progress=progress)
     entries = [tensors[i] for i in range(len(globals_))]
-    plain = _TensorFactory(entries, map_location, str(path))
+    plain = TensorFactory(entries, map_location, str(path))
     made: dict[int, torch.Tensor] = {}
 
     def factory(node: dict[str, Any]) -> torch.Tensor:

@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from ..errors import CheckpointAbortedError, CheckpointError, DistributedCheckpointError
 from ..knobs import current as current_knobs
-from ..retention import AfterCommit
-from ..saver import SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
-from ..snapshot import StagedFile, group_into_files, stage_file
+from ..saving.futures import SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
+from ..saving.snapshot import StagedFile, group_into_files, stage_file
+from ..storage.retention import AfterCommit
 from .coordinator import Save, coordinator_for
 from .storage import storage_for
 

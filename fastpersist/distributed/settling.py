@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..commit import find_leftovers
 from ..errors import DistributedCheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ..knobs import current as current_knobs
-from ..prepared import manifest_digest, read_prepared
+from ..storage.commit import find_leftovers
+from ..storage.prepared import manifest_digest, read_prepared
 from .phases import Coordinator, Failure, RanksLost, coordinator_for, failed, failure
 from .storage import Storage, storage_for
 

@@ -44,8 +44,6 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from .. import datafile
-from ..commit import Staging, leftover_name, os_error
 from ..engine import get_engine
 from ..errors import CheckpointError, DaemonError, ManifestError, PostCommitError
 from ..format.manifest import (
@@ -55,10 +53,12 @@ from ..format.manifest import (
     records_from_json,
 )
 from ..format.names import part_file_name
-from ..prepared import discard_prepared, prepare, publish_prepared
-from ..retention import AfterCommit, apply_at
-from ..snapshot import StagedFile
-from ..staging import StagingPool
+from ..saving.snapshot import StagedFile
+from ..saving.staging import StagingPool
+from ..storage.commit import Staging, leftover_name, os_error
+from ..storage.prepared import discard_prepared, prepare, publish_prepared
+from ..storage.retention import AfterCommit, apply_at
+from ..tensors import datafile
 
 Records = list[tuple[FileRecord, list[TensorRecord]]]
 
@@ -189,8 +189,8 @@ class ThroughDaemon:
     (proto/fastpersist.proto: BeginJob, Begin with a job_id, CommitJob)."""
 
     def __init__(self, address: str) -> None:
-        from ..daemon_client import DaemonClient
-        from ..segments import SegmentBuffers, socket_group
+        from ..protocol.client import DaemonClient
+        from ..saving.segments import SegmentBuffers, socket_group
 
         self.client = DaemonClient(address)
         self._segments = SegmentBuffers(socket_group(address))
@@ -208,7 +208,7 @@ class ThroughDaemon:
         to the daemon and marked returned only by its report (handover.py), so
         the caller's StagingPool.give_back quarantines what the daemon may
         still read. A lost reply after Commit is settled by asking the daemon."""
-        from ..handover import Handover
+        from ..saving.handover import Handover
 
         files = [f for f in files if f.tensors]
         if not files:

@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 from .. import _engine, knobs
-from . import IOResult, Segment
+from .types import IOResult, Segment
 
 _DIRECT_MODES = {"auto": _engine.DIRECT_AUTO, "on": _engine.DIRECT_ON, "off": _engine.DIRECT_OFF}
 _BACKENDS = {

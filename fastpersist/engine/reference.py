@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import crc32c as _crc32c
 
-from . import IOResult, Segment
+from .types import IOResult, Segment
 
 _ZEROS = bytes(1 << 20)
 

@@ -11,7 +11,7 @@ checkpoint. Schema (version 1):
       "files":   [{"name", "size", "data_start", "header_crc32c"}],
       "tensors": [{"name", "file", "offset", "length", "dtype", "shape",
                    "crc32c", "encoding"}],
-      "tree":    the saved object, see fastpersist.state
+      "tree":    the saved object, see fastpersist.tensors.state
     }
 
 `offset` is the tensor's absolute offset in its file; `encoding` is "raw"

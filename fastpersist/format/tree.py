@@ -1,6 +1,6 @@
 """The saved object's tree in a manifest, checked before anything decodes it.
 
-See fastpersist.state for the node types. The walk is iterative and stops at
+See fastpersist.tensors.state for the node types. The walk is iterative and stops at
 MAX_TREE_DEPTH levels, so a hostile tree cannot exhaust the stack here or in
 the recursive decoder that runs after it. Every node is checked: its tag and
 fields, a tensor node's entry (an index into the stored tensors, or the

@@ -67,8 +67,8 @@ def handover(job: dict[str, Any]) -> None:
 
 
 def block(job: dict[str, Any]) -> None:
-    import fastpersist.remote as remote
-    import fastpersist.segments as segments
+    import fastpersist.saving.remote as remote
+    import fastpersist.saving.segments as segments
 
     real = remote.stage_file
     calls = [0]
@@ -102,7 +102,7 @@ def block(job: dict[str, Any]) -> None:
 
 
 def begun(job: dict[str, Any]) -> None:
-    from fastpersist.daemon_client import DaemonClient
+    from fastpersist.protocol.client import DaemonClient
 
     # Whichever call hands the client its checkpoint id: Begin, or Open (Begin
     # whose reply is the checkpoint's progress stream).
@@ -124,7 +124,7 @@ def begun(job: dict[str, Any]) -> None:
 
 
 def segment(job: dict[str, Any]) -> None:
-    from fastpersist import shm
+    from fastpersist.protocol import shm
 
     seg = shm.Segment(shm.shm_dir(), job["size"])
     assert seg.map is not None

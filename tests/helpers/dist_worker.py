@@ -248,12 +248,13 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
 
 
 def _lost_watch(args: dict[str, Any], rank: int, path: str) -> dict[str, Any]:
-    from fastpersist import daemon_client, remote
-    from fastpersist.daemon_client import DaemonClient
     from fastpersist.errors import DaemonUnavailableError
+    from fastpersist.protocol import client as daemon_client
+    from fastpersist.protocol.client import DaemonClient
+    from fastpersist.saving import remote
 
     try:  # the Watch follower; remote.Progress in the code before the fix
-        from fastpersist.handover import Progress
+        from fastpersist.saving.handover import Progress
     except ImportError:
         Progress = remote.Progress  # type: ignore[attr-defined]
     segments: list[list[str]] = [[], []]
@@ -303,7 +304,7 @@ def _scribble(state: dict[str, Any]) -> None:
 
 def _fail_writes() -> None:
     """This rank's data-file writes fail as a full disk would."""
-    from fastpersist import datafile
+    from fastpersist.tensors import datafile
 
     def full(*a: Any, **k: Any) -> Any:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -314,9 +315,9 @@ def _fail_writes() -> None:
 def _fail_commits() -> None:
     """This rank's commit (or node-local preparing) of its staging directory
     fails as an I/O error would (in-process, or as the daemon's answer to CommitJob)."""
-    from fastpersist.commit import Staging
     from fastpersist.distributed import storage
     from fastpersist.errors import DaemonError
+    from fastpersist.storage.commit import Staging
 
     def broken(*a: Any, **k: Any) -> None:
         raise OSError(errno.EIO, "Input/output error")
@@ -358,7 +359,7 @@ def _die_in_writes() -> None:
 
 def _die_after_hand_over() -> None:
     """This rank is SIGKILLed once the daemon holds its part (Commit answered)."""
-    from fastpersist.daemon_client import DaemonClient
+    from fastpersist.protocol.client import DaemonClient
 
     original = DaemonClient.commit
 

@@ -21,7 +21,7 @@ import torch
 from forkserver import emit, serve
 
 import fastpersist
-import fastpersist.commit as commit
+import fastpersist.storage.commit as commit
 
 
 def hang(name: str) -> None:

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import fastpersist  # noqa: E402
 from fastpersist import CheckpointError  # noqa: E402
-from fastpersist.daemon_client import DaemonClient  # noqa: E402
+from fastpersist.protocol.client import DaemonClient  # noqa: E402
 
 
 def import_everything_first() -> None:

@@ -22,11 +22,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from . import errors
-from ._proto import fastpersist_pb2 as pb
-from ._proto import fastpersist_pb2_grpc as pb_grpc
-from .errors import CheckpointError, DaemonError, DaemonMayStillCommitError, DaemonUnavailableError
-from .retention import AfterCommit
+from .. import errors
+from .._proto import fastpersist_pb2 as pb
+from .._proto import fastpersist_pb2_grpc as pb_grpc
+from ..errors import CheckpointError, DaemonError, DaemonMayStillCommitError, DaemonUnavailableError
+from ..storage.retention import AfterCommit
 
 # Unary calls are quick (no I/O waits in them); a daemon that does not answer
 # in this long is treated as gone rather than hung on.

@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CheckpointError, PostCommitError
+from ..format.manifest import MANIFEST_NAME, Manifest
 from . import dirs
 from .commit import delete_checkpoint, leftover_name, write_durably
-from .errors import CheckpointError, PostCommitError
-from .format.manifest import MANIFEST_NAME, Manifest
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .datafile import FileLayout, plan_file
-from .format import dtypes
-from .plan import StoredTensor
+from ..format import dtypes
+from ..tensors.datafile import FileLayout, plan_file
+from ..tensors.plan import StoredTensor
 
 
 @dataclass(frozen=True)

@@ -34,16 +34,16 @@ from typing import Any
 
 import grpc
 
-from ._proto import fastpersist_pb2 as pb
-from .daemon_client import COMMITTED, TERMINAL, DaemonClient, failure
-from .errors import (
+from .._proto import fastpersist_pb2 as pb
+from ..errors import (
     CheckpointError,
     DaemonError,
     DaemonMayStillCommitError,
     DaemonUnavailableError,
     PostCommitError,
 )
-from .retention import AfterCommit
+from ..protocol.client import COMMITTED, TERMINAL, DaemonClient, failure
+from ..storage.retention import AfterCommit
 from .segments import SegmentBuffers, submit_staged
 from .snapshot import StagedFile
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .format import dtypes
+from ..format import dtypes
 from .state import TensorLeaf
 
 

@@ -32,16 +32,16 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import dirs
-from .dirs import fsync_dir as fsync_dir
-from .errors import (
+from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointIOError,
     CheckpointPermissionError,
     DiskFullError,
 )
-from .format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME
+from . import dirs
+from .dirs import fsync_dir as fsync_dir
 
 # Leftovers are named and collected in leftovers.py; these names are commit's API too.
 from .leftovers import Leftover as Leftover
@@ -92,7 +92,7 @@ def write_durably(path: str | Path, data: bytes, *, dir_fd: int | None = None) -
 def _exchange(a: str | Path, b: str | Path, *, dir_fd: int | None = None) -> None:
     """Swap a and b atomically (paths, or names in dir_fd)."""
     try:
-        from . import _engine
+        from .. import _engine
     except ImportError:
         _exchange_ctypes(a, b, dir_fd)
         return

@@ -29,10 +29,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..format.manifest import MANIFEST_NAME
 from . import dirs
 from .commit import DirFds, Staging, os_error
 from .dirs import fsync_dir
-from .format.manifest import MANIFEST_NAME
 from .leftovers import Leftover, leftover_name, leftover_of
 
 # In a prepared part: which node's publish commits its job, and the job's

@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import datafile
-from ._version import __version__
-from .commit import Staging, os_error
-from .engine import Engine, get_engine
-from .format.manifest import FileRecord, Manifest, TensorRecord
-from .format.names import data_file_name
-from .plan import StoredTensor
+from .._version import __version__
+from ..engine import Engine, get_engine
+from ..format.manifest import FileRecord, Manifest, TensorRecord
+from ..format.names import data_file_name
+from ..storage.commit import Staging, os_error
+from ..tensors import datafile
+from ..tensors.plan import StoredTensor
 
 
 class CheckpointWriter:

@@ -28,61 +28,16 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from . import plan, state
-from .errors import CheckpointAbortedError, CheckpointError
-from .knobs import current as current_knobs
+from ..errors import CheckpointAbortedError, CheckpointError
+from ..knobs import current as current_knobs
+from ..tensors import plan, state
+from .futures import STOP, SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
 from .persist import CheckpointWriter
 from .snapshot import StagedFile, group_into_files, stage_file
 from .staging import StagingPool
-
-
-class SaveFuture:
-    """The result of async_save. `result()` returns once the checkpoint is durable."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._future: Future[None] = Future()
-        self._snapshot_done = threading.Event()
-        self._staged: list[StagedFile] = []
-        self._observed = False
-        self._started = time.perf_counter()
-        self._persist_started: float | None = None
-        self.snapshot_seconds: float | None = None
-        self.persist_seconds: float | None = None
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint is durable; re-raise a background failure."""
-        self._observed = True
-        self._future.result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._observed = True
-        return self._future.exception(timeout)
-
-    def wait_snapshot(self, timeout: float | None = None) -> None:
-        """Block until every tensor is copied into staging memory; after this
-        the caller may mutate the state (e.g. optimizer.step())."""
-        if not self._snapshot_done.wait(timeout):
-            raise TimeoutError(f"snapshot of {self.path} not finished after {timeout} s")
-        for staged in self._staged:
-            staged.wait_copied()
-
-    def add_done_callback(self, fn: Callable[[SaveFuture], Any]) -> None:
-        self._future.add_done_callback(lambda _: fn(self))
-
-    def __repr__(self) -> str:
-        status = "done" if self.done() else "pending"
-        return f"<SaveFuture {self.path} {status}>"
-
-
-_STOP = object()
 
 
 class Saver:
@@ -158,7 +113,7 @@ class Saver:
             files.put(exc)  # the writer aborts the checkpoint
             future._observed = True  # the caller gets this error now, not at the next save
             raise
-        files.put(_STOP)
+        files.put(STOP)
         future._snapshot_done.set()
         if wait_for_snapshot:
             future.wait_snapshot()
@@ -189,18 +144,18 @@ class Saver:
         self._closed = True
         if abort:
             self._abort.set()
-        self._stop_thread()
+        self.stop_thread()
         self._pool.clear()
         # A failure nobody looked at is not dropped on the floor at shutdown.
         with self._lock:
             observe_aborts(self._in_flight)
         self.raise_unobserved_failure()
 
-    def _stop_thread(self) -> None:
+    def stop_thread(self) -> None:
         """Wait for the saves in flight, then stop the writer thread and join it."""
         self.wait()
         if self._thread is not None:
-            self._jobs.put(_STOP)
+            self._jobs.put(STOP)
             self._thread.join()
             self._thread = None
 
@@ -242,7 +197,7 @@ class Saver:
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
-            if job is _STOP:
+            if job is STOP:
                 return
             future, writer, files, on_commit = job
             self._persist(future, writer, files, on_commit)
@@ -254,7 +209,7 @@ class Saver:
         try:
             while True:
                 item = files.get()
-                if item is _STOP:
+                if item is STOP:
                     queue_done = True
                     break
                 if isinstance(item, BaseException):
@@ -294,40 +249,11 @@ class Saver:
         future._future.set_exception(exc)
 
 
-def take_unobserved_failure(futures: list[SaveFuture]
-                            ) -> tuple[list[SaveFuture], SaveFuture | None]:
-    """The saves still running, and the first finished one that failed without
-    anybody looking (marked as looked at now, so it is reported once)."""
-    failed = [f for f in futures if f.done() and not f._observed
-              and f._future.exception() is not None]
-    for f in failed:
-        f._observed = True
-    return [f for f in futures if not f.done()], failed[0] if failed else None
-
-
-def observe_aborts(futures: list[SaveFuture]) -> None:
-    """close(abort=True): an aborted save's CheckpointAbortedError is what the
-    caller asked for, not a failure to raise at close."""
-    for f in futures:
-        if isinstance(f._future.exception(), CheckpointAbortedError):
-            f._observed = True
-
-
-def raise_failure_of(failed: SaveFuture | None) -> None:
-    """Raise an unobserved failure (take_unobserved_failure) in the caller's thread."""
-    if failed is not None:
-        exc = failed._future.exception()
-        raise CheckpointError(
-            f"an earlier async save to {failed.path} failed and nobody called its "
-            f"result(): {exc}"
-        ) from exc
-
-
 def _drain(files: queue.Queue[Any], pool: StagingPool) -> None:
     """After a failure: release the buffers still queued, unblock the caller."""
     while True:
         item = files.get()
-        if item is _STOP or isinstance(item, BaseException):
+        if item is STOP or isinstance(item, BaseException):
             return
         staged, written = item
         if written is not None:
@@ -347,7 +273,7 @@ _live_savers: weakref.WeakSet[Saver] = weakref.WeakSet()
 @atexit.register
 def _finish_in_flight_saves() -> None:
     for saver in list(_live_savers):
-        saver._stop_thread()
+        saver.stop_thread()
 
 
 _default_saver: Saver | None = None
@@ -360,49 +286,3 @@ def default_saver() -> Saver:
         if _default_saver is None:
             _default_saver = Saver()
         return _default_saver
-
-
-def saver_for(daemon: str | None) -> Saver:
-    """The process-wide Saver: through fastpersistd at `daemon` (None: the
-    FASTPERSIST_DAEMON address, if set), else in-process. "" forces in-process."""
-    address = current_knobs().daemon if daemon is None else daemon
-    if address:
-        from .remote import remote_saver
-
-        return remote_saver(address)
-    return default_saver()
-
-
-def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
-               wait_for_snapshot: bool = True, daemon: str | None = None,
-               process_group: Any = None, node_local: bool = False) -> SaveFuture:
-    """Save `obj` to `path` in the background; returns once the snapshot is taken.
-
-    On return every tensor has been copied into staging memory and the caller
-    may change the state freely (with wait_for_snapshot=False it returns as
-    soon as the device-to-host copies are queued: call future.wait_snapshot()
-    before changing CUDA tensors). `future.result()` returns when the
-    checkpoint is durable, with the same guarantees as save(), and raises the
-    background error if there was one. At most FASTPERSIST_MAX_IN_FLIGHT saves
-    (default 1) persist at once: the next call waits for the previous one.
-
-    With a daemon (`daemon="unix:///PATH"` or FASTPERSIST_DAEMON), the staging
-    memory is shared with fastpersistd, which writes the checkpoint; once this
-    returns (or wait_snapshot() does), the daemon commits it even if this
-    process dies. `path` must lie under the daemon's --root.
-
-    With process_group (call it on every rank), a distributed save as in
-    fastpersist.save: each rank snapshots only the pieces it was assigned, and
-    the writes and the global commit run in the background (the next call
-    waits for them); with a daemon, each rank's node's daemon writes its part.
-    """
-    if process_group is not None:
-        from .distributed.saver import saver_for as distributed_saver_for
-
-        address = current_knobs().daemon if daemon is None else daemon
-        return distributed_saver_for(process_group, node_local, address).save(
-            obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot)
-    if node_local:
-        raise ValueError("node_local=True needs process_group (a distributed save)")
-    return saver_for(daemon).save(obj, path, allow_pickle=allow_pickle,
-                                  wait_for_snapshot=wait_for_snapshot)

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from .errors import ManifestError, PickleNotAllowedError, UnsupportedValueError
-from .format import dtypes
-from .format.bounds import MAX_DIMS, MAX_TREE_DEPTH
-from .format.tree import key_text
+from ..errors import ManifestError, PickleNotAllowedError, UnsupportedValueError
+from ..format import dtypes
+from ..format.bounds import MAX_DIMS, MAX_TREE_DEPTH
+from ..format.tree import key_text
 
 Node = Any  # a JSON value
 
@@ -134,7 +134,7 @@ class _Encoder:
         }
 
     def _tensor(self, t: torch.Tensor, path: str) -> Node:
-        if self.sharded and _is_dtensor(t):
+        if self.sharded and is_dtensor(t):
             # A shard of a global tensor: the distributed save stores its box.
             shard: dict[str, Any] = {"t": "tensor", "sharded": True}
             if t.device.type != "cpu":
@@ -161,7 +161,7 @@ class _Encoder:
         return node
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed

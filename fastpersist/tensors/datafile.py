@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine, Segment
-from .errors import ChecksumMismatchError
-from .format import dtypes, safetensors_file
-from .format.manifest import FileRecord, TensorRecord
-from .knobs import ALIGNMENT
+from ..engine import Engine, Segment
+from ..errors import ChecksumMismatchError
+from ..format import dtypes, safetensors_file
+from ..format.manifest import FileRecord, TensorRecord
+from ..knobs import ALIGNMENT
 from .plan import StoredTensor, memory_of
 
 METADATA = {"format": "pt", "producer": "fastpersist"}

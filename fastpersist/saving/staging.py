@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:

@@ -10,18 +10,18 @@ from pathlib import Path
 import crc32c
 import torch
 
-from . import datafile
-from .commit import find_leftovers, os_error, parse_leftover
-from .engine import Engine
-from .errors import (
+from ..engine import Engine
+from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
     TruncatedFileError,
 )
-from .format import safetensors_file
-from .format.bounds import MAX_MANIFEST_BYTES
-from .format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
+from ..format import safetensors_file
+from ..format.bounds import MAX_MANIFEST_BYTES
+from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
+from ..storage.commit import find_leftovers, os_error, parse_leftover
+from . import datafile
 
 
 def _not_found(path: Path) -> CheckpointNotFoundError:

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import dirs
+from ..storage import dirs
 
 DEFAULT_DIR = "/dev/shm"
 PREFIX = "fastpersist-"

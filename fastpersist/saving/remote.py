@@ -49,13 +49,14 @@ from typing import Any
 
 import torch
 
-from . import plan, state
-from .daemon_client import DaemonClient
-from .errors import CheckpointAbortedError, CheckpointError
+from ..errors import CheckpointAbortedError, CheckpointError
+from ..knobs import current as current_knobs
+from ..protocol.client import DaemonClient
+from ..storage.retention import AfterCommit
+from ..tensors import plan, state
+from .futures import STOP, SaveFuture
 from .handover import Handover
-from .knobs import current as current_knobs
-from .retention import AfterCommit
-from .saver import _STOP, SaveFuture, Saver
+from .saver import Saver
 from .segments import SegmentBuffers, socket_group
 from .snapshot import StagedFile, group_into_files, stage_file
 from .staging import StagingPool
@@ -161,7 +162,7 @@ class RemoteSaver(Saver):
             job.handoff.put(exc)  # the writer aborts the checkpoint
             future._observed = True
             raise
-        job.handoff.put(_STOP)
+        job.handoff.put(STOP)
         future._snapshot_done.set()
         if wait_for_snapshot:
             self._wait_handed_over(job)
@@ -184,7 +185,7 @@ class RemoteSaver(Saver):
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
-            if job is _STOP:
+            if job is STOP:
                 return
             self._persist_remote(job)
 
@@ -226,7 +227,7 @@ class RemoteSaver(Saver):
     def _hand_over(self, job: _Job, handover: Handover, taken: list[StagedFile]) -> None:
         while True:
             item = job.handoff.get()
-            if item is _STOP:
+            if item is STOP:
                 job.queue_done = True
                 break
             if isinstance(item, BaseException):
@@ -254,7 +255,7 @@ class RemoteSaver(Saver):
         """After a failure: give back the buffers still queued, unblock the caller."""
         while True:
             item = job.handoff.get()
-            if item is _STOP or isinstance(item, BaseException):
+            if item is STOP or isinstance(item, BaseException):
                 return
             _, staged, streamed = item
             if streamed is not None:
@@ -301,5 +302,5 @@ _live_remote_savers: weakref.WeakSet[RemoteSaver] = weakref.WeakSet()
 def _unlink_segments_at_exit() -> None:
     for saver in list(_live_remote_savers):
         with contextlib.suppress(Exception):
-            saver._stop_thread()
+            saver.stop_thread()
             saver._pool.clear()

@@ -23,9 +23,9 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..format.manifest import MANIFEST_NAME
 from . import dirs
 from .dirs import fsync_dir
-from .format.manifest import MANIFEST_NAME
 
 IN_DOUBT_HELP = ("a node-local distributed checkpoint's part, published only if its job "
                  "committed: fastpersist.distributed.settle decides it")

@@ -17,11 +17,11 @@ from collections.abc import Iterator
 
 import torch
 
-from . import shm
-from .daemon_client import DaemonClient, grpc_target
-from .datafile import plan_file
-from .errors import CheckpointError
-from .plan import StoredTensor, memory_of
+from ..errors import CheckpointError
+from ..protocol import shm
+from ..protocol.client import DaemonClient, grpc_target
+from ..tensors.datafile import plan_file
+from ..tensors.plan import StoredTensor, memory_of
 from .snapshot import StagedFile
 
 

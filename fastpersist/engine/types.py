@@ -1,0 +1,45 @@
+"""What every engine is: the Engine interface, its segments and its result.
+
+A module of its own so that the engines (native.py, reference.py) and the
+package that picks one (__init__.py) import it, and not each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+Segment = tuple[Any, int]  # (object with the buffer protocol, file offset)
+
+
+@dataclass(frozen=True)
+class IOResult:
+    crcs: list[int] | None  # CRC32C of each segment, in the order given
+    direct: bool  # whether O_DIRECT was used
+
+
+class Engine(Protocol):
+    name: str
+
+    def write_file(
+        self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True,
+        dir_fd: int | None = None,
+    ) -> IOResult:
+        """Write `size` bytes: each segment at its offset, zeros in gaps.
+
+        Segments are sorted by offset and do not overlap. With fsync the file's
+        data and size are durable on return (its directory entry is not).
+        With dir_fd (an open directory), `path` is the plain name of a new file
+        in it, created with O_EXCL | O_NOFOLLOW: nothing that exists there is
+        written through (FileExistsError). Raises OSError, or ValueError for a
+        malformed segment list.
+        """
+        ...
+
+    def read_file(
+        self, path: str, segments: Sequence[Segment], *, checksum: bool = True
+    ) -> IOResult:
+        """Fill each writable segment from the file. Raises EOFError when the
+        file is shorter than a segment needs, OSError otherwise."""
+        ...

@@ -1,0 +1,5 @@
+"""The daemon's protocol, client side: the gRPC client (client.py) and the
+shared-memory segments both sides map (shm.py).
+
+Torch-free: the daemon imports shm.py.
+"""

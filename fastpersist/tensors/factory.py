@@ -1,0 +1,100 @@
+"""Tensors from a checkpoint's entries, as load gives them back: on the
+device asked for (map_location), as views, parameters, tied where they were.
+
+Shared by fastpersist.load (api.py) and distributed loads (distributed/restore.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, ManifestError
+from ..format import dtypes
+
+MapLocation = None | str | torch.device | Mapping[str, str]
+
+
+def target_device(map_location: MapLocation, saved: str) -> str:
+    """The device a tensor saved from `saved` loads onto; TypeError for a bad
+    map_location."""
+    if map_location is None:
+        return saved
+    if isinstance(map_location, (str, torch.device)):
+        return str(map_location)
+    if isinstance(map_location, Mapping):
+        return str(map_location.get(saved, saved))
+    raise TypeError(
+        "map_location must be None, a device (str or torch.device) or a dict mapping saved "
+        f"devices to devices, not {type(map_location).__name__}"
+    )
+
+
+class TensorFactory:
+    """Builds each tensor node's tensor from the loaded entries.
+
+    Nodes with the same entry, view and device get the same object, so tied
+    weights stay tied; views of one entry share its storage.
+    """
+
+    def __init__(self, entries: list[torch.Tensor], map_location: MapLocation, where: str) -> None:
+        self.entries = entries
+        self.map_location = map_location
+        self.where = where
+        self.moved: dict[tuple[int, str], torch.Tensor] = {}
+        self.made: dict[Any, torch.Tensor] = {}
+
+    def _entry_on(self, index: int, device: str) -> torch.Tensor:
+        key = (index, device)
+        if key not in self.moved:
+            try:
+                self.moved[key] = self.entries[index].to(device)
+            except (RuntimeError, AssertionError) as exc:
+                raise CheckpointError(
+                    f"{self.where}: cannot place a tensor on {device!r} ({exc}); pass "
+                    "map_location='cpu' (or another device) to load"
+                ) from exc
+        return self.moved[key]
+
+    def __call__(self, node: dict[str, Any]) -> torch.Tensor:
+        index = node.get("e")
+        if not isinstance(index, int) or not 0 <= index < len(self.entries):
+            raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
+        device = target_device(self.map_location, node.get("device", "cpu"))
+        view = node.get("view")
+        key = (index, device, repr(view), node.get("param"), node.get("grad"))
+        if key in self.made:
+            return self.made[key]
+        base = self._entry_on(index, device)
+        t = base if view is None else self._view(base, view)
+        try:
+            if node.get("param"):
+                t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
+            elif node.get("grad"):
+                t = t.requires_grad_(True)
+        except RuntimeError as exc:  # an integer tensor marked as requiring gradients
+            raise ManifestError(f"{self.where}: tensor entry {index} cannot be a parameter "
+                                f"or require gradients ({exc})") from None
+        self.made[key] = t
+        return t
+
+    def _view(self, base: torch.Tensor, view: Any) -> torch.Tensor:
+        # The manifest's validation (format/tree.py) put the view inside its
+        # entry's bytes; checked again against the storage torch holds.
+        try:
+            dtype = dtypes.from_name(view["dtype"])
+            shape, stride, offset = list(view["shape"]), list(view["stride"]), int(view["offset"])
+            extent = 0 if 0 in shape else (
+                sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * dtype.itemsize
+            storage = base.untyped_storage()
+            if offset % dtype.itemsize or offset < 0 or offset + extent > storage.nbytes() or any(
+                s < 0 for s in stride
+            ) or any(n < 0 for n in shape):
+                raise ValueError("view lies outside its storage")
+            return torch.empty(0, dtype=dtype, device=base.device).set_(
+                storage, offset // dtype.itemsize, shape, stride
+            )
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise ManifestError(f"{self.where}: bad view {view!r} ({exc})") from None

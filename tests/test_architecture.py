@@ -1,0 +1,188 @@
+"""The package's shape, as ARCHITECTURE.md draws it: layers without cycles.
+
+Read from the source (every `import` and `from ... import`, lazy ones inside
+functions included, since a lazy import is still a dependency):
+- no import cycles among fastpersist's modules;
+- each room imports only the rooms below it (ROOMS, MAY_IMPORT): the engine
+  knows bytes, the format knows JSON, the daemon never imports torch-side code;
+- no private name (`_x`) imported from another module;
+- no module longer than MAX_LINES (generated stubs aside).
+A new dependency that breaks these fails here, naming the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fastpersist"
+MAX_LINES = 400
+GENERATED = ("fastpersist._proto",)
+# Modules that exist but not as .py files here (the C engine, generated stubs).
+NATIVE = {"fastpersist._engine"}
+
+# Each module's room: the longest prefix that names it.
+ROOMS = {
+    "fastpersist.errors": "base", "fastpersist.knobs": "base",
+    "fastpersist._version": "base", "fastpersist._engine": "base",
+    "fastpersist._proto": "base",
+    "fastpersist.format": "format",
+    "fastpersist.engine": "engine",
+    "fastpersist.storage": "storage",
+    "fastpersist.protocol": "protocol",
+    "fastpersist.tensors": "tensors",
+    "fastpersist.saving": "saving",
+    "fastpersist.distributed": "distributed",
+    "fastpersist.daemon": "daemon",
+    "fastpersist.api": "api", "fastpersist.checkpointer": "api",
+    "fastpersist.cli": "cli",
+    "fastpersist.integrations": "integrations",
+    "fastpersist": "package",  # __init__: re-exports the API
+}
+
+_TORCH_FREE = {"base", "format", "engine", "storage", "protocol"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "base": {"base"},
+    "format": {"base", "format"},
+    "engine": {"base", "engine"},
+    "storage": {"base", "format", "engine", "storage"},
+    "protocol": {"base", "format", "storage", "protocol"},
+    "tensors": _TORCH_FREE | {"tensors"},
+    "saving": _TORCH_FREE | {"tensors", "saving"},
+    "distributed": _TORCH_FREE | {"tensors", "saving", "distributed"},
+    # The daemon runs without torch and never plans or stages a save.
+    "daemon": _TORCH_FREE | {"daemon"},
+    "api": _TORCH_FREE | {"tensors", "saving", "distributed", "api"},
+    "integrations": _TORCH_FREE | {"tensors", "saving", "distributed", "api", "integrations"},
+    "cli": _TORCH_FREE | {"tensors", "saving", "distributed", "api", "cli"},
+    "package": _TORCH_FREE | {"api", "package", "saving", "tensors", "distributed"},
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module
+    target: str  # the module imported (or whose name is imported)
+    name: str | None  # `from target import name`
+    line: int
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if not name.startswith(GENERATED):
+            out[name] = path
+    return out
+
+
+def room_of(module: str) -> str:
+    best = max((p for p in ROOMS if module == p or module.startswith(p + ".")), key=len)
+    return ROOMS[best]
+
+
+def imports(mods: dict[str, Path]) -> Iterator[Import]:
+    known = set(mods) | NATIVE | {m for m in ROOMS if m.startswith(GENERATED)}
+    for source, path in mods.items():
+        package = source if path.name == "__init__.py" else source.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "fastpersist":
+                        yield Import(source, a.name, None, node.lineno)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] != "fastpersist":
+                    continue
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    if sub in known or any(k.startswith(sub + ".") for k in known):
+                        yield Import(source, sub, None, node.lineno)  # a module
+                    else:
+                        yield Import(source, target, a.name, node.lineno)
+
+
+def test_no_import_cycles() -> None:
+    mods = modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for i in imports(mods):
+        if i.target in mods and i.target != i.source:
+            graph[i.source].add(i.target)
+    # Tarjan's strongly connected components, iteratively.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    cycles.append(sorted(comp))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_rooms_import_only_the_rooms_below() -> None:
+    mods = modules()
+    wrong = []
+    for i in imports(mods):
+        src, dst = room_of(i.source), room_of(i.target)
+        if dst not in MAY_IMPORT[src]:
+            wrong.append(f"{i.source}:{i.line} ({src}) imports {i.target} ({dst})")
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_no_private_names_cross_modules() -> None:
+    wrong = [f"{i.source}:{i.line} imports {i.name} from {i.target}"
+             for i in imports(modules())
+             if i.name and i.name.startswith("_") and not i.name.startswith("__")]
+    assert not wrong, "private names imported from other modules:\n" + "\n".join(wrong)
+
+
+def test_modules_stay_small() -> None:
+    long = {name: n for name, path in modules().items()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_every_module_has_a_room() -> None:
+    # A new top-level module must be placed (and so thought about) in ROOMS.
+    loose = [m for m in modules() if room_of(m) == "package" and m != "fastpersist"]
+    assert not loose, f"modules outside the rooms of ROOMS: {loose}"
