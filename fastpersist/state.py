@@ -16,7 +16,16 @@ everything else is an object tagged by "t":
     {"t": "device", "v": "cuda:0"}       {"t": "size", "v": [2, 3]}
     {"t": "tensor", "e": entry, "view": {...}?, "device": str?, "param": bool?,
      "grad": bool?}
+    {"t": "tensor", "e": entry, "view": {...}?, "np": "array" | "scalar",
+     "np_dtype": "complex128"?}
+                                         a numpy array or scalar, stored as a tensor
+                                         of its dtype (complex128, which safetensors
+                                         lacks, as float64 pairs: "np_dtype"); loads
+                                         as numpy, on the CPU, C-contiguous
     {"t": "pickle", "v": base64}         only with allow_pickle=True
+
+Integers are JSON integers of at most MAX_INT_BITS bits (Python's JSON parser
+refuses longer ones). numpy is imported only when a numpy value is met.
 """
 
 from __future__ import annotations
@@ -31,12 +40,30 @@ from typing import Any
 
 import torch
 
-from .errors import ManifestError, PickleNotAllowedError, UnsupportedValueError
+from .errors import CheckpointError, ManifestError, PickleNotAllowedError, UnsupportedValueError
 from .format import dtypes
 from .format.bounds import MAX_DIMS, MAX_TREE_DEPTH
 from .format.tree import key_text
 
 Node = Any  # a JSON value
+
+# Python's JSON parser refuses integers of more than 4300 digits (int_max_str_digits);
+# 2**14000 has 4215.
+MAX_INT_BITS = 14_000
+
+# numpy dtypes stored as tensors: each has a torch dtype of the same name that a
+# data file holds, except complex128 (float64 pairs). Byte order is not kept:
+# a big-endian array is stored, and loads, in native order.
+NUMPY_DTYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+})
+
+
+def is_numpy(obj: object) -> bool:
+    """Whether obj's type is numpy's, asked without importing numpy."""
+    module = type(obj).__module__
+    return module == "numpy" or module.startswith("numpy.")
 
 
 @dataclass
@@ -59,6 +86,8 @@ class _Encoder:
         self.leaves: list[TensorLeaf] = []
         self._active: set[int] = set()  # containers on the current path: cycles
         self._depth = 0  # levels of the node being encoded (the root is 1)
+        # id(numpy value) -> (the value, its tensor): one tensor per array object
+        self._numpy_tensors: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def encode(self, obj: Any, path: str) -> Node:
         self._depth += 1
@@ -76,6 +105,9 @@ class _Encoder:
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if type(obj) is int:
+            if obj.bit_length() > MAX_INT_BITS:
+                return self._pickled(obj, path, f"an integer of {obj.bit_length()} bits (over "
+                                     f"{MAX_INT_BITS})")
             return obj
         if type(obj) is float:
             return obj if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
@@ -93,6 +125,8 @@ class _Encoder:
             return {"t": "device", "v": str(obj)}
         if type(obj) is torch.Size:
             return {"t": "size", "v": list(obj)}
+        if is_numpy(obj):
+            return self._numpy(obj, path)
         return self._pickled(obj, path, f"a value of type {type(obj).__qualname__}")
 
     def _pickled(self, obj: Any, path: str, what: str) -> Node:
@@ -118,6 +152,11 @@ class _Encoder:
         for k, v in obj.items():
             if isinstance(k, torch.Tensor):
                 raise UnsupportedValueError(f"{path or '<root>'}: tensors cannot be dict keys")
+            if is_numpy(k) and not isinstance(k, str):
+                # A numpy key would be a tensor node, which no dict key may be.
+                keys.append(self._pickled(k, path, f"a numpy dict key ({type(k).__qualname__})"))
+                values.append(self.encode(v, _path(path, k)))
+                continue
             keys.append(self.encode(k, path))
             values.append(self.encode(v, _path(path, k)))
         node = {"t": "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
@@ -158,6 +197,43 @@ class _Encoder:
         elif t.requires_grad:
             node["grad"] = True
         self.leaves.append(TensorLeaf(path or "<root>", t.detach(), node))
+        return node
+
+    def _numpy(self, obj: Any, path: str) -> Node:
+        import numpy as np  # imported already: obj is numpy's
+
+        if type(obj) is np.ndarray:
+            kind = "array"
+        elif isinstance(obj, np.generic):
+            kind = "scalar"
+        else:  # an ndarray subclass (np.matrix, np.memmap, masked arrays), a dtype, ...
+            return self._pickled(obj, path, f"a value of type {type(obj).__qualname__}")
+        dtype = obj.dtype
+        if dtype.name not in NUMPY_DTYPES or dtype.fields is not None:
+            return self._pickled(obj, path, f"a numpy {kind} of dtype {dtype}")
+        if id(obj) in self._numpy_tensors:  # one array under two keys: one tensor, stored once
+            t = self._numpy_tensors[id(obj)][1]
+        else:
+            arr = np.asarray(obj)  # a 0-d array for a scalar
+            if not dtype.isnative:
+                arr = arr.astype(dtype.newbyteorder("="))
+            if not (arr.flags.c_contiguous and arr.flags.aligned and arr.flags.writeable
+                    and arr.flags.owndata):
+                # Negative strides, Fortran order, read-only or unaligned memory: a
+                # copy. Views too: a view and its base as tensors would be two
+                # storages at one address, which the planner takes for one.
+                arr = np.array(arr, order="C", copy=True)
+            t = torch.from_numpy(arr)
+            if dtype.name == "complex128":
+                t = torch.view_as_real(t)
+            self._numpy_tensors[id(obj)] = (obj, t)  # obj kept: its id stays its own
+        node: dict[str, Any] = {"t": "tensor", "np": kind}
+        if dtype.name == "complex128":
+            node["np_dtype"] = "complex128"
+        if t.dim() > MAX_DIMS:
+            return self._pickled(obj, path, f"a numpy {kind} of {t.dim()} dimensions as "
+                                 f"stored (over {MAX_DIMS})")
+        self.leaves.append(TensorLeaf(path or "<root>", t, node))
         return node
 
 
@@ -209,6 +285,9 @@ class _Decoder:
         self.tensor_for = tensor_for
         self.allow_pickle = allow_pickle
         self.where = where
+        # id(tensor) -> (tensor, its array): one array per tensor object, so that an
+        # array saved under two keys loads as one object, as tied tensors do.
+        self._arrays: dict[int, tuple[torch.Tensor, Any]] = {}
 
     def bad(self, path: str, msg: str) -> ManifestError:
         return ManifestError(f"{self.where}: malformed manifest: tree at {path or '<root>'}: "
@@ -223,7 +302,8 @@ class _Decoder:
         if tag == "tensor":
             if "device" in node:
                 self._device(node["device"], path)
-            return self.tensor_for(node)  # its own errors are not the tree's
+            t = self.tensor_for(node)  # its own errors are not the tree's
+            return t if "np" not in node else self._numpy(node, t, path)
         try:
             return self._decode_tagged(tag, node, path)
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
@@ -234,6 +314,43 @@ class _Decoder:
             return torch.device(value)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise self.bad(path, f"bad device {str(value)[:80]!r} ({exc})") from None
+
+    def _numpy(self, node: dict[str, Any], t: torch.Tensor, path: str) -> Any:
+        """The numpy array or scalar a tensor node marked "np" stands for."""
+        try:
+            import numpy as np
+        except ImportError:
+            raise CheckpointError(
+                f"{self.where}: {path or '<root>'} is a numpy value; install numpy to load "
+                "this checkpoint") from None
+        kind = node["np"]  # "array" or "scalar": format/tree.py checked it
+        if type(t) is not torch.Tensor:
+            raise self.bad(path, f"a numpy {kind} cannot be a {type(t).__qualname__}")
+        if id(t) in self._arrays:
+            arr = self._arrays[id(t)][1]
+        else:
+            arr = self._array(np, node, t, path)
+            self._arrays[id(t)] = (t, arr)
+        if kind == "array":
+            return arr
+        if arr.ndim != 0:
+            raise self.bad(path, f"a numpy scalar stored with shape {list(arr.shape)}")
+        return arr[()]
+
+    def _array(self, np: Any, node: dict[str, Any], t: torch.Tensor, path: str) -> Any:
+        t = t.detach().cpu()  # a numpy node is always loaded on the CPU (api.py)
+        complex128 = node.get("np_dtype") == "complex128"
+        if complex128 and (t.dtype != torch.float64 or t.dim() == 0 or t.shape[-1] != 2):
+            raise self.bad(path, f"a complex128 numpy value stored as {t.dtype} "
+                           f"{list(t.shape)}, not float64 pairs")
+        try:
+            arr = t.numpy()
+            if not arr.flags.c_contiguous:  # a view with other strides, in a hostile manifest
+                arr = arr.copy(order="C")
+            return arr.view(np.complex128)[..., 0] if complex128 else arr
+        except (TypeError, ValueError, RuntimeError) as exc:  # bfloat16, float8: no numpy dtype
+            raise self.bad(path, f"a numpy value cannot be stored as {t.dtype} ({exc})"
+                           ) from None
 
     def _decode_tagged(self, tag: str, node: dict[str, Any], path: str) -> Any:
         if tag in ("dict", "odict"):
