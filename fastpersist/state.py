@@ -223,9 +223,16 @@ class _Encoder:
                 # copy. Views too: a view and its base as tensors would be two
                 # storages at one address, which the planner takes for one.
                 arr = np.array(arr, order="C", copy=True)
-            t = torch.from_numpy(arr)
+            try:
+                t = torch.from_numpy(arr)
+            except TypeError:  # uint16-64 in a torch older than 2.3
+                return self._pickled(obj, path, f"a numpy {kind} of dtype {dtype} (this "
+                                     "torch has no such tensors)")
             if dtype.name == "complex128":
                 t = torch.view_as_real(t)
+            if dtypes.to_name(t.dtype) is None:
+                return self._pickled(obj, path, f"a numpy {kind} of dtype {dtype} (this "
+                                     "torch has no such tensors)")
             self._numpy_tensors[id(obj)] = (obj, t)  # obj kept: its id stays its own
         node: dict[str, Any] = {"t": "tensor", "np": kind}
         if dtype.name == "complex128":

@@ -268,6 +268,7 @@ def test_checkpoints_without_numpy_are_unchanged(tmp_path: Path) -> None:
     assert '"np' not in json.dumps(fixture["tree"])
     loaded = fastpersist.load(Path(__file__).parent / "fixtures" / "layout-v1")
     assert not any(type(v).__module__.startswith("numpy") for v in _leaves(loaded))
+    fastpersist.save({"a": np.ones(2)}, tmp_path / "with-numpy")
     script = f"""
 import sys, warnings
 sys.modules["numpy"] = None  # import numpy raises ImportError
@@ -277,7 +278,13 @@ obj = {{"w": torch.arange(4.0), "cfg": {{"lr": 0.5, "betas": (0.9, 0.99)}}, "n":
 fastpersist.save(obj, {str(tmp_path / "plain")!r})
 out = fastpersist.load({str(tmp_path / "plain")!r})
 assert torch.equal(out["w"], obj["w"]) and out["cfg"] == obj["cfg"] and out["n"] == 2**70
-assert "numpy" not in sys.modules or sys.modules["numpy"] is None
+try:
+    fastpersist.load({str(tmp_path / "with-numpy")!r})
+except fastpersist.CheckpointError as exc:
+    assert "a is a numpy value; install numpy to load this checkpoint" in str(exc), exc
+else:
+    raise AssertionError("loaded numpy values without numpy")
+assert sys.modules["numpy"] is None
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
