@@ -32,9 +32,10 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
 
     `obj` is what torch.save takes for checkpoints: nested dicts, OrderedDicts,
     lists and tuples of tensors, numbers, strings, None, bytes, torch dtypes,
-    devices and sizes (`model.state_dict()`, `optimizer.state_dict()`).
-    Anything else needs pickle and raises UnsupportedValueError unless
-    allow_pickle=True.
+    devices and sizes (`model.state_dict()`, `optimizer.state_dict()`), and
+    numpy arrays and scalars (stored as tensors, loaded as numpy: an RNG
+    state from np.random.get_state() needs no pickle). Anything else needs
+    pickle and raises UnsupportedValueError unless allow_pickle=True.
 
     When save returns, the checkpoint is durable: data and manifest fsynced,
     the directory renamed into place and its parent fsynced. An existing

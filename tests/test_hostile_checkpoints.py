@@ -337,6 +337,97 @@ def test_tensor_dict_keys_are_refused(single: Path) -> None:
     refused(single, r"tree at <root>: a tensor as a dict key")
 
 
+# --- numpy values (issue 12): their marks, and the tensor they stand for -------------------
+
+
+def numpy_checkpoint(path: Path) -> Path:
+    import numpy as np
+
+    base = distinct(12, dtype=torch.float64)
+    fastpersist.save({"a": np.arange(6, dtype=np.float32).reshape(2, 3), "s": np.float32(1.5),
+                      "c": np.array([1 + 2j, 3j]), "half": distinct(3, dtype=torch.bfloat16),
+                      "t": distinct(3), "views": [base, base[1::3]]}, path)
+    return path
+
+
+def _node(d: Doc, key: str) -> Doc:
+    node: Doc = d["tree"]["v"][d["tree"]["k"].index(key)]
+    return node
+
+
+@pytest.mark.parametrize(("key", "change", "match"), [
+    ("a", {"np": "matrix"}, "numpy kind 'matrix' is not 'array' or 'scalar'"),
+    ("a", {"np": ["array"]}, r"numpy kind \['array'\]"),
+    ("a", {"np": None}, "numpy kind None"),
+    ("a", {"np_dtype": "float32"}, "numpy dtype 'float32' is not 'complex128'"),
+    ("c", {"np_dtype": {}}, r"numpy dtype \{\}"),
+    ("t", {"np_dtype": "complex128"}, "numpy kind None"),  # np_dtype without np
+    ("a", {"device": "cuda:0"}, "a numpy value with 'device'"),
+    ("a", {"param": False}, "a numpy value with 'param'"),
+    ("a", {"grad": True}, "a numpy value with 'grad'"),
+    ("a", {"sharded": False}, "a numpy value with 'sharded'"),
+])
+def test_bad_numpy_marks_are_refused(tmp_path: Path, key: str, change: Doc, match: str) -> None:
+    ckpt = numpy_checkpoint(tmp_path / "np")
+    edit(ckpt, lambda d: _node(d, key).update(change))
+    refused(ckpt, rf"tree at {key}: {match}")
+
+
+@pytest.mark.parametrize(("key", "change", "match"), [
+    ("t", {"np": "scalar"}, r"a numpy scalar stored with shape \[3\]"),
+    ("half", {"np": "array"}, "a numpy value cannot be stored as torch.bfloat16"),
+    ("s", {"np_dtype": "complex128"}, r"a complex128 numpy value stored as torch.float32 \[\]"),
+    ("t", {"np": "array", "np_dtype": "complex128"},
+     r"a complex128 numpy value stored as torch.float32 \[3\]"),
+])
+def test_numpy_marks_on_tensors_numpy_cannot_hold_are_refused_on_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, change: Doc,
+        match: str) -> None:
+    """The manifest is well formed; the stored tensor is not what the mark says."""
+    ckpt = numpy_checkpoint(tmp_path / "np")
+    edit(ckpt, lambda d: _node(d, key).update(change))
+    checkpoint.read_manifest(ckpt)
+    for verify in (True, False):
+        with pytest.raises(ManifestError, match=rf"tree at {key}: {match}"):
+            fastpersist.load(ckpt, verify=verify)
+    assert main(["inspect", str(ckpt)]) == 0  # describes what the manifest says
+    assert main(["restore", str(ckpt), "--to", str(tmp_path / "out.pt")]) == 2
+    assert "Traceback" not in "".join(capsys.readouterr())
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_complex128_marks_on_other_float64_tensors(tmp_path: Path) -> None:
+    """float64 pairs make complex128 values: a last dimension of 2 is needed, and
+    any float64 tensor with one loads as what it says (its bytes were written)."""
+    import numpy as np
+
+    ckpt = tmp_path / "c"
+    fastpersist.save({"odd": distinct(3, dtype=torch.float64),
+                      "pairs": distinct(2, 2, dtype=torch.float64)}, ckpt)
+    edit(ckpt, lambda d: _node(d, "odd").update(np="array", np_dtype="complex128"))
+    with pytest.raises(ManifestError, match=r"tree at odd: a complex128 numpy value stored "
+                       r"as torch.float64 \[3\], not float64 pairs"):
+        fastpersist.load(ckpt)
+    edit(ckpt, lambda d: (_node(d, "odd").clear(), _node(d, "odd").update(t="tensor", e=0),
+                          _node(d, "pairs").update(np="array", np_dtype="complex128")))
+    out = fastpersist.load(ckpt)["pairs"]
+    assert out.dtype == np.complex128 and out.tolist() == [1 + 2j, 3 + 4j]
+
+
+def test_numpy_marks_on_views_load_as_contiguous_copies(tmp_path: Path) -> None:
+    """A view with strides (base[1::3]) marked numpy: a C-contiguous array of
+    its elements, not a window on other bytes; a mark on a tensor shared with
+    a torch node leaves that tensor as it was."""
+    import numpy as np
+
+    ckpt = numpy_checkpoint(tmp_path / "np")
+    edit(ckpt, lambda d: [n.update(np="array") for n in _node(d, "views")["v"][1:]])
+    out = fastpersist.load(ckpt)["views"]
+    assert type(out[0]) is torch.Tensor and torch.equal(out[0], distinct(12, dtype=torch.float64))
+    assert type(out[1]) is np.ndarray and out[1].flags.c_contiguous
+    assert out[1].tolist() == [2.0, 5.0, 8.0, 11.0]
+
+
 # --- what must keep loading ----------------------------------------------------------------
 
 
@@ -370,6 +461,7 @@ HOSTILE: dict[str, Callable[[Doc], None]] = {
     "stride-overflow": lambda d: d["tensors"][record_index(d, "empty")].update(
         shape=[0, 2**62, 2**62]),
     "bad-device": lambda d: d["tree"]["v"][3].update(device="cuda:x"),
+    "bad-numpy-mark": lambda d: d["tree"]["v"][3].update(np="matrix"),
 }
 
 

@@ -13,7 +13,10 @@ from tqdm import tqdm
 
 from ..engine import get_engine
 from ..errors import CorruptCheckpointError
+from ..format import dtypes
 from ..format.manifest import Manifest
+from ..format.tree import Path as TreePath
+from ..format.tree import path_text
 from ..tensors.checkpoint import read_manifest, verify
 from ._output import (
     EXIT_CORRUPT,
@@ -41,6 +44,10 @@ def _describe(node: Any, manifest: Manifest) -> str:
     if tag in ("list", "tuple"):
         return f"{tag} of {len(value or [])} items"
     if tag == "tensor":
+        numpy = _numpy_leaf(node, manifest)
+        if numpy is not None:
+            return (f"numpy {numpy['kind']} {numpy['dtype']} "
+                    f"[{', '.join(map(str, numpy['shape']))}] (tensor {numpy['tensor']})")
         e = node.get("e")
         name = manifest.tensors[e].name if isinstance(e, int) and 0 <= e < len(
             manifest.tensors) else f"<bad entry {e!r}>"
@@ -50,6 +57,47 @@ def _describe(node: Any, manifest: Manifest) -> str:
     if tag == "bytes":
         return f"bytes ({len(value or '') * 3 // 4} B)"
     return f"{tag} {_short(value)}"
+
+
+def _numpy_leaf(node: dict[str, Any], manifest: Manifest) -> dict[str, Any] | None:
+    """A numpy value's kind, dtype and shape (a validated manifest's), or None."""
+    kind = node.get("np")
+    if kind is None:
+        return None
+    # A distributed checkpoint's tree refers to its globals, a single one's to its tensors.
+    entries = manifest.globals if manifest.globals is not None else manifest.tensors
+    entry = entries[node["e"]]
+    dtype, shape = entry.dtype, list(entry.shape)
+    view = node.get("view")
+    if view is not None:
+        dtype, shape = view["dtype"], list(view["shape"])
+    name = dtypes.torch_name(dtype)
+    if node.get("np_dtype") == "complex128":  # stored as float64 pairs
+        name, shape = "complex128", shape[:-1]
+    return {"kind": kind, "dtype": name, "shape": shape, "tensor": entry.name}
+
+
+def numpy_values(manifest: Manifest) -> list[dict[str, Any]]:
+    """Every numpy value in the tree: its key path, kind, dtype, shape and tensor."""
+    out = []
+    stack: list[tuple[Any, TreePath]] = [(manifest.tree, None)]
+    while stack:  # iterative: no recursion on what a manifest holds
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        tag = node.get("t")
+        if tag == "tensor":
+            leaf = _numpy_leaf(node, manifest)
+            if leaf is not None:
+                out.append({"path": path_text(path), **leaf})
+        elif tag in ("dict", "odict"):
+            pairs = list(enumerate(zip(node["k"], node["v"], strict=True)))
+            stack += [(v, (path, k, i)) for i, (k, v) in reversed(pairs)]
+            if "meta" in node:
+                stack.append((node["meta"], (path, "_metadata", -1)))
+        elif tag in ("list", "tuple"):
+            stack += [(v, (path, i, i)) for i, v in reversed(list(enumerate(node["v"])))]
+    return out
 
 
 def _count(node: Any, tag: str) -> int:
@@ -76,6 +124,7 @@ def tree_summary(manifest: Manifest) -> dict[str, Any]:
         ]
     summary["tensor_refs"] = _count(tree, "tensor")
     summary["pickled_values"] = _count(tree, "pickle")
+    summary["numpy_values"] = numpy_values(manifest)
     return summary
 
 
@@ -128,7 +177,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{human_size(totals['tensor_bytes'])} of tensors, {human_size(totals['bytes'])} "
           "on disk")
     tree = info["tree"]
+    numpy = tree["numpy_values"]
     print(f"tree: {tree['type']}, {tree['tensor_refs']} tensor references"
+          + (f" ({len(numpy)} of them numpy values)" if numpy else "")
           + (f", {tree['pickled_values']} pickled values" if tree["pickled_values"] else ""))
     if "globals" in info:
         nodes = sorted({f["node"] for f in info["files"] if "node" in f})
@@ -136,6 +187,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               "chunks" + (f"; node-local files on {', '.join(nodes)}" if nodes else ""))
     for item in tree.get("keys", []):
         print(f"  {item['key']}: {item['value']}")
+    if numpy:
+        print("numpy values:")
+        for item in numpy:
+            print(f"  {item['path']}: numpy {item['kind']} {item['dtype']} "
+                  f"[{', '.join(map(str, item['shape']))}] (tensor {item['tensor']})")
     return EXIT_OK
 
 

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import UnsupportedValueError
 from ..format import dtypes
+from ..tensors.numpy_values import is_numpy
 from ..tensors.plan import memory_of
 from ..tensors.state import TensorLeaf, is_dtensor
 from .planner import Item, Piece
@@ -99,6 +100,12 @@ def _collect(obj: Any, path: str, out: list[tuple[str, str]]) -> None:
     elif isinstance(obj, list | tuple):
         for i, v in enumerate(obj):
             _collect(v, f"{path}.{i}" if path else str(i), out)
+    elif is_numpy(obj) and hasattr(obj, "dtype") and hasattr(obj, "tobytes"):
+        # Stored as a tensor (fastpersist.tensors.state), so its writer's is kept as well.
+        small = obj.nbytes <= SMALL_TENSOR_BYTES
+        crc = zlib.crc32(obj.tobytes()) if small else 0
+        out.append((path, f"numpy {obj.dtype}{tuple(obj.shape)}:{crc:08x}" if small
+                    else f"numpy {obj.dtype}{tuple(obj.shape)}"))
     elif isinstance(obj, _PRIMITIVES):
         out.append((path, repr(obj)))
 

@@ -43,6 +43,11 @@ def itemsize(name: str) -> int:
     return _DTYPES[name][0]
 
 
+def torch_name(name: str) -> str:
+    """The torch (and numpy) name of a safetensors name: "F32" -> "float32"."""
+    return _DTYPES[name][1]
+
+
 @functools.cache
 def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
     import torch

@@ -5,7 +5,7 @@ MAX_TREE_DEPTH levels, so a hostile tree cannot exhaust the stack here or in
 the recursive decoder that runs after it. Every node is checked: its tag and
 fields, a tensor node's entry (an index into the stored tensors, or the
 globals of a distributed checkpoint), device and view (inside its entry's
-bytes), dict keys (no duplicates, no tensors). Errors name the key path.
+bytes), numpy marks, dict keys (no duplicates, no tensors). Errors name the key path.
 Torch-free: whether torch knows a device type is for the decoder to ask.
 """
 
@@ -30,6 +30,7 @@ from .bounds import (
 # (and a renamed privateuse1 backend's) to say, at load.
 DEVICE = re.compile(r"^[a-z][a-z0-9_]{0,31}(:[0-9]{1,5})?$")
 _FLOAT_WORDS = frozenset({"nan", "inf", "-inf"})
+_NUMPY_KINDS = ("array", "scalar")
 _STRING_TAGS = frozenset({"bytes", "dtype", "pickle"})
 _SCALARS = (str, int, float, bool, type(None))
 _INT64 = 1 << 63
@@ -133,8 +134,26 @@ def _tensor(node: dict[str, Any], path: Path, entry_bytes: Sequence[int], where:
     for flag in ("param", "grad", "sharded"):
         if not isinstance(node.get(flag, False), bool):
             raise _bad(where, path, f"{flag!r} must be true or false")
+    if "np" in node or "np_dtype" in node:
+        _numpy(node, path, where)
     if "view" in node:
         _view(node["view"], entry_bytes[e], path, where)
+
+
+def _numpy(node: dict[str, Any], path: Path, where: str) -> None:
+    """A numpy value: an array or a scalar, of the stored tensor's dtype or
+    complex128 (float64 pairs); always loaded on the CPU, never a Parameter.
+    That its stored tensor fits (numpy knows its dtype, a scalar is 0-d) the
+    decoder checks, against the tensor."""
+    kind = node.get("np")
+    if not isinstance(kind, str) or kind not in _NUMPY_KINDS:
+        raise _bad(where, path, f"numpy kind {short(kind)} is not 'array' or 'scalar'")
+    np_dtype = node.get("np_dtype", "complex128")
+    if not isinstance(np_dtype, str) or np_dtype != "complex128":
+        raise _bad(where, path, f"numpy dtype {short(np_dtype)} is not 'complex128'")
+    for key in ("device", "param", "grad", "sharded"):
+        if key in node:
+            raise _bad(where, path, f"a numpy value with {key!r}")
 
 
 def _view(view: Any, nbytes: int, path: Path, where: str) -> None:

@@ -62,7 +62,9 @@ class TensorFactory:
         index = node.get("e")
         if not isinstance(index, int) or not 0 <= index < len(self.entries):
             raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
-        device = target_device(self.map_location, node.get("device", "cpu"))
+        # numpy values load on the CPU, whatever map_location says.
+        device = "cpu" if "np" in node else target_device(self.map_location,
+                                                         node.get("device", "cpu"))
         view = node.get("view")
         key = (index, device, repr(view), node.get("param"), node.get("grad"))
         if key in self.made:

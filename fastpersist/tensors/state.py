@@ -16,7 +16,16 @@ everything else is an object tagged by "t":
     {"t": "device", "v": "cuda:0"}       {"t": "size", "v": [2, 3]}
     {"t": "tensor", "e": entry, "view": {...}?, "device": str?, "param": bool?,
      "grad": bool?}
+    {"t": "tensor", "e": entry, "view": {...}?, "np": "array" | "scalar",
+     "np_dtype": "complex128"?}
+                                         a numpy array or scalar, stored as a tensor
+                                         of its dtype (complex128, which safetensors
+                                         lacks, as float64 pairs: "np_dtype"); loads
+                                         as numpy, on the CPU, C-contiguous
     {"t": "pickle", "v": base64}         only with allow_pickle=True
+
+Integers are JSON integers of at most MAX_INT_BITS bits (Python's JSON parser
+refuses longer ones). numpy is imported only when a numpy value is met.
 """
 
 from __future__ import annotations
@@ -35,9 +44,14 @@ from ..errors import ManifestError, PickleNotAllowedError, UnsupportedValueError
 from ..format import dtypes
 from ..format.bounds import MAX_DIMS, MAX_TREE_DEPTH
 from ..format.tree import key_text
+from . import numpy_values
+from .numpy_values import is_numpy
 
 Node = Any  # a JSON value
 
+# Python's JSON parser refuses integers of more than 4300 digits (int_max_str_digits);
+# 2**14000 has 4215.
+MAX_INT_BITS = 14_000
 
 @dataclass
 class TensorLeaf:
@@ -59,6 +73,8 @@ class _Encoder:
         self.leaves: list[TensorLeaf] = []
         self._active: set[int] = set()  # containers on the current path: cycles
         self._depth = 0  # levels of the node being encoded (the root is 1)
+        # id(numpy value) -> (the value, its tensor): one tensor per array object
+        self._numpy_tensors: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def encode(self, obj: Any, path: str) -> Node:
         self._depth += 1
@@ -76,6 +92,9 @@ class _Encoder:
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if type(obj) is int:
+            if obj.bit_length() > MAX_INT_BITS:
+                return self._pickled(obj, path, f"an integer of {obj.bit_length()} bits (over "
+                                     f"{MAX_INT_BITS})")
             return obj
         if type(obj) is float:
             return obj if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
@@ -93,6 +112,8 @@ class _Encoder:
             return {"t": "device", "v": str(obj)}
         if type(obj) is torch.Size:
             return {"t": "size", "v": list(obj)}
+        if is_numpy(obj):
+            return self._numpy(obj, path)
         return self._pickled(obj, path, f"a value of type {type(obj).__qualname__}")
 
     def _pickled(self, obj: Any, path: str, what: str) -> Node:
@@ -118,6 +139,11 @@ class _Encoder:
         for k, v in obj.items():
             if isinstance(k, torch.Tensor):
                 raise UnsupportedValueError(f"{path or '<root>'}: tensors cannot be dict keys")
+            if is_numpy(k) and not isinstance(k, str):
+                # A numpy key would be a tensor node, which no dict key may be.
+                keys.append(self._pickled(k, path, f"a numpy dict key ({type(k).__qualname__})"))
+                values.append(self.encode(v, _path(path, k)))
+                continue
             keys.append(self.encode(k, path))
             values.append(self.encode(v, _path(path, k)))
         node = {"t": "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
@@ -158,6 +184,14 @@ class _Encoder:
         elif t.requires_grad:
             node["grad"] = True
         self.leaves.append(TensorLeaf(path or "<root>", t.detach(), node))
+        return node
+
+    def _numpy(self, obj: Any, path: str) -> Node:
+        stored = numpy_values.as_tensor(obj, self._numpy_tensors)
+        if isinstance(stored, str):
+            return self._pickled(obj, path, stored)
+        node, t = stored
+        self.leaves.append(TensorLeaf(path or "<root>", t, node))
         return node
 
 
@@ -209,6 +243,9 @@ class _Decoder:
         self.tensor_for = tensor_for
         self.allow_pickle = allow_pickle
         self.where = where
+        # id(tensor) -> (tensor, its array): one array per tensor object, so that an
+        # array saved under two keys loads as one object, as tied tensors do.
+        self._arrays: dict[int, tuple[torch.Tensor, Any]] = {}
 
     def bad(self, path: str, msg: str) -> ManifestError:
         return ManifestError(f"{self.where}: malformed manifest: tree at {path or '<root>'}: "
@@ -223,7 +260,8 @@ class _Decoder:
         if tag == "tensor":
             if "device" in node:
                 self._device(node["device"], path)
-            return self.tensor_for(node)  # its own errors are not the tree's
+            t = self.tensor_for(node)  # its own errors are not the tree's
+            return t if "np" not in node else self._numpy(node, t, path)
         try:
             return self._decode_tagged(tag, node, path)
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
@@ -234,6 +272,12 @@ class _Decoder:
             return torch.device(value)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise self.bad(path, f"bad device {str(value)[:80]!r} ({exc})") from None
+
+    def _numpy(self, node: dict[str, Any], t: torch.Tensor, path: str) -> Any:
+        """The numpy array or scalar a tensor node marked "np" stands for."""
+        return numpy_values.from_tensor(node, t, self._arrays,
+                                        lambda msg: self.bad(path, msg),
+                                        f"{self.where}: {path or '<root>'}")
 
     def _decode_tagged(self, tag: str, node: dict[str, Any], path: str) -> Any:
         if tag in ("dict", "odict"):

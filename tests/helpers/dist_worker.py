@@ -185,6 +185,12 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
             if args.get("per_rank_values"):
                 state["rank_note"] = rank  # values that differ between ranks
                 state["rng"] = torch.tensor([rank, 7])
+            if args.get("numpy_values"):
+                import numpy as np  # numpy values: stored as tensors, one copy per job
+
+                state["np"] = {"same": np.arange(6, dtype=np.int16).reshape(2, 3),
+                               "scalar": np.float32(2.5),
+                               "rng": np.random.RandomState(rank).get_state()}
             if scenario == "mismatch" and rank == args["odd_rank"]:
                 state["model"]["extra"] = torch.zeros(3)  # a state the others do not have
             for _ in range(args.get("saves", 1)):
