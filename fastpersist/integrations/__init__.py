@@ -2,8 +2,8 @@
 
     from fastpersist.integrations.lightning import FastPersistCheckpointIO   # Lightning
     from fastpersist.integrations.pytorch_lightning import FastPersistCheckpointIO
-    from fastpersist.integrations.hf import FastPersistTrainer               # transformers
-    from fastpersist.integrations.hf import register_accelerate_hooks        # accelerate
+    from fastpersist.integrations.transformers import FastPersistTrainer     # transformers
+    from fastpersist.integrations.accelerate import register                 # accelerate
 
 Each adapter is a module of its own that imports fastpersist's public API and
 its framework, and only when it is imported: `import fastpersist` (and this
