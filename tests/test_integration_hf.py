@@ -149,3 +149,57 @@ def test_background_failure_is_raised(tmp_path: Path, monkeypatch: pytest.Monkey
     chain = [info.value, info.value.__cause__]
     assert any(isinstance(e, fastpersist.DiskFullError) for e in chain)
     assert not (tmp_path / "checkpoint-3" / TRAINER_DIR).exists()
+
+
+# --- accelerate: Accelerator.save_state/load_state with the weights through fastpersist ---
+
+
+def accelerate_run(ckpt: Path, *, seed: int = 0, save_at: int | None = None,
+                   resume: bool = False, async_save: bool = False) -> dict[str, Any]:
+    accelerate = pytest.importorskip("accelerate")
+    from fastpersist.integrations.accelerate import register
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    hooks = register(accelerator, async_save=async_save)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    start = 0
+    if resume:
+        accelerator.load_state(str(ckpt))
+        start = save_at or 0
+    data = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 6, generator=data), torch.randn(8, 1, generator=data))
+               for _ in range(6)]
+    for step in range(start, 6):
+        x, y = batches[step]
+        loss = torch.nn.functional.mse_loss(model(x), y)  # dropout: the RNG state matters
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if not resume and step + 1 == save_at:
+            accelerator.save_state(str(ckpt))
+    hooks.remove()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict()}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_accelerate_save_state_and_load_state(tmp_path: Path, async_save: bool) -> None:
+    pytest.importorskip("accelerate")
+    expected = accelerate_run(tmp_path / "unused")
+    ckpt = tmp_path / "ckpt"
+    saved = accelerate_run(ckpt, save_at=3, async_save=async_save)
+    assert_bit_equal(saved, expected)  # saving changed nothing
+    files = set(os.listdir(ckpt))
+    assert "fastpersist-model" in files and "model.safetensors" not in files
+    assert "optimizer.bin" in files  # accelerate's own (see the module docstring)
+    with safe_open(str(next((ckpt / "fastpersist-model").glob("data-*.safetensors"))),
+                   "pt") as f:
+        assert set(f.keys()) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    resumed = accelerate_run(ckpt, seed=1, save_at=3, resume=True)
+    assert_bit_equal(resumed, expected)
