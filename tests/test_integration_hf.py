@@ -203,3 +203,14 @@ def test_accelerate_save_state_and_load_state(tmp_path: Path, async_save: bool) 
         assert set(f.keys()) == {"0.weight", "0.bias", "3.weight", "3.bias"}
     resumed = accelerate_run(ckpt, seed=1, save_at=3, resume=True)
     assert_bit_equal(resumed, expected)
+
+
+def test_example_runs() -> None:
+    """README: python examples/hf_trainer_example.py"""
+    import subprocess
+    import sys
+
+    example = Path(__file__).parent.parent / "examples" / "hf_trainer_example.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    assert "bit for bit" in out and "from_pretrained" in out

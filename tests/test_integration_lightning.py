@@ -289,3 +289,14 @@ def test_pytorch_lightning_package(tmp_path: Path) -> None:
     assert t.global_step == 12
     # Lightning never removes the checkpoint it resumed from.
     assert names(tmp_path) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+
+
+def test_example_runs() -> None:
+    """README: python examples/lightning_example.py"""
+    import subprocess
+    import sys
+
+    example = Path(__file__).parent.parent / "examples" / "lightning_example.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    assert "bit for bit" in out
