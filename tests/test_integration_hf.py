@@ -214,3 +214,12 @@ def test_example_runs() -> None:
     out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
                          timeout=300, check=True).stdout
     assert "bit for bit" in out and "from_pretrained" in out
+
+
+def test_through_the_daemon(daemon: Any, uninterrupted: dict[str, Any]) -> None:
+    """fastpersist_daemon: fastpersistd writes both checkpoints (its root holds the run)."""
+    out = daemon.root / "run"
+    train(out, stop=6, fastpersist_daemon=daemon.address)
+    assert (out / "checkpoint-6" / "model.safetensors.index.json").is_file()
+    resumed = train(out, seed=1, resume=True, fastpersist_daemon=daemon.address)
+    assert_bit_equal(final_state(resumed), uninterrupted)

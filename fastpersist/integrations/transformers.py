@@ -54,6 +54,10 @@ RNG state, which fastpersist stores only with pickle (until numpy values
 are supported without it); it is small. DeepSpeed, FSDP, XLA, SageMaker MP
 and PEFT adapters keep HF's own checkpoint code (sharded or tiny states).
 In a DDP job only the saving process (args.should_save) writes, as in HF.
+Through fastpersistd (fastpersist_daemon or FASTPERSIST_DAEMON), the daemon
+writes the two fastpersist directories, and the trainer still writes HF's own
+files into checkpoint-N/ (and HF rotates old checkpoints): the output_dir must
+lie under the daemon's --root and be writable by the trainer as well.
 """
 
 from __future__ import annotations
