@@ -62,13 +62,18 @@ class StopAt(TrainerCallback):
 
 
 def train(out: Path, *, cls: type = FastPersistTrainer, seed: int = 0, stop: int | None = None,
-          resume: Any = None, save: bool = True, **kwargs: Any) -> Any:
+          resume: Any = None, save: bool = True, eval_steps_kw: bool = False,
+          **kwargs: Any) -> Any:
     torch.manual_seed(seed)  # the initial weights: a resumed run must not depend on them
+    best = {"eval_strategy": "steps", "eval_steps": EVERY, "load_best_model_at_end": True,
+            # The highest loss is "best": the first checkpoint, not the final weights.
+            "metric_for_best_model": "eval_loss", "greater_is_better": True,
+            } if eval_steps_kw else {}
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4,
                              max_steps=STEPS, save_steps=EVERY,
                              save_strategy="steps" if save else "no", save_total_limit=2,
                              learning_rate=1e-3, warmup_steps=2, logging_steps=100,
-                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **best)
     trainer = cls(model=LlamaForCausalLM(config()), args=args, train_dataset=Tokens(),
                   callbacks=[StopAt(stop)] if stop else None, **kwargs)
     trainer.train(resume_from_checkpoint=resume)
@@ -223,3 +228,11 @@ def test_through_the_daemon(daemon: Any, uninterrupted: dict[str, Any]) -> None:
     assert (out / "checkpoint-6" / "model.safetensors.index.json").is_file()
     resumed = train(out, seed=1, resume=True, fastpersist_daemon=daemon.address)
     assert_bit_equal(final_state(resumed), uninterrupted)
+
+
+def test_load_best_model_at_end(tmp_path: Path) -> None:
+    """HF's own best-model loading reads the weights through the index, once durable."""
+    trainer = train(tmp_path, eval_dataset=Tokens(), eval_steps_kw=True)
+    best = trainer.state.best_model_checkpoint
+    assert best == str(tmp_path / "checkpoint-3") and (Path(best) / MODEL_DIR).is_dir()
+    assert_bit_equal(trainer.model.state_dict(), fastpersist.load(Path(best) / MODEL_DIR))
