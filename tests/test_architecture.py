@@ -55,7 +55,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     # The daemon runs without torch and never plans or stages a save.
     "daemon": _TORCH_FREE | {"daemon"},
     "api": _TORCH_FREE | {"tensors", "saving", "distributed", "api"},
-    "integrations": _TORCH_FREE | {"tensors", "saving", "distributed", "api", "integrations"},
+    # Adapters built on the public API (the package's names), and what it stands on.
+    "integrations": _TORCH_FREE | {"tensors", "saving", "distributed", "api", "package",
+                                   "integrations"},
     "cli": _TORCH_FREE | {"tensors", "saving", "distributed", "api", "cli"},
     "package": _TORCH_FREE | {"api", "package", "saving", "tensors", "distributed"},
 }
