@@ -49,9 +49,10 @@ counterparts), and leaves the orchestration (_save_checkpoint's bookkeeping,
 trainer_state.json, best-model tracking, rotation of old checkpoints, data
 skipping on resume) to the Trainer. A TrainerCallback cannot do it: on_save
 runs after HF has written everything, and nothing can stop the torch.save
-files. The RNG state stays HF's rng_state.pth (torch.save): it holds numpy's
-RNG state, which fastpersist stores only with pickle (until numpy values
-are supported without it); it is small. DeepSpeed, FSDP, XLA, SageMaker MP
+files. The RNG state stays HF's rng_state.pth (torch.save, a few KiB), so
+that HF's own resume code and other tools keep reading it; fastpersist could
+store it without pickle (numpy values are tensors), but HF reads it with
+torch.load. DeepSpeed, FSDP, XLA, SageMaker MP
 and PEFT adapters keep HF's own checkpoint code (sharded or tiny states).
 In a DDP job only the saving process (args.should_save) writes, as in HF.
 Through fastpersistd (fastpersist_daemon or FASTPERSIST_DAEMON), the daemon
