@@ -1,0 +1,1 @@
+"""Adapters between fastpersist and other checkpointing frameworks."""
