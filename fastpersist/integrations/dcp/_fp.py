@@ -35,7 +35,7 @@ from ...format.manifest import (
 )
 from ...format.names import part_file_name
 from ...format.tree import check_tree
-from ...plan import StoredTensor, memory_of
+from ...plan import StoredTensor
 from ...staging import StagingPool
 
 crc32c_combine: Callable[[int, int, int], int] | None
@@ -50,5 +50,5 @@ __all__ = [
     "GlobalTensor", "Manifest", "ManifestError", "Segment", "Staging", "StagingPool",
     "StoredTensor", "TensorRecord", "TruncatedFileError", "UnsupportedValueError",
     "__version__", "check_tree", "crc32c_combine", "dtypes", "get_engine", "knobs",
-    "memory_of", "os_error", "parse_json", "part_file_name", "plan_file", "read_manifest",
+    "os_error", "parse_json", "part_file_name", "plan_file", "read_manifest",
 ]

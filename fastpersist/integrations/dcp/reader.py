@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from . import _fp, metadata_json
 from .blocks import CRC_BLOCK, contiguous_strides, is_whole, touched_blocks
+from .memory import bytes_of
 from .metadata_json import DCP_METADATA_NAME, ItemInfo
 
 # Temporary memory (items read whole and then copied, partial spans) per engine call.
@@ -56,6 +57,7 @@ class FastPersistReader(StorageReader):
         self.storage_data: dict[MetadataIndex, ItemInfo] = {}
         self._records: dict[str, _fp.TensorRecord] = {}
         self._files: dict[str, _fp.FileRecord] = {}
+        self.bytes_read = 0  # data bytes read by read_data so far (for tests and benchmarks)
 
     @property
     def checkpoint_id(self) -> str:
@@ -154,6 +156,7 @@ class FastPersistReader(StorageReader):
 
     def _read(self, engine: _fp.Engine, name: str, batch: list[_Job], verify: bool) -> None:
         segments = [s for job in batch for s in job.segments]
+        self.bytes_read += sum(len(s[0]) for s in segments)
         try:
             result = engine.read_file(str(self.path / name), segments, checksum=verify)
         except EOFError as exc:
@@ -228,7 +231,7 @@ def _whole(record: _fp.TensorRecord, dtype: torch.dtype, reqs: list[ReadItem],
             def commit(planner: LoadPlanner) -> None:
                 planner.commit_tensor(reqs[0], dest)
 
-            return _Job(record, [(_fp.memory_of(dest), record.offset)], [(record.crc32c, "")],
+            return _Job(record, [(bytes_of(dest), record.offset)], [(record.crc32c, "")],
                         0, commit, [dest])
     buf = torch.empty(shape, dtype=dtype)
 
@@ -239,7 +242,7 @@ def _whole(record: _fp.TensorRecord, dtype: torch.dtype, reqs: list[ReadItem],
                 src = src.narrow(d, o, n)
             _copy_to(planner, req, src)
 
-    return _Job(record, [(_fp.memory_of(buf), record.offset)], [(record.crc32c, "")],
+    return _Job(record, [(bytes_of(buf), record.offset)], [(record.crc32c, "")],
                 record.length, copy_out, [buf])
 
 
@@ -248,7 +251,7 @@ def _partial(record: _fp.TensorRecord, info: ItemInfo, dtype: torch.dtype,
     lo = blocks[0] * CRC_BLOCK
     hi = min((blocks[-1] + 1) * CRC_BLOCK, record.length)
     buf = torch.empty(hi - lo, dtype=torch.uint8)
-    memory = _fp.memory_of(buf)
+    memory = bytes_of(buf)
     segments: list[_fp.Segment] = []
     expected = []
     for b in blocks:

@@ -53,6 +53,7 @@ from torch.futures import Future
 from . import _fp, metadata_json
 from .blocks import block_spans, record_name
 from .manifest import Written, build
+from .memory import bytes_of
 from .metadata_json import ItemInfo
 from .stager import FastPersistStager, Lease
 
@@ -314,7 +315,7 @@ def _write_file(engine: _fp.Engine, directory: Path, name: str, items: list[Writ
     segments: list[_fp.Segment] = [(lay.header, 0)]
     spans: list[list[tuple[int, int]]] = []
     for s, offset in zip(plan.order, lay.offsets, strict=True):
-        memory = _fp.memory_of(s.source)
+        memory = bytes_of(s.source)
         item_spans = block_spans(s.nbytes)
         spans.append(item_spans)
         segments += [(memory[a:a + n], offset + a) for a, n in item_spans]
@@ -346,7 +347,7 @@ def _combine(crcs: list[int], spans: list[tuple[int, int]], source: torch.Tensor
     if _fp.crc32c_combine is None:  # the reference engine: checksum the bytes again
         import crc32c
 
-        return int(crc32c.crc32c(_fp.memory_of(source)))
+        return int(crc32c.crc32c(bytes_of(source)))
     whole = crcs[0]
     for crc, (_, n) in zip(crcs[1:], spans[1:], strict=True):
         whole = _fp.crc32c_combine(whole, crc, n)
