@@ -342,6 +342,9 @@ def test_four_ranks_save_two_ranks_and_one_process_load(tmp_path: Path) -> None:
             assert got[k] == v, k
     assert got["extra.blob"] == bytes(range(256))
     assert fpctl(["verify", str(path)]) == 0
+    assert fpctl(["restore", str(path), "--to", str(tmp_path / "full.pt")]) == 0
+    assert torch.equal(torch.load(tmp_path / "full.pt", weights_only=True)["big"],
+                       reference["big"])
 
 
 # --- SIGKILL ------------------------------------------------------------------------------
