@@ -123,10 +123,11 @@ def _need(cond: bool, what: str) -> None:
         raise _Bad(what)
 
 
-def _ints(value: Any, what: str, lo: int = 0) -> list[int]:
-    _need(isinstance(value, list) and len(value) <= 64 and all(
-        type(v) is int and v >= lo for v in value), f"{what} must be a list of integers")
-    return list(value)
+def _ints(value: Any, fqn: str, what: str) -> list[int]:
+    if not (type(value) is list and len(value) <= 64 and all(
+            type(v) is int and v >= 0 for v in value)):
+        raise _Bad(f"{fqn}: {what} must be a list of integers >= 0")
+    return value
 
 
 def loads(data: bytes, manifest: _fp.Manifest, where: str) -> Metadata:
@@ -158,6 +159,7 @@ def loads(data: bytes, manifest: _fp.Manifest, where: str) -> Metadata:
 
 
 def _metadata(body: Any, manifest: _fp.Manifest, where: str) -> Metadata:
+    # Messages are made only when raised: a checkpoint has many thousands of items.
     _need(isinstance(body, dict), "body is not an object")
     _need(body.get("crc_block") == CRC_BLOCK, "unknown crc_block")
     records = {r.name: r for r in manifest.tensors}
@@ -165,59 +167,53 @@ def _metadata(body: Any, manifest: _fp.Manifest, where: str) -> Metadata:
     chunk_dtype: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]] = {}
     for t in body["tensors"]:
         fqn = t["fqn"]
-        _need(isinstance(fqn, str) and fqn not in sd_md, f"bad or duplicate fqn {fqn!r}")
-        dtype = getattr(torch, t["dtype"], None)
-        _need(isinstance(dtype, torch.dtype), f"{fqn}: unknown dtype")
-        name = _fp.dtypes.to_name(dtype)  # type: ignore[arg-type]
-        _need(name is not None, f"{fqn}: dtype {t['dtype']} cannot be stored")
-        _need(t["layout"] in _LAYOUTS and t["memory_format"] in _MEMORY_FORMATS,
-              f"{fqn}: unknown layout or memory format")
-        props = TensorProperties(dtype=dtype, layout=_LAYOUTS[t["layout"]],  # type: ignore[arg-type]
-                                 requires_grad=bool(t["requires_grad"]),
-                                 memory_format=_MEMORY_FORMATS[t["memory_format"]],
-                                 pin_memory=bool(t["pin_memory"]))
-        size = _ints(t["size"], f"{fqn}: size")
+        if not isinstance(fqn, str) or fqn in sd_md:
+            raise _Bad(f"bad or duplicate fqn {fqn!r}")
+        props, name = _properties(t, fqn)
+        size = _ints(t["size"], fqn, "size")
         chunks = []
         for c in t["chunks"]:
-            offsets, sizes = _ints(c["offsets"], f"{fqn}: offsets"), _ints(c["sizes"],
-                                                                          f"{fqn}: sizes")
-            _need(len(offsets) == len(sizes) == len(size) and all(
-                o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True)),
-                f"{fqn}: chunk {offsets} {sizes} is outside {size}")
+            offsets, sizes = _ints(c["offsets"], fqn, "offsets"), _ints(c["sizes"], fqn, "sizes")
+            if not (len(offsets) == len(sizes) == len(size) and all(
+                    o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True))):
+                raise _Bad(f"{fqn}: chunk {offsets} {sizes} is outside {size}")
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets),
                                                sizes=torch.Size(sizes)))
-            chunk_dtype[(fqn, tuple(offsets))] = (name, tuple(sizes))  # type: ignore[assignment]
+            chunk_dtype[(fqn, tuple(offsets))] = (name, tuple(sizes))
         sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size),
                                            chunks=chunks)
     for fqn in body["bytes"]:
-        _need(isinstance(fqn, str) and fqn not in sd_md, f"bad or duplicate fqn {fqn!r}")
+        if not isinstance(fqn, str) or fqn in sd_md:
+            raise _Bad(f"bad or duplicate fqn {fqn!r}")
         sd_md[fqn] = BytesStorageMetadata()
     storage_data: dict[MetadataIndex, ItemInfo] = {}
     for it in body["items"]:
         fqn, offset, hint = it["fqn"], it["offset"], it["index"]
-        _need(isinstance(fqn, str) and fqn in sd_md, f"item of unknown fqn {fqn!r}")
-        _need(hint is None or type(hint) is int, f"{fqn}: bad index hint")
+        if not isinstance(fqn, str) or fqn not in sd_md:
+            raise _Bad(f"item of unknown fqn {fqn!r}")
+        if hint is not None and type(hint) is not int:
+            raise _Bad(f"{fqn}: bad index hint")
         record = records.get(it["record"])
-        _need(record is not None, f"{fqn}: record {str(it['record'])[:80]!r} is not in the "
-              "manifest")
-        assert record is not None
+        if record is None:
+            raise _Bad(f"{fqn}: record {str(it['record'])[:80]!r} is not in the manifest")
         if offset is None:
-            _need(isinstance(sd_md[fqn], BytesStorageMetadata), f"{fqn}: a tensor item "
-                  "without offsets")
-            _need(record.dtype == "U8" and len(record.shape) == 1, f"{fqn}: bytes item's "
-                  "record is not a byte tensor")
+            if not isinstance(sd_md[fqn], BytesStorageMetadata):
+                raise _Bad(f"{fqn}: a tensor item without offsets")
+            if record.dtype != "U8" or len(record.shape) != 1:
+                raise _Bad(f"{fqn}: bytes item's record is not a byte tensor")
         else:
-            key = (fqn, tuple(_ints(offset, f"{fqn}: offset")))
-            _need(key in chunk_dtype, f"{fqn}: item at {offset} is not one of its chunks")
-            _need(chunk_dtype.pop(key) == (record.dtype, record.shape),
-                  f"{fqn}: item at {offset} does not match its record's dtype and shape")
+            key = (fqn, tuple(_ints(offset, fqn, "offset")))
+            if chunk_dtype.pop(key, None) != (record.dtype, record.shape):
+                raise _Bad(f"{fqn}: item at {offset} is not one of its chunks, or does not "
+                           "match its record's dtype and shape")
         crcs = it["block_crcs"]
         blocks = math.ceil(record.length / CRC_BLOCK) if record.length > CRC_BLOCK else 0
-        _need(isinstance(crcs, list) and len(crcs) == blocks and all(
-            type(c) is int and 0 <= c < 1 << 32 for c in crcs),
-            f"{fqn}: block CRCs do not match the item's {blocks} blocks")
+        if not (type(crcs) is list and len(crcs) == blocks and all(
+                type(c) is int and 0 <= c < 1 << 32 for c in crcs)):
+            raise _Bad(f"{fqn}: block CRCs do not match the item's {blocks} blocks")
         index = MetadataIndex(fqn, offset, hint)
-        _need(index not in storage_data, f"{fqn}: item at {offset} twice")
+        if index in storage_data:
+            raise _Bad(f"{fqn}: item at {offset} twice")
         storage_data[index] = ItemInfo(record.name, tuple(crcs))
     _need(not chunk_dtype, f"chunks without items, e.g. {next(iter(chunk_dtype), None)}")
     _need(all(MetadataIndex(f) in storage_data for f, md in sd_md.items()
@@ -225,6 +221,20 @@ def _metadata(body: Any, manifest: _fp.Manifest, where: str) -> Metadata:
     return Metadata(state_dict_metadata=sd_md, planner_data=_planner_data(body, where),
                     storage_data=storage_data, storage_meta=_storage_meta(body),
                     version=body["dcp_version"])
+
+
+def _properties(t: dict[str, Any], fqn: str) -> tuple[TensorProperties, str]:
+    dtype = getattr(torch, t["dtype"], None) if isinstance(t["dtype"], str) else None
+    name = _fp.dtypes.to_name(dtype) if isinstance(dtype, torch.dtype) else None
+    if name is None:
+        raise _Bad(f"{fqn}: dtype {str(t['dtype'])[:40]} cannot be stored")
+    if t["layout"] not in _LAYOUTS or t["memory_format"] not in _MEMORY_FORMATS:
+        raise _Bad(f"{fqn}: unknown layout or memory format")
+    props = TensorProperties(dtype=dtype, layout=_LAYOUTS[t["layout"]],  # type: ignore[arg-type]
+                             requires_grad=bool(t["requires_grad"]),
+                             memory_format=_MEMORY_FORMATS[t["memory_format"]],
+                             pin_memory=bool(t["pin_memory"]))
+    return props, name
 
 
 def _planner_data(body: dict[str, Any], where: str) -> Any:

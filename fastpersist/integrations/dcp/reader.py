@@ -38,7 +38,7 @@ from torch.futures import Future
 
 from . import _fp, metadata_json
 from .blocks import CRC_BLOCK, contiguous_strides, is_whole, touched_blocks
-from .memory import bytes_of
+from .memory import bytes_of, no_gc
 from .metadata_json import DCP_METADATA_NAME, ItemInfo
 
 # Temporary memory (items read whole and then copied, partial spans) per engine call.
@@ -74,6 +74,10 @@ class FastPersistReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with no_gc():
+            return self._read_metadata()
+
+    def _read_metadata(self) -> Metadata:
         manifest = self._read_manifest()
         meta_path = self.path / DCP_METADATA_NAME
         try:

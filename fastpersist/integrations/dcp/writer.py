@@ -53,7 +53,7 @@ from torch.futures import Future
 from . import _fp, metadata_json
 from .blocks import block_spans, record_name
 from .manifest import Written, build
-from .memory import bytes_of
+from .memory import bytes_of, no_gc
 from .metadata_json import ItemInfo
 from .stager import FastPersistStager, Lease
 
@@ -211,8 +211,10 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             metadata.version = DCP_VERSION
             metadata.storage_data = {index: w.info for index, w in written.items()}
             metadata.storage_meta = self.storage_meta()
-            manifest = build(metadata, written, str(self.path))
-            staging.write_file(metadata_json.DCP_METADATA_NAME, metadata_json.dumps(metadata))
+            with no_gc():
+                manifest = build(metadata, written, str(self.path))
+                meta_json = metadata_json.dumps(metadata)
+            staging.write_file(metadata_json.DCP_METADATA_NAME, meta_json)
             staging.commit(manifest)
         except OSError as exc:
             self._abort_pending()
