@@ -29,6 +29,7 @@ staging buffers, given back as soon as this rank's files are written.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import secrets
 import shutil
@@ -230,7 +231,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     def _begin(self, token: str) -> None:
         target = self.path
         if not self.overwrite and os.path.lexists(target):
-            raise _fp.CheckpointExistsError(17, f"{target} exists and overwrite=False")
+            raise _fp.CheckpointExistsError(errno.EEXIST, f"{target} exists and overwrite=False")
         where = staging_path(target, token)
         with _in_flight_lock:
             if where in _in_flight:
