@@ -44,6 +44,15 @@ class ChecksumMismatchError(CorruptCheckpointError):
         self.file = file
         self.tensor = tensor
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled between processes (torch.distributed.checkpoint sends a rank's
+        # failure to the others): rebuild with the keyword arguments too.
+        return _rebuild_checksum_mismatch, (str(self), self.file, self.tensor)
+
+
+def _rebuild_checksum_mismatch(message: str, file: str, tensor: str) -> ChecksumMismatchError:
+    return ChecksumMismatchError(message, file=file, tensor=tensor)
+
 
 class TruncatedFileError(CorruptCheckpointError):
     """A data file is shorter than the manifest says."""

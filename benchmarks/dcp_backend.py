@@ -1,0 +1,233 @@
+"""torch.distributed.checkpoint on fastpersist's storage vs DCP's own FileSystemWriter/Reader.
+
+    python benchmarks/dcp_backend.py               # 1 GiB, 1 process and 4 ranks, 5 repeats
+    python benchmarks/dcp_backend.py --size-gib 0.25 --world 1 --repeats 5
+    python benchmarks/dcp_backend.py --json out.json --dir /mnt/nvme/bench
+
+The same DCP calls, only the storage differs:
+
+- save: dcp.save(state, storage_writer=...) with FileSystemWriter(sync_files=True)
+  (+ an fsync of the directory and its parent, the guarantee fastpersist gives)
+  vs FastPersistWriter; wall time from a barrier before to one after;
+- load: dcp.load into a preallocated state in place, page cache dropped first
+  (drop_caches as root, posix_fadvise(DONTNEED) per file otherwise), with
+  FileSystemReader vs FastPersistReader (CRC32C of every item checked);
+- async_save stall: the time dcp.async_save takes to return (the trainer's
+  stall: the snapshot), with FileSystemWriter as its own stager (DCP's
+  BlockingAsyncStager: a new host copy per save) vs FastPersistWriter (staging
+  buffers reused from the second save on); and the time until durable.
+
+State: the benchmarks' GPT-style state (_state.py: bf16 weights, fp32 AdamW
+moments, 0-d steps). With --world 4 each of 4 gloo ranks holds a quarter of
+every tensor as a DTensor (Shard(0) on a CPU mesh; tensors too small to shard
+replicated), as FSDP would, and the state size is the whole job's.
+
+Methods alternate within each repeat (order rotated each repeat); the report
+gives median, min and max over repeats and the FileSystem/FastPersist ratio.
+The first repeat's async saves allocate the staging buffers (both methods);
+later repeats show the steady state, so the median is the steady state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+METHODS = ("fs", "fp")
+NAMES = {"fs": "FileSystemWriter/Reader", "fp": "FastPersistWriter/Reader"}
+
+
+def shard_state(state: Any, mesh: Any, rank: int, world: int) -> Any:
+    """Each tensor as a DTensor sharded by rows over the mesh (replicated when too small)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if isinstance(state, torch.Tensor):
+        if state.dim() == 0 or state.shape[0] < world:
+            return DTensor.from_local(state, mesh, [Replicate()], run_check=False)
+        local = state.chunk(world)[rank].clone()
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    if isinstance(state, dict):
+        return {k: shard_state(v, mesh, rank, world) for k, v in state.items()}
+    return state
+
+
+def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from _state import build_skeleton, build_state, make_spec, verify_nested
+    from _system import drop_page_cache, fsync_path
+
+    from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter
+
+    warnings.simplefilter("ignore")
+    spec = make_spec(nbytes, seed=0)
+    rank = 0
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        mesh = init_device_mesh("cpu", (world,))
+        state = shard_state(build_state(spec), mesh, rank, world)
+        skeleton = shard_state(build_skeleton(spec), mesh, rank, world)
+    else:
+        state, skeleton = build_state(spec), build_skeleton(spec)
+
+    def barrier() -> None:
+        if world > 1:
+            dist.barrier()
+
+    def timed(fn: Any) -> float:
+        barrier()
+        start = time.perf_counter()
+        fn()
+        barrier()
+        return time.perf_counter() - start
+
+    def fs_save(path: Path) -> None:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+        if rank == 0:  # what fastpersist's commit makes durable too
+            fsync_path(path)
+            fsync_path(path.parent)
+
+    writers = {"fs": lambda p: dcp.FileSystemWriter(p, sync_files=True),
+               "fp": lambda p: FastPersistWriter(p)}
+    readers = {"fs": dcp.FileSystemReader, "fp": FastPersistReader}
+    saves = {"fs": fs_save,
+             "fp": lambda p: dcp.save(state, storage_writer=FastPersistWriter(p))}
+    samples: dict[str, list[float]] = {f"{k}:{m}": [] for k in ("save", "load", "stall",
+                                                              "async_total") for m in METHODS}
+    cache = ""
+    for r in range(repeats):
+        order = METHODS if r % 2 == 0 else METHODS[::-1]
+        paths = {m: work / f"{m}-{r}" for m in METHODS}
+        for m in order:
+            samples[f"save:{m}"].append(timed(lambda p=paths[m], m=m: saves[m](p)))
+        for m in order:
+            barrier()
+            if rank == 0:
+                cache = drop_page_cache([paths[m]])
+            samples[f"load:{m}"].append(timed(lambda p=paths[m], m=m: dcp.load(
+                skeleton, storage_reader=readers[m](p))))
+            if world == 1 and r == 0:
+                verify_nested(skeleton, spec)
+        barrier()
+        if rank == 0:
+            for p in paths.values():
+                shutil.rmtree(p)
+        for m in order:
+            path = work / f"async-{m}-{r}"
+            barrier()
+            start = time.perf_counter()
+            future = dcp.async_save(state, storage_writer=writers[m](path))
+            stall = time.perf_counter() - start
+            future.result()
+            barrier()
+            samples[f"async_total:{m}"].append(time.perf_counter() - start)
+            if world > 1:  # the job's stall is its slowest rank's
+                stalls = [0.0] * world
+                dist.all_gather_object(stalls, stall)
+                stall = max(stalls)
+            samples[f"stall:{m}"].append(stall)
+            barrier()
+            if rank == 0:
+                shutil.rmtree(path)
+    result = {"samples": samples, "cache": cache, "tensors": len(spec.tensors),
+              "state_bytes": spec.nbytes}
+    if rank == 0 and out is not None:
+        out.write_text(json.dumps(result))
+    if world > 1:
+        dist.destroy_process_group()
+    return result
+
+
+def run_job(work: Path, nbytes: int, repeats: int, world: int) -> dict[str, Any]:
+    if world == 1:
+        return worker(work, nbytes, repeats, 1, None)
+    result_file = work / "result.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    threads = str(max(1, (os.cpu_count() or 1) // world))
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS=threads)
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--size-gib", str(nbytes / 2**30), "--repeats",
+             str(repeats), "--worker", str(work), str(result_file), str(world)], env=env))
+    for proc in procs:
+        if proc.wait() != 0:
+            raise SystemExit(f"a rank exited with {proc.returncode}")
+    return dict(json.loads(result_file.read_text()))
+
+
+def summarize(job: dict[str, Any], world: int) -> list[str]:
+    nbytes = job["state_bytes"]
+    med = {k: statistics.median(v) for k, v in job["samples"].items()}
+    lines = [f"{world} process{'es' if world > 1 else ''}: {nbytes / 2**30:.2f} GiB, "
+             f"{job['tensors']} tensors, medians of {len(job['samples']['save:fp'])} "
+             f"(min-max); page cache dropped by {job['cache']}"]
+    for kind, what in (("save", "durable save"), ("load", "cold load"),
+                       ("stall", "async_save stall"), ("async_total", "async_save until durable")):
+        for m in METHODS:
+            v = job["samples"][f"{kind}:{m}"]
+            rate = f"{nbytes / med[f'{kind}:{m}'] / 1e9:6.2f} GB/s" if kind in (
+                "save", "load") else ""
+            lines.append(f"  {what:26s} {NAMES[m]:26s} {med[f'{kind}:{m}']:7.3f} s "
+                         f"({min(v):.3f}-{max(v):.3f}) {rate}")
+        lines.append(f"  {'':26s} {'FileSystem / FastPersist':26s} "
+                     f"{med[f'{kind}:fs'] / med[f'{kind}:fp']:6.2f}x")
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gib", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--world", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--dir", type=Path, default=Path("/var/tmp"))
+    p.add_argument("--json", type=Path)
+    p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # WORK RESULT WORLD
+    args = p.parse_args()
+    nbytes = int(args.size_gib * 2**30)
+    if args.worker:
+        worker(Path(args.worker[0]), nbytes, args.repeats, int(args.worker[2]),
+               Path(args.worker[1]))
+        return 0
+    from _system import machine_facts
+
+    report: dict[str, Any] = {"machine": machine_facts(args.dir), "jobs": {}}
+    print(json.dumps(report["machine"]))
+    for world in args.world:
+        work = Path(tempfile.mkdtemp(prefix="fp-dcp-bench-", dir=args.dir))
+        try:
+            job = run_job(work, nbytes, args.repeats, world)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        report["jobs"][str(world)] = job
+        print("\n".join(summarize(job, world)), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

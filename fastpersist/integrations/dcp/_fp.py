@@ -1,0 +1,54 @@
+"""Every fastpersist internal that the DCP integration uses, in one place.
+
+Kept together so that the integration's dependence on fastpersist's
+internals (beyond the public API) is visible at a glance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ... import knobs
+from ..._version import __version__
+from ...engine import Engine, Segment, get_engine
+from ...errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    ManifestError,
+    TruncatedFileError,
+    UnsupportedValueError,
+)
+from ...format import dtypes
+from ...format.manifest import (
+    DISTRIBUTED_SCHEMA_VERSION,
+    Chunk,
+    FileRecord,
+    GlobalTensor,
+    Manifest,
+    TensorRecord,
+    parse_json,
+)
+from ...format.names import part_file_name
+from ...format.tree import check_tree
+from ...saving.staging import StagingPool
+from ...storage.commit import Staging, os_error
+from ...tensors.checkpoint import read_manifest
+from ...tensors.datafile import plan_file
+from ...tensors.plan import StoredTensor
+
+crc32c_combine: Callable[[int, int, int], int] | None
+try:
+    from ..._engine import crc32c_combine
+except ImportError:  # the reference engine only
+    crc32c_combine = None
+
+__all__ = [
+    "DISTRIBUTED_SCHEMA_VERSION", "CheckpointError", "CheckpointExistsError",
+    "ChecksumMismatchError", "Chunk", "CorruptCheckpointError", "Engine", "FileRecord",
+    "GlobalTensor", "Manifest", "ManifestError", "Segment", "Staging", "StagingPool",
+    "StoredTensor", "TensorRecord", "TruncatedFileError", "UnsupportedValueError",
+    "__version__", "check_tree", "crc32c_combine", "dtypes", "get_engine", "knobs",
+    "os_error", "parse_json", "part_file_name", "plan_file", "read_manifest",
+]
