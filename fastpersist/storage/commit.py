@@ -343,7 +343,13 @@ def delete_checkpoint(path: Path, *, dir_fd: int | None = None) -> None:
     name: rename it to a hidden `del` leftover (atomic, durable), then remove
     that. gc finishes the removal if we die in between. With dir_fd (the open
     parent), path.name in it."""
-    aside = path.parent / leftover_name(path.name, "del")
+    remove_aside(path, path.name, f"cannot delete checkpoint {path}", dir_fd=dir_fd)
+
+
+def remove_aside(path: Path, name: str, what: str, *, dir_fd: int | None = None) -> None:
+    """Rename `path` to a `del` leftover of `name` (durably), then remove
+    that; OSError of the rename as a CheckpointError saying `what`."""
+    aside = path.parent / leftover_name(name, "del")
     try:
         if dir_fd is None:
             os.rename(path, aside)
@@ -352,7 +358,7 @@ def delete_checkpoint(path: Path, *, dir_fd: int | None = None) -> None:
             os.rename(path.name, aside.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             os.fsync(dir_fd)
     except OSError as exc:
-        raise os_error(exc, f"cannot delete checkpoint {path}") from exc
+        raise os_error(exc, what) from exc
     if dir_fd is None:
         shutil.rmtree(aside, ignore_errors=True)
     else:

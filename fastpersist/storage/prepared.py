@@ -24,14 +24,13 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..format.manifest import MANIFEST_NAME
 from . import dirs
-from .commit import DirFds, Staging, os_error
+from .commit import DirFds, Staging, os_error, remove_aside
 from .dirs import fsync_dir
 from .leftovers import Leftover, leftover_name, leftover_of
 
@@ -115,22 +114,8 @@ def discard_prepared(prepared: Path, *, dir_fd: int | None = None) -> None:
     """Remove a prepared part whose job did not commit. Renamed aside first:
     a part half removed must never look prepared (settle would publish it)."""
     leftover = leftover_of(prepared)
-    aside = prepared.parent / leftover_name(
-        leftover.target_name if leftover else prepared.name, "del")
-    try:
-        if dir_fd is None:
-            os.rename(prepared, aside)
-            fsync_dir(prepared.parent)
-        else:
-            os.rename(prepared.name, aside.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            os.fsync(dir_fd)
-    except OSError as exc:
-        raise os_error(exc, f"cannot remove {prepared}") from exc
-    if dir_fd is None:
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            dirs.remove_tree(aside.name, dir_fd)
+    remove_aside(prepared, leftover.target_name if leftover else prepared.name,
+                 f"cannot remove {prepared}", dir_fd=dir_fd)
 
 
 def check_prepared_name(target: Path, name: str, dir_fd: int) -> Path:
