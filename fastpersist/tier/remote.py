@@ -1,0 +1,212 @@
+"""Reading checkpoints in a store: manifests, listings, bytes into memory.
+
+A remote checkpoint exists when its manifest.json does: the uploader writes
+it last (upload.py), so objects below a prefix without one are an upload in
+progress or abandoned, never a checkpoint. The manifest is validated as a
+local one is (format/), before anything else is read.
+
+fetch() reads byte ranges of one object straight into the caller's buffers
+(the tensors' memory) with parallel ranged GETs of FASTPERSIST_TIER_PART_BYTES,
+FASTPERSIST_TIER_CONCURRENCY at once, and returns each buffer's CRC32C,
+computed on the reading threads. Small neighbouring buffers share one GET
+through a bounce buffer, as the engine's reads do.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import crc32c
+
+from ..errors import CheckpointNotFoundError
+from ..format.bounds import MAX_MANIFEST_BYTES
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..storage.retention import step_of
+from .client import S3
+from .url import TierURL
+
+try:
+    from .. import _engine
+
+    _combine: Callable[[int, int, int], int] | None = _engine.crc32c_combine
+    _crc: Callable[[memoryview], int] = _engine.crc32c
+except ImportError:  # the reference engine's package
+    _combine = None
+    _crc = crc32c.crc32c
+
+# Buffers smaller than this are read through a bounce buffer shared with
+# their neighbours (one GET for many small tensors).
+SMALL = 1 << 20
+
+
+def read_manifest(s3: S3, url: TierURL) -> tuple[Manifest, bytes]:
+    """The validated manifest of the checkpoint at `url`, and its bytes."""
+    data = s3.get(url, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    if data is None:
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {url}: it has no {MANIFEST_NAME} (nothing was uploaded there, "
+            "or its upload has not finished: the manifest is written last)")
+    return Manifest.from_json(data, str(url)), data
+
+
+@dataclass(frozen=True)
+class RemoteEntry:
+    """A directory of objects directly below a URL."""
+
+    name: str
+    committed: bool  # holds a manifest
+    bytes: int  # of its objects
+    modified: float  # newest object's time (unix)
+
+    @property
+    def step(self) -> int | None:
+        return step_of(self.name)
+
+
+def entries(s3: S3, url: TierURL) -> list[RemoteEntry]:
+    """The directories of objects directly below `url`, by name, with whether
+    each holds a manifest (a checkpoint) or not (an upload not finished)."""
+    found: dict[str, list[int | float]] = {}
+    committed: set[str] = set()
+    for key, size, modified in s3.objects(url):
+        rel = url.relative(key)
+        name, sep, rest = rel.partition("/")
+        if not sep:
+            continue  # an object directly at this level
+        acc = found.setdefault(name, [0, 0.0])
+        acc[0] += size
+        acc[1] = max(acc[1], modified)
+        if rest == MANIFEST_NAME:
+            committed.add(name)
+    return [RemoteEntry(n, n in committed, int(v[0]), float(v[1]))
+            for n, v in sorted(found.items())]
+
+
+def manifests_below(s3: S3, url: TierURL) -> set[str]:
+    """The paths (relative to `url`, any depth) of the checkpoints below it."""
+    suffix = "/" + MANIFEST_NAME
+    return {url.relative(key[:-len(suffix)]) for key, _, _ in s3.objects(url)
+            if key.endswith(suffix)}
+
+
+def object_sizes(s3: S3, url: TierURL) -> dict[str, int]:
+    """Name -> size of the objects directly in `url`."""
+    out = {}
+    for key, size, _ in s3.objects(url):
+        rel = url.relative(key)
+        if "/" not in rel:
+            out[rel] = size
+    return out
+
+
+# -- reading bytes -----------------------------------------------------------------
+
+
+@dataclass
+class _Piece:
+    """One ranged GET: bytes [offset, offset+length) of the object, into `direct`
+    (a slice of one buffer) or into a bounce buffer shared by `small`."""
+
+    offset: int
+    length: int
+    direct: tuple[int, int] | None = None  # (buffer index, start within it)
+    small: list[int] | None = None  # buffer indices read through the bounce buffer
+
+
+def plan(segments: Sequence[tuple[memoryview, int]], part: int) -> list[_Piece]:
+    pieces: list[_Piece] = []
+    group: _Piece | None = None
+    for i in sorted(range(len(segments)), key=lambda j: segments[j][1]):
+        buf, offset = segments[i]
+        n = len(buf)
+        if n < SMALL:
+            if group is None or offset + n - group.offset > part:
+                group = _Piece(offset, 0, small=[])
+                pieces.append(group)
+            assert group.small is not None
+            group.small.append(i)
+            group.length = max(group.length, offset + n - group.offset)
+            continue
+        for start in range(0, n, part):
+            pieces.append(_Piece(offset + start, min(part, n - start), direct=(i, start)))
+    return pieces
+
+
+class Fetch:
+    """Reads of one object into buffers, on a shared pool; CRCs per buffer."""
+
+    def __init__(self, s3: S3, url: TierURL, name: str,
+                 segments: Sequence[tuple[memoryview, int]], *, checksum: bool) -> None:
+        self.s3, self.url, self.name = s3, url, name
+        self.segments = segments
+        self.checksum = checksum
+        self.pieces = plan(segments, s3.part_bytes)
+        # CRC of each direct piece, by (buffer, start); small buffers' CRCs directly.
+        self._parts: dict[tuple[int, int], tuple[int, int]] = {}
+        self._crcs: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def run(self, piece: _Piece) -> int:
+        if piece.direct is not None:
+            i, start = piece.direct
+            view = self.segments[i][0][start:start + piece.length]
+            self.s3.read_into(self.url, self.name, piece.offset, view)
+            if self.checksum:
+                crc = _crc(view)
+                with self._lock:
+                    self._parts[(i, start)] = (crc, piece.length)
+            return piece.length
+        bounce = bytearray(piece.length)
+        self.s3.read_into(self.url, self.name, piece.offset, memoryview(bounce))
+        assert piece.small is not None
+        for i in piece.small:
+            buf, offset = self.segments[i]
+            src = memoryview(bounce)[offset - piece.offset:offset - piece.offset + len(buf)]
+            buf[:] = src
+            if self.checksum:
+                crc = _crc(src)
+                with self._lock:
+                    self._crcs[i] = crc
+        return sum(len(self.segments[i][0]) for i in piece.small)
+
+    def crcs(self) -> list[int]:
+        """Each buffer's CRC32C, once every piece has run."""
+        out = []
+        for i, (buf, _) in enumerate(self.segments):
+            if i in self._crcs or len(buf) < SMALL:
+                out.append(self._crcs.get(i, 0))
+                continue
+            parts = sorted((start, crc, n) for (j, start), (crc, n) in self._parts.items()
+                           if j == i)
+            if _combine is None:
+                out.append(_crc(buf))
+                continue
+            crc = parts[0][1]
+            for _, c, n in parts[1:]:
+                crc = _combine(crc, c, n)
+            out.append(crc)
+        return out
+
+
+def fetch_all(s3: S3, fetches: Sequence[Fetch],
+              progress: Callable[[int], None] | None = None) -> None:
+    """Run every piece of `fetches` on FASTPERSIST_TIER_CONCURRENCY threads;
+    the first error is raised (the remaining pieces are cancelled)."""
+    with ThreadPoolExecutor(max_workers=s3.concurrency,
+                            thread_name_prefix="fp-tier-get") as pool:
+        futures: list[Future[int]] = [pool.submit(f.run, p) for f in fetches for p in f.pieces]
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for fut in done:
+                if fut.exception() is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise fut.exception()  # type: ignore[misc]
+                if progress:
+                    progress(fut.result())
