@@ -105,6 +105,7 @@ class Uploader:
             backoff, sweep_every, sweep_older_than)
         self._cond = threading.Condition()
         self._jobs: dict[str, Job] = {}
+        self._given_up: dict[str, Job] = {}  # out of tries while draining: still pending
         self._current: Job | None = None
         self._seq = 0
         self._high: dict[TierURL, int] = {}  # highest step uploaded per group
@@ -126,18 +127,20 @@ class Uploader:
             self._seq += 1
             job.seq = self._seq
             self._jobs[job.key] = job
+            self._given_up.pop(job.key, None)
             self._cond.notify_all()
 
     def is_pending(self, key: str) -> bool:
         with self._cond:
-            return key in self._jobs
+            return key in self._jobs or key in self._given_up
 
     def status(self) -> TierStatus:
         with self._cond:
+            pending = {**self._given_up, **self._jobs}
             return TierStatus(
-                str(self.url), tuple(sorted(self._jobs)),
+                str(self.url), tuple(sorted(pending)),
                 self._current.key if self._current else None, self._uploaded, self._bytes,
-                self._failures, tuple(sorted(k for k, j in self._jobs.items() if j.error)),
+                self._failures, tuple(sorted(k for k, j in pending.items() if j.error)),
                 self._last_error)
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -161,7 +164,7 @@ class Uploader:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-            return sorted(self._jobs)
+            return sorted({*self._jobs, *self._given_up})
 
     # -- the thread ----------------------------------------------------------
 
@@ -235,6 +238,8 @@ class Uploader:
             current = self._jobs.get(job.key) is job and (seq is None or job.seq == seq)
             if current and (drop or exhausted):
                 del self._jobs[job.key]
+                if exhausted and not drop:
+                    self._given_up[job.key] = job
             elif current:
                 base, most = self.backoff
                 job.not_before = time.monotonic() + min(most, base * 2 ** (job.attempts - 1))
