@@ -43,7 +43,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .api import load
+from .api import load, load_from_tier
 from .errors import CheckpointError, CheckpointNotFoundError, PostCommitError, TierError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
@@ -215,8 +215,26 @@ class Checkpointer:
         """Steps of the committed checkpoints under root, ascending."""
         return [step for step, entry in self._step_dirs() if _is_committed(entry)]
 
-    def latest(self) -> Path | None:
-        """The newest durable checkpoint, or None if there is none yet.
+    def latest(self) -> Path | str | None:
+        """The newest durable checkpoint, or None if there is none yet. With a
+        tier, when no committed checkpoint is left under the root (a new
+        node), the newest one in the store: its s3:// URL (load_latest and
+        fastpersist.load take either).
+        """
+        local = self._latest_local()
+        if local is not None or self._mirror is None:
+            return local
+        from .tier.remote import entries
+
+        found = [e for e in entries(self._mirror.s3, self._mirror.url)
+                 if e.committed and e.step is not None]
+        if not found:
+            return None
+        newest = max(found, key=lambda e: (e.step, e.modified))
+        return str(self._mirror.url.child(newest.name))
+
+    def _latest_local(self) -> Path | None:
+        """The newest durable checkpoint under the root, or None.
 
         ROOT/latest is trusted (an operator may point it back at an older step
         to roll back), except where a higher step was committed after the
@@ -247,7 +265,11 @@ class Checkpointer:
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         path = self.latest()
         if path is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+            where = f" or in {self._mirror.url}" if self._mirror is not None else ""
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}{where}")
+        if isinstance(path, str) and self._mirror is not None:
+            return load_from_tier(path, map_location, allow_pickle=self.allow_pickle,
+                                  endpoint_url=self._mirror.s3.endpoint_url, **kwargs)
         return load(path, map_location, allow_pickle=self.allow_pickle, **kwargs)
 
     # -- the object-store tier ---------------------------------------------

@@ -59,6 +59,9 @@ def test_uploads_each_checkpoint_after_its_commit(s3: Any, tmp_path: Path) -> No
     assert status.uploaded == 2 and status.last_error is None
     ckpt.close()
     assert _remote_names(s3.url) == ["step-00000001", "step-00000002"]
+    for step in (1, 2):  # the round trip, sync and async
+        loaded = fastpersist.load(f"{s3.url}/step-{step:08d}")
+        assert loaded["step"] == step and torch.equal(loaded["w"], _state(step)["w"])
     local = tmp_path / "run" / "step-00000002"
     stored = keys(s3.client, s3.bucket, "ckpts/step-00000002/")
     assert stored == {f"ckpts/step-00000002/{p.name}": p.stat().st_size for p in local.iterdir()}
