@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-import crc32c
-
 from ..errors import CheckpointNotFoundError
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, Manifest
@@ -35,7 +33,9 @@ try:
 
     _combine: Callable[[int, int, int], int] | None = _engine.crc32c_combine
     _crc: Callable[[memoryview], int] = _engine.crc32c
-except ImportError:  # the reference engine's package
+except ImportError:  # no C engine: the reference engine's package (not in the daemon's image)
+    import crc32c
+
     _combine = None
     _crc = crc32c.crc32c
 
