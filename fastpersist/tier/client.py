@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -152,32 +152,35 @@ class S3:
             raise tier_error(exc, f"writing s3://{url.bucket}/{key}") from exc
         return True
 
-    def read_into(self, url: TierURL, name: str, offset: int, buf: memoryview) -> None:
-        """Fill `buf` with the bytes of object `name` from `offset` (one ranged
-        GET, read straight into `buf`). EOFError if the object ends first."""
-        key, n = url.key(name), len(buf)
-        if n == 0:
+    def read_range(self, url: TierURL, name: str, offset: int, length: int,
+                   consume: Callable[[Any], None]) -> None:
+        """One ranged GET of bytes [offset, offset+length) of object `name`;
+        consume(body) reads the streaming body (readinto). EOFError if the
+        object ends first."""
+        key = url.key(name)
+        if length == 0:
             return
         try:
             body = self.client.get_object(Bucket=url.bucket, Key=key,
-                                          Range=f"bytes={offset}-{offset + n - 1}")["Body"]
+                                          Range=f"bytes={offset}-{offset + length - 1}")["Body"]
         except Exception as exc:
             if error_code(exc) in ("InvalidRange", "416"):
                 raise EOFError(f"{name} ends before byte {offset}") from None
             raise tier_error(exc, f"reading s3://{url.bucket}/{key}") from exc
-        got = 0
         try:
-            while got < n:
-                k = body.readinto(buf[got:])
-                if not k:
-                    raise EOFError(f"{name} ends before byte {offset + n}")
-                got += k
+            consume(body)
         except EOFError:
             raise
         except Exception as exc:
             raise tier_error(exc, f"reading s3://{url.bucket}/{key}") from exc
         finally:
             body.close()
+
+    def read_into(self, url: TierURL, name: str, offset: int, buf: memoryview) -> None:
+        """Fill `buf` with the bytes of object `name` from `offset` (one ranged
+        GET, read straight into `buf`). EOFError if the object ends first."""
+        self.read_range(url, name, offset, len(buf),
+                        lambda body: read_exact(body, buf, f"{name} at byte {offset}"))
 
     def objects(self, url: TierURL) -> Iterator[tuple[str, int, float]]:
         """(key, size, last modified) of every object below `url`."""
@@ -219,6 +222,16 @@ class S3:
         except Exception as exc:
             if error_code(exc) != "NoSuchUpload":
                 raise tier_error(exc, f"aborting the upload of s3://{bucket}/{key}") from exc
+
+
+def read_exact(body: Any, view: memoryview, what: str) -> None:
+    """Fill `view` from a streaming body; EOFError if it ends first."""
+    got, n = 0, len(view)
+    while got < n:
+        k = body.readinto(view[got:])
+        if not k:
+            raise EOFError(f"{what}: the object ends {n - got} bytes early")
+        got += k
 
 
 def _stamp(value: Any) -> float:

@@ -8,8 +8,10 @@ local one is (format/), before anything else is read.
 fetch() reads byte ranges of one object straight into the caller's buffers
 (the tensors' memory) with parallel ranged GETs of FASTPERSIST_TIER_PART_BYTES,
 FASTPERSIST_TIER_CONCURRENCY at once, and returns each buffer's CRC32C,
-computed on the reading threads. Small neighbouring buffers share one GET
-through a bounce buffer, as the engine's reads do.
+computed on the reading threads. Each GET covers about a part of the object
+and its body is read (readinto) directly into the consecutive buffers it
+covers, skipping the padding between them: no bounce buffer, and few
+requests for many small tensors.
 
 Torch-free.
 """
@@ -20,12 +22,13 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import CheckpointNotFoundError
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.retention import step_of
-from .client import S3
+from .client import S3, read_exact
 from .url import TierURL
 
 try:
@@ -39,9 +42,9 @@ except ImportError:  # no C engine: the reference engine's package (not in the d
     _combine = None
     _crc = crc32c.crc32c
 
-# Buffers smaller than this are read through a bounce buffer shared with
-# their neighbours (one GET for many small tensors).
-SMALL = 1 << 20
+# Bytes between two buffers that one GET reads and drops rather than
+# starting another GET (alignment padding is at most 4 KiB).
+GAP = 1 << 20
 
 
 def read_manifest(s3: S3, url: TierURL) -> tuple[Manifest, bytes]:
@@ -109,32 +112,43 @@ def object_sizes(s3: S3, url: TierURL) -> dict[str, int]:
 
 @dataclass
 class _Piece:
-    """One ranged GET: bytes [offset, offset+length) of the object, into `direct`
-    (a slice of one buffer) or into a bounce buffer shared by `small`."""
+    """One ranged GET, bytes [offset, offset+length) of the object, streamed
+    into `spans` in order: (buffer index, start within the buffer, bytes,
+    object offset). The bytes between spans (alignment padding) are skipped."""
 
     offset: int
     length: int
-    direct: tuple[int, int] | None = None  # (buffer index, start within it)
-    small: list[int] | None = None  # buffer indices read through the bounce buffer
+    spans: list[tuple[int, int, int, int]]
 
 
 def plan(segments: Sequence[tuple[memoryview, int]], part: int) -> list[_Piece]:
+    """Ranged GETs of about `part` bytes covering every segment: neighbours
+    share a GET, a large segment is cut across several; a gap wider than
+    GAP starts a new GET instead of being read and dropped."""
     pieces: list[_Piece] = []
-    group: _Piece | None = None
+    cur: _Piece | None = None
     for i in sorted(range(len(segments)), key=lambda j: segments[j][1]):
         buf, offset = segments[i]
-        n = len(buf)
-        if n < SMALL:
-            if group is None or offset + n - group.offset > part:
-                group = _Piece(offset, 0, small=[])
-                pieces.append(group)
-            assert group.small is not None
-            group.small.append(i)
-            group.length = max(group.length, offset + n - group.offset)
-            continue
-        for start in range(0, n, part):
-            pieces.append(_Piece(offset + start, min(part, n - start), direct=(i, start)))
+        n, done = len(buf), 0
+        while done < n:  # nothing for an empty buffer (its CRC32C is 0)
+            at = offset + done
+            if cur is None or at - (cur.offset + cur.length) > GAP or at - cur.offset >= part:
+                cur = _Piece(at, 0, [])
+                pieces.append(cur)
+            take = min(n - done, cur.offset + part - at)
+            cur.spans.append((i, done, take, at))
+            cur.length = at + take - cur.offset
+            done += take
     return pieces
+
+
+def _skip(body: Any, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, 1 << 16)))
+    while n > 0:
+        k = body.readinto(scratch[:min(n, len(scratch))])
+        if not k:
+            raise EOFError("the object ended early")
+        n -= k
 
 
 class Fetch:
@@ -146,50 +160,46 @@ class Fetch:
         self.segments = segments
         self.checksum = checksum
         self.pieces = plan(segments, s3.part_bytes)
-        # CRC of each direct piece, by (buffer, start); small buffers' CRCs directly.
-        self._parts: dict[tuple[int, int], tuple[int, int]] = {}
-        self._crcs: dict[int, int] = {}
+        self._crcs: dict[tuple[int, int], tuple[int, int]] = {}  # (buffer, start) -> crc, n
         self._lock = threading.Lock()
 
     def run(self, piece: _Piece) -> int:
-        if piece.direct is not None:
-            i, start = piece.direct
-            view = self.segments[i][0][start:start + piece.length]
-            self.s3.read_into(self.url, self.name, piece.offset, view)
-            if self.checksum:
-                crc = _crc(view)
-                with self._lock:
-                    self._parts[(i, start)] = (crc, piece.length)
-            return piece.length
-        bounce = bytearray(piece.length)
-        self.s3.read_into(self.url, self.name, piece.offset, memoryview(bounce))
-        assert piece.small is not None
-        for i in piece.small:
-            buf, offset = self.segments[i]
-            src = memoryview(bounce)[offset - piece.offset:offset - piece.offset + len(buf)]
-            buf[:] = src
-            if self.checksum:
-                crc = _crc(src)
-                with self._lock:
-                    self._crcs[i] = crc
-        return sum(len(self.segments[i][0]) for i in piece.small)
+        """One GET, streamed straight into the buffers; returns the bytes read."""
+        def read(body: Any) -> None:
+            pos = piece.offset
+            for i, start, n, at in piece.spans:
+                if at > pos:
+                    _skip(body, at - pos)
+                view = self.segments[i][0][start:start + n]
+                read_exact(body, view, f"{self.name} at byte {at}")
+                if self.checksum:
+                    crc = _crc(view)
+                    with self._lock:
+                        self._crcs[(i, start)] = (crc, n)
+                pos = at + n
+
+        self.s3.read_range(self.url, self.name, piece.offset, piece.length, read)
+        return sum(n for _, _, n, _ in piece.spans)
 
     def crcs(self) -> list[int]:
         """Each buffer's CRC32C, once every piece has run."""
+        parts: dict[int, list[tuple[int, int, int]]] = {}
+        for (i, start), (crc, n) in self._crcs.items():
+            parts.setdefault(i, []).append((start, crc, n))
         out = []
         for i, (buf, _) in enumerate(self.segments):
-            if i in self._crcs or len(buf) < SMALL:
-                out.append(self._crcs.get(i, 0))
-                continue
-            parts = sorted((start, crc, n) for (j, start), (crc, n) in self._parts.items()
-                           if j == i)
-            if _combine is None:
+            mine = sorted(parts.get(i, []))
+            if len(mine) == 1:
+                out.append(mine[0][1])
+            elif not mine:
+                out.append(0)  # empty
+            elif _combine is None:
                 out.append(_crc(buf))
-                continue
-            crc = parts[0][1]
-            for _, c, n in parts[1:]:
-                crc = _combine(crc, c, n)
-            out.append(crc)
+            else:
+                crc = mine[0][1]
+                for _, c, n in mine[1:]:
+                    crc = _combine(crc, c, n)
+                out.append(crc)
         return out
 
 
