@@ -170,17 +170,17 @@ class Checkpointer:
         With a tier, then wait for the uploads (abort=True: stop them; they
         resume with the next Checkpointer) and raise TierError naming the
         checkpoints still not uploaded."""
+        left: list[str] = []
         try:
             self._saver.close(abort=abort)
-        finally:
+        finally:  # the uploads stop (or drain) whether or not the save failed
             if self._mirror is not None:
                 left = self._mirror.uploader.close(drain=not abort)
-                status = self._mirror.status()
-                if left and not abort:
-                    raise TierError(
-                        f"not uploaded to {self._mirror.url} (the local copies are kept, and "
-                        f"the next Checkpointer uploads them): {', '.join(left)}; last error: "
-                        f"{status.last_error}")
+        if left and not abort and self._mirror is not None:
+            raise TierError(
+                f"not uploaded to {self._mirror.url} (the local copies are kept, and the next "
+                f"Checkpointer uploads them): {', '.join(left)}; last error: "
+                f"{self._mirror.status().last_error}")
 
     def __enter__(self) -> Checkpointer:
         return self
