@@ -21,6 +21,7 @@ from .errors import (
     ManifestError,
     PickleNotAllowedError,
     PostCommitError,
+    TierError,
     TruncatedFileError,
     UnsupportedValueError,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "PickleNotAllowedError",
     "PostCommitError",
     "SaveFuture",
+    "TierError",
     "TruncatedFileError",
     "UnsupportedValueError",
     "__version__",

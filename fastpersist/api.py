@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .engine import get_engine
+from .errors import TierError
 from .knobs import current as current_knobs
 from .saving.futures import SaveFuture
 from .saving.persist import CheckpointWriter
@@ -23,6 +24,7 @@ from .saving.saver import Saver, default_saver
 from .saving.snapshot import group_into_files
 from .tensors import checkpoint, plan, state
 from .tensors.factory import MapLocation, TensorFactory, target_device
+from .tier.url import is_tier_url
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
@@ -111,7 +113,15 @@ def load(
     the file and tensor. Nothing from the checkpoint is unpickled unless
     allow_pickle=True. progress(n), if given, is called as each n bytes of
     tensors have been read (for progress bars).
+
+    `path` may be a checkpoint in an object store, "s3://BUCKET/PREFIX/step-N"
+    (the tier: Checkpointer(tier=...), fastpersistd --tier): the tensors are
+    read by parallel ranged GETs straight into their memory, with the same
+    checks (see load_from_tier).
     """
+    if is_tier_url(path):
+        return load_from_tier(str(path), map_location, allow_pickle=allow_pickle,
+                              verify=verify, progress=progress)
     target_device(map_location, "cpu")  # a bad map_location fails before any I/O
     p = Path(os.path.abspath(os.fspath(path)))
     manifest = checkpoint.read_manifest(p)
@@ -129,6 +139,34 @@ def load(
                                       progress=progress)
     factory = TensorFactory(entries, map_location, str(p))
     return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=str(p))
+
+
+def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: bool = False,
+                   verify: bool | None = None, progress: Callable[[int], None] | None = None,
+                   endpoint_url: str | None = None) -> Any:
+    """load() of the checkpoint at `url` (s3://BUCKET/PREFIX/NAME) in an object
+    store; endpoint_url overrides the standard AWS configuration's endpoint.
+    Every tensor's CRC32C is checked as for a local load (ChecksumMismatchError
+    names the file and tensor); a checkpoint whose manifest is not in the
+    store (an upload not finished) is CheckpointNotFoundError."""
+    from .tensors import tier_read
+    from .tier.client import client_for
+    from .tier.remote import read_manifest
+    from .tier.url import TierURL
+
+    target_device(map_location, "cpu")
+    s3, where = client_for(endpoint_url), TierURL.parse(url)
+    manifest, _ = read_manifest(s3, where)
+    if verify is None:
+        verify = current_knobs().verify_load
+    if state.contains_pickle(manifest.tree) and not allow_pickle:
+        state.decode(manifest.tree, lambda node: torch.empty(0), where=url)
+    if manifest.globals is not None:
+        raise TierError(f"{url} is a distributed checkpoint, which cannot be loaded from the "
+                        "tier yet; copy it to a local directory and load that")
+    entries = tier_read.read_tensors(s3, where, manifest, verify=verify, progress=progress)
+    factory = TensorFactory(entries, map_location, url)
+    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=url)
 
 
 # -- the one place that chooses a saver: in-process, through the daemon, distributed --

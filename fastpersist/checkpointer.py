@@ -21,6 +21,17 @@ only), the policy travels with each commit and the daemon applies it before it
 reports the checkpoint committed, even if the trainer died after the hand-over.
 Either way a failure there fails the save's future with PostCommitError: the
 checkpoint itself is committed.
+
+With tier="s3://BUCKET/PREFIX", each checkpoint is also copied to the object
+store, ROOT/step-N to PREFIX/step-N, by a background thread (tier/uploader.py)
+once it is committed locally: the save's future resolves at local durability
+and the trainer never waits for the upload. Until its upload has finished a
+checkpoint is the only copy, and local retention keeps it; tier_keep_last is
+retention in the store. Failed uploads are retried with backoff, logged
+(logger `fastpersist.tier`) and shown by tier_status(); close() waits for the
+uploads (a few more tries each) and raises TierError naming what is not
+uploaded. Checkpoints committed but not uploaded when the process died are
+uploaded by the next Checkpointer on the same root and tier.
 """
 
 from __future__ import annotations
@@ -32,8 +43,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .api import load
-from .errors import CheckpointError, CheckpointNotFoundError
+from .api import load, load_from_tier
+from .errors import CheckpointError, CheckpointNotFoundError, PostCommitError, TierError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
 from .saving.futures import SaveFuture
@@ -45,6 +56,9 @@ from .tensors.factory import MapLocation
 if TYPE_CHECKING:
     from .distributed.saver import DistributedSaver
     from .saving.remote import RemoteSaver
+    from .tier.mirror import Mirror
+    from .tier.upload import Uploaded
+    from .tier.uploader import Job, TierStatus
 
 
 def _committed_at(path: Path) -> int:
@@ -76,12 +90,20 @@ class Checkpointer:
         on storage they all see): distributed saves, each unique byte written
         once; whoever commits the job (rank 0, or its daemon) moves `latest`
         and applies retention.
+    tier: "s3://BUCKET/PREFIX": copy each checkpoint there in the background
+        (see the module docstring). In-process saves only: with fastpersistd,
+        give the daemon the tier (fastpersistd --tier).
+    tier_keep_last: keep this many newest checkpoints in the store (None: all).
+    tier_endpoint: the store's endpoint URL (default: the standard AWS
+        configuration, e.g. AWS_ENDPOINT_URL).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
                  keep_every: int | None = None, max_in_flight: int = 1,
                  allow_pickle: bool = False, daemon: str | None = None,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, tier: str | None = None,
+                 tier_keep_last: int | None = None,
+                 tier_endpoint: str | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
@@ -92,6 +114,14 @@ class Checkpointer:
         self.after_commit = AfterCommit(True, keep_last, keep_every)
         self.allow_pickle = allow_pickle
         address = current_knobs().daemon if daemon is None else daemon
+        self._mirror: Mirror | None = None
+        self._last_committed: str | None = None
+        if tier is not None:
+            if address or process_group is not None:
+                raise ValueError("tier= uploads in-process saves; with fastpersistd give the "
+                                 "daemon the tier (fastpersistd --tier), and a distributed "
+                                 "job's checkpoints are not uploaded yet")
+            self._mirror = self._start_tier(tier, tier_keep_last, tier_endpoint)
         self._saver: Saver | DistributedSaver
         # The savers that take the policy along with the commit (to the daemon,
         # or to the distributed job's commit); the in-process Saver calls back.
@@ -136,8 +166,21 @@ class Checkpointer:
     def close(self, *, abort: bool = False) -> None:
         """Finish the in-flight save (or with abort=True abandon it cleanly) and
         free the staging memory; raises a save failure nobody looked at. From a
-        SIGTERM handler: set a flag there and call close() from the loop."""
-        self._saver.close(abort=abort)
+        SIGTERM handler: set a flag there and call close() from the loop.
+        With a tier, then wait for the uploads (abort=True: stop them; they
+        resume with the next Checkpointer) and raise TierError naming the
+        checkpoints still not uploaded."""
+        left: list[str] = []
+        try:
+            self._saver.close(abort=abort)
+        finally:  # the uploads stop (or drain) whether or not the save failed
+            if self._mirror is not None:
+                left = self._mirror.uploader.close(drain=not abort)
+        if left and not abort and self._mirror is not None:
+            raise TierError(
+                f"not uploaded to {self._mirror.url} (the local copies are kept, and the next "
+                f"Checkpointer uploads them): {', '.join(left)}; last error: "
+                f"{self._mirror.status().last_error}")
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -172,8 +215,26 @@ class Checkpointer:
         """Steps of the committed checkpoints under root, ascending."""
         return [step for step, entry in self._step_dirs() if _is_committed(entry)]
 
-    def latest(self) -> Path | None:
-        """The newest durable checkpoint, or None if there is none yet.
+    def latest(self) -> Path | str | None:
+        """The newest durable checkpoint, or None if there is none yet. With a
+        tier, when no committed checkpoint is left under the root (a new
+        node), the newest one in the store: its s3:// URL (load_latest and
+        fastpersist.load take either).
+        """
+        local = self._latest_local()
+        if local is not None or self._mirror is None:
+            return local
+        from .tier.remote import entries
+
+        found = [e for e in entries(self._mirror.s3, self._mirror.url)
+                 if e.committed and e.step is not None]
+        if not found:
+            return None
+        newest = max(found, key=lambda e: (e.step, e.modified))
+        return str(self._mirror.url.child(newest.name))
+
+    def _latest_local(self) -> Path | None:
+        """The newest durable checkpoint under the root, or None.
 
         ROOT/latest is trusted (an operator may point it back at an older step
         to roll back), except where a higher step was committed after the
@@ -204,11 +265,56 @@ class Checkpointer:
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         path = self.latest()
         if path is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+            where = f" or in {self._mirror.url}" if self._mirror is not None else ""
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}{where}")
+        if isinstance(path, str) and self._mirror is not None:
+            return load_from_tier(path, map_location, allow_pickle=self.allow_pickle,
+                                  endpoint_url=self._mirror.s3.endpoint_url, **kwargs)
         return load(path, map_location, allow_pickle=self.allow_pickle, **kwargs)
+
+    # -- the object-store tier ---------------------------------------------
+
+    def _start_tier(self, tier: str, keep_last: int | None, endpoint: str | None) -> Mirror:
+        from .tier.client import client_for
+        from .tier.mirror import Mirror
+        from .tier.url import TierURL
+
+        return Mirror(self.root, TierURL.parse(tier), client_for(endpoint), keep_last=keep_last,
+                      on_uploaded=self._uploaded).start()
+
+    def tier_status(self) -> TierStatus | None:
+        """The uploads: pending, failing, the last error (None without a tier)."""
+        return self._mirror.status() if self._mirror is not None else None
+
+    def wait_for_tier(self, timeout: float | None = None) -> bool:
+        """Wait until every checkpoint committed so far is in the store (failed
+        uploads keep being retried meanwhile); False on timeout."""
+        self._saver.wait()
+        return self._mirror is None or self._mirror.uploader.wait(timeout)
+
+    def _protected(self, name: str) -> bool:
+        return self._mirror is not None and self._mirror.is_pending(name)
+
+    def _uploaded(self, job: Job, done: Uploaded) -> None:
+        """On the uploader's thread: what retention kept for the upload may go now."""
+        if self.keep_last is None:
+            return
+        with self._lock:
+            newest = self._last_committed
+            if newest is None:
+                return
+            try:
+                apply_at(self.root, newest, AfterCommit(False, self.keep_last, self.keep_every),
+                         protected=self._protected)
+            except PostCommitError as exc:
+                warnings.warn(f"retention after an upload failed: {exc}", RuntimeWarning,
+                              stacklevel=1)
 
     # -- runs on the writer thread, after a commit (in-process) -------------
 
     def _committed(self, path: Path) -> None:
         with self._lock:
-            apply_at(self.root, path.name, self.after_commit)
+            if self._mirror is not None:
+                self._mirror.add(path)  # pending from now: retention keeps it
+            self._last_committed = path.name
+            apply_at(self.root, path.name, self.after_commit, protected=self._protected)

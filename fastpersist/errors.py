@@ -75,6 +75,13 @@ class PickleNotAllowedError(CheckpointError):
     """The checkpoint holds pickled values and the caller did not opt in to unpickling."""
 
 
+class TierError(CheckpointError):
+    """The object-store tier (s3://) failed: the store could not be reached,
+    refused a request, or holds something else under the checkpoint's name.
+    A local checkpoint is never deleted because of it: it stays until its
+    upload succeeds."""
+
+
 class DaemonError(CheckpointError):
     """fastpersistd refused a request; `code` is the gRPC status code's name
     (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a staging budget, ...)."""

@@ -24,6 +24,12 @@
                                other ranks before failing
     FASTPERSIST_PIECE_BYTES    smallest piece a large replicated tensor   4 MiB
                                is cut into across writers
+    FASTPERSIST_TIER_CONCURRENCY  object-store requests in flight        8
+                               (multipart parts, ranged GETs)
+    FASTPERSIST_TIER_PART_BYTES   multipart part and ranged-GET size     16 MiB
+                               (at least 5 MiB, S3's smallest part)
+    FASTPERSIST_TIER_ATTEMPTS  tries of one object-store request (with    5
+                               backoff) before it fails
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
 thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for
@@ -84,6 +90,9 @@ class Knobs:
     node: str = ""
     dist_timeout: int = 600
     piece_bytes: int = 4 * _MIB
+    tier_concurrency: int = 8
+    tier_part_bytes: int = 16 * _MIB
+    tier_attempts: int = 5
 
     @property
     def io_threads(self) -> int:
@@ -133,4 +142,7 @@ def current() -> Knobs:
         dist_timeout=_int_env("FASTPERSIST_DIST_TIMEOUT", 600),
         piece_bytes=_int_env("FASTPERSIST_PIECE_BYTES", 4 * _MIB),
         queue_depth=queue_depth,
+        tier_concurrency=_int_env("FASTPERSIST_TIER_CONCURRENCY", 8),
+        tier_part_bytes=_int_env("FASTPERSIST_TIER_PART_BYTES", 16 * _MIB, minimum=5 * _MIB),
+        tier_attempts=_int_env("FASTPERSIST_TIER_ATTEMPTS", 5),
     )

@@ -59,3 +59,36 @@ def _close_remote_savers() -> None:
         with contextlib.suppress(Exception):
             saver.close(abort=True)
     remote._remote_savers.clear()
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One moto S3 server (a subprocess on localhost) for the session."""
+    from tier_support import MotoServer
+
+    server = MotoServer(tmp_path_factory.mktemp("moto")).start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def s3(moto_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+       request: pytest.FixtureRequest) -> Any:
+    """A bucket of this test's own on the session's moto server, with the
+    environment (here and for subprocesses) pointing boto3 at it. Returns a
+    namespace: .endpoint, .bucket, .url (s3://bucket/ckpts), .client (boto3)."""
+    import hashlib
+    import re
+    import types
+
+    from tier_support import environment, make_bucket
+
+    for name, value in environment(moto_server.endpoint, tmp_path).items():
+        monkeypatch.setenv(name, value)
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:8]
+    bucket = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + "-" + digest
+    client = make_bucket(moto_server.endpoint, bucket)
+    return types.SimpleNamespace(endpoint=moto_server.endpoint, bucket=bucket,
+                                 url=f"s3://{bucket}/ckpts", client=client, server=moto_server)

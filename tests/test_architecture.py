@@ -32,6 +32,7 @@ ROOMS = {
     "fastpersist.engine": "engine",
     "fastpersist.storage": "storage",
     "fastpersist.protocol": "protocol",
+    "fastpersist.tier": "tier",
     "fastpersist.tensors": "tensors",
     "fastpersist.saving": "saving",
     "fastpersist.distributed": "distributed",
@@ -42,13 +43,15 @@ ROOMS = {
     "fastpersist": "package",  # __init__: re-exports the API
 }
 
-_TORCH_FREE = {"base", "format", "engine", "storage", "protocol"}
+_TORCH_FREE = {"base", "format", "engine", "storage", "protocol", "tier"}
 MAY_IMPORT: dict[str, set[str]] = {
     "base": {"base"},
     "format": {"base", "format"},
     "engine": {"base", "engine"},
     "storage": {"base", "format", "engine", "storage"},
     "protocol": {"base", "format", "storage", "protocol"},
+    # The object-store tier: torch-free, so that the daemon uploads with it.
+    "tier": {"base", "format", "engine", "storage", "tier"},
     "tensors": _TORCH_FREE | {"tensors"},
     "saving": _TORCH_FREE | {"tensors", "saving"},
     "distributed": _TORCH_FREE | {"tensors", "saving", "distributed"},

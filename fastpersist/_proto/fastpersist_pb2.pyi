@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend")
+    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend", "tier_url", "tier_pending", "tier_failing", "tier_uploaded", "tier_failures", "tier_last_error")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     STAGING_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,12 @@ class InfoResponse(_message.Message):
     CHECKPOINTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
     IO_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIER_URL_FIELD_NUMBER: _ClassVar[int]
+    TIER_PENDING_FIELD_NUMBER: _ClassVar[int]
+    TIER_FAILING_FIELD_NUMBER: _ClassVar[int]
+    TIER_UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    TIER_LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     staging_budget: int
@@ -27,7 +33,13 @@ class InfoResponse(_message.Message):
     checkpoints_in_flight: int
     direct_io: bool
     io_backend: str
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ...) -> None: ...
+    tier_url: str
+    tier_pending: int
+    tier_failing: int
+    tier_uploaded: int
+    tier_failures: int
+    tier_last_error: str
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
     __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank")

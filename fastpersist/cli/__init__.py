@@ -8,6 +8,9 @@
     fpctl gather DIR... --to CKPT      one checkpoint from a node-local one's node dirs
     fpctl daemon status [--daemon ADDR]  is fastpersistd serving; its root, staging, work
 
+ls, inspect, verify, restore and gc also take s3:// URLs: checkpoints in an
+object store (the tier), reached the standard AWS way or at --endpoint-url.
+
 Exit status: 0 success, 1 corruption found by verify, 2 any other error.
 Everything goes through fastpersist's own reader (checkpoint.read_manifest,
 checkpoint.verify, load); fpctl never parses the format itself.
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from .._version import __version__
 from ..errors import CheckpointError
 from ..storage.commit import os_error
+from ..tier.url import is_tier_url
 from ._output import EXIT_ERROR, warn
 
 # Commands are imported when run: most need torch, `daemon status` must not
@@ -38,7 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fpctl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    tier_parent = argparse.ArgumentParser(add_help=False)
+    tier_parent.add_argument(
+        "--endpoint-url", metavar="URL",
+        help="for s3:// URLs: the object store's endpoint (default: the standard AWS "
+             "configuration, e.g. AWS_ENDPOINT_URL)")
+
     p = sub.add_parser("ls", help="list the checkpoints under ROOT",
+                       parents=[tier_parent],
                        description="List every checkpoint directly under ROOT, corrupt ones, "
                        "and the leftovers of interrupted saves that `gc` would clean.")
     p.add_argument("root", metavar="ROOT")
@@ -46,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="listing:cmd_ls")
 
     p = sub.add_parser("inspect", help="show a checkpoint's files and tensors",
+                       parents=[tier_parent],
                        description="Show a checkpoint's manifest: files, every tensor "
                        "(dtype, shape, bytes, file, offset, CRC32C) and the shape of the "
                        "non-tensor state.")
@@ -54,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="inspecting:cmd_inspect")
 
     p = sub.add_parser("verify", help="check every byte against its checksum",
+                       parents=[tier_parent],
                        description="Re-read every data file and check each tensor's CRC32C "
                        "and each file's size and header. Exits 1 and names the file and "
                        "tensor on any corruption.")
@@ -62,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="inspecting:cmd_verify")
 
     p = sub.add_parser("restore", help="write a checkpoint as one torch or safetensors file",
+                       parents=[tier_parent],
                        description="Load a checkpoint on the CPU and write it as one file, "
                        "atomically (FILE.tmp, fsync, rename). --format safetensors "
                        "flattens nested keys with dots (optimizer.state.0.exp_avg), copies "
@@ -80,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="restoring:cmd_restore")
 
     p = sub.add_parser("gc", help="clean up after interrupted saves",
+                       parents=[tier_parent],
                        description="Remove, anywhere under ROOT, the staging directories "
                        "and temporary files of saves (and pointer updates, restores) whose "
                        "process is gone, and put back a checkpoint that an interrupted "
@@ -87,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
     p.add_argument("--json", action="store_true", help="print the actions as JSON")
+    p.add_argument("--older-than", type=float, default=86400.0, metavar="SECONDS",
+                   help="for s3:// URLs: remove uploads without a manifest and abort "
+                        "multipart uploads untouched for this long (default one day)")
     p.set_defaults(func="listing:cmd_gc")
 
     p = sub.add_parser("gather", help="collect a node-local checkpoint into one directory",
@@ -125,6 +143,13 @@ def _message(exc: CheckpointError) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run fpctl with `argv` (default: sys.argv[1:]); returns the exit status."""
     args = build_parser().parse_args(argv)
+    target = getattr(args, "root", None) or getattr(args, "ckpt", None)
+    if is_tier_url(target):
+        if getattr(args, "endpoint_url", None):
+            # For every client fpctl makes (load included): the standard variable.
+            os.environ["AWS_ENDPOINT_URL"] = args.endpoint_url
+        if args.command != "restore":
+            args.func = f"remote:cmd_{args.command}"
     try:
         module, name = args.func.split(":")
         func = getattr(importlib.import_module(f".{module}", __package__), name)

@@ -34,6 +34,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                    staging_in_use=info.staging_in_use,
                    checkpoints_in_flight=info.checkpoints_in_flight,
                    in_flight=[as_dict(s) for s in in_flight])
+        if info.tier_url:
+            doc["tier"] = {"url": info.tier_url, "pending": info.tier_pending,
+                           "failing": info.tier_failing, "uploaded": info.tier_uploaded,
+                           "failures": info.tier_failures,
+                           "last_error": info.tier_last_error}
     if args.json:
         print_json(doc)
     else:
@@ -44,4 +49,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                   f"({'O_DIRECT' if info.direct_io else 'buffered'}, {info.io_backend})")
             print(f"  staging {human_size(info.staging_in_use)} in use of {budget}; "
                   f"{info.checkpoints_in_flight} checkpoint(s) in flight")
+            if info.tier_url:
+                print(f"  tier {info.tier_url}: {info.tier_pending} checkpoint(s) to upload"
+                      f" ({info.tier_failing} failing), {info.tier_uploaded} uploaded, "
+                      f"{info.tier_failures} failed attempt(s)"
+                      + (f"; last error: {info.tier_last_error}" if info.tier_last_error
+                         else ""))
     return EXIT_OK if health == "SERVING" else EXIT_ERROR

@@ -128,7 +128,7 @@ def tree_summary(manifest: Manifest) -> dict[str, Any]:
     return summary
 
 
-def describe(path: Path, manifest: Manifest) -> dict[str, Any]:
+def describe(path: Path | str, manifest: Manifest) -> dict[str, Any]:
     """The structured form that `fpctl inspect --json` prints."""
     return {
         "path": str(path),
@@ -157,6 +157,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print_json(info)
         return EXIT_OK
+    print_description(path, info)
+    return EXIT_OK
+
+
+def print_description(path: Path | str, info: dict[str, Any]) -> None:
+    """`fpctl inspect`'s text form of describe()."""
     print(f"checkpoint    {path}")
     print(f"schema        {info['schema_version']} (written by fastpersist "
           f"{info['fastpersist_version']})")
@@ -192,7 +198,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for item in numpy:
             print(f"  {item['path']}: numpy {item['kind']} {item['dtype']} "
                   f"[{', '.join(map(str, item['shape']))}] (tensor {item['tensor']})")
-    return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -226,4 +231,4 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_CORRUPT
 
 
-__all__ = ["cmd_inspect", "cmd_verify", "describe", "tree_summary"]
+__all__ = ["cmd_inspect", "cmd_verify", "describe", "print_description", "tree_summary"]

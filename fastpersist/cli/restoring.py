@@ -27,6 +27,7 @@ from ..api import load
 from ..errors import CheckpointError, CheckpointExistsError
 from ..storage.commit import fsync_dir, fsync_file, leftover_name, os_error
 from ..tensors.checkpoint import read_manifest
+from ..tier.url import is_tier_url
 from ._output import EXIT_OK, human_size, warn
 
 RESERVED_KEY = "__metadata__"  # the safetensors header's own metadata entry
@@ -155,7 +156,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
     target = Path(os.path.abspath(args.to))
     _check_target(target, args.force)
     start = time.perf_counter()
-    total = read_manifest(args.ckpt).tensor_bytes
+    if is_tier_url(args.ckpt):
+        from .remote import remote_manifest
+
+        total = remote_manifest(args.ckpt).tensor_bytes
+    else:
+        total = read_manifest(args.ckpt).tensor_bytes
     with tqdm(total=total, desc=f"load {Path(args.ckpt).name}", unit="B", unit_scale=True,
               unit_divisor=1024, disable=None, file=sys.stderr, leave=False) as bar:
         obj = load(args.ckpt, map_location="cpu", allow_pickle=args.allow_pickle,

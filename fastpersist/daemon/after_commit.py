@@ -8,6 +8,9 @@ reports COMMITTED: so it happens even if the trainer is gone by then. The
 rules are retention.py's, the same as in-process. A failure does not undo
 the commit; it is logged, counted and reported with the COMMITTED status.
 
+With a tier (tiering.py), every checkpoint the daemon commits is queued for
+upload here (committed()), and retention keeps those not uploaded yet.
+
 Torch-free: this runs in the daemon.
 """
 
@@ -18,6 +21,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import PostCommitError
 from ..storage.commit import Staging
@@ -25,6 +29,9 @@ from ..storage.retention import AfterCommit, apply, step_of
 from . import logs
 from .metrics import Metrics
 from .requests import invalid
+
+if TYPE_CHECKING:
+    from .tiering import DaemonTier
 
 
 def check_target(target: Path, relpath: str) -> None:
@@ -55,8 +62,9 @@ class AfterCommits:
     """Applies policies, one at a time per directory (two checkpoints of one
     root may finish at once on two write workers), never under the service lock."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, tier: DaemonTier | None = None) -> None:
         self.metrics = metrics
+        self.tier = tier
         self._mutex = threading.Lock()
         self._locks: dict[tuple[int, int], threading.Lock] = {}
 
@@ -65,14 +73,25 @@ class AfterCommits:
         with self._mutex:
             return self._locks.setdefault((st.st_dev, st.st_ino), threading.Lock())
 
+    def committed(self, relpath: str) -> None:
+        """ROOT/relpath was just committed: queue its upload (with a tier)."""
+        if self.tier is not None:
+            self.tier.add(relpath)
+
     def apply(self, dir_fd: int, target: Path, relpath: str, policy: AfterCommit,
               since: float | None = None) -> str:
         """Apply `policy` in `dir_fd` (held_parent) now that `target` is
         committed; returns what failed ("": nothing). since: when the
-        checkpoint began (time.time())."""
+        checkpoint began (time.time()). Checkpoints not uploaded to the
+        tier yet are kept."""
+        tier, parent = self.tier, relpath.rpartition("/")[0]
+
+        def protected(name: str) -> bool:
+            return tier is not None and tier.is_pending(f"{parent}/{name}" if parent else name)
+
         try:
             with self._lock(dir_fd):
-                done = apply(dir_fd, target.parent, target.name, policy, since)
+                done = apply(dir_fd, target.parent, target.name, policy, since, protected)
         except PostCommitError as exc:
             self.metrics.after_commit_failures.inc()
             logs.error("after-commit-failed", path=relpath, error=str(exc))

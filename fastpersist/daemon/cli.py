@@ -5,6 +5,7 @@
                  [--staging-budget BYTES] [--client-budget BYTES] [--shm-dir DIR]
                  [--metrics-listen HOST:PORT] [--write-concurrency N] [--max-streams N]
                  [--idle-timeout SECONDS] [--drain-timeout SECONDS]
+                 [--tier s3://BUCKET/PREFIX [--tier-keep-last N] [--tier-endpoint URL]]
                  [--log-format json|text] [--log-level LEVEL]
 
 SIGTERM or SIGINT: stop taking checkpoints, abort the ones not handed over,
@@ -26,7 +27,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .._version import __version__
+from ..errors import CheckpointError
 from ..protocol import shm
+from ..tier.url import TierURL
 from . import logs
 from .budgets import (
     DEFAULT_STREAMS,
@@ -113,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=None,
                    help="at shutdown, wait at most this long for handed-over checkpoints "
                         "(default: as long as they take)")
+    p.add_argument("--tier", metavar="s3://BUCKET/PREFIX",
+                   help="copy every committed checkpoint to this object store in the background "
+                        "(ROOT/REL to PREFIX/REL); what is not uploaded is kept locally, and "
+                        "uploaded after a restart. Credentials: the standard AWS configuration")
+    p.add_argument("--tier-keep-last", type=int, default=None, metavar="N",
+                   help="keep the N newest step-N checkpoints of each directory in the store "
+                        "(default: all)")
+    p.add_argument("--tier-endpoint", metavar="URL",
+                   help="the store's endpoint URL (default: the standard AWS configuration, "
+                        "e.g. AWS_ENDPOINT_URL)")
     p.add_argument("--log-format", choices=("json", "text"), default="json")
     p.add_argument("--log-level", default="info")
     p.add_argument("--version", action="version", version=f"fastpersistd {__version__}")
@@ -129,6 +142,15 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--write-concurrency must be at least 1")
     if args.max_streams < 1:
         p.error("--max-streams must be at least 1")
+    if args.tier_keep_last is not None and args.tier_keep_last < 1:
+        p.error("--tier-keep-last must be at least 1")
+    if args.tier_keep_last is not None and not args.tier:
+        p.error("--tier-keep-last needs --tier")
+    if args.tier:
+        try:
+            args.tier = TierURL.parse(args.tier)
+        except ValueError as exc:
+            p.error(f"--tier: {exc}")
     if args.shm_dir is None:
         args.shm_dir = shm.shm_dir()
     if not args.shm_dir.is_dir():
@@ -204,9 +226,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _step(metrics, "clean up leftovers", root.clean_up_leftovers)
     _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))
     direct = root.probe_direct_io()
+    tier = None
+    if args.tier:
+        from ..tier.client import S3
+        from .tiering import DaemonTier
+
+        try:
+            tier = DaemonTier(root, args.tier, S3(args.tier_endpoint), metrics,
+                              keep_last=args.tier_keep_last)
+        except CheckpointError as exc:  # boto3 missing
+            p.error(f"--tier: {exc}")
     service = Service(root, args.shm_dir, Budgets(args.staging_budget, args.client_budget),
                       metrics, write_concurrency=args.write_concurrency,
-                      idle_timeout=args.idle_timeout, max_streams=args.max_streams)
+                      idle_timeout=args.idle_timeout, max_streams=args.max_streams, tier=tier)
+    if tier is not None:
+        _step(metrics, "queue the checkpoints to upload", tier.start)
     memory = own_memory(args.write_concurrency, args.max_streams)
     limit = cgroup_memory_limit()
     if limit is not None and sum(memory.values()) > limit:
@@ -236,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logs.info("ready", version=__version__, root=str(root.path), socket=str(args.socket),
+              tier=str(args.tier or ""),
               listen=args.listen or "", direct_io=direct, staging_budget=args.staging_budget,
               client_budget=args.client_budget, memory_bound=sum(memory.values()),
               pid=os.getpid(), openat2=root.uses_openat2)
@@ -249,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     watchdog.stop()
     set_status(health, NOT_SERVING)
     finished = service.drain(args.drain_timeout)
+    if tier is not None:
+        logs.info("tier-stopped", pending=len(tier.stop()))
     for server in servers:
         server.stop(grace=2.0).wait()
     with contextlib.suppress(FileNotFoundError):

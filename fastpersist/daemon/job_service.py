@@ -131,6 +131,7 @@ class JobService:
         job = self._start_commit(job_id, after_commit)
         with held_parent(job.staging, after_commit) as parent:
             self._publish(job, manifest, node)
+            self.after_commits.committed(job.relpath)
             # Jobs of one root commit in order (a distributed save waits for
             # the previous one), hence no `since`.
             return "" if after_commit is None or parent is None else self.after_commits.apply(

@@ -39,6 +39,21 @@ class Metrics:
             "fastpersist_after_commit_failures",
             "Checkpoints committed whose Checkpointer policy (moving `latest`, retention) "
             "failed", registry=r)
+        self.tier_uploads = Counter(
+            "fastpersist_tier_uploads",
+            "Uploads to the object-store tier, by result (uploaded, already: the store held it; "
+            "failed: an attempt, retried; dropped: cannot be uploaded; skipped: superseded)",
+            ["result"], registry=r)
+        self.tier_bytes_uploaded = Counter(
+            "fastpersist_tier_bytes_uploaded", "Bytes of data files uploaded to the tier",
+            registry=r)
+        self.tier_pending = Gauge(
+            "fastpersist_tier_pending",
+            "Committed checkpoints not in the object store yet (kept locally until they are)",
+            registry=r)
+        self.tier_failing = Gauge(
+            "fastpersist_tier_failing",
+            "Pending checkpoints whose last upload attempt failed", registry=r)
         self.reclaimed_segments = Counter(
             "fastpersist_reclaimed_segments", "Shared-memory segments of dead clients unlinked",
             registry=r)

@@ -102,11 +102,18 @@ class Servicer(pb_grpc.FastPersistServicer):
         def run() -> pb.InfoResponse:
             s = self.service
             reserved, in_flight = s.snapshot()
-            return pb.InfoResponse(
+            reply = pb.InfoResponse(
                 version=__version__, root=str(s.root.path), staging_budget=s.budgets.staging,
                 staging_in_use=reserved, checkpoints_in_flight=in_flight,
                 direct_io=self.direct_io, io_backend=knobs.current().io_backend,
             )
+            if s.tier is not None:
+                t = s.tier.status()
+                reply.tier_url, reply.tier_pending = t.url, len(t.pending)
+                reply.tier_failing, reply.tier_uploaded = len(t.failing), t.uploaded
+                reply.tier_failures = t.failures
+                reply.tier_last_error = (t.last_error or "")[:1000]
+            return reply
         return self._guard(context, run)
 
     def Begin(self, request: pb.BeginRequest, context: grpc.ServicerContext

@@ -42,6 +42,7 @@ from .requests import (
 from .rootfs import Root
 from .stream_file import Slots
 from .streams import Streams
+from .tiering import DaemonTier
 from .writer import Writers
 
 
@@ -50,7 +51,8 @@ class Service:
 
     def __init__(self, root: Root, shm_dir: Path, budgets: Budgets, metrics: Metrics,
                  write_concurrency: int = 2, idle_timeout: float = 300.0,
-                 engine: Engine | None = None, max_streams: int = DEFAULT_STREAMS) -> None:
+                 engine: Engine | None = None, max_streams: int = DEFAULT_STREAMS,
+                 tier: DaemonTier | None = None) -> None:
         self.root = root
         self.shm_dir = shm_dir
         # Segments are opened by name in the directory held open (shm.open_range).
@@ -59,7 +61,8 @@ class Service:
         self.metrics = metrics
         self.idle_timeout = idle_timeout
         self.registry = Registry(budgets, metrics)
-        after_commits = AfterCommits(metrics)
+        self.tier = tier
+        after_commits = AfterCommits(metrics, tier)
         self.jobs = JobService(self.registry, root, after_commits)
         self.catalog = Catalog(self.registry, root)
         self.writers = Writers(self.registry, engine or get_engine(), write_concurrency,

@@ -178,6 +178,7 @@ class Writers:
         assert ck.staging is not None
         with held_parent(ck.staging, ck.after_commit) as parent:
             ck.staging.commit(data)
+            self.after_commits.committed(ck.relpath)
             seconds = time.monotonic() - (ck.first_submit or time.monotonic())
             # Logged before the status says so: whoever sees COMMITTED finds the line.
             logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,

@@ -18,7 +18,10 @@ happens even if the trainer is gone by then).
                    directory fsynced) and then removed. Retention runs only
                    after a newer checkpoint is durable, and a step higher than
                    the one just committed is never deleted (nor counted): it
-                   may be the only copy of something newer.
+                   may be the only copy of something newer. Nor is a
+                   checkpoint its owner protects (`protected`: one whose
+                   upload to the object-store tier has not finished, the
+                   only copy of it); a later pass deletes it.
 
 Everything is done relative to the root's directory descriptor, with the
 primitives of dirs.py and commit.py (write_durably, delete_checkpoint), and
@@ -73,11 +76,13 @@ def step_of(name: str) -> int | None:
 
 
 def to_delete(entries: list[tuple[int, str]], newest: str, policy: AfterCommit,
-              committed: Callable[[str], bool]) -> list[str]:
+              committed: Callable[[str], bool],
+              protected: Callable[[str], bool] | None = None) -> list[str]:
     """The names retention deletes, from the (step, name) of the step-N
     checkpoints in the root, once `newest` is committed. committed(name) says
     whether a checkpoint's manifest is valid: only those count among the newest
-    keep_last; it is asked about as few as needed, newest first."""
+    keep_last; it is asked about as few as needed, newest first.
+    protected(name): never deleted (a pending upload's only copy)."""
     newest_step = step_of(newest)
     if policy.keep_last is None or newest_step is None:
         return []
@@ -91,7 +96,8 @@ def to_delete(entries: list[tuple[int, str]], newest: str, policy: AfterCommit,
             recent.add(step)
     every = policy.keep_every
     return [name for step, name in older
-            if step not in recent and not (every and step % every == 0)]
+            if step not in recent and not (every and step % every == 0)
+            and not (protected and protected(name))]
 
 
 # -- reading, relative to a directory descriptor (dirs.py) ---------------------------
@@ -187,11 +193,13 @@ class Applied:
 
 
 def apply(dir_fd: int, where: Path, newest: str, policy: AfterCommit,
-          since: float | None = None) -> Applied:
+          since: float | None = None,
+          protected: Callable[[str], bool] | None = None) -> Applied:
     """Apply `policy` in the open directory `dir_fd` (named `where` in errors)
     once its checkpoint `newest` is committed. since: when `newest` began
     (time.time()), where saves of one root may commit out of order (the
-    daemon); None where they commit in order. Raises PostCommitError."""
+    daemon); None where they commit in order. protected(name): names that
+    retention must keep for now (to_delete). Raises PostCommitError."""
     what = f"moving {where / LATEST} to {newest}"
     pointed, deleted = False, []
     try:
@@ -200,7 +208,7 @@ def apply(dir_fd: int, where: Path, newest: str, policy: AfterCommit,
             pointed = True
         what = f"retention in {where}"
         for name in to_delete(checkpoints(dir_fd), newest, policy,
-                              lambda n: is_committed(n, dir_fd)):
+                              lambda n: is_committed(n, dir_fd), protected):
             what = f"deleting {where / name} (retention)"
             try:
                 # Renamed to a `del` leftover first (durably), then removed:
@@ -218,7 +226,7 @@ def apply(dir_fd: int, where: Path, newest: str, policy: AfterCommit,
 
 
 def apply_at(root: Path, newest: str, policy: AfterCommit, since: float | None = None, *,
-             follow: bool = True) -> Applied:
+             follow: bool = True, protected: Callable[[str], bool] | None = None) -> Applied:
     """apply() in the directory `root`. follow=False: refuse a root that is a
     symbolic link (the daemon's, where the path was checked at Begin)."""
     try:
@@ -228,6 +236,6 @@ def apply_at(root: Path, newest: str, policy: AfterCommit, since: float | None =
         raise PostCommitError(f"checkpoint {root / newest} is committed, but its directory "
                               f"cannot be opened: {exc.strerror or exc}") from exc
     try:
-        return apply(fd, root, newest, policy, since)
+        return apply(fd, root, newest, policy, since, protected)
     finally:
         os.close(fd)

@@ -161,7 +161,7 @@ def _check_against_header(path: Path, f: FileRecord, records: list[TensorRecord]
 
 @dataclass
 class VerifyReport:
-    path: Path
+    path: Path | str  # a local path, or an s3:// URL
     files: int = 0
     tensors: int = 0
     bytes_checked: int = 0

@@ -1,0 +1,154 @@
+"""fpctl ls, inspect, verify and gc of s3:// URLs: checkpoints in the object store.
+
+The store is reached the standard AWS way (environment, config files), or at
+--endpoint-url. A checkpoint there is a directory of objects with a manifest;
+a directory without one is an upload in progress or abandoned ("incomplete"),
+which gc removes once it is older than --older-than, together with abandoned
+multipart uploads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.manifest import Manifest
+from ..tensors import tier_read
+from ..tier.client import S3, client_for
+from ..tier.remote import entries, read_manifest
+from ..tier.retention import delete_checkpoint, incomplete, sweep_uploads
+from ..tier.url import TierURL
+from ._output import (
+    EXIT_CORRUPT,
+    EXIT_ERROR,
+    EXIT_OK,
+    human_size,
+    local_time,
+    print_json,
+    print_table,
+    warn,
+)
+from .inspecting import describe, print_description
+
+
+def _where(text: str) -> tuple[S3, TierURL]:
+    try:
+        return client_for(), TierURL.parse(text)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def remote_manifest(text: str) -> Manifest:
+    s3, url = _where(text)
+    return read_manifest(s3, url)[0]
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    s3, url = _where(args.root)
+    rows: list[dict[str, Any]] = []
+    for e in entries(s3, url):
+        row: dict[str, Any] = {"name": e.name, "path": str(url.child(e.name)), "bytes": e.bytes,
+                               "tensors": None, "created_unix": None}
+        if not e.committed:
+            row["state"] = ("incomplete (no manifest: an upload in progress or abandoned; "
+                            "`fpctl gc` removes it once old)")
+        else:
+            try:
+                m = read_manifest(s3, url.child(e.name))[0]
+            except CorruptCheckpointError as exc:
+                row["state"] = f"corrupt: {str(exc).removeprefix(row['path'] + ': ')}"
+            else:
+                row.update(state="committed", created_unix=m.created_unix, tensors=(
+                    len(m.globals) if m.globals is not None else len(m.tensors)))
+        rows.append(row)
+    uploads = sum(1 for _ in s3.multipart_uploads(url))
+    if args.json:
+        print_json(rows)
+        return EXIT_OK
+    if not rows:
+        print(f"no checkpoints in {url}")
+    else:
+        print_table(["NAME", "SIZE", "TENSORS", "CREATED", "STATE"],
+                    [[r["name"], human_size(r["bytes"]),
+                      "-" if r["tensors"] is None else str(r["tensors"]),
+                      local_time(r["created_unix"]), r["state"]] for r in rows],
+                    right=[False, True, True])
+    if uploads:
+        print(f"{uploads} multipart upload(s) in progress or abandoned")
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = describe(args.ckpt, remote_manifest(args.ckpt))
+    if args.json:
+        print_json(info)
+    else:
+        print_description(args.ckpt, info)
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    s3, url = _where(args.ckpt)
+    try:
+        total = read_manifest(s3, url)[0].tensor_bytes
+        start = time.perf_counter()
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
+                  desc=f"verify {url.name}", file=sys.stderr, leave=False) as bar:
+            report = tier_read.verify(s3, url, progress=bar.update)
+        seconds = time.perf_counter() - start
+    except CorruptCheckpointError as exc:
+        if args.json:
+            print_json({"path": str(url), "ok": False, "problems": [str(exc)]})
+        warn(str(exc))
+        return EXIT_CORRUPT
+    if args.json:
+        print_json({"path": str(url), "ok": report.ok, "files": report.files,
+                    "tensors": report.tensors, "bytes_checked": report.bytes_checked,
+                    "seconds": seconds, "problems": report.problems})
+    elif report.ok:
+        print(f"OK {url}: {report.files} files, {report.tensors} tensors, "
+              f"{human_size(report.bytes_checked)} checked in {seconds:.2f} s")
+    else:
+        print(f"CORRUPT {url}: {len(report.problems)} problems")
+        for problem in report.problems:
+            print(f"  {problem}")
+    return EXIT_OK if report.ok else EXIT_CORRUPT
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    s3, url = _where(args.root)
+    results = []
+    status = EXIT_OK
+    for e in incomplete(s3, url, args.older_than):
+        target = url.child(e.name)
+        action = "would-remove" if args.dry_run else "removed"
+        if not args.dry_run:
+            try:
+                delete_checkpoint(s3, target)
+            except CheckpointError as exc:
+                action, status = f"failed: {exc}", EXIT_ERROR
+        results.append({"path": str(target), "kind": "incomplete", "action": action})
+    if args.dry_run:
+        cutoff = time.time() - args.older_than
+        old = [k for k, _, t in s3.multipart_uploads(url) if t <= cutoff]
+    else:
+        old = sweep_uploads(s3, url, args.older_than)
+    results += [{"path": f"s3://{url.bucket}/{k}", "kind": "multipart-upload",
+                 "action": "would-abort" if args.dry_run else "aborted"} for k in old]
+    if args.json:
+        print_json(results)
+    elif not results:
+        print(f"nothing to clean in {url}")
+    else:
+        for r in results:
+            (warn if r["action"].startswith("failed") else print)(
+                f"{r['action']} {r['kind']} {r['path']}")
+    return status
+
+
+__all__ = ["cmd_gc", "cmd_inspect", "cmd_ls", "cmd_verify", "remote_manifest"]

@@ -1,0 +1,286 @@
+"""The background uploader: committed checkpoints to the store, one at a time.
+
+Whoever commits a checkpoint (a Checkpointer's writer thread, fastpersistd)
+adds it here and goes on; a thread of its own uploads it (upload.py). The
+queue is rebuilt from the disk when its owner starts (every committed
+checkpoint is added; one whose remote manifest holds the same bytes is done
+at the cost of one GET), so what a crash interrupted is uploaded after the
+restart.
+
+    order         newest step first: the checkpoint a lost node would be
+                  restored from goes first.
+    failures      a failed upload is retried after a backoff (1 s, doubling,
+                  at most 60 s), for as long as the uploader runs: every
+                  failure is reported (events, status()); none stalls the
+                  trainer or the daemon. A checkpoint that cannot be uploaded
+                  as it is (gone, not committed, node-local) is dropped, and
+                  that is reported too.
+    pending       a checkpoint stays pending from add() until its manifest is
+                  in the store. Local retention keeps pending checkpoints
+                  (is_pending): the only copy is never deleted.
+    keep_last     after each upload, remote retention in its directory
+                  (retention.keep_last, counting up to the highest step
+                  uploaded there); pending checkpoints older than the ones it
+                  kept would be deleted from the store at once, so they are
+                  dropped from the queue ("superseded") and local retention
+                  may delete them.
+    sweep         multipart uploads below the tier older than a day are
+                  aborted when the uploader starts and hourly.
+    close         drain=True: each pending checkpoint gets up to 3 more tries;
+                  returns those still not uploaded. drain=False: stop now (the
+                  upload in progress may still finish).
+
+Torch-free: the daemon imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .client import S3
+from .retention import keep_last, sweep_uploads
+from .upload import NotUploadable, Uploaded, upload_checkpoint
+from .url import TierURL
+
+DRAIN_ATTEMPTS = 3
+_log = logging.getLogger("fastpersist.tier")
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def log_event(level: str, event: str, **fields: Any) -> None:
+    """The default event sink: the `fastpersist.tier` logger."""
+    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    _log.log(_LEVELS.get(level, logging.INFO), "%s %s", event, text)
+
+
+Events = Callable[..., None]  # events(level, event, **fields)
+
+
+@dataclass
+class Job:
+    key: str  # the local checkpoint: a path (is_pending, messages)
+    url: TierURL  # where it goes
+    open_dir: Callable[[], int]  # opens the local directory (OSError: gone)
+    group: TierURL | None = None  # the directory of its step-N siblings in the store
+    step: int | None = None
+    attempts: int = 0
+    not_before: float = 0.0
+    seq: int = 0
+    error: str = ""  # of the last failed attempt
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    url: str
+    pending: tuple[str, ...]  # not in the store yet (queued, uploading, retrying)
+    uploading: str | None
+    uploaded: int  # checkpoints uploaded (or found uploaded) since start
+    bytes_uploaded: int
+    failures: int  # failed attempts since start
+    failing: tuple[str, ...]  # pending checkpoints whose last attempt failed
+    last_error: str | None  # the most recent failure, if any
+
+    @property
+    def ok(self) -> bool:
+        return not self.failing
+
+
+class Uploader:
+    def __init__(self, s3: S3, url: TierURL, *, keep_last: int | None = None,
+                 events: Events = log_event,
+                 on_uploaded: Callable[[Job, Uploaded], None] | None = None,
+                 backoff: tuple[float, float] = (1.0, 60.0), sweep_every: float = 3600.0,
+                 sweep_older_than: float = 86400.0) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("tier_keep_last must be at least 1 (or None to keep everything)")
+        self.s3, self.url, self.keep_last = s3, url, keep_last
+        self.events, self.on_uploaded = events, on_uploaded
+        self.backoff, self.sweep_every, self.sweep_older_than = (
+            backoff, sweep_every, sweep_older_than)
+        self._cond = threading.Condition()
+        self._jobs: dict[str, Job] = {}
+        self._given_up: dict[str, Job] = {}  # out of tries while draining: still pending
+        self._current: Job | None = None
+        self._seq = 0
+        self._high: dict[TierURL, int] = {}  # highest step uploaded per group
+        self._uploaded = self._bytes = self._failures = 0
+        self._last_error: str | None = None
+        self._draining = self._stopping = False
+        self._next_sweep = 0.0
+        self._thread = threading.Thread(target=self._run, name="fp-tier-upload", daemon=True)
+
+    def start(self) -> Uploader:
+        self._thread.start()
+        return self
+
+    # -- what owners call ----------------------------------------------------
+
+    def add(self, job: Job) -> None:
+        """Queue `job` (replacing a queued one of the same key: saved again)."""
+        with self._cond:
+            self._seq += 1
+            job.seq = self._seq
+            self._jobs[job.key] = job
+            self._given_up.pop(job.key, None)
+            self._cond.notify_all()
+
+    def is_pending(self, key: str) -> bool:
+        with self._cond:
+            return key in self._jobs or key in self._given_up
+
+    def status(self) -> TierStatus:
+        with self._cond:
+            pending = {**self._given_up, **self._jobs}
+            return TierStatus(
+                str(self.url), tuple(sorted(pending)),
+                self._current.key if self._current else None, self._uploaded, self._bytes,
+                self._failures, tuple(sorted(k for k, j in pending.items() if j.error)),
+                self._last_error)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is pending; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs, timeout)
+
+    def close(self, *, drain: bool = True, timeout: float | None = None) -> list[str]:
+        """Stop; with drain, after up to DRAIN_ATTEMPTS more tries of each
+        pending checkpoint. Returns the keys not uploaded."""
+        with self._cond:
+            if drain:
+                self._draining = True
+                for job in self._jobs.values():
+                    job.attempts, job.not_before = 0, 0.0
+            else:
+                self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout if drain else 0.0)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            return sorted({*self._jobs, *self._given_up})
+
+    # -- the thread ----------------------------------------------------------
+
+    def _next(self) -> Job | None:
+        with self._cond:
+            while True:
+                if self._stopping or (self._draining and not self._jobs):
+                    return None
+                now = time.monotonic()
+                ready = [j for j in self._jobs.values() if j.not_before <= now]
+                if ready:
+                    job = max(ready, key=lambda j: (j.step if j.step is not None else -1, j.seq))
+                    self._current = job
+                    return job
+                wake = min((j.not_before for j in self._jobs.values()), default=None)
+                self._cond.wait(None if wake is None else max(0.0, wake - now))
+
+    def _run(self) -> None:
+        while True:
+            self._sweep_if_due()
+            job = self._next()
+            if job is None:
+                return
+            try:
+                self._attempt(job)
+            except Exception as exc:  # a bug here must not silently stop the uploader
+                self.events("error", "tier-uploader-error", error=repr(exc))
+                self._failed(job, repr(exc), drop=False)
+            finally:
+                with self._cond:
+                    self._current = None
+                    self._cond.notify_all()
+
+    def _attempt(self, job: Job) -> None:
+        seq = job.seq
+        started = time.monotonic()
+        try:
+            fd = job.open_dir()
+        except OSError as exc:
+            self._failed(job, f"{job.key}: gone ({exc.strerror or exc})", drop=True, seq=seq)
+            return
+        try:
+            done = upload_checkpoint(self.s3, fd, job.key, job.url)
+        except NotUploadable as exc:
+            self._failed(job, str(exc), drop=True, seq=seq)
+            return
+        except Exception as exc:
+            self._failed(job, str(exc), drop=False, seq=seq)
+            return
+        finally:
+            os.close(fd)
+        with self._cond:
+            if self._jobs.get(job.key) is job and job.seq == seq:
+                del self._jobs[job.key]  # else added again meanwhile: goes again
+            self._uploaded += 1
+            self._bytes += done.bytes
+        self.events("info", "tier-uploaded", path=job.key, url=str(job.url), bytes=done.bytes,
+                    already=done.already, replaced=done.replaced,
+                    seconds=round(time.monotonic() - started, 3))
+        self._retention(job)
+        if self.on_uploaded is not None:
+            self.on_uploaded(job, done)
+
+    def _failed(self, job: Job, error: str, *, drop: bool, seq: int | None = None) -> None:
+        with self._cond:
+            self._failures += 1
+            self._last_error = error
+            job.attempts += 1
+            job.error = error
+            exhausted = self._draining and job.attempts >= DRAIN_ATTEMPTS
+            current = self._jobs.get(job.key) is job and (seq is None or job.seq == seq)
+            if current and (drop or exhausted):
+                del self._jobs[job.key]
+                if exhausted and not drop:
+                    self._given_up[job.key] = job
+            elif current:
+                base, most = self.backoff
+                job.not_before = time.monotonic() + min(most, base * 2 ** (job.attempts - 1))
+        self.events("error" if drop else "warning",
+                    "tier-upload-dropped" if drop else "tier-upload-failed",
+                    path=job.key, url=str(job.url), attempt=job.attempts, error=error)
+
+    def _retention(self, job: Job) -> None:
+        if job.group is None or job.step is None:
+            return
+        with self._cond:
+            high = self._high[job.group] = max(job.step, self._high.get(job.group, job.step))
+        try:
+            kept = keep_last(self.s3, job.group, high, self.keep_last)
+        except Exception as exc:
+            self.events("error", "tier-retention-failed", url=str(job.group), error=str(exc))
+            return
+        if kept.deleted:
+            self.events("info", "tier-retention", url=str(job.group), deleted=list(kept.deleted))
+        if self.keep_last is None or len(kept.kept) < self.keep_last:
+            return
+        oldest = min(kept.kept)
+        with self._cond:
+            stale = [j for j in self._jobs.values() if j.group == job.group and
+                     j.step is not None and j.step < oldest and j is not self._current]
+            for j in stale:
+                del self._jobs[j.key]
+            self._cond.notify_all()
+        for j in stale:
+            self.events("info", "tier-upload-skipped", path=j.key, reason=(
+                f"superseded: the store keeps the {self.keep_last} newest, all newer"))
+
+    def _sweep_if_due(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sweep or self._stopping:
+            return
+        self._next_sweep = now + self.sweep_every
+        try:
+            aborted = sweep_uploads(self.s3, self.url, self.sweep_older_than)
+        except Exception as exc:
+            self.events("warning", "tier-sweep-failed", url=str(self.url), error=str(exc))
+            return
+        if aborted:
+            self.events("info", "tier-sweep", url=str(self.url), aborted=aborted)
