@@ -21,13 +21,13 @@ from .saving.futures import SaveFuture
 from .saving.persist import CheckpointWriter
 from .saving.saver import Saver, default_saver
 from .saving.snapshot import group_into_files
-from .tensors import checkpoint, plan, state
+from .tensors import checkpoint, packed, plan, state
 from .tensors.factory import MapLocation, TensorFactory, target_device
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
          daemon: str | None = None, process_group: Any = None,
-         node_local: bool = False) -> None:
+         node_local: bool = False, compression: str | None = None) -> None:
     """Save `obj` as a checkpoint directory at `path`.
 
     `obj` is what torch.save takes for checkpoints: nested dicts, OrderedDicts,
@@ -82,7 +82,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     target = Path(os.path.abspath(os.fspath(path)))
     tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
     stored = plan.plan_tensors(leaves)
-    writer = CheckpointWriter.begin(target, tree, stored)
+    writer = CheckpointWriter.begin(target, tree, stored, compression)
     try:
         # The same cut into data files as async and daemon saves: one layout on disk.
         for file in group_into_files(stored, 0, current_knobs().file_bytes):
@@ -147,7 +147,8 @@ def saver_for(daemon: str | None) -> Saver:
 
 def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
                wait_for_snapshot: bool = True, daemon: str | None = None,
-               process_group: Any = None, node_local: bool = False) -> SaveFuture:
+               process_group: Any = None, node_local: bool = False,
+               compression: str | None = None) -> SaveFuture:
     """Save `obj` to `path` in the background; returns once the snapshot is taken.
 
     On return every tensor has been copied into staging memory and the caller
@@ -167,7 +168,12 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     fastpersist.save: each rank snapshots only the pieces it was assigned, and
     the writes and the global commit run in the background (the next call
     waits for them); with a daemon, each rank's node's daemon writes its part.
+
+    compression="zstd": as in fastpersist.save; the background thread
+    compresses, the caller's stall is the snapshot's copy as without it.
     """
+    check_local_compression(compression,
+                            current_knobs().daemon if daemon is None else daemon, process_group)
     if process_group is not None:
         from .distributed.saver import saver_for as distributed_saver_for
 
@@ -176,5 +182,23 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
             obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot)
     if node_local:
         raise ValueError("node_local=True needs process_group (a distributed save)")
+    if compression is not None:
+        return default_saver().save(obj, path, allow_pickle=allow_pickle,
+                                    wait_for_snapshot=wait_for_snapshot, compression=compression)
     return saver_for(daemon).save(obj, path, allow_pickle=allow_pickle,
                                   wait_for_snapshot=wait_for_snapshot)
+
+
+def check_local_compression(compression: str | None, daemon: str, process_group: Any) -> None:
+    """Compression is for in-process, single-process saves (this version):
+    refuse it clearly anywhere else."""
+    if packed.check_compression(compression) is None:
+        return
+    if process_group is not None:
+        raise ValueError("compression='zstd' is not supported for distributed saves "
+                         "(process_group) yet; save without compression")
+    if daemon:
+        raise ValueError(
+            "compression='zstd' is not supported through fastpersistd yet: the daemon "
+            "writes the staged bytes as they are. Save in-process (daemon=\"\") to "
+            "compress")

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .api import load
+from .api import check_local_compression, load
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
@@ -76,12 +76,14 @@ class Checkpointer:
         on storage they all see): distributed saves, each unique byte written
         once; whoever commits the job (rank 0, or its daemon) moves `latest`
         and applies retention.
+    compression: "zstd" to compress each checkpoint (fastpersist.save);
+        in-process saves only.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
                  keep_every: int | None = None, max_in_flight: int = 1,
                  allow_pickle: bool = False, daemon: str | None = None,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, compression: str | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
@@ -92,6 +94,8 @@ class Checkpointer:
         self.after_commit = AfterCommit(True, keep_last, keep_every)
         self.allow_pickle = allow_pickle
         address = current_knobs().daemon if daemon is None else daemon
+        check_local_compression(compression, address, process_group)
+        self.compression = compression
         self._saver: Saver | DistributedSaver
         # The savers that take the policy along with the commit (to the daemon,
         # or to the distributed job's commit); the in-process Saver calls back.
@@ -124,9 +128,10 @@ class Checkpointer:
                                         allow_pickle=self.allow_pickle,
                                         wait_for_snapshot=wait_for_snapshot,
                                         after_commit=self.after_commit)
+        assert isinstance(self._saver, Saver)  # the in-process one: not delegated
         return self._saver.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                 wait_for_snapshot=wait_for_snapshot,
-                                on_commit=self._committed)
+                                on_commit=self._committed, compression=self.compression)
 
     def wait(self) -> None:
         """Block until every save so far is durable; raise if one failed."""
