@@ -56,8 +56,15 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     rank 0. node_local=True: each rank passes its node's local path and each
     node keeps the files its ranks wrote. With a daemon, each rank hands its
     part to its own node's daemon and the job is committed there.
+
+    compression="zstd" (in-process saves only; default None: raw) stores each
+    tensor of 4 KiB or more byte-grouped and zstd-compressed, in frames of
+    FASTPERSIST_FRAME_BYTES encoded on FASTPERSIST_CODEC_THREADS threads; the
+    data files are then packed files (data-NNNNN.fpz), not safetensors. Loads
+    decode them transparently, checking the same CRC32Cs (README "Compression").
     """
     address = current_knobs().daemon if daemon is None else daemon
+    check_local_compression(compression, address, process_group)
     if process_group is not None:
         group = None if process_group == "world" else process_group
         if address:
