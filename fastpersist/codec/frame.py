@@ -119,20 +119,19 @@ def decode(stored: memoryview, g: Grouping, out: memoryview) -> None:
     pos = _HEAD.size + unit * _PLANE.size
     if len(stored) < pos:
         raise CodecError("frame header is cut short")
-    planes = np.empty((unit, n), dtype=np.uint8)
+    planes = []
     for j in range(unit):
         mode, length = _PLANE.unpack_from(stored, _HEAD.size + j * _PLANE.size)
         part = stored[pos:pos + length]
         if len(part) != length:
             raise CodecError(f"plane {j} runs past the frame's end")
         pos += length
-        row = memoryview(planes[j]).cast("B")
         if mode == MODE_RAW:
             if length != n:
                 raise CodecError(f"raw plane {j} holds {length} bytes, expected {n}")
-            row[:] = part
+            planes.append(np.frombuffer(part, dtype=np.uint8))
         elif mode == MODE_ZSTD:
-            _unzstd(part, row, j)
+            planes.append(np.frombuffer(_unzstd(part, n, j), dtype=np.uint8))
         else:
             raise CodecError(f"plane {j} has unknown mode {mode}")
     if pos != len(stored):
@@ -140,18 +139,18 @@ def decode(stored: memoryview, g: Grouping, out: memoryview) -> None:
     merge(planes, g, out)
 
 
-def _unzstd(part: memoryview, row: memoryview, j: int) -> None:
+def _unzstd(part: memoryview, n: int, j: int) -> bytes:
     # The content size is checked before anything is allocated for it.
     try:
         size = zstandard.frame_content_size(part)
     except zstandard.ZstdError as exc:
         raise CodecError(f"plane {j}: {exc}") from None
-    if size != len(row):
-        raise CodecError(f"plane {j} holds {size} bytes, expected {len(row)}")
+    if size != n:
+        raise CodecError(f"plane {j} holds {size} bytes, expected {n}")
     try:
         data = _decompressor().decompress(part, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CodecError(f"plane {j}: {exc}") from None
-    if len(data) != len(row):
-        raise CodecError(f"plane {j} decoded to {len(data)} bytes, expected {len(row)}")
-    row[:] = data
+    if len(data) != n:
+        raise CodecError(f"plane {j} decoded to {len(data)} bytes, expected {n}")
+    return data

@@ -17,6 +17,7 @@ decoding rotates back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,11 +76,12 @@ def split(raw: memoryview, g: Grouping) -> np.ndarray:
     return planes
 
 
-def merge(planes: np.ndarray, g: Grouping, out: memoryview) -> None:
-    """Write the units that `planes` (split's form) hold into `out`."""
-    n = planes.shape[1]
-    target = np.frombuffer(out, dtype=np.uint8, count=n * g.unit)
-    np.copyto(target.reshape(n, g.unit), planes.T)
+def merge(planes: Sequence[np.ndarray], g: Grouping, out: memoryview) -> None:
+    """Write the units that `planes` (split's rows, each n bytes) hold into `out`."""
+    n = len(planes[0])
+    target = np.frombuffer(out, dtype=np.uint8, count=n * g.unit).reshape(n, g.unit)
+    for j, plane in enumerate(planes):  # plane by plane: long inner loops
+        np.copyto(target[:, j], plane)
     if g.rotate:
         bits = 8 * g.unit
         a = target.view(_UINT[g.unit])
