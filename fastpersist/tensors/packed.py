@@ -12,7 +12,8 @@ codec checks each frame's CRC32C, decodes the frames in parallel straight
 into the new tensor's memory, and (whole tensors, with verify) the tensor's
 raw CRC32C is combined from its frames' and checked against the record's,
 as for a raw tensor. A partial read (`span`) decodes only the frames that
-overlap the span; the rest of the tensor is zeros.
+overlap the span; the rest of the tensor is zeros. The codec (numpy) is
+imported only when a packed file is written or read.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..codec.frames import DecodeJob, combine, decode_frames, encode_tensors
 from ..engine import Engine, Segment
 from ..format import dtypes, packed_file
 from ..format.frames import RAW, ZSTD_BYTEGROUP
@@ -41,6 +41,8 @@ Span = tuple[int, int]  # raw bytes start..end of a record
 def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTensor],
           frame_bytes: int) -> tuple[FileRecord, list[TensorRecord]]:
     """Write tensors to directory/file_name as a packed file; durable on return."""
+    from ..codec.frames import encode_tensors  # numpy: only where compression is used
+
     sources = {t.name: t.source if t.source.device.type == "cpu" else t.source.cpu()
                for t in tensors}
     big = [t for t in tensors if t.nbytes >= MIN_ENCODED_BYTES]
@@ -111,6 +113,8 @@ def read(engine: Engine, directory: str, file: FileRecord, records: Sequence[Ten
     CRCs only (fpctl verify's quick mode) and returns empty tensors. Raises
     EOFError when the file is shorter than the records need, OSError otherwise.
     """
+    from ..codec.frames import DecodeJob, combine, decode_frames  # numpy: only here
+
     spans = spans if spans is not None else [None] * len(records)
     wanted = [_wanted(r, s) for r, s in zip(records, spans, strict=True)]
     stored: list[memoryview] = []
