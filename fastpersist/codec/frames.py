@@ -13,6 +13,7 @@ numpy and the CRC release the GIL.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,20 +38,20 @@ except ImportError:  # no C extension (the reference engine's case): slower, sam
 T = TypeVar("T")
 
 _pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pool_key = (0, 0)  # (threads, pid): a forked child has none of its parent's threads
 _pool_lock = threading.Lock()
 
 
 def _executor() -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    threads = current_knobs().codec_threads
+    global _pool, _pool_key
+    key = (current_knobs().codec_threads, os.getpid())
     with _pool_lock:
-        if _pool is None or _pool_size != threads:
+        if _pool is None or _pool_key != key:
             old = _pool
-            _pool = ThreadPoolExecutor(threads, thread_name_prefix="fastpersist-codec")
-            _pool_size = threads
-            if old is not None:
+            _pool = ThreadPoolExecutor(key[0], thread_name_prefix="fastpersist-codec")
+            if old is not None and _pool_key[1] == key[1]:
                 old.shutdown(wait=False)
+            _pool_key = key
         return _pool
 
 
