@@ -22,14 +22,14 @@ from .saving.futures import SaveFuture
 from .saving.persist import CheckpointWriter
 from .saving.saver import Saver, default_saver
 from .saving.snapshot import group_into_files
-from .tensors import checkpoint, plan, state
+from .tensors import checkpoint, packed, plan, state
 from .tensors.factory import MapLocation, TensorFactory, target_device
 from .tier.url import is_tier_url
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
          daemon: str | None = None, process_group: Any = None,
-         node_local: bool = False) -> None:
+         node_local: bool = False, compression: str | None = None) -> None:
     """Save `obj` as a checkpoint directory at `path`.
 
     `obj` is what torch.save takes for checkpoints: nested dicts, OrderedDicts,
@@ -58,8 +58,15 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     rank 0. node_local=True: each rank passes its node's local path and each
     node keeps the files its ranks wrote. With a daemon, each rank hands its
     part to its own node's daemon and the job is committed there.
+
+    compression="zstd" (in-process saves only; default None: raw) stores each
+    tensor of 4 KiB or more byte-grouped and zstd-compressed, in frames of
+    FASTPERSIST_FRAME_BYTES encoded on FASTPERSIST_CODEC_THREADS threads; the
+    data files are then packed files (data-NNNNN.fpz), not safetensors. Loads
+    decode them transparently, checking the same CRC32Cs (README "Compression").
     """
     address = current_knobs().daemon if daemon is None else daemon
+    check_local_compression(compression, address, process_group)
     if process_group is not None:
         group = None if process_group == "world" else process_group
         if address:
@@ -84,7 +91,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     target = Path(os.path.abspath(os.fspath(path)))
     tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
     stored = plan.plan_tensors(leaves)
-    writer = CheckpointWriter.begin(target, tree, stored)
+    writer = CheckpointWriter.begin(target, tree, stored, compression)
     try:
         # The same cut into data files as async and daemon saves: one layout on disk.
         for file in group_into_files(stored, 0, current_knobs().file_bytes):
@@ -164,6 +171,10 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
     if manifest.globals is not None:
         raise TierError(f"{url} is a distributed checkpoint, which cannot be loaded from the "
                         "tier yet; copy it to a local directory and load that")
+    if any(t.frames is not None for t in manifest.tensors):
+        raise TierError(f"{url} is compressed (compression='zstd'), which cannot be loaded "
+                        "from the tier yet; copy its objects to a local directory (e.g. `aws "
+                        "s3 cp --recursive`) and load that")
     entries = tier_read.read_tensors(s3, where, manifest, verify=verify, progress=progress)
     factory = TensorFactory(entries, map_location, url)
     return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=url)
@@ -185,7 +196,8 @@ def saver_for(daemon: str | None) -> Saver:
 
 def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
                wait_for_snapshot: bool = True, daemon: str | None = None,
-               process_group: Any = None, node_local: bool = False) -> SaveFuture:
+               process_group: Any = None, node_local: bool = False,
+               compression: str | None = None) -> SaveFuture:
     """Save `obj` to `path` in the background; returns once the snapshot is taken.
 
     On return every tensor has been copied into staging memory and the caller
@@ -205,7 +217,12 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     fastpersist.save: each rank snapshots only the pieces it was assigned, and
     the writes and the global commit run in the background (the next call
     waits for them); with a daemon, each rank's node's daemon writes its part.
+
+    compression="zstd": as in fastpersist.save; the background thread
+    compresses, the caller's stall is the snapshot's copy as without it.
     """
+    check_local_compression(compression,
+                            current_knobs().daemon if daemon is None else daemon, process_group)
     if process_group is not None:
         from .distributed.saver import saver_for as distributed_saver_for
 
@@ -214,5 +231,23 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
             obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot)
     if node_local:
         raise ValueError("node_local=True needs process_group (a distributed save)")
+    if compression is not None:
+        return default_saver().save(obj, path, allow_pickle=allow_pickle,
+                                    wait_for_snapshot=wait_for_snapshot, compression=compression)
     return saver_for(daemon).save(obj, path, allow_pickle=allow_pickle,
                                   wait_for_snapshot=wait_for_snapshot)
+
+
+def check_local_compression(compression: str | None, daemon: str, process_group: Any) -> None:
+    """Compression is for in-process, single-process saves (this version):
+    refuse it clearly anywhere else."""
+    if packed.check_compression(compression) is None:
+        return
+    if process_group is not None:
+        raise ValueError("compression='zstd' is not supported for distributed saves "
+                         "(process_group) yet; save without compression")
+    if daemon:
+        raise ValueError(
+            "compression='zstd' is not supported through fastpersistd yet: the daemon "
+            "writes the staged bytes as they are. Save in-process (daemon=\"\") to "
+            "compress")

@@ -43,7 +43,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .api import load, load_from_tier
+from .api import check_local_compression, load, load_from_tier
 from .errors import CheckpointError, CheckpointNotFoundError, PostCommitError, TierError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
@@ -96,6 +96,8 @@ class Checkpointer:
     tier_keep_last: keep this many newest checkpoints in the store (None: all).
     tier_endpoint: the store's endpoint URL (default: the standard AWS
         configuration, e.g. AWS_ENDPOINT_URL).
+    compression: "zstd" to compress each checkpoint (fastpersist.save);
+        in-process saves only.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -103,7 +105,7 @@ class Checkpointer:
                  allow_pickle: bool = False, daemon: str | None = None,
                  process_group: Any = None, tier: str | None = None,
                  tier_keep_last: int | None = None,
-                 tier_endpoint: str | None = None) -> None:
+                 tier_endpoint: str | None = None, compression: str | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
@@ -114,6 +116,8 @@ class Checkpointer:
         self.after_commit = AfterCommit(True, keep_last, keep_every)
         self.allow_pickle = allow_pickle
         address = current_knobs().daemon if daemon is None else daemon
+        check_local_compression(compression, address, process_group)
+        self.compression = compression
         self._mirror: Mirror | None = None
         self._last_committed: str | None = None
         if tier is not None:
@@ -154,9 +158,10 @@ class Checkpointer:
                                         allow_pickle=self.allow_pickle,
                                         wait_for_snapshot=wait_for_snapshot,
                                         after_commit=self.after_commit)
+        assert isinstance(self._saver, Saver)  # the in-process one: not delegated
         return self._saver.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                 wait_for_snapshot=wait_for_snapshot,
-                                on_commit=self._committed)
+                                on_commit=self._committed, compression=self.compression)
 
     def wait(self) -> None:
         """Block until every save so far is durable; raise if one failed."""

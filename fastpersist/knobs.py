@@ -30,6 +30,11 @@
                                (at least 5 MiB, S3's smallest part)
     FASTPERSIST_TIER_ATTEMPTS  tries of one object-store request (with    5
                                backoff) before it fails
+    FASTPERSIST_CODEC_THREADS  threads that encode and decode compressed  min(8, CPUs)
+                               tensors (compression="zstd")
+    FASTPERSIST_FRAME_BYTES    raw bytes per compressed frame (a multiple 4 MiB
+                               of 4096, at most 64 MiB): the unit a load
+                               decodes, and decodes in parallel
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
 thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for
@@ -49,6 +54,8 @@ from dataclasses import dataclass
 
 ALIGNMENT = 4096
 _MIB = 1 << 20
+# The largest compressed frame a reader accepts (format/frames.py bounds it too).
+MAX_FRAME_BYTES = 64 * _MIB
 
 
 def _int_env(name: str, default: int, minimum: int = 1) -> int:
@@ -93,6 +100,8 @@ class Knobs:
     tier_concurrency: int = 8
     tier_part_bytes: int = 16 * _MIB
     tier_attempts: int = 5
+    codec_threads: int = 8
+    frame_bytes: int = 4 * _MIB
 
     @property
     def io_threads(self) -> int:
@@ -126,6 +135,10 @@ def current() -> Knobs:
     queue_depth = _int_env("FASTPERSIST_QUEUE_DEPTH", 8)
     if queue_depth > 1024:
         raise ValueError(f"FASTPERSIST_QUEUE_DEPTH={queue_depth} is above the limit of 1024")
+    frame_bytes = _int_env("FASTPERSIST_FRAME_BYTES", 4 * _MIB, minimum=ALIGNMENT)
+    if frame_bytes % ALIGNMENT or frame_bytes > MAX_FRAME_BYTES:
+        raise ValueError(f"FASTPERSIST_FRAME_BYTES={frame_bytes} must be a multiple of "
+                         f"{ALIGNMENT} and at most {MAX_FRAME_BYTES}")
     return Knobs(
         block_size=block_size,
         threads=threads,
@@ -145,4 +158,7 @@ def current() -> Knobs:
         tier_concurrency=_int_env("FASTPERSIST_TIER_CONCURRENCY", 8),
         tier_part_bytes=_int_env("FASTPERSIST_TIER_PART_BYTES", 16 * _MIB, minimum=5 * _MIB),
         tier_attempts=_int_env("FASTPERSIST_TIER_ATTEMPTS", 5),
+        codec_threads=min(_int_env("FASTPERSIST_CODEC_THREADS",
+                                   min(8, len(os.sched_getaffinity(0)))), 64),
+        frame_bytes=frame_bytes,
     )

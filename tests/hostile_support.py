@@ -79,16 +79,18 @@ def single_state() -> dict[str, Any]:
 
 def distributed_checkpoint(path: Path, tensors: Mapping[str, tuple[torch.Tensor, Sequence[Box]]],
                            aliases: Mapping[str, str] | None = None,
-                           values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                           values: Mapping[str, Any] | None = None,
+                           compression: str | None = None) -> dict[str, Any]:
     """Write a schema-2 checkpoint at `path`: each global tensor stored as the
     given boxes of it, `aliases` (key -> global key) tied to a global, and plain
-    `values`. Returns the object that loading it must give back."""
+    `values` (its chunks compressed with `compression`). Returns the object
+    that loading it must give back."""
     pieces = {}
     for key, (full, boxes) in tensors.items():
         for offsets, shape in boxes:
             index = tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
             pieces[f"{key}@{','.join(map(str, offsets))}"] = full[index].clone()
-    fastpersist.save(pieces, path)
+    fastpersist.save(pieces, path, compression=compression)
     doc = read_doc(path)
     doc["schema_version"] = 2
     doc["globals"] = [

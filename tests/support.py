@@ -53,9 +53,10 @@ class WriteLog:
                 assert self.released.wait(60), "the held write was never released"
             real_write(writer, tensors)
 
-        def begin(cls: type, target: Path, tree: Any, stored: Any) -> persist.CheckpointWriter:
+        def begin(cls: type, target: Path, tree: Any, stored: Any,
+                  compression: str | None = None) -> persist.CheckpointWriter:
             self.events.append(("begin", target.name))
-            return real_begin(cls, target, tree, stored)
+            return real_begin(cls, target, tree, stored, compression)
 
         monkeypatch.setattr(persist.CheckpointWriter, "write_file", write_file)
         monkeypatch.setattr(persist.CheckpointWriter, "begin", classmethod(begin))

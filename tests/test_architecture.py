@@ -29,6 +29,7 @@ ROOMS = {
     "fastpersist._version": "base", "fastpersist._engine": "base",
     "fastpersist._proto": "base",
     "fastpersist.format": "format",
+    "fastpersist.codec": "codec",
     "fastpersist.engine": "engine",
     "fastpersist.storage": "storage",
     "fastpersist.protocol": "protocol",
@@ -44,25 +45,29 @@ ROOMS = {
 }
 
 _TORCH_FREE = {"base", "format", "engine", "storage", "protocol", "tier"}
+# The codec (numpy and zstandard, no torch) is for the torch side: the daemon
+# writes what clients staged and never encodes or decodes.
+_WITH_CODEC = _TORCH_FREE | {"codec"}
 MAY_IMPORT: dict[str, set[str]] = {
     "base": {"base"},
     "format": {"base", "format"},
+    "codec": {"base", "format", "codec"},
     "engine": {"base", "engine"},
     "storage": {"base", "format", "engine", "storage"},
     "protocol": {"base", "format", "storage", "protocol"},
     # The object-store tier: torch-free, so that the daemon uploads with it.
     "tier": {"base", "format", "engine", "storage", "tier"},
-    "tensors": _TORCH_FREE | {"tensors"},
-    "saving": _TORCH_FREE | {"tensors", "saving"},
-    "distributed": _TORCH_FREE | {"tensors", "saving", "distributed"},
+    "tensors": _WITH_CODEC | {"tensors"},
+    "saving": _WITH_CODEC | {"tensors", "saving"},
+    "distributed": _WITH_CODEC | {"tensors", "saving", "distributed"},
     # The daemon runs without torch and never plans or stages a save.
     "daemon": _TORCH_FREE | {"daemon"},
-    "api": _TORCH_FREE | {"tensors", "saving", "distributed", "api"},
+    "api": _WITH_CODEC | {"tensors", "saving", "distributed", "api"},
     # Adapters built on the public API (the package's names), and what it stands on.
-    "integrations": _TORCH_FREE | {"tensors", "saving", "distributed", "api", "package",
+    "integrations": _WITH_CODEC | {"tensors", "saving", "distributed", "api", "package",
                                    "integrations"},
-    "cli": _TORCH_FREE | {"tensors", "saving", "distributed", "api", "cli"},
-    "package": _TORCH_FREE | {"api", "package", "saving", "tensors", "distributed"},
+    "cli": _WITH_CODEC | {"tensors", "saving", "distributed", "api", "cli"},
+    "package": _WITH_CODEC | {"api", "package", "saving", "tensors", "distributed"},
 }
 
 

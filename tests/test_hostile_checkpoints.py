@@ -485,3 +485,98 @@ def test_fpctl_reports_hostile_checkpoints_without_a_traceback(
         assert rc == (1 if command == "verify" else 2)
         assert "manifest" in err and str(single) in err
     assert not (tmp_path / "out.pt").exists()
+
+
+# --- compressed records: the frame index (issue 13) ------------------------------------------
+
+
+@pytest.fixture
+def packed_ckpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A compressed checkpoint whose 'w' (16 KiB) is four frames of 4 KiB."""
+    monkeypatch.setenv("FASTPERSIST_FRAME_BYTES", "4096")
+    p = tmp_path / "packed"
+    fastpersist.save({"w": distinct(64, 64), "b": distinct(3)}, p, compression="zstd")
+    assert [len(t.get("frames", [])) for t in read_doc(p)["tensors"]] == [4, 0]
+    return p
+
+
+def _frames(d: Doc) -> list[list[int]]:
+    frames: list[list[int]] = d["tensors"][record_index(d, "w")]["frames"]
+    return frames
+
+
+def _overlap(d: Doc) -> None:  # frame 2 starts one stored byte early
+    _frames(d)[2][2] -= 1
+
+
+def _gap(d: Doc) -> None:  # frame 1 raw bytes start late
+    _frames(d)[1][0] += 4
+
+
+def _past_end(d: Doc) -> None:  # the record and its last frame run past the file
+    w = d["tensors"][record_index(d, "w")]
+    w["stored_length"] += 100_000
+    _frames(d)[3][3] += 100_000
+
+
+def _many(d: Doc) -> None:  # a million frames for 16 KiB: refused before any is read
+    _frames(d).extend([[0, 4, 0, 4, 0]] * 1_000_000)
+
+
+def _huge_frame(d: Doc) -> None:  # one frame of 128 MiB raw bytes
+    w = d["tensors"][record_index(d, "w")]
+    w["shape"] = [1 << 25]
+    w["length"] = 1 << 27
+    w["frames"] = [[0, 1 << 27, 0, w["stored_length"], 0]]
+
+
+FRAME_CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
+    "overlap": (_overlap, r"frames\[2\] starts at raw 8192, stored \d+; the frames must tile"),
+    "gap": (_gap, r"frames\[1\] starts at raw 4100"),
+    "past-end": (_past_end, r"frames\[3\] has \d+ stored bytes for 4096 raw ones"),
+    "past-file": (lambda d: d["tensors"][record_index(d, "w")].update(
+        offset=d["files"][0]["size"] - 10), r"lie outside the data section"),
+    "count": (_many, r"1000004 frames for 16384 bytes \(at most 4\)"),
+    "huge-frame": (_huge_frame, r"frames\[0\] has 134217728 raw bytes"),
+    "short": (lambda d: _frames(d).pop(), r"the frames cover 12288 raw"),
+    "not-ints": (lambda d: _frames(d)[0].__setitem__(1, "4096"), r"five integers"),
+    "crc-range": (lambda d: _frames(d)[0].__setitem__(4, 1 << 32), r"five integers"),
+    "odd-elements": (lambda d: (_frames(d)[0].__setitem__(1, 4094),
+                                _frames(d)[1].__setitem__(0, 4094)),
+                     r"frames\[0\] has 4094 raw bytes \(whole elements"),
+    "no-frames": (lambda d: d["tensors"][record_index(d, "w")].pop("frames"),
+                  r"'frames' must be a list"),
+    "no-stored-length": (lambda d: d["tensors"][record_index(d, "w")].pop("stored_length"),
+                         r"'stored_length' must be an integer"),
+    "raw-with-frames": (lambda d: d["tensors"][record_index(d, "b")].update(frames=[]),
+                        r"a raw record has no 'stored_length' or 'frames'"),
+    "unknown-encoding": (lambda d: d["tensors"][record_index(d, "w")].update(encoding="lz4"),
+                         r"unknown encoding 'lz4'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FRAME_CASES))
+def test_hostile_frame_indexes_are_refused(packed_ckpt: Path, case: str) -> None:
+    mutate, match = FRAME_CASES[case]
+    edit(packed_ckpt, mutate)
+    name = "b" if case == "raw-with-frames" else "w"
+    refused(packed_ckpt, rf"tensors\[\d\] \('{name}'\): .*" + match)
+    for argv in (["inspect", str(packed_ckpt)], ["verify", str(packed_ckpt)]):
+        assert main(argv) in (1, 2)
+
+
+def test_a_record_whose_encoding_differs_from_the_file_header_is_refused(
+        packed_ckpt: Path) -> None:
+    """Raw in the manifest, compressed in the packed file's header: the manifest
+    could make a load read compressed bytes as a tensor's."""
+
+    def to_raw(d: Doc) -> None:  # the stored bytes, claimed as a raw U8 tensor
+        w = d["tensors"][record_index(d, "w")]
+        n = w.pop("stored_length")
+        del w["frames"]
+        w.update(encoding="raw", dtype="U8", shape=[n], length=n)
+
+    edit(packed_ckpt, to_raw)
+    with pytest.raises(ManifestError, match=r"tensor 'w' in data-00000\.fpz does not match "
+                       r"the file's header.*raw.*zstd-bytegroup-v1"):
+        fastpersist.load(packed_ckpt)

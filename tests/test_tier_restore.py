@@ -20,6 +20,7 @@ from fastpersist.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    TierError,
     TruncatedFileError,
 )
 from fastpersist.format.manifest import Manifest
@@ -203,3 +204,17 @@ def test_ranged_gets_cover_every_byte_once(layout: list[tuple[int, int]], part: 
             assert start == expect
             expect += n
         assert expect == len(buf)
+
+
+def test_a_compressed_checkpoint_is_uploaded_and_refused_on_load_with_a_way_out(
+        s3: Any, tmp_path: Path) -> None:
+    # The tier uploads a compressed checkpoint as it is (its .fpz files); loading
+    # it straight from the store is not supported yet, and says so.
+    ckpt = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url, compression="zstd")
+    state = {"w": torch.randn(1 << 16)}
+    ckpt.save(1, state)
+    ckpt.close()
+    url = f"{s3.url}/step-00000001"
+    assert json.loads(_object(s3, url, "manifest.json"))["format"]
+    with pytest.raises(TierError, match=r"compressed.*copy its objects to a local directory"):
+        fastpersist.load(url)

@@ -1,7 +1,8 @@
 """fpctl: list, inspect, verify, restore and clean up fastpersist checkpoints.
 
     fpctl ls ROOT                      checkpoints under ROOT, and leftovers of saves
-    fpctl inspect CKPT                 files, tensors (dtype, shape, offset, CRC32C)
+    fpctl inspect CKPT                 files, tensors (dtype, shape, offset, CRC32C,
+                                       encoding and ratio when compressed)
     fpctl verify CKPT                  re-read every byte; exit 1 on any corruption
     fpctl restore CKPT --to FILE       one torch.save (or safetensors) file
     fpctl gc ROOT                      remove what interrupted saves left anywhere under ROOT
@@ -68,10 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every byte against its checksum",
                        parents=[tier_parent],
                        description="Re-read every data file and check each tensor's CRC32C "
-                       "and each file's size and header. Exits 1 and names the file and "
-                       "tensor on any corruption.")
+                       "and each file's size and header. Compressed tensors: each stored "
+                       "frame's CRC32C, then the tensor's own (raw) CRC32C after decoding "
+                       "it, as a load does. Exits 1 and names the file and tensor on any "
+                       "corruption.")
     p.add_argument("ckpt", metavar="CKPT")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-decode", action="store_true",
+                   help="compressed tensors: check the stored frames' CRC32Cs only, "
+                        "without decoding (faster; proves the bytes on disk intact)")
     p.set_defaults(func="inspecting:cmd_verify")
 
     p = sub.add_parser("restore", help="write a checkpoint as one torch or safetensors file",

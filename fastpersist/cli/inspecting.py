@@ -128,6 +128,19 @@ def tree_summary(manifest: Manifest) -> dict[str, Any]:
     return summary
 
 
+def _ratio(stored: int, raw: int) -> float:
+    """Stored bytes per raw byte (lower is better), 1.0 for nothing stored."""
+    return round(stored / raw, 4) if raw else 1.0
+
+
+def _compressed(manifest: Manifest) -> bool:
+    return any(t.frames is not None for t in manifest.tensors)
+
+
+def stored_tensor_bytes(manifest: Manifest) -> int:
+    return sum(t.stored_span for t in manifest.tensors)
+
+
 def describe(path: Path | str, manifest: Manifest) -> dict[str, Any]:
     """The structured form that `fpctl inspect --json` prints."""
     return {
@@ -140,10 +153,16 @@ def describe(path: Path | str, manifest: Manifest) -> dict[str, Any]:
                    **({"node": f.node} if f.node else {})} for f in manifest.files],
         "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                      "bytes": t.length, "file": t.file, "offset": t.offset,
-                     "crc32c": f"{t.crc32c:08x}", "encoding": t.encoding}
+                     "crc32c": f"{t.crc32c:08x}", "encoding": t.encoding,
+                     **({"stored_bytes": t.stored_span, "frames": len(t.frames),
+                         "ratio": _ratio(t.stored_span, t.length)}
+                        if t.frames is not None else {})}
                     for t in manifest.tensors],
         "totals": {"files": len(manifest.files), "tensors": len(manifest.tensors),
-                   "tensor_bytes": manifest.tensor_bytes, "bytes": manifest.total_bytes},
+                   "tensor_bytes": manifest.tensor_bytes, "bytes": manifest.total_bytes,
+                   **({"stored_tensor_bytes": stored_tensor_bytes(manifest),
+                       "ratio": _ratio(stored_tensor_bytes(manifest), manifest.tensor_bytes)}
+                      if _compressed(manifest) else {})},
         "tree": tree_summary(manifest),
         **({"globals": [{"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
                          "chunks": len(g.chunks)} for g in manifest.globals]}
@@ -172,16 +191,31 @@ def print_description(path: Path | str, info: dict[str, Any]) -> None:
                 [[f["name"], human_size(f["size"]), str(f["size"])] for f in info["files"]],
                 right=[False, True, True])
     print("\ntensors:")
-    print_table(
-        ["NAME", "DTYPE", "SHAPE", "BYTES", "FILE", "OFFSET", "CRC32C"],
-        [[t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", str(t["bytes"]),
-          t["file"], str(t["offset"]), t["crc32c"]] for t in info["tensors"]],
-        right=[False, False, False, True, False, True, False],
-    )
     totals = info["totals"]
+    if "ratio" in totals:  # compressed: where each tensor's stored bytes went
+        print_table(
+            ["NAME", "DTYPE", "SHAPE", "BYTES", "STORED", "RATIO", "ENCODING", "FILE", "OFFSET",
+             "CRC32C"],
+            [[t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]",
+              str(t["bytes"]), str(t.get("stored_bytes", t["bytes"])),
+              f"{t.get('ratio', 1.0):.3f}", t["encoding"], t["file"], str(t["offset"]),
+              t["crc32c"]] for t in info["tensors"]],
+            right=[False, False, False, True, True, True, False, False, True, False],
+        )
+    else:
+        print_table(
+            ["NAME", "DTYPE", "SHAPE", "BYTES", "FILE", "OFFSET", "CRC32C"],
+            [[t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]",
+              str(t["bytes"]), t["file"], str(t["offset"]), t["crc32c"]]
+             for t in info["tensors"]],
+            right=[False, False, False, True, False, True, False],
+        )
     print(f"\ntotal: {totals['files']} files, {totals['tensors']} tensors, "
           f"{human_size(totals['tensor_bytes'])} of tensors, {human_size(totals['bytes'])} "
           "on disk")
+    if "ratio" in totals:
+        print(f"compressed: tensors take {human_size(totals['stored_tensor_bytes'])} stored, "
+              f"{totals['ratio']:.3f} of their raw size (zstd-bytegroup-v1)")
     tree = info["tree"]
     numpy = tree["numpy_values"]
     print(f"tree: {tree['type']}, {tree['tensor_refs']} tensor references"
@@ -208,7 +242,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # disable=None: a bar only when stderr is a terminal.
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
                   desc=f"verify {path.name}", file=sys.stderr, leave=False) as bar:
-            report = verify(path, get_engine(), progress=bar.update)
+            report = verify(path, get_engine(), progress=bar.update,
+                            decode=not args.no_decode)
         seconds = time.perf_counter() - start
     except CorruptCheckpointError as exc:  # a malformed manifest: nothing else to check
         if args.json:

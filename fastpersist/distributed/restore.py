@@ -9,7 +9,9 @@ several ranks wrote. Loading rebuilds what the caller asks for:
   that rank gets a DTensor with the same mesh and placements, built from the
   chunks that overlap its shard only (other chunks are not read).
 
-Chunks are read whole, so that each one's CRC32C is checked.
+Raw chunks are read whole, so that each one's CRC32C is checked. A
+compressed chunk (compression="zstd") is decoded only in the frames that
+hold the elements wanted, each checked by its stored CRC32C.
 """
 
 from __future__ import annotations
@@ -75,18 +77,26 @@ def read_boxes(path: Path, manifest: Manifest, wanted: dict[int, Box], *, verify
     """For each global index -> box, a CPU tensor of that box, read from the
     chunks that overlap it."""
     assert manifest.globals is not None
-    needed: set[int] = set()
+    needed: dict[int, tuple[int, int]] = {}  # record -> the raw bytes of it wanted
     for index, box in wanted.items():
         g = manifest.globals[index]
         for c in g.chunks:
-            if _overlap(box, (c.offsets, manifest.tensors[c.tensor].shape)) is not None:
-                needed.add(c.tensor)
-    _check_files_here(path, manifest, needed)
+            rec = manifest.tensors[c.tensor]
+            part = _overlap(box, (c.offsets, rec.shape))
+            if part is not None:
+                lo, hi = _byte_span(part, c.offsets, rec.shape, rec.length // max(
+                    1, _numel(rec.shape)))
+                old = needed.get(c.tensor, (lo, hi))
+                needed[c.tensor] = (min(old[0], lo), max(old[1], hi))
+    _check_files_here(path, manifest, set(needed))
     records = sorted(needed)
     files = {manifest.tensors[i].file for i in records}
     sub = replace(manifest, files=tuple(f for f in manifest.files if f.name in files),
                   tensors=tuple(manifest.tensors[i] for i in records))
-    read = checkpoint.read_tensors(path, sub, get_engine(), verify=verify, progress=progress)
+    spans = {k: needed[i] for k, i in enumerate(records)
+             if needed[i] != (0, manifest.tensors[i].length)}
+    read = checkpoint.read_tensors(path, sub, get_engine(), verify=verify, progress=progress,
+                                   spans=spans)
     chunk_data = dict(zip(records, read, strict=True))
     out = {}
     for index, box in wanted.items():
@@ -101,6 +111,24 @@ def read_boxes(path: Path, manifest: Manifest, wanted: dict[int, Box], *, verify
                 t[_slices(part, box[0])] = data[_slices(part, c.offsets)]
         out[index] = t
     return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _byte_span(part: Box, chunk_offsets: tuple[int, ...], shape: tuple[int, ...],
+               itemsize: int) -> tuple[int, int]:
+    """The bytes of a chunk (row-major, `shape`) from its first element in
+    box `part` to its last: every element of the box lies in between."""
+    first = last = 0
+    for o, n, base, d in zip(part[0], part[1], chunk_offsets, shape, strict=True):
+        first = first * d + (o - base)
+        last = last * d + (o - base + n - 1)
+    return first * itemsize, (last + 1) * itemsize
 
 
 def _check_files_here(path: Path, manifest: Manifest, needed: set[int]) -> None:

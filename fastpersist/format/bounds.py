@@ -14,6 +14,15 @@ import reprlib
 from typing import Any, TypeGuard
 
 from ..errors import ManifestError
+from ..knobs import MAX_FRAME_BYTES
+
+# Compressed tensors (format/frames.py): raw bytes per frame are at most
+# MAX_FRAME_BYTES (what one decode allocates) and, counted over a tensor, at
+# least MIN_FRAME_BYTES on average, which bounds how many frames a tensor may
+# claim; a frame's stored bytes exceed its raw bytes by at most
+# MAX_FRAME_OVERHEAD (a frame that does not shrink is stored as it is).
+MIN_FRAME_BYTES = 4096
+MAX_FRAME_OVERHEAD = 64
 
 # Tensors of more dimensions are refused (torch's own kernels stop well short).
 MAX_DIMS = 64
@@ -21,6 +30,8 @@ MAX_DIMS = 64
 # element count and every contiguous stride, so that they and the byte counts
 # (at most 8 bytes an element) stay within int64 in torch and in the engine.
 MAX_ELEMENTS = 1 << 60
+__all__ = ["MAX_FRAME_BYTES"]  # re-exported: the knob's limit is the format's
+
 # Any file offset or size in a manifest.
 MAX_FILE_BYTES = 1 << 62
 # The manifest file itself: a million tensors take about 300 MB.

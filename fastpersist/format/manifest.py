@@ -15,7 +15,10 @@ checkpoint. Schema (version 1):
     }
 
 `offset` is the tensor's absolute offset in its file; `encoding` is "raw"
-(room for compressed encodings later without a format break).
+(the bytes as they are, in a safetensors data file) or "zstd-bytegroup-v1"
+(compressed in frames, in a data file of its own kind: records add
+"stored_length" and "frames", see frames.py and packed_file.py). `length`
+and `crc32c` are always those of the raw bytes.
 
 Schema version 2 (a checkpoint saved by a torch.distributed job) adds:
 
@@ -141,7 +144,7 @@ def records_to_json(files: Iterable[FileRecord], tensors: Iterable[TensorRecord]
     return {
         "files": [{k: v for k, v in vars(f).items() if k != "node" or v is not None}
                   for f in files],
-        "tensors": [{**vars(t), "shape": list(t.shape)} for t in tensors],
+        "tensors": [t.to_json() for t in tensors],
     }
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import re
 
 
-def data_file_name(index: int) -> str:
-    """A single-process checkpoint's data file."""
-    return f"data-{index:05d}.safetensors"
+def data_file_name(index: int, *, packed: bool = False) -> str:
+    """A single-process checkpoint's data file: a safetensors file, or a packed
+    one (compressed tensors, packed_file.py) that safetensors tools must not open."""
+    return f"data-{index:05d}.{'fpz' if packed else 'safetensors'}"
 
 
 def part_file_name(rank: int, index: int) -> str:

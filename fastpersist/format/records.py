@@ -2,14 +2,16 @@
 checked as a whole.
 
 Each record is checked on its own (types, bounds, known dtype and encoding,
-length = elements x element size, bytes inside its file's data section), and
-then against the others: file names and tensor names are unique, and no two
-tensors of a file share a byte, so that a record can only ever denote bytes
+length = elements x element size, bytes inside its file's data section, and
+a compressed record's frame index: frames.py), and then against the others:
+file names and tensor names are unique, and no two tensors of a file share
+a byte (of its stored bytes), so that a record can only ever denote bytes
 that were written for it. Torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections.abc import Mapping
@@ -25,10 +27,18 @@ from .bounds import (
     shape_problem,
     short,
 )
+from .frames import (
+    ENCODINGS,
+    RAW,
+    Frame,
+    check_stored_length,
+    frames_to_json,
+    parse_frames,
+)
 from .safetensors_file import MAX_HEADER_BYTES
 
 MANIFEST_NAME = "manifest.json"
-ENCODINGS = frozenset({"raw"})
+__all__ = ["ENCODINGS", "Frame"]  # re-exported for the manifest's readers
 # Data file names are plain names inside the checkpoint directory: a manifest
 # can never send a reader outside it.
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
@@ -52,8 +62,27 @@ class TensorRecord:
     length: int
     dtype: str  # safetensors dtype name
     shape: tuple[int, ...]
-    crc32c: int
-    encoding: str = "raw"
+    crc32c: int  # of the raw bytes, whatever the encoding
+    encoding: str = RAW
+    # Compressed records only (encoding != "raw", see frames.py): the stored
+    # bytes at `offset` and the frames they hold.
+    stored_length: int | None = None
+    frames: tuple[Frame, ...] | None = None
+
+    @property
+    def stored_span(self) -> int:
+        """The bytes the record takes in its file (from `offset`)."""
+        return self.length if self.stored_length is None else self.stored_length
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "name": self.name, "file": self.file, "offset": self.offset,
+            "length": self.length, "dtype": self.dtype, "shape": list(self.shape),
+            "crc32c": self.crc32c, "encoding": self.encoding}
+        if self.frames is not None:
+            doc["stored_length"] = self.stored_length
+            doc["frames"] = frames_to_json(self.frames)
+        return doc
 
 
 class _Ctx:
@@ -156,19 +185,27 @@ def _tensor(t: dict[str, Any], i: int, name: str, files: Mapping[str, FileRecord
         raise malformed(where, f"{ctx}: unknown encoding {short(rec.encoding)}")
     if rec.length != numel(rec.shape) * dtypes.itemsize(rec.dtype):
         raise malformed(where, f"{ctx}: length {rec.length} does not match shape and dtype")
+    if rec.encoding == RAW:
+        if "stored_length" in t or "frames" in t:
+            raise malformed(where, f"{ctx}: a raw record has no 'stored_length' or 'frames'")
+    else:
+        stored = check_stored_length(t.get("stored_length"), where, ctx)
+        rec = dataclasses.replace(rec, stored_length=stored, frames=parse_frames(
+            t.get("frames"), rec.length, stored, dtypes.itemsize(rec.dtype), where, ctx))
     frec = files.get(rec.file)
     if frec is None:
         raise malformed(where, f"{ctx}: file {short(rec.file)} is not listed in 'files'")
-    if rec.offset < frec.data_start or rec.offset + rec.length > frec.size:
-        raise malformed(where, f"{ctx}: bytes {rec.offset}..{rec.offset + rec.length} lie "
+    end = rec.offset + rec.stored_span
+    if rec.offset < frec.data_start or end > frec.size:
+        raise malformed(where, f"{ctx}: bytes {rec.offset}..{end} lie "
                         f"outside the data section of {rec.file!r}")
     return rec
 
 
 def _check_disjoint(tensors: list[TensorRecord], where: str) -> None:
     """No two tensors of one file share a byte (as safetensors requires)."""
-    spans = sorted((t.file, t.offset, t.offset + t.length, i)
-                   for i, t in enumerate(tensors) if t.length)
+    spans = sorted((t.file, t.offset, t.offset + t.stored_span, i)
+                   for i, t in enumerate(tensors) if t.stored_span)
     for (file_a, _, end_a, a), (file_b, start_b, end_b, b) in itertools.pairwise(spans):
         if file_a == file_b and start_b < end_a:
             raise malformed(where, f"tensors[{b}] ({short(tensors[b].name)}): bytes "

@@ -69,17 +69,21 @@ class ParsedEntry(NamedTuple):  # a tuple: every load parses every entry of a he
     shape: tuple[int, ...]
     begin: int  # offsets within the data section
     end: int
+    encoding: str = "raw"  # packed_file.py's headers say; safetensors' are raw
 
 
 class HeaderError(ValueError):
     """The bytes are not a valid safetensors header."""
 
 
-def parse_header(prefix: bytes) -> tuple[int, dict[str, ParsedEntry], dict[str, str]]:
+def parse_header(prefix: bytes, *, encodings: bool = False
+                 ) -> tuple[int, dict[str, ParsedEntry], dict[str, str]]:
     """Parse a header from the first bytes of a file.
 
     Returns (data_start, entries by name, metadata). `prefix` must hold at
     least 8 bytes plus the header; HeaderError says what is wrong otherwise.
+    With `encodings` (packed_file.py's headers), every entry must also carry
+    an "encoding" string.
     """
     if len(prefix) < 8:
         raise HeaderError(f"file is {len(prefix)} bytes, too short for a safetensors header")
@@ -113,7 +117,10 @@ def parse_header(prefix: bytes) -> tuple[int, dict[str, ParsedEntry], dict[str, 
         begin, end = offsets
         if not 0 <= begin <= end:
             raise HeaderError(f"header entry {name!r} has data_offsets {begin}..{end}")
-        entries[name] = ParsedEntry(name, dtype, tuple(shape), begin, end)
+        encoding = info.get("encoding") if encodings else "raw"
+        if not isinstance(encoding, str):
+            raise HeaderError(f"header entry {name!r} has no encoding")
+        entries[name] = ParsedEntry(name, dtype, tuple(shape), begin, end, encoding)
     return 8 + n, entries, metadata
 
 

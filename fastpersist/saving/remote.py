@@ -95,8 +95,8 @@ class RemoteSaver(Saver):
 
     def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              wait_for_snapshot: bool = True, on_commit: Callable[[Path], None] | None = None,
-             overlap_writes: bool = False, after_commit: AfterCommit | None = None
-             ) -> SaveFuture:
+             compression: str | None = None, overlap_writes: bool = False,
+             after_commit: AfterCommit | None = None) -> SaveFuture:
         """See Saver.save. overlap_writes: let the daemon write each file while
         the next is copied (fastpersist.save, whose caller waits for the whole
         save anyway). Otherwise, when the whole snapshot fits the staging budget,
@@ -104,14 +104,20 @@ class RemoteSaver(Saver):
         do not compete with the caller's copy for cores and memory bandwidth:
         the stall is the copy, and the writes follow in the background.
         after_commit: a Checkpointer's policy, which the daemon applies in the
-        checkpoint's directory before it reports it committed."""
+        checkpoint's directory before it reports it committed. compression:
+        not supported through the daemon (ValueError), which writes the staged
+        bytes as they are."""
         return self._entered(lambda: self._save(obj, path, allow_pickle, wait_for_snapshot,
-                                                on_commit, overlap_writes, after_commit))
+                                                on_commit, compression, overlap_writes,
+                                                after_commit))
 
     def _save(self, obj: Any, path: str | os.PathLike[str], allow_pickle: bool,
               wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None,
-              overlap_writes: bool = False, after_commit: AfterCommit | None = None
-              ) -> SaveFuture:
+              compression: str | None = None, overlap_writes: bool = False,
+              after_commit: AfterCommit | None = None) -> SaveFuture:
+        if compression is not None:
+            raise ValueError("compression is not supported through fastpersistd yet: save "
+                             "in-process (daemon=\"\") to compress")
         self.raise_unobserved_failure()
         target = Path(os.path.abspath(os.fspath(path)))
         relative = self.client.relative(target)

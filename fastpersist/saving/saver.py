@@ -63,11 +63,14 @@ class Saver:
 
     def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              wait_for_snapshot: bool = True,
-             on_commit: Callable[[Path], None] | None = None) -> SaveFuture:
+             on_commit: Callable[[Path], None] | None = None,
+             compression: str | None = None) -> SaveFuture:
         """See async_save. on_commit(path) runs on the writer thread after the
-        commit and before the future resolves; its failure fails the future."""
+        commit and before the future resolves; its failure fails the future.
+        compression="zstd": the writer thread compresses each staged file
+        before writing it (the caller pays only the snapshot's copy)."""
         return self._entered(lambda: self._save(obj, path, allow_pickle, wait_for_snapshot,
-                                                on_commit))
+                                                on_commit, compression))
 
     def _entered(self, save: Callable[[], SaveFuture]) -> SaveFuture:
         """Run one save() call: refused once closed, and marked as running on this
@@ -81,7 +84,8 @@ class Saver:
             self._saving_in = None
 
     def _save(self, obj: Any, path: str | os.PathLike[str], allow_pickle: bool,
-              wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None) -> SaveFuture:
+              wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None,
+              compression: str | None = None) -> SaveFuture:
         self.raise_unobserved_failure()
         target = Path(os.path.abspath(os.fspath(path)))
         tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
@@ -89,7 +93,7 @@ class Saver:
         self._wait_for_room()
         knobs = current_knobs()
         future = SaveFuture(target)
-        writer = CheckpointWriter.begin(target, tree, stored)
+        writer = CheckpointWriter.begin(target, tree, stored, compression)
         files: queue.Queue[Any] = queue.Queue()
         with self._lock:
             self._in_flight.append(future)

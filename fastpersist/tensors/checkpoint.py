@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import crc32c
 import torch
@@ -17,11 +18,11 @@ from ..errors import (
     ManifestError,
     TruncatedFileError,
 )
-from ..format import safetensors_file
+from ..format import packed_file, safetensors_file
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ..storage.commit import find_leftovers, os_error, parse_leftover
-from . import datafile
+from . import datafile, packed
 
 
 def _not_found(path: Path) -> CheckpointNotFoundError:
@@ -93,13 +94,18 @@ def _check_size(path: Path, f: FileRecord) -> None:
 
 
 def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool,
-                 progress: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+                 progress: Callable[[int], None] | None = None,
+                 spans: Mapping[int, packed.Span] | None = None) -> list[torch.Tensor]:
     """Every stored tensor, on the CPU, in manifest order; raises on corruption.
 
-    Each file's records must agree with the file's own safetensors header
-    (names, dtypes, shapes, places), so that a manifest can only name bytes
-    that were written for the tensor it says, even with verify=False.
+    Each file's records must agree with the file's own header (names, dtypes,
+    shapes, places, encodings), so that a manifest can only name bytes that
+    were written for the tensor it says, even with verify=False.
     progress(n) is called as each batch of n tensor bytes has been read.
+    spans: record index -> the raw bytes start..end the caller needs of it; a
+    compressed record is then decoded only where its frames overlap the span
+    (the rest is zeros, and each frame's stored CRC32C is what is checked).
+    Raw records are read whole, so that their CRC32C is checked.
     """
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     for f, indices in _records_by_file(manifest):
@@ -110,20 +116,59 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
         limit = _BATCH if progress else max(1, sum(r.length for r in records))
         for batch in _batches(list(zip(indices, records, strict=True)), limit):
             batch_records = [r for _, r in batch]
-            try:
-                tensors, mismatches = datafile.read(engine, str(path), f, batch_records,
-                                                    verify=verify, header=False)
-            except EOFError as exc:
-                raise TruncatedFileError(f"{path}: {exc}") from None
-            except OSError as exc:
-                raise os_error(exc, f"cannot read {path / f.name}") from exc
-            datafile.raise_for(mismatches, str(path))
-            for (i, _), t in zip(batch, tensors, strict=True):
+            for i, t in _read_batch(path, f, batch, engine, verify, spans or {}):
                 result[i] = t
             if progress:
                 progress(sum(r.length for r in batch_records))
     assert all(t is not None for t in result)  # every record belongs to one listed file
     return result  # type: ignore[return-value]
+
+
+def _read_batch(path: Path, f: FileRecord, batch: list[tuple[int, TensorRecord]],
+                engine: Engine, verify: bool, spans: Mapping[int, packed.Span]
+                ) -> list[tuple[int, torch.Tensor]]:
+    raw = [(i, r) for i, r in batch if r.frames is None]
+    encoded = [(i, r) for i, r in batch if r.frames is not None]
+    out: list[tuple[int, torch.Tensor]] = []
+    try:
+        if raw:
+            tensors, mismatches = datafile.read(engine, str(path), f, [r for _, r in raw],
+                                                verify=verify, header=False)
+            datafile.raise_for(mismatches, str(path))
+            out += zip((i for i, _ in raw), tensors, strict=True)
+        if encoded:
+            tensors, outcome = packed.read(engine, str(path), f, [r for _, r in encoded],
+                                           verify=verify,
+                                           spans=[spans.get(i) for i, _ in encoded])
+            datafile.raise_for(outcome.mismatches, str(path))
+            if outcome.undecodable:
+                raise CorruptCheckpointError(f"{path}: {outcome.undecodable[0]}")
+            out += zip((i for i, _ in encoded), tensors, strict=True)
+    except EOFError as exc:
+        raise TruncatedFileError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise os_error(exc, f"cannot read {path / f.name}") from exc
+    return out
+
+
+def read_header_prefix(fh: BinaryIO) -> bytes:
+    """A data file's header, as its own length says (whatever the manifest
+    says): a safetensors header or a packed one (format/packed_file.py)."""
+    fh.seek(0)
+    head = fh.read(8)
+    magic = b""
+    if packed_file.is_packed(head):
+        magic, head = head, fh.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    return magic + head + fh.read(min(n, safetensors_file.MAX_HEADER_BYTES))
+
+
+def parse_header(prefix: bytes) -> tuple[int, dict[str, safetensors_file.ParsedEntry],
+                                         dict[str, str]]:
+    """Either kind of data file's header (HeaderError if malformed)."""
+    if packed_file.is_packed(prefix):
+        return packed_file.parse_header(prefix)
+    return safetensors_file.parse_header(prefix)
 
 
 def _check_against_header(path: Path, f: FileRecord, records: list[TensorRecord], *,
@@ -133,11 +178,7 @@ def _check_against_header(path: Path, f: FileRecord, records: list[TensorRecord]
     try:
         with open(path / f.name, "rb") as fh:
             covered = fh.read(f.data_start)  # what header_crc32c covers
-            # The header as its own length says, whatever the manifest's data_start.
-            fh.seek(0)
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            prefix = head + fh.read(min(n, safetensors_file.MAX_HEADER_BYTES))
+            prefix = read_header_prefix(fh)
     except OSError as exc:
         raise os_error(exc, f"cannot read {path / f.name}") from exc
     if verify:
@@ -146,13 +187,14 @@ def _check_against_header(path: Path, f: FileRecord, records: list[TensorRecord]
             datafile.raise_for([datafile.Mismatch(f.name, "<header>", f.header_crc32c, actual)],
                                str(path))
     try:
-        data_start, entries, _ = safetensors_file.parse_header(prefix)
+        data_start, entries, _ = parse_header(prefix)
     except safetensors_file.HeaderError as exc:
         if not verify:
             # Unverified loads trust the data files: a damaged header (its
             # tensors may be intact) leaves the manifest's own checks.
             return
-        raise CorruptCheckpointError(f"{path}: {f.name}: safetensors header: {exc}") from None
+        raise CorruptCheckpointError(f"{path}: {f.name}: {_kind(prefix)} header: {exc}"
+                                     ) from None
     problems = header_problems(f, records, data_start, entries)
     if problems:
         raise ManifestError(f"{path}: {problems[0]}" + (
@@ -174,7 +216,7 @@ class VerifyReport:
 
 def header_problems(f: FileRecord, records: list[TensorRecord], data_start: int,
                     entries: dict[str, safetensors_file.ParsedEntry]) -> list[str]:
-    """Where the manifest's records of file `f` disagree with its safetensors header."""
+    """Where the manifest's records of file `f` disagree with its header."""
     problems = []
     if data_start != f.data_start:
         problems.append(f"{f.name}: header ends at {data_start}, manifest says {f.data_start}")
@@ -182,35 +224,44 @@ def header_problems(f: FileRecord, records: list[TensorRecord], data_start: int,
         e = entries.get(r.name)
         if e is None:
             problems.append(f"tensor {r.name!r} in {f.name} is missing from the file's "
-                            "safetensors header")
-        elif (e.dtype, e.shape, f.data_start + e.begin, e.end - e.begin) != (
-            r.dtype, r.shape, r.offset, r.length
+                            "header")
+        elif (e.dtype, e.shape, f.data_start + e.begin, e.end - e.begin, e.encoding) != (
+            r.dtype, r.shape, r.offset, r.stored_span, r.encoding
         ):
             problems.append(
-                f"tensor {r.name!r} in {f.name} does not match the file's safetensors header: "
-                f"the manifest says {r.dtype} {list(r.shape)} at bytes {r.offset}.."
-                f"{r.offset + r.length}, the header {e.dtype} {list(e.shape)} at "
+                f"tensor {r.name!r} in {f.name} does not match the file's header: "
+                f"the manifest says {r.dtype} {list(r.shape)} {r.encoding} at bytes "
+                f"{r.offset}..{r.offset + r.stored_span}, the header {e.dtype} "
+                f"{list(e.shape)} {e.encoding} at "
                 f"{f.data_start + e.begin}..{f.data_start + e.end}")
     return problems
 
 
+def _kind(prefix: bytes) -> str:
+    return "packed" if packed_file.is_packed(prefix) else "safetensors"
+
+
 def _check_header(path: Path, f: FileRecord, records: list[TensorRecord]) -> list[str]:
-    """The data file's own safetensors header must agree with the manifest."""
+    """The data file's own header must agree with the manifest."""
+    prefix = b""
     try:
         with open(path / f.name, "rb") as fh:
             prefix = fh.read(f.data_start)
-        data_start, entries, _ = safetensors_file.parse_header(prefix)
+        data_start, entries, _ = parse_header(prefix)
     except (OSError, safetensors_file.HeaderError) as exc:
-        return [f"{f.name}: safetensors header: {exc}"]
+        return [f"{f.name}: {_kind(prefix)} header: {exc}"]
     return header_problems(f, records, data_start, entries)
 
 
 def verify(path: str | os.PathLike[str], engine: Engine,
-           progress: Callable[[int], None] | None = None) -> VerifyReport:
+           progress: Callable[[int], None] | None = None, *, decode: bool = True
+           ) -> VerifyReport:
     """Re-read every byte and check it against the manifest and checksums.
 
-    Finds every problem rather than stopping at the first. Raises
-    CheckpointNotFoundError or ManifestError when there is nothing to verify.
+    Compressed tensors: each stored frame's CRC32C, and unless decode=False,
+    the raw CRC32C of the decoded tensor as a load checks it. Finds every
+    problem rather than stopping at the first. Raises CheckpointNotFoundError
+    or ManifestError when there is nothing to verify.
     """
     p = Path(path)
     manifest = read_manifest(p)
@@ -226,7 +277,8 @@ def verify(path: str | os.PathLike[str], engine: Engine,
         report.problems += _check_header(p, f, records)
         for n, items in enumerate(_batches(list(enumerate(records)), _BATCH)):
             batch = [r for _, r in items]
-            report.problems += _verify_batch(p, f, batch, engine, header=n == 0)
+            report.problems += _verify_batch(p, f, batch, engine, header=n == 0,
+                                             decode=decode)
             report.tensors += len(batch)
             done = sum(r.length for r in batch)
             report.bytes_checked += done
@@ -250,18 +302,25 @@ def _batches(items: list[tuple[int, TensorRecord]], limit: int
 
 
 def _verify_batch(path: Path, f: FileRecord, batch: list[TensorRecord], engine: Engine,
-                  *, header: bool) -> list[str]:
+                  *, header: bool, decode: bool) -> list[str]:
+    raw = [r for r in batch if r.frames is None]
+    encoded = [r for r in batch if r.frames is not None]
+    mismatches: list[datafile.Mismatch] = []
+    problems = []
     try:
-        _, mismatches = datafile.read(engine, str(path), f, batch, verify=True, header=header)
+        if raw or header:
+            mismatches += datafile.read(engine, str(path), f, raw, verify=True,
+                                        header=header)[1]
+        if encoded:
+            _, outcome = packed.read(engine, str(path), f, encoded, verify=True, decode=decode)
+            mismatches += outcome.mismatches
+            problems += outcome.undecodable
     except EOFError as exc:
         return [f"{f.name}: {exc}"]
     except OSError as exc:
         return [f"{f.name}: read error: {exc}"]
-    problems = []
-    for m in mismatches:
-        what = "safetensors header" if m.tensor == "<header>" else f"tensor {m.tensor!r}"
-        problems.append(f"{m.file}: {what}: CRC32C {m.actual:#010x}, expected {m.expected:#010x}")
-    return problems
+    return [f"{m.file}: {m.what().removeprefix('the ')}: CRC32C {m.actual:#010x}, expected "
+            f"{m.expected:#010x}" for m in mismatches] + problems
 
 
 __all__ = ["ManifestError", "VerifyReport", "read_manifest", "read_tensors", "verify"]

@@ -76,6 +76,24 @@ class Mismatch:
     tensor: str  # "<header>" for the safetensors header
     expected: int
     actual: int
+    frame: int | None = None  # a compressed tensor's frame, whose stored bytes are wrong
+
+    def what(self) -> str:
+        if self.tensor == "<header>":
+            return "the safetensors header" if self.file.endswith(".safetensors") else (
+                "the packed header")
+        return f"tensor {self.tensor!r}" + (
+            f" (stored frame {self.frame})" if self.frame is not None else "")
+
+
+def phase_aligned(nbytes: int, offset: int) -> memoryview:
+    """Writable memory of `nbytes` whose address has the phase (mod 4096) of
+    file offset `offset`, so that O_DIRECT reads land in it in place (see
+    _empty_for_read); the view keeps its anonymous mapping alive."""
+    shift = offset % ALIGNMENT
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview(mmap.mmap(-1, nbytes + shift))[shift:shift + nbytes]
 
 
 # Tensors at least this large are allocated so that O_DIRECT can read straight
@@ -134,9 +152,8 @@ def raise_for(mismatches: list[Mismatch], where: str) -> None:
         return
     m = mismatches[0]
     more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
-    what = "the safetensors header" if m.tensor == "<header>" else f"tensor {m.tensor!r}"
     raise ChecksumMismatchError(
-        f"{where}: {what} in {m.file} is corrupt: CRC32C {m.actual:#010x}, expected "
+        f"{where}: {m.what()} in {m.file} is corrupt: CRC32C {m.actual:#010x}, expected "
         f"{m.expected:#010x}{more}",
         file=m.file,
         tensor=m.tensor,
