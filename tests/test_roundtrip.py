@@ -129,6 +129,18 @@ def test_views_share_storage_after_load(tmp_path: Path, engine_name: str) -> Non
     assert out["row"][0] == -1.0
 
 
+def test_tensors_of_one_buffer_with_storages_of_their_own(tmp_path: Path) -> None:
+    # torch.frombuffer of a buffer and of a prefix of it: two storages at one
+    # address, the smaller first (this failed with "Trying to resize storage").
+    buf = bytearray(range(40))
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    head = torch.frombuffer(memoryview(buf)[:8], dtype=torch.uint8)
+    assert head.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    state = {"head": head, "whole": whole, "tail": whole[30:]}
+    fastpersist.save(state, tmp_path / "ckpt")
+    assert_same(state, fastpersist.load(tmp_path / "ckpt"))
+
+
 def test_noncontiguous_and_partial_views_store_only_their_bytes(tmp_path: Path) -> None:
     big = torch.randn(1000, 1000)
     state = {"transposed": torch.randn(64, 32).t(), "slice": big[:2, :3]}

@@ -106,7 +106,10 @@ def plan_tensors(leaves: list[TensorLeaf]) -> list[StoredTensor]:
         # a multiple of its element size.
         lo = min(start for start, _ in extents) // 16 * 16
         hi = max(end for _, end in extents)
-        base = group[0].tensor
+        # Tensors made from one buffer separately (torch.from_numpy of an array
+        # and of a slice of it) have storages of their own at one address: the
+        # largest holds every extent (offsets count from that address).
+        base = max((leaf.tensor for leaf in group), key=lambda t: t.untyped_storage().nbytes())
         span = torch.empty(0, dtype=torch.uint8, device=base.device)
         span.set_(base.untyped_storage(), lo, (hi - lo,), (1,))
         stored.append(StoredTensor(names.unique(group[0].path + ".__storage__"), "U8",
