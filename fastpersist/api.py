@@ -154,8 +154,10 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
     """load() of the checkpoint at `url` (s3://BUCKET/PREFIX/NAME) in an object
     store; endpoint_url overrides the standard AWS configuration's endpoint.
     Every tensor's CRC32C is checked as for a local load (ChecksumMismatchError
-    names the file and tensor); a checkpoint whose manifest is not in the
-    store (an upload not finished) is CheckpointNotFoundError."""
+    names the file and tensor); compressed tensors are fetched as their stored
+    frames (each frame's CRC32C checked) and decoded in parallel; a checkpoint
+    whose manifest is not in the store (an upload not finished) is
+    CheckpointNotFoundError."""
     from .tensors import tier_read
     from .tier.client import client_for
     from .tier.remote import read_manifest
@@ -171,10 +173,6 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
     if manifest.globals is not None:
         raise TierError(f"{url} is a distributed checkpoint, which cannot be loaded from the "
                         "tier yet; copy it to a local directory and load that")
-    if any(t.frames is not None for t in manifest.tensors):
-        raise TierError(f"{url} is compressed (compression='zstd'), which cannot be loaded "
-                        "from the tier yet; copy its objects to a local directory (e.g. `aws "
-                        "s3 cp --recursive`) and load that")
     entries = tier_read.read_tensors(s3, where, manifest, verify=verify, progress=progress)
     factory = TensorFactory(entries, map_location, url)
     return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=url)
