@@ -54,12 +54,15 @@ def _assert_same(a: Any, b: Any) -> None:
         assert a == b
 
 
-@pytest.fixture
-def uploaded(s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Any]:
-    """A checkpoint uploaded by a Checkpointer: (its URL, the state saved)."""
+@pytest.fixture(params=["none"])
+def uploaded(s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+             request: pytest.FixtureRequest) -> tuple[str, Any]:
+    """A checkpoint uploaded by a Checkpointer: (its URL, the state saved);
+    uploaded raw unless the test asks for tier_compression="zstd"."""
     monkeypatch.setenv("FASTPERSIST_TIER_PART_BYTES", str(5 * MIB))
     state = _state()
-    ckpt = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url)
+    ckpt = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url,
+                                    tier_compression=request.param)
     ckpt.save(7, state)
     ckpt.close()  # waits for the upload
     return f"{s3.url}/step-00000007", state
@@ -75,6 +78,7 @@ def _put(s3: Any, url: str, name: str, data: bytes) -> None:
     s3.client.put_object(Bucket=s3.bucket, Key=key, Body=data)
 
 
+@pytest.mark.parametrize("uploaded", ["none", "zstd"], indirect=True)
 def test_load_from_the_store(s3: Any, uploaded: tuple[str, Any]) -> None:
     url, state = uploaded
     seen = []
@@ -85,6 +89,10 @@ def test_load_from_the_store(s3: Any, uploaded: tuple[str, Any]) -> None:
             == loaded["big"].untyped_storage().data_ptr())
     manifest = Manifest.from_json(_object(s3, url, "manifest.json"), url)
     assert sum(seen) == manifest.tensor_bytes
+    # zstd (the default): uploaded compressed, the local copy raw.
+    names = {f.name for f in manifest.files}
+    assert names == ({"data-00000.fpz"} if any(t.frames for t in manifest.tensors)
+                     else {"data-00000.safetensors"})
 
 
 def test_a_corrupted_object_names_the_file_and_tensor(s3: Any, uploaded: tuple[str, Any],

@@ -27,14 +27,10 @@ import torch
 
 from ..engine import Engine, Segment
 from ..format import dtypes, packed_file
-from ..format.frames import RAW, ZSTD_BYTEGROUP
+from ..format.frames import MIN_ENCODED_BYTES, RAW, ZSTD_BYTEGROUP
 from ..format.manifest import FileRecord, TensorRecord
 from .datafile import METADATA, Mismatch, phase_aligned
 from .plan import StoredTensor, memory_of
-
-# Tensors smaller than this are stored raw: a frame index costs more than
-# compressing them saves.
-MIN_ENCODED_BYTES = 4096
 
 Span = tuple[int, int]  # raw bytes start..end of a record
 
