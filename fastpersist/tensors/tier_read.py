@@ -144,6 +144,19 @@ def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
     return result  # type: ignore[return-value]
 
 
+def reader(s3: S3, url: TierURL) -> Callable[
+        [Manifest, Mapping[int, packed.Span], bool, Callable[[int], None] | None],
+        list[torch.Tensor]]:
+    """read_tensors of the checkpoint at `url` as distributed/restore.py's
+    Reader: a resharding load reads only the records (chunks) it needs, and
+    of a compressed one only the frames."""
+    def read(sub: Manifest, spans: Mapping[int, packed.Span], verify: bool,
+             progress: Callable[[int], None] | None) -> list[torch.Tensor]:
+        return read_tensors(s3, url, sub, verify=verify, progress=progress, spans=spans)
+
+    return read
+
+
 def verify(s3: S3, url: TierURL, progress: Callable[[int], None] | None = None, *,
            decode: bool = True) -> VerifyReport:
     """Re-read every byte of the checkpoint at `url` and check it against the
