@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from .engine import get_engine
-from .errors import TierError
 from .knobs import current as current_knobs
 from .saving.futures import SaveFuture
 from .saving.persist import CheckpointWriter
@@ -128,7 +127,7 @@ def load(
     """
     if is_tier_url(path):
         return load_from_tier(str(path), map_location, allow_pickle=allow_pickle,
-                              verify=verify, progress=progress)
+                              verify=verify, progress=progress, like=like)
     target_device(map_location, "cpu")  # a bad map_location fails before any I/O
     p = Path(os.path.abspath(os.fspath(path)))
     manifest = checkpoint.read_manifest(p)
@@ -150,12 +149,16 @@ def load(
 
 def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: bool = False,
                    verify: bool | None = None, progress: Callable[[int], None] | None = None,
-                   endpoint_url: str | None = None) -> Any:
+                   endpoint_url: str | None = None, like: Any = None) -> Any:
     """load() of the checkpoint at `url` (s3://BUCKET/PREFIX/NAME) in an object
     store; endpoint_url overrides the standard AWS configuration's endpoint.
     Every tensor's CRC32C is checked as for a local load (ChecksumMismatchError
-    names the file and tensor); a checkpoint whose manifest is not in the
-    store (an upload not finished) is CheckpointNotFoundError."""
+    names the file and tensor); compressed tensors are fetched as their stored
+    frames (each frame's CRC32C checked) and decoded in parallel; a checkpoint
+    whose manifest is not in the store (an upload not finished) is
+    CheckpointNotFoundError. A distributed checkpoint is loaded as locally
+    (like= included): only the chunks, or the frames of them, each rank
+    needs are fetched."""
     from .tensors import tier_read
     from .tier.client import client_for
     from .tier.remote import read_manifest
@@ -169,12 +172,11 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
     if state.contains_pickle(manifest.tree) and not allow_pickle:
         state.decode(manifest.tree, lambda node: torch.empty(0), where=url)
     if manifest.globals is not None:
-        raise TierError(f"{url} is a distributed checkpoint, which cannot be loaded from the "
-                        "tier yet; copy it to a local directory and load that")
-    if any(t.frames is not None for t in manifest.tensors):
-        raise TierError(f"{url} is compressed (compression='zstd'), which cannot be loaded "
-                        "from the tier yet; copy its objects to a local directory (e.g. `aws "
-                        "s3 cp --recursive`) and load that")
+        from .distributed import restore
+
+        return restore.load(url, manifest, map_location, like, allow_pickle=allow_pickle,
+                            verify=verify, progress=progress,
+                            read=tier_read.reader(s3, where))
     entries = tier_read.read_tensors(s3, where, manifest, verify=verify, progress=progress)
     factory = TensorFactory(entries, map_location, url)
     return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=url)

@@ -96,6 +96,9 @@ class Checkpointer:
     tier_keep_last: keep this many newest checkpoints in the store (None: all).
     tier_endpoint: the store's endpoint URL (default: the standard AWS
         configuration, e.g. AWS_ENDPOINT_URL).
+    tier_compression: "zstd" (default): a raw checkpoint is compressed on its
+        way to the store (the local one stays raw); "none": uploaded as it is.
+        A checkpoint saved with compression="zstd" is uploaded as it is.
     compression: "zstd" to compress each checkpoint (fastpersist.save);
         in-process saves only.
     """
@@ -105,7 +108,8 @@ class Checkpointer:
                  allow_pickle: bool = False, daemon: str | None = None,
                  process_group: Any = None, tier: str | None = None,
                  tier_keep_last: int | None = None,
-                 tier_endpoint: str | None = None, compression: str | None = None) -> None:
+                 tier_endpoint: str | None = None, compression: str | None = None,
+                 tier_compression: str = "zstd") -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
@@ -125,7 +129,8 @@ class Checkpointer:
                 raise ValueError("tier= uploads in-process saves; with fastpersistd give the "
                                  "daemon the tier (fastpersistd --tier), and a distributed "
                                  "job's checkpoints are not uploaded yet")
-            self._mirror = self._start_tier(tier, tier_keep_last, tier_endpoint)
+            self._mirror = self._start_tier(tier, tier_keep_last, tier_endpoint,
+                                            tier_compression)
         self._saver: Saver | DistributedSaver
         # The savers that take the policy along with the commit (to the daemon,
         # or to the distributed job's commit); the in-process Saver calls back.
@@ -279,13 +284,14 @@ class Checkpointer:
 
     # -- the object-store tier ---------------------------------------------
 
-    def _start_tier(self, tier: str, keep_last: int | None, endpoint: str | None) -> Mirror:
+    def _start_tier(self, tier: str, keep_last: int | None, endpoint: str | None,
+                    compression: str) -> Mirror:
         from .tier.client import client_for
         from .tier.mirror import Mirror
         from .tier.url import TierURL
 
         return Mirror(self.root, TierURL.parse(tier), client_for(endpoint), keep_last=keep_last,
-                      on_uploaded=self._uploaded).start()
+                      on_uploaded=self._uploaded, compression=compression).start()
 
     def tier_status(self) -> TierStatus | None:
         """The uploads: pending, failing, the last error (None without a tier)."""

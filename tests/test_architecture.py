@@ -45,7 +45,8 @@ ROOMS = {
 }
 
 _TORCH_FREE = {"base", "format", "engine", "storage", "protocol", "tier"}
-# The codec (numpy and zstandard, no torch) is for the torch side: the daemon
+# The codec (numpy and zstandard, no torch) is for the torch side, and for the
+# tier's compression on the way (tier/compress.py, imported only to compress): the daemon
 # writes what clients staged and never encodes or decodes.
 _WITH_CODEC = _TORCH_FREE | {"codec"}
 MAY_IMPORT: dict[str, set[str]] = {
@@ -56,7 +57,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "storage": {"base", "format", "engine", "storage"},
     "protocol": {"base", "format", "storage", "protocol"},
     # The object-store tier: torch-free, so that the daemon uploads with it.
-    "tier": {"base", "format", "engine", "storage", "tier"},
+    "tier": {"base", "format", "codec", "engine", "storage", "tier"},
     "tensors": _WITH_CODEC | {"tensors"},
     "saving": _WITH_CODEC | {"tensors", "saving"},
     "distributed": _WITH_CODEC | {"tensors", "saving", "distributed"},

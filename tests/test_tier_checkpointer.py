@@ -37,7 +37,7 @@ class Gate:
         s3_client.meta.events.register(f"before-parameter-build.s3.{operation}", self._hold)
 
     def _hold(self, params: Any, **_: Any) -> None:
-        if str(params.get("Key", "")).endswith(".safetensors"):
+        if str(params.get("Key", "")).endswith((".safetensors", ".fpz")):
             self.reached.set()
             assert self.opened.wait(60), "the gate was never opened"
 
@@ -62,9 +62,26 @@ def test_uploads_each_checkpoint_after_its_commit(s3: Any, tmp_path: Path) -> No
     for step in (1, 2):  # the round trip, sync and async
         loaded = fastpersist.load(f"{s3.url}/step-{step:08d}")
         assert loaded["step"] == step and torch.equal(loaded["w"], _state(step)["w"])
+    # Compressed on the way (tier_compression="zstd", the default); the local copy is raw.
     local = tmp_path / "run" / "step-00000002"
     stored = keys(s3.client, s3.bucket, "ckpts/step-00000002/")
-    assert stored == {f"ckpts/step-00000002/{p.name}": p.stat().st_size for p in local.iterdir()}
+    assert sorted(p.name for p in local.iterdir()) == ["data-00000.safetensors", "manifest.json"]
+    assert sorted(stored) == ["ckpts/step-00000002/data-00000.fpz",
+                              "ckpts/step-00000002/manifest.json"]
+    assert stored["ckpts/step-00000002/data-00000.fpz"] < (
+        local / "data-00000.safetensors").stat().st_size // 10  # a constant tensor
+    assert status.bytes_uploaded < 2 * MIB // 10
+
+
+def test_tier_compression_none_uploads_the_files_as_they_are(s3: Any, tmp_path: Path) -> None:
+    ckpt = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url, tier_compression="none")
+    ckpt.save(1, _state(1))
+    ckpt.close()
+    local = tmp_path / "run" / "step-00000001"
+    stored = keys(s3.client, s3.bucket, "ckpts/step-00000001/")
+    assert stored == {f"ckpts/step-00000001/{p.name}": p.stat().st_size for p in local.iterdir()}
+    with pytest.raises(ValueError, match="tier_compression"):
+        fastpersist.Checkpointer(tmp_path / "x", tier=s3.url, tier_compression="lz4")
 
 
 def test_the_save_does_not_wait_for_the_upload(s3: Any, tmp_path: Path) -> None:
@@ -152,7 +169,8 @@ def test_the_store_killed_mid_upload_and_restarted(tmp_path: Path,
         gate = Gate(client_for().client, "UploadPart")
         root = tmp_path / "run"
         ckpt = fastpersist.Checkpointer(root, tier="s3://killed/ckpts")
-        state = {"w": torch.randn(3 * MIB), "step": 1}  # 12 MiB: a multipart upload
+        # 20 MiB of float32, about 17 MiB compressed: a multipart upload.
+        state = {"w": torch.randn(5 * MIB), "step": 1}
         ckpt.save(1, state).result(timeout=30)
         assert gate.reached.wait(30)
         server.kill()  # mid-upload: parts in flight
@@ -166,11 +184,9 @@ def test_the_store_killed_mid_upload_and_restarted(tmp_path: Path,
         client = make_bucket(server.endpoint, "killed")
         assert ckpt.wait_for_tier(60), ckpt.tier_status()
         ckpt.close()
-        local = root / "step-00000001"
-        assert keys(client, "killed") == {f"ckpts/step-00000001/{p.name}": p.stat().st_size
-                                          for p in local.iterdir()}
+        assert sorted(keys(client, "killed")) == ["ckpts/step-00000001/data-00000.fpz",
+                                                  "ckpts/step-00000001/manifest.json"]
         assert client.list_multipart_uploads(Bucket="killed").get("Uploads", []) == []
-        body = client.get_object(Bucket="killed", Key="ckpts/step-00000001/data-00000.safetensors")
-        assert body["Body"].read() == (local / "data-00000.safetensors").read_bytes()
+        assert torch.equal(fastpersist.load("s3://killed/ckpts/step-00000001")["w"], state["w"])
     finally:
         server.kill()

@@ -95,7 +95,8 @@ def test_the_daemon_uploads_what_it_commits(s3: Any, daemons: Any, tmp_path: Pat
 def test_retention_keeps_what_is_not_uploaded(s3: Any, daemons: Any,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     bucket = f"later-{s3.bucket[:40]}"
-    d = daemons("--tier", f"s3://{bucket}/ckpts")  # no such bucket yet: uploads fail
+    # No such bucket yet: uploads fail. Sent as they are (--tier-compression none).
+    d = daemons("--tier", f"s3://{bucket}/ckpts", "--tier-compression", "none")
     root = d.root / "run"
     ckpt = fastpersist.Checkpointer(root, daemon=d.address, keep_last=1)
     for step in (1, 2, 3):
@@ -111,6 +112,8 @@ def test_retention_keeps_what_is_not_uploaded(s3: Any, daemons: Any,
     assert d.events("tier-upload-failed")
     make_bucket(s3.endpoint, bucket)  # the store is back: the retries succeed
     _until("the uploads", lambda: _status(d, capsys)["tier"]["pending"] == 0)
+    assert sorted(k.rsplit("/", 1)[1] for k in keys(s3.client, bucket, "ckpts/run/step-00000001/")
+                  ) == ["data-00000.safetensors", "manifest.json"]
     ckpt.save(4, {"w": torch.full((10,), 4.0)}).result()  # its retention may delete them now
     ckpt.close()
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004"]
@@ -133,7 +136,8 @@ def test_sigkill_mid_upload_and_restart(s3: Any, daemons: Any, tmp_path: Path,
         "    self.client.meta.events.register('before-parameter-build.s3.UploadPart', hold)\n"
         "client.S3.__init__ = init\n")
     d = daemons("--tier", s3.url, prelude=prelude)
-    state = {"w": torch.randn(3 * MIB), "step": 1}  # 12 MiB: a multipart upload
+    # 20 MiB of float32 compress to about 17 MiB (the default, zstd): a multipart upload.
+    state = {"w": torch.randn(5 * MIB), "step": 1}
     fastpersist.save(state, d.root / "run" / "step-00000001", daemon=d.address)
     _until("the upload to start", reached.exists)
     d.kill()  # SIGKILL, parts in flight

@@ -20,7 +20,6 @@ from fastpersist.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
-    TierError,
     TruncatedFileError,
 )
 from fastpersist.format.manifest import Manifest
@@ -55,12 +54,15 @@ def _assert_same(a: Any, b: Any) -> None:
         assert a == b
 
 
-@pytest.fixture
-def uploaded(s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Any]:
-    """A checkpoint uploaded by a Checkpointer: (its URL, the state saved)."""
+@pytest.fixture(params=["none"])
+def uploaded(s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+             request: pytest.FixtureRequest) -> tuple[str, Any]:
+    """A checkpoint uploaded by a Checkpointer: (its URL, the state saved);
+    uploaded raw unless the test asks for tier_compression="zstd"."""
     monkeypatch.setenv("FASTPERSIST_TIER_PART_BYTES", str(5 * MIB))
     state = _state()
-    ckpt = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url)
+    ckpt = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url,
+                                    tier_compression=request.param)
     ckpt.save(7, state)
     ckpt.close()  # waits for the upload
     return f"{s3.url}/step-00000007", state
@@ -76,6 +78,7 @@ def _put(s3: Any, url: str, name: str, data: bytes) -> None:
     s3.client.put_object(Bucket=s3.bucket, Key=key, Body=data)
 
 
+@pytest.mark.parametrize("uploaded", ["none", "zstd"], indirect=True)
 def test_load_from_the_store(s3: Any, uploaded: tuple[str, Any]) -> None:
     url, state = uploaded
     seen = []
@@ -86,6 +89,10 @@ def test_load_from_the_store(s3: Any, uploaded: tuple[str, Any]) -> None:
             == loaded["big"].untyped_storage().data_ptr())
     manifest = Manifest.from_json(_object(s3, url, "manifest.json"), url)
     assert sum(seen) == manifest.tensor_bytes
+    # zstd (the default): uploaded compressed, the local copy raw.
+    names = {f.name for f in manifest.files}
+    assert names == ({"data-00000.fpz"} if any(t.frames for t in manifest.tensors)
+                     else {"data-00000.safetensors"})
 
 
 def test_a_corrupted_object_names_the_file_and_tensor(s3: Any, uploaded: tuple[str, Any],
@@ -206,15 +213,40 @@ def test_ranged_gets_cover_every_byte_once(layout: list[tuple[int, int]], part: 
         assert expect == len(buf)
 
 
-def test_a_compressed_checkpoint_is_uploaded_and_refused_on_load_with_a_way_out(
-        s3: Any, tmp_path: Path) -> None:
-    # The tier uploads a compressed checkpoint as it is (its .fpz files); loading
-    # it straight from the store is not supported yet, and says so.
+def test_a_compressed_checkpoint_round_trips_and_a_corrupt_frame_is_named(
+        s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Uploaded as it is (its .fpz files); loaded from the store by ranged GETs
+    # of the stored frames, decoded in parallel, every CRC checked.
+    monkeypatch.setenv("FASTPERSIST_FRAME_BYTES", str(64 << 10))
+    monkeypatch.setenv("FASTPERSIST_TIER_PART_BYTES", str(5 * MIB))
+    g = torch.Generator().manual_seed(1)
+    state = {"w": torch.randn(1 << 20, generator=g).bfloat16(),  # 2 MiB: 32 frames
+             "m": torch.randn(300, 100, generator=g), "small": torch.arange(10),
+             "step": 3}
     ckpt = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url, compression="zstd")
-    state = {"w": torch.randn(1 << 16)}
     ckpt.save(1, state)
     ckpt.close()
     url = f"{s3.url}/step-00000001"
-    assert json.loads(_object(s3, url, "manifest.json"))["format"]
-    with pytest.raises(TierError, match=r"compressed.*copy its objects to a local directory"):
+    manifest = Manifest.from_json(_object(s3, url, "manifest.json"), url)
+    record = next(t for t in manifest.tensors if t.name == "w")
+    assert record.file.endswith(".fpz") and record.frames and len(record.frames) == 32
+    seen: list[int] = []
+    _assert_same(state, fastpersist.load(url, progress=seen.append))
+    assert sum(seen) == manifest.tensor_bytes
+    assert fpctl(["verify", url]) == 0
+    assert capsys.readouterr().out.startswith(f"OK {url}")
+    # One stored byte of frame 5 flipped: the load names file, tensor and frame.
+    data = bytearray(_object(s3, url, record.file))
+    data[record.offset + record.frames[5].stored_offset + 7] ^= 0x40
+    _put(s3, url, record.file, bytes(data))
+    with pytest.raises(ChecksumMismatchError,
+                       match=rf"tensor 'w' \(stored frame 5\) in {record.file}") as info:
         fastpersist.load(url)
+    assert (info.value.file, info.value.tensor) == (record.file, "w")
+    for extra in ([], ["--no-decode"]):
+        assert fpctl(["verify", url, "--json", *extra]) == 1
+        report = json.loads(capsys.readouterr().out)
+        assert len(report["problems"]) == 1, report
+        assert report["problems"][0].startswith(
+            f"{record.file}: tensor 'w' (stored frame 5): CRC32C ")

@@ -99,7 +99,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
                   desc=f"verify {url.name}", file=sys.stderr, leave=False) as bar:
-            report = tier_read.verify(s3, url, progress=bar.update)
+            report = tier_read.verify(s3, url, progress=bar.update,
+                                      decode=not args.no_decode)
         seconds = time.perf_counter() - start
     except CorruptCheckpointError as exc:
         if args.json:

@@ -169,6 +169,11 @@ def decode_frames(jobs: Sequence[DecodeJob], *, raw_crc: bool) -> list[Decoded]:
     return run_all([functools.partial(task, j) for j in jobs])
 
 
+def checksum(data: memoryview | bytes) -> int:
+    """The CRC32C of `data`."""
+    return int(crc32c(data))
+
+
 def combine(crcs: Sequence[tuple[int, int]]) -> int:
     """The CRC32C of consecutive pieces from (crc, length) of each."""
     crc = 0

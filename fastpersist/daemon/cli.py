@@ -5,7 +5,8 @@
                  [--staging-budget BYTES] [--client-budget BYTES] [--shm-dir DIR]
                  [--metrics-listen HOST:PORT] [--write-concurrency N] [--max-streams N]
                  [--idle-timeout SECONDS] [--drain-timeout SECONDS]
-                 [--tier s3://BUCKET/PREFIX [--tier-keep-last N] [--tier-endpoint URL]]
+                 [--tier s3://BUCKET/PREFIX [--tier-keep-last N] [--tier-endpoint URL]
+                  [--tier-compression zstd|none]]
                  [--log-format json|text] [--log-level LEVEL]
 
 SIGTERM or SIGINT: stop taking checkpoints, abort the ones not handed over,
@@ -123,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier-keep-last", type=int, default=None, metavar="N",
                    help="keep the N newest step-N checkpoints of each directory in the store "
                         "(default: all)")
+    p.add_argument("--tier-compression", choices=("zstd", "none"), default="zstd",
+                   help="zstd (default): compress raw checkpoints on their way to the store "
+                        "(byte-grouped zstd, as compression='zstd'; the local copy stays raw); "
+                        "none: upload them as they are")
     p.add_argument("--tier-endpoint", metavar="URL",
                    help="the store's endpoint URL (default: the standard AWS configuration, "
                         "e.g. AWS_ENDPOINT_URL)")
@@ -231,9 +236,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..tier.client import S3
         from .tiering import DaemonTier
 
+        if args.tier_compression == "zstd":
+            try:
+                import numpy  # noqa: F401
+                import zstandard  # noqa: F401
+            except ImportError as exc:
+                p.error(f"--tier-compression zstd (the default) needs numpy and zstandard "
+                        f"({exc}); install them, or pass --tier-compression none")
         try:
             tier = DaemonTier(root, args.tier, S3(args.tier_endpoint), metrics,
-                              keep_last=args.tier_keep_last)
+                              keep_last=args.tier_keep_last,
+                              compression=args.tier_compression)
         except CheckpointError as exc:  # boto3 missing
             p.error(f"--tier: {exc}")
     service = Service(root, args.shm_dir, Budgets(args.staging_budget, args.client_budget),

@@ -41,9 +41,10 @@ _RESULTS = {"tier-uploaded": None, "tier-upload-failed": "failed",
 
 class DaemonTier:
     def __init__(self, root: Root, url: TierURL, s3: S3, metrics: Metrics, *,
-                 keep_last: int | None = None) -> None:
+                 keep_last: int | None = None, compression: str | None = "zstd") -> None:
         self.root, self.url, self.metrics = root, url, metrics
-        self.uploader = Uploader(s3, url, keep_last=keep_last, events=self._event)
+        self.uploader = Uploader(s3, url, keep_last=keep_last, events=self._event,
+                                 compression=compression)
 
     def start(self) -> DaemonTier:
         """Queue the committed checkpoints under the root, then start uploading."""

@@ -12,11 +12,15 @@ several ranks wrote. Loading rebuilds what the caller asks for:
 Raw chunks are read whole, so that each one's CRC32C is checked. A
 compressed chunk (compression="zstd") is decoded only in the frames that
 hold the elements wanted, each checked by its stored CRC32C.
+
+The chunks are read by a Reader: local_reader (the engine, from a directory)
+by default; load("s3://...") passes the tier's (tensors/tier_read.reader:
+ranged GETs of only the chunks, or frames, wanted).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,21 @@ from ..tensors import checkpoint, state
 from ..tensors.factory import TensorFactory
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
+# (the manifest cut to the records wanted, record -> raw byte span wanted,
+# verify, progress) -> those records' tensors, in order.
+Reader = Callable[[Manifest, Mapping[int, tuple[int, int]], bool, Callable[[int], None] | None],
+                  list[torch.Tensor]]
+
+
+def local_reader(path: Path) -> Reader:
+    """The records of the checkpoint directory `path`, through the engine."""
+    def read(sub: Manifest, spans: Mapping[int, tuple[int, int]], verify: bool,
+             progress: Callable[[int], None] | None) -> list[torch.Tensor]:
+        _check_files_here(path, sub)
+        return checkpoint.read_tensors(path, sub, get_engine(), verify=verify,
+                                       progress=progress, spans=spans)
+
+    return read
 
 
 @dataclass(frozen=True)
@@ -72,10 +91,11 @@ def _slices(inner: Box, outer_offsets: tuple[int, ...]) -> tuple[slice, ...]:
                  for o, n, base in zip(inner[0], inner[1], outer_offsets, strict=True))
 
 
-def read_boxes(path: Path, manifest: Manifest, wanted: dict[int, Box], *, verify: bool,
-               progress: Callable[[int], None] | None = None) -> dict[int, torch.Tensor]:
-    """For each global index -> box, a CPU tensor of that box, read from the
-    chunks that overlap it."""
+def read_boxes(path: Path | str, manifest: Manifest, wanted: dict[int, Box], *, verify: bool,
+               progress: Callable[[int], None] | None = None,
+               read: Reader | None = None) -> dict[int, torch.Tensor]:
+    """For each global index -> box, a CPU tensor of that box, read (by `read`,
+    default: from the directory `path`) from the chunks that overlap it."""
     assert manifest.globals is not None
     needed: dict[int, tuple[int, int]] = {}  # record -> the raw bytes of it wanted
     for index, box in wanted.items():
@@ -88,16 +108,14 @@ def read_boxes(path: Path, manifest: Manifest, wanted: dict[int, Box], *, verify
                     1, _numel(rec.shape)))
                 old = needed.get(c.tensor, (lo, hi))
                 needed[c.tensor] = (min(old[0], lo), max(old[1], hi))
-    _check_files_here(path, manifest, set(needed))
     records = sorted(needed)
     files = {manifest.tensors[i].file for i in records}
     sub = replace(manifest, files=tuple(f for f in manifest.files if f.name in files),
                   tensors=tuple(manifest.tensors[i] for i in records))
     spans = {k: needed[i] for k, i in enumerate(records)
              if needed[i] != (0, manifest.tensors[i].length)}
-    read = checkpoint.read_tensors(path, sub, get_engine(), verify=verify, progress=progress,
-                                   spans=spans)
-    chunk_data = dict(zip(records, read, strict=True))
+    reader = read if read is not None else local_reader(Path(path))
+    chunk_data = dict(zip(records, reader(sub, spans, verify, progress), strict=True))
     out = {}
     for index, box in wanted.items():
         g = manifest.globals[index]
@@ -131,9 +149,8 @@ def _byte_span(part: Box, chunk_offsets: tuple[int, ...], shape: tuple[int, ...]
     return first * itemsize, (last + 1) * itemsize
 
 
-def _check_files_here(path: Path, manifest: Manifest, needed: set[int]) -> None:
-    missing = sorted({manifest.tensors[i].file for i in needed
-                      if not (path / manifest.tensors[i].file).exists()})
+def _check_files_here(path: Path, manifest: Manifest) -> None:
+    missing = sorted({f.name for f in manifest.files if not (path / f.name).exists()})
     if not missing:
         return
     nodes = sorted({f.node for f in manifest.files if f.name in missing and f.node})
@@ -145,8 +162,9 @@ def _check_files_here(path: Path, manifest: Manifest, needed: set[int]) -> None:
         "directory into one with `fpctl gather`")
 
 
-def load(path: Path, manifest: Manifest, map_location: Any, like: Any, *, allow_pickle: bool,
-         verify: bool, progress: Callable[[int], None] | None) -> Any:
+def load(path: Path | str, manifest: Manifest, map_location: Any, like: Any, *,
+         allow_pickle: bool, verify: bool, progress: Callable[[int], None] | None,
+         read: Reader | None = None) -> Any:
 
     assert manifest.globals is not None
     globals_ = manifest.globals
@@ -161,7 +179,7 @@ def load(path: Path, manifest: Manifest, map_location: Any, like: Any, *, allow_
         i = index_of[name]
         _check_same(globals_[i], target, path)
         wanted[i] = target.box
-    tensors = read_boxes(path, manifest, wanted, verify=verify, progress=progress)
+    tensors = read_boxes(path, manifest, wanted, verify=verify, progress=progress, read=read)
     entries = [tensors[i] for i in range(len(globals_))]
     plain = TensorFactory(entries, map_location, str(path))
     made: dict[int, torch.Tensor] = {}
@@ -186,7 +204,7 @@ def load(path: Path, manifest: Manifest, map_location: Any, like: Any, *, allow_
     return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=str(path))
 
 
-def _check_same(g: GlobalTensor, target: _Target, path: Path) -> None:
+def _check_same(g: GlobalTensor, target: _Target, path: Path | str) -> None:
     offsets, shape = target.box
     if len(offsets) != len(g.shape) or any(
             o + n > d for o, n, d in zip(offsets, shape, g.shape, strict=True)):

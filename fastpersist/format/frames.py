@@ -33,6 +33,9 @@ RAW = "raw"
 ZSTD_BYTEGROUP = "zstd-bytegroup-v1"
 ENCODINGS = frozenset({RAW, ZSTD_BYTEGROUP})
 _CRC_MAX = (1 << 32) - 1
+# Tensors smaller than this are stored raw in a packed file: a frame index
+# costs more than compressing them saves.
+MIN_ENCODED_BYTES = 4096
 
 
 class Frame(NamedTuple):

@@ -137,7 +137,8 @@ def _read_batch(path: Path, f: FileRecord, batch: list[tuple[int, TensorRecord]]
             datafile.raise_for(mismatches, str(path))
             out += zip((i for i, _ in raw), tensors, strict=True)
         if encoded:
-            tensors, outcome = packed.read(engine, str(path), f, [r for _, r in encoded],
+            tensors, outcome = packed.read(packed.local_reader(engine, str(path), f),
+                                           f, [r for _, r in encoded],
                                            verify=verify,
                                            spans=[spans.get(i) for i, _ in encoded])
             datafile.raise_for(outcome.mismatches, str(path))
@@ -312,15 +313,21 @@ def _verify_batch(path: Path, f: FileRecord, batch: list[TensorRecord], engine: 
             mismatches += datafile.read(engine, str(path), f, raw, verify=True,
                                         header=header)[1]
         if encoded:
-            _, outcome = packed.read(engine, str(path), f, encoded, verify=True, decode=decode)
+            _, outcome = packed.read(packed.local_reader(engine, str(path), f), f, encoded,
+                                     verify=True, decode=decode)
             mismatches += outcome.mismatches
             problems += outcome.undecodable
     except EOFError as exc:
         return [f"{f.name}: {exc}"]
     except OSError as exc:
         return [f"{f.name}: read error: {exc}"]
+    return problems_of(mismatches) + problems
+
+
+def problems_of(mismatches: list[datafile.Mismatch]) -> list[str]:
+    """verify()'s lines for CRC32C mismatches."""
     return [f"{m.file}: {m.what().removeprefix('the ')}: CRC32C {m.actual:#010x}, expected "
-            f"{m.expected:#010x}" for m in mismatches] + problems
+            f"{m.expected:#010x}" for m in mismatches]
 
 
 __all__ = ["ManifestError", "VerifyReport", "read_manifest", "read_tensors", "verify"]

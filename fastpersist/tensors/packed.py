@@ -7,7 +7,8 @@ of the file in parallel) and recorded with encoding "zstd-bytegroup-v1" and
 its frame index; smaller ones are stored raw, as in a safetensors file. The
 engine then writes the header, the raw tensors and every frame's stored bytes.
 
-Reading, the engine reads the stored bytes of the frames wanted, and the
+Reading, the engine (or, from the tier, ranged GETs: the caller passes the
+reader) reads the stored bytes of the frames wanted, and the
 codec checks each frame's CRC32C, decodes the frames in parallel straight
 into the new tensor's memory, and (whole tensors, with verify) the tensor's
 raw CRC32C is combined from its frames' and checked against the record's,
@@ -19,21 +20,17 @@ imported only when a packed file is written or read.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..engine import Engine, Segment
 from ..format import dtypes, packed_file
-from ..format.frames import RAW, ZSTD_BYTEGROUP
+from ..format.frames import MIN_ENCODED_BYTES, RAW, ZSTD_BYTEGROUP
 from ..format.manifest import FileRecord, TensorRecord
 from .datafile import METADATA, Mismatch, phase_aligned
 from .plan import StoredTensor, memory_of
-
-# Tensors smaller than this are stored raw: a frame index costs more than
-# compressing them saves.
-MIN_ENCODED_BYTES = 4096
 
 Span = tuple[int, int]  # raw bytes start..end of a record
 
@@ -103,10 +100,26 @@ def _wanted(r: TensorRecord, span: Span | None) -> range:
     return range(first, last)
 
 
-def read(engine: Engine, directory: str, file: FileRecord, records: Sequence[TensorRecord],
+StoredReader = Callable[[list[Segment]], None]
+"""Fills each (buffer, file offset) with the stored bytes of one data file
+there: the engine for a local file (local_reader), ranged GETs for an object
+in the tier (tensors/tier_read.py). EOFError when the file is too short."""
+
+
+def local_reader(engine: Engine, directory: str, file: FileRecord) -> StoredReader:
+    path = os.path.join(directory, file.name)
+
+    def read_stored(segments: list[Segment]) -> None:
+        engine.read_file(path, segments, checksum=False)
+
+    return read_stored
+
+
+def read(read_stored: StoredReader, file: FileRecord, records: Sequence[TensorRecord],
          *, verify: bool, spans: Sequence[Span | None] | None = None,
          decode: bool = True) -> tuple[list[torch.Tensor], Outcome]:
-    """Read compressed records of one file into new CPU tensors.
+    """Read compressed records of one file into new CPU tensors, their stored
+    bytes fetched by `read_stored` (local_reader, or the tier's).
 
     With verify, each frame's stored CRC32C is checked before it is decoded,
     and each whole tensor's raw CRC32C after. decode=False checks the stored
@@ -130,7 +143,7 @@ def read(engine: Engine, directory: str, file: FileRecord, records: Sequence[Ten
         stored.append(buf)
         segments.append((buf, r.offset + lo))
     if segments:
-        engine.read_file(os.path.join(directory, file.name), segments, checksum=False)
+        read_stored(segments)
     tensors, jobs, owners = [], [], []
     for k, (r, frames, span) in enumerate(zip(records, wanted, spans, strict=True)):
         dtype = dtypes.from_name(r.dtype)

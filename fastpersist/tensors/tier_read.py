@@ -1,29 +1,35 @@
 """Reading a checkpoint from the object-store tier: tensors straight into memory.
 
 The same checks as a local load (checkpoint.py), against the store's objects:
-every data file must exist with the size the manifest says; its safetensors
-header is fetched, checked against its CRC32C and against the manifest's
-records; then every tensor is read by parallel ranged GETs straight into its
-own memory (tier/remote.py) and its CRC32C compared. A mismatch raises
-ChecksumMismatchError naming the file and the tensor; verify() reports every
-problem instead, reading through a bounded amount of memory.
+every data file must exist with the size the manifest says; its header
+(safetensors, or packed for a compressed checkpoint) is fetched, checked
+against its CRC32C and against the manifest's records; then every raw tensor
+is read by parallel ranged GETs straight into its own memory (tier/remote.py)
+and its CRC32C compared. A compressed record goes through packed.read, the
+same decode path as a local load, with ranged GETs of its stored frames as
+the reader: each frame's stored CRC32C checked, the frames decoded in
+parallel into the tensor, its raw CRC32C checked. A mismatch raises
+ChecksumMismatchError naming the file and the tensor (and frame);
+verify() reports every problem instead, reading through a bounded amount of
+memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import crc32c
 import torch
 
-from ..errors import CorruptCheckpointError, ManifestError, TierError, TruncatedFileError
+from ..engine import Segment
+from ..errors import CorruptCheckpointError, ManifestError, TruncatedFileError
 from ..format import dtypes, safetensors_file
 from ..format.manifest import FileRecord, Manifest, TensorRecord
 from ..tier.client import S3
 from ..tier.remote import Fetch, fetch_all, object_sizes, read_manifest
 from ..tier.url import TierURL
-from . import datafile
-from .checkpoint import VerifyReport, header_problems
+from . import datafile, packed
+from .checkpoint import VerifyReport, header_problems, parse_header, problems_of
 from .plan import memory_of
 
 # verify() reads at most this many tensor bytes at once.
@@ -46,8 +52,8 @@ def _size_problem(url: TierURL, f: FileRecord, sizes: dict[str, int]
 
 def _check_header(s3: S3, url: TierURL, f: FileRecord, records: list[TensorRecord],
                   *, verify: bool) -> tuple[datafile.Mismatch | None, list[str]]:
-    """The data file's header, fetched: (its CRC32C mismatch, when verifying),
-    or what is wrong with it against the manifest's records."""
+    """The data file's header (safetensors or packed), fetched: (its CRC32C
+    mismatch, when verifying), or what is wrong with it against the records."""
     covered = bytearray(f.data_start)
     try:
         s3.read_into(url, f.name, 0, memoryview(covered))
@@ -56,34 +62,43 @@ def _check_header(s3: S3, url: TierURL, f: FileRecord, records: list[TensorRecor
     if verify:
         actual = crc32c.crc32c(covered)
         if actual != f.header_crc32c:
-            return datafile.Mismatch(f.name, "<header>", f.header_crc32c, actual), [
-                f"{f.name}: safetensors header: CRC32C {actual:#010x}, expected "
-                f"{f.header_crc32c:#010x}"]
+            mismatch = datafile.Mismatch(f.name, "<header>", f.header_crc32c, actual)
+            return mismatch, problems_of([mismatch])
     try:
-        data_start, entries, _ = safetensors_file.parse_header(bytes(covered))
+        data_start, entries, _ = parse_header(bytes(covered))
     except safetensors_file.HeaderError as exc:
-        return None, [] if not verify else [f"{f.name}: safetensors header: {exc}"]
+        return None, [] if not verify else [f"{f.name}: header: {exc}"]
     return None, header_problems(f, records, data_start, entries)
 
 
-def _records(manifest: Manifest) -> dict[str, list[int]]:
+def _by_file(manifest: Manifest) -> dict[str, list[int]]:
     by_file: dict[str, list[int]] = {f.name: [] for f in manifest.files}
     for i, t in enumerate(manifest.tensors):
         by_file[t.file].append(i)
-        if t.encoding != "raw":
-            raise TierError(f"tensor {t.name!r} is stored with encoding {t.encoding!r}, which "
-                            "this version cannot read from the tier")
     return by_file
 
 
+def _reader(s3: S3, url: TierURL, name: str) -> packed.StoredReader:
+    """packed.read's reader for object `name`: parallel ranged GETs."""
+    def read_stored(segments: list[Segment]) -> None:
+        fetch_all(s3, [Fetch(s3, url, name, [(memoryview(b), off) for b, off in segments],
+                             checksum=False)])
+
+    return read_stored
+
+
 def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
-                 progress: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+                 progress: Callable[[int], None] | None = None,
+                 spans: Mapping[int, packed.Span] | None = None) -> list[torch.Tensor]:
     """Every stored tensor of the checkpoint at `url`, on the CPU, in manifest
-    order; raises on corruption (see the module docstring)."""
-    by_file = _records(manifest)
+    order; raises on corruption (see the module docstring). spans: as in
+    checkpoint.read_tensors (a compressed record is decoded only where its
+    frames overlap the span; raw records are read whole)."""
+    by_file = _by_file(manifest)
     sizes = object_sizes(s3, url)
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     fetches = []
+    compressed: list[tuple[FileRecord, list[int]]] = []
     for f in manifest.files:
         problem = _size_problem(url, f, sizes)
         if problem is not None:
@@ -94,29 +109,62 @@ def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
             datafile.raise_for([mismatch], str(url))
         if problems:
             raise ManifestError(f"{url}: {problems[0]}")
+        raw = [i for i in by_file[f.name] if manifest.tensors[i].frames is None]
+        if len(raw) < len(by_file[f.name]):
+            compressed.append((f, [i for i in by_file[f.name] if i not in set(raw)]))
+        records = [manifest.tensors[i] for i in raw]
         tensors = [torch.empty(r.shape, dtype=dtypes.from_name(r.dtype)) for r in records]
-        for i, t in zip(by_file[f.name], tensors, strict=True):
+        for i, t in zip(raw, tensors, strict=True):
             result[i] = t
         segments = [(memory_of(t), r.offset) for t, r in zip(tensors, records, strict=True)]
         fetches.append((f, records, Fetch(s3, url, f.name, segments, checksum=verify)))
     try:
         fetch_all(s3, [fetch for _, _, fetch in fetches], progress)
+        if verify:
+            for f, records, fetch in fetches:
+                datafile.raise_for([datafile.Mismatch(f.name, r.name, r.crc32c, crc)
+                                    for r, crc in zip(records, fetch.crcs(), strict=True)
+                                    if crc != r.crc32c], str(url))
+        # Compressed records, a file at a time (its stored bytes in memory at
+        # once): ranged GETs of the frames, then decoded on the codec's threads.
+        for f, indices in compressed:
+            records = [manifest.tensors[i] for i in indices]
+            tensors, outcome = packed.read(_reader(s3, url, f.name), f, records, verify=verify,
+                                           spans=[(spans or {}).get(i) for i in indices])
+            datafile.raise_for(outcome.mismatches, str(url))
+            if outcome.undecodable:
+                raise CorruptCheckpointError(f"{url}: {outcome.undecodable[0]}")
+            for i, t in zip(indices, tensors, strict=True):
+                result[i] = t
+            if progress:
+                progress(sum(r.length for r in records))
     except EOFError as exc:
         raise TruncatedFileError(f"{url}: {exc}") from None
-    if verify:
-        for f, records, fetch in fetches:
-            datafile.raise_for([datafile.Mismatch(f.name, r.name, r.crc32c, crc)
-                                for r, crc in zip(records, fetch.crcs(), strict=True)
-                                if crc != r.crc32c], str(url))
     assert all(t is not None for t in result)  # every record belongs to one listed file
     return result  # type: ignore[return-value]
 
 
-def verify(s3: S3, url: TierURL, progress: Callable[[int], None] | None = None) -> VerifyReport:
+def reader(s3: S3, url: TierURL) -> Callable[
+        [Manifest, Mapping[int, packed.Span], bool, Callable[[int], None] | None],
+        list[torch.Tensor]]:
+    """read_tensors of the checkpoint at `url` as distributed/restore.py's
+    Reader: a resharding load reads only the records (chunks) it needs, and
+    of a compressed one only the frames."""
+    def read(sub: Manifest, spans: Mapping[int, packed.Span], verify: bool,
+             progress: Callable[[int], None] | None) -> list[torch.Tensor]:
+        return read_tensors(s3, url, sub, verify=verify, progress=progress, spans=spans)
+
+    return read
+
+
+def verify(s3: S3, url: TierURL, progress: Callable[[int], None] | None = None, *,
+           decode: bool = True) -> VerifyReport:
     """Re-read every byte of the checkpoint at `url` and check it against the
-    manifest and checksums; every problem found, not only the first."""
+    manifest and checksums; every problem found, not only the first.
+    Compressed tensors: each stored frame's CRC32C, and unless decode=False
+    the raw CRC32C of the decoded tensor, as a load checks it."""
     manifest, _ = read_manifest(s3, url)
-    by_file = _records(manifest)
+    by_file = _by_file(manifest)
     sizes = object_sizes(s3, url)
     report = VerifyReport(str(url))
     for f in manifest.files:
@@ -135,21 +183,32 @@ def verify(s3: S3, url: TierURL, progress: Callable[[int], None] | None = None) 
                 batch.append(records[start])
                 size += records[start].length
                 start += 1
-            buffers = [memoryview(bytearray(r.length)) for r in batch]
-            fetch = Fetch(s3, url, f.name, [(b, r.offset) for b, r in zip(buffers, batch,
-                                                                           strict=True)],
-                          checksum=True)
             try:
-                fetch_all(s3, [fetch])
+                report.problems += _verify_batch(s3, url, f, batch, decode)
             except EOFError as exc:
                 report.problems.append(f"{f.name}: {exc}")
                 continue
-            for r, crc in zip(batch, fetch.crcs(), strict=True):
-                if crc != r.crc32c:
-                    report.problems.append(f"{f.name}: tensor {r.name!r}: CRC32C {crc:#010x}, "
-                                           f"expected {r.crc32c:#010x}")
             report.tensors += len(batch)
             report.bytes_checked += size
             if progress:
                 progress(size)
     return report
+
+
+def _verify_batch(s3: S3, url: TierURL, f: FileRecord, batch: list[TensorRecord],
+                  decode: bool) -> list[str]:
+    raw = [r for r in batch if r.frames is None]
+    encoded = [r for r in batch if r.frames is not None]
+    buffers = [memoryview(bytearray(r.length)) for r in raw]
+    fetch = Fetch(s3, url, f.name, [(b, r.offset) for b, r in zip(buffers, raw, strict=True)],
+                  checksum=True)
+    fetch_all(s3, [fetch])
+    mismatches = [datafile.Mismatch(f.name, r.name, r.crc32c, crc)
+                  for r, crc in zip(raw, fetch.crcs(), strict=True) if crc != r.crc32c]
+    undecodable: list[str] = []
+    if encoded:
+        _, outcome = packed.read(_reader(s3, url, f.name), f, encoded, verify=True,
+                                 decode=decode)
+        mismatches += outcome.mismatches
+        undecodable = outcome.undecodable
+    return problems_of(mismatches) + undecodable

@@ -109,6 +109,12 @@ class S3:
 
     def get(self, url: TierURL, name: str, limit: int) -> bytes | None:
         """The object `name` under `url`, at most `limit` bytes; None if absent."""
+        got = self.get_with_metadata(url, name, limit)
+        return None if got is None else got[0]
+
+    def get_with_metadata(self, url: TierURL, name: str, limit: int
+                          ) -> tuple[bytes, dict[str, str]] | None:
+        """As get(), with the object's user metadata."""
         key = url.key(name)
         try:
             response = self.client.get_object(Bucket=url.bucket, Key=key)
@@ -121,13 +127,14 @@ class S3:
             if response.get("ContentLength", 0) > limit:
                 raise TierError(f"s3://{url.bucket}/{key} is {response['ContentLength']} "
                                 f"bytes, more than the {limit} this version reads")
-            return bytes(body.read())
+            return bytes(body.read()), dict(response.get("Metadata") or {})
         except Exception as exc:
             raise tier_error(exc, f"reading s3://{url.bucket}/{key}") from exc
         finally:
             body.close()
 
-    def put_new(self, url: TierURL, name: str, data: bytes) -> bool:
+    def put_new(self, url: TierURL, name: str, data: bytes,
+                metadata: dict[str, str] | None = None) -> bool:
         """Create object `name` under `url` only if it does not exist (a
         conditional put, If-None-Match: *). False if it exists. A store that
         does not support conditional puts gets a check and a plain put (racy:
@@ -135,7 +142,8 @@ class S3:
         key = url.key(name)
         if self.conditional_puts:
             try:
-                self.client.put_object(Bucket=url.bucket, Key=key, Body=data, IfNoneMatch="*")
+                self.client.put_object(Bucket=url.bucket, Key=key, Body=data, IfNoneMatch="*",
+                                       Metadata=metadata or {})
                 return True
             except Exception as exc:
                 code = error_code(exc)
@@ -146,11 +154,49 @@ class S3:
                 self.conditional_puts = False
         if self.get(url, name, len(data) + 1) is not None:
             return False
+        self.put(url, name, data, metadata)
+        return True
+
+    def put(self, url: TierURL, name: str, data: bytes,
+            metadata: dict[str, str] | None = None) -> None:
+        key = url.key(name)
         try:
-            self.client.put_object(Bucket=url.bucket, Key=key, Body=data)
+            self.client.put_object(Bucket=url.bucket, Key=key, Body=data,
+                                   Metadata=metadata or {})
         except Exception as exc:
             raise tier_error(exc, f"writing s3://{url.bucket}/{key}") from exc
-        return True
+
+    # -- multipart uploads of bytes made on the way (compress.py) --------------
+
+    def start_upload(self, url: TierURL, name: str, metadata: dict[str, str]) -> str:
+        key = url.key(name)
+        try:
+            return str(self.client.create_multipart_upload(
+                Bucket=url.bucket, Key=key, Metadata=metadata)["UploadId"])
+        except Exception as exc:
+            raise tier_error(exc, f"starting an upload of s3://{url.bucket}/{key}") from exc
+
+    def upload_part(self, url: TierURL, name: str, upload_id: str, number: int,
+                    body: bytes) -> dict[str, Any]:
+        """Part `number` (from 1); what complete_upload needs of it."""
+        key = url.key(name)
+        try:
+            out = self.client.upload_part(Bucket=url.bucket, Key=key, UploadId=upload_id,
+                                          PartNumber=number, Body=body)
+        except Exception as exc:
+            raise tier_error(exc, f"uploading part {number} of s3://{url.bucket}/{key}"
+                             ) from exc
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def complete_upload(self, url: TierURL, name: str, upload_id: str,
+                        parts: list[dict[str, Any]]) -> None:
+        key = url.key(name)
+        try:
+            self.client.complete_multipart_upload(
+                Bucket=url.bucket, Key=key, UploadId=upload_id,
+                MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])})
+        except Exception as exc:
+            raise tier_error(exc, f"completing the upload of s3://{url.bucket}/{key}") from exc
 
     def read_range(self, url: TierURL, name: str, offset: int, length: int,
                    consume: Callable[[Any], None]) -> None:

@@ -22,10 +22,10 @@ from .url import TierURL
 class Mirror:
     def __init__(self, root: Path, url: TierURL, s3: S3, *, keep_last: int | None = None,
                  on_uploaded: Callable[[Job, Uploaded], None] | None = None,
-                 events: Events = log_event) -> None:
+                 events: Events = log_event, compression: str | None = "zstd") -> None:
         self.root, self.url, self.s3 = root, url, s3
         self.uploader = Uploader(s3, url, keep_last=keep_last, events=events,
-                                 on_uploaded=on_uploaded)
+                                 on_uploaded=on_uploaded, compression=compression)
 
     def start(self) -> Mirror:
         """Queue the committed checkpoints already under the root; start uploading."""

@@ -3,14 +3,15 @@
     1. Read the local manifest (validated) and open every data file it lists,
        by name in the directory held open, without following links; each
        must have the size the manifest says.
-    2. If the store already holds a manifest there: the same bytes mean the
-       checkpoint is uploaded (a retry, or a restart) and nothing is sent;
+    2. If the store already holds a manifest there: the same bytes, or one
+       made from the same local manifest (its `fastpersist-source`), mean
+       the checkpoint is uploaded (a retry, a restart) and nothing is sent;
        other bytes mean an older checkpoint of that name (the local one was
        saved again): its manifest is deleted first, so it is invisible, never
        a mix, while this one replaces it.
-    3. Upload the data files: s3transfer, parallel multipart uploads of
-       FASTPERSIST_TIER_PART_BYTES, read from the files in place (bounded
-       memory), each request retried with backoff (client.py). A failed
+    3. Upload the data files (compressed: see below): s3transfer, parallel
+       multipart uploads of FASTPERSIST_TIER_PART_BYTES, read from the files
+       in place (bounded memory), each request retried with backoff (client.py). A failed
        multipart upload is aborted; one that cannot be (the store went away)
        is swept later (retention.sweep_uploads).
     4. Write manifest.json with a conditional put (If-None-Match: *): the
@@ -20,11 +21,15 @@
 A failure at any step leaves no manifest: nothing partial is visible, and the
 next attempt sends the data files again (they are overwritten in place).
 
-Compression hook: every data file is sent as the object body `Codec.body`
-returns, and the object carries its codec's name in its metadata
-(`fastpersist-codec`). Only RAW exists today (the bytes of the file); a
-codec that compresses must also be able to serve ranged reads of the
-tensors (remote.py reads each tensor's bytes at its manifest offset).
+Compression (compression="zstd", the uploader's default): the data files
+of a raw checkpoint are compressed on the way (compress.py) into packed
+objects NAME.fpz, and the manifest written is the local one with their
+records; a checkpoint already compressed locally (packed files) is sent as
+it is. Every data object carries its codec in its metadata
+(`fastpersist-codec`: raw, or zstd-bytegroup-v1), and the remote manifest
+the SHA-256 of the local manifest it was made from (`fastpersist-source`),
+which is how step 2 recognises a checkpoint uploaded compressed. A local
+data file that does not match its CRC32Cs is not uploaded (NotUploadable).
 
 Torch-free: the daemon imports this module.
 """
@@ -32,39 +37,30 @@ Torch-free: the daemon imports this module.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import stat
 from dataclasses import dataclass
-from typing import Protocol
 
 from ..errors import CheckpointError, TierError
+from ..format import packed_file
 from ..format.bounds import MAX_MANIFEST_BYTES
+from ..format.frames import ZSTD_BYTEGROUP
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage import dirs
 from .client import S3, tier_error
 from .url import TierURL
 
-
-class Codec(Protocol):
-    name: str
-
-    def body(self, fd: int, size: int) -> tuple[str, int]:
-        """What to upload for the data file open as `fd`: a file name that
-        s3transfer reads in parts, and its size."""
-        ...
-
-
-class RawCodec:
-    name = "raw"
-
-    def body(self, fd: int, size: int) -> tuple[str, int]:
-        # The open file itself, reopened by s3transfer per part through
-        # /proc: the bytes of this file, whatever its name points at now.
-        return f"/proc/self/fd/{fd}", size
-
-
-RAW = RawCodec()
 CODEC_KEY = "fastpersist-codec"
+SOURCE_KEY = "fastpersist-source"
+COMPRESSIONS = ("zstd", "none")
+
+
+def check_compression(value: str | None) -> str | None:
+    """A tier_compression setting: "zstd" or None ("none" is None)."""
+    if value not in (None, *COMPRESSIONS):
+        raise ValueError(f"tier_compression must be 'zstd' or 'none', not {value!r}")
+    return None if value in (None, "none") else value
 
 
 class NotUploadable(TierError):
@@ -77,6 +73,7 @@ class Uploaded:
     url: TierURL
     files: int
     bytes: int  # sent (0 when the store held it already)
+    source_bytes: int  # of the local data files (bytes / source_bytes: the ratio)
     already: bool  # the store held this checkpoint already
     replaced: bool  # the store held another checkpoint of this name, now replaced
 
@@ -105,9 +102,11 @@ def _open_files(dir_fd: int, manifest: Manifest, where: str) -> list[tuple[str, 
 
 
 def upload_checkpoint(s3: S3, dir_fd: int, where: str, url: TierURL,
-                      codec: Codec = RAW) -> Uploaded:
+                      compression: str | None = None) -> Uploaded:
     """Upload the committed checkpoint open as `dir_fd` (named `where` in
-    messages) to `url`, manifest last. See the module docstring."""
+    messages) to `url`, manifest last; compression="zstd" compresses a raw
+    one on the way. See the module docstring."""
+    compression = check_compression(compression)
     try:
         data = dirs.read_regular(MANIFEST_NAME, dir_fd, MAX_MANIFEST_BYTES)
     except OSError as exc:
@@ -117,25 +116,29 @@ def upload_checkpoint(s3: S3, dir_fd: int, where: str, url: TierURL,
         manifest = Manifest.from_json(data, where)
     except CheckpointError as exc:
         raise NotUploadable(f"{where}: {exc}") from None
-    remote = s3.get(url, MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    if remote == data:
-        return Uploaded(url, len(manifest.files), 0, already=True, replaced=False)
-    if remote is not None:
+    source = hashlib.sha256(data).hexdigest()
+    local_bytes = sum(f.size for f in manifest.files)
+    got = s3.get_with_metadata(url, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    if got is not None and (got[0] == data or got[1].get(SOURCE_KEY) == source):
+        return Uploaded(url, len(manifest.files), 0, local_bytes, already=True, replaced=False)
+    if got is not None:
         # Another checkpoint of this name (the local one was saved again, say
         # after a rollback): it goes invisible first, then is replaced.
         s3.delete(url.bucket, [url.key(MANIFEST_NAME)])
     files = _open_files(dir_fd, manifest, where)
-    sent = 0
+    compress = compression is not None and not any(
+        f.name.endswith(packed_file.SUFFIX) for f in manifest.files)
     try:
-        with s3.transfer_manager() as tm:
-            futures = []
-            for name, fd, size in files:
-                source, length = codec.body(fd, size)
-                futures.append(tm.upload(source, url.bucket, url.key(name),
-                                         extra_args={"Metadata": {CODEC_KEY: codec.name}}))
-                sent += length
-            for fut in futures:
-                fut.result()
+        if compress:
+            from .compress import LocalCorruption, upload_compressed  # numpy, zstandard
+
+            try:
+                remote, sent = upload_compressed(s3, url, manifest, files,
+                                                 {CODEC_KEY: ZSTD_BYTEGROUP}, where)
+            except LocalCorruption as exc:
+                raise NotUploadable(str(exc)) from None
+        else:
+            remote, sent = data, _upload_raw(s3, url, files)
     except CheckpointError:
         raise
     except Exception as exc:
@@ -144,8 +147,21 @@ def upload_checkpoint(s3: S3, dir_fd: int, where: str, url: TierURL,
         for _, fd, _ in files:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    if not s3.put_new(url, MANIFEST_NAME, data) and \
-            s3.get(url, MANIFEST_NAME, MAX_MANIFEST_BYTES) != data:
+    if not s3.put_new(url, MANIFEST_NAME, remote, {SOURCE_KEY: source}) and \
+            s3.get(url, MANIFEST_NAME, MAX_MANIFEST_BYTES) != remote:
         raise TierError(f"another uploader wrote {url} while {where} was uploaded there "
                         "(one writer per prefix)")
-    return Uploaded(url, len(files), sent, already=False, replaced=remote is not None)
+    return Uploaded(url, len(files), sent, local_bytes, already=False,
+                    replaced=got is not None)
+
+
+def _upload_raw(s3: S3, url: TierURL, files: list[tuple[str, int, int]]) -> int:
+    """The data files as they are (s3transfer, read in place through
+    /proc/self/fd: the bytes of the open file, whatever its name points at now)."""
+    with s3.transfer_manager() as tm:
+        futures = [tm.upload(f"/proc/self/fd/{fd}", url.bucket, url.key(name),
+                             extra_args={"Metadata": {CODEC_KEY: "raw"}})
+                   for name, fd, _ in files]
+        for fut in futures:
+            fut.result()
+    return sum(size for _, _, size in files)

@@ -26,6 +26,8 @@ restart.
                   may delete them.
     sweep         multipart uploads below the tier older than a day are
                   aborted when the uploader starts and hourly.
+    compression   "zstd" (default): a raw checkpoint is compressed on the way
+                  (upload.py, compress.py); None or "none": sent as it is.
     close         drain=True: each pending checkpoint gets up to 3 more tries;
                   returns those still not uploaded. drain=False: stop now (the
                   upload in progress may still finish).
@@ -45,7 +47,7 @@ from typing import Any
 
 from .client import S3
 from .retention import keep_last, sweep_uploads
-from .upload import NotUploadable, Uploaded, upload_checkpoint
+from .upload import NotUploadable, Uploaded, check_compression, upload_checkpoint
 from .url import TierURL
 
 DRAIN_ATTEMPTS = 3
@@ -96,10 +98,11 @@ class Uploader:
                  events: Events = log_event,
                  on_uploaded: Callable[[Job, Uploaded], None] | None = None,
                  backoff: tuple[float, float] = (1.0, 60.0), sweep_every: float = 3600.0,
-                 sweep_older_than: float = 86400.0) -> None:
+                 sweep_older_than: float = 86400.0, compression: str | None = "zstd") -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("tier_keep_last must be at least 1 (or None to keep everything)")
         self.s3, self.url, self.keep_last = s3, url, keep_last
+        self.compression = check_compression(compression)
         self.events, self.on_uploaded = events, on_uploaded
         self.backoff, self.sweep_every, self.sweep_older_than = (
             backoff, sweep_every, sweep_older_than)
@@ -207,7 +210,7 @@ class Uploader:
             self._failed(job, f"{job.key}: gone ({exc.strerror or exc})", drop=True, seq=seq)
             return
         try:
-            done = upload_checkpoint(self.s3, fd, job.key, job.url)
+            done = upload_checkpoint(self.s3, fd, job.key, job.url, self.compression)
         except NotUploadable as exc:
             self._failed(job, str(exc), drop=True, seq=seq)
             return
