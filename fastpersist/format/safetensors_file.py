@@ -22,8 +22,7 @@ from . import dtypes
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
+class HeaderEntry(NamedTuple):  # a tuple: a file may hold 100,000 of them
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -40,18 +39,20 @@ class Layout:
 
 def layout(entries: Sequence[HeaderEntry], metadata: dict[str, str]) -> Layout:
     """Place entries in the data section in the order given and build the header."""
-    header: dict[str, object] = {"__metadata__": metadata}
     offsets = []
     cursor = 0
     for e in entries:
-        header[e.name] = {
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "data_offsets": [cursor, cursor + e.nbytes],
-        }
         offsets.append(cursor)
         cursor += e.nbytes
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    names = {e.name for e in entries}
+    if len(names) == len(entries) and "__metadata__" not in names:
+        text = _header_json(entries, offsets, metadata)
+    else:  # a name twice or "__metadata__": the dict's rules decide what the header says
+        header: dict[str, object] = {"__metadata__": metadata}
+        for e, off in zip(entries, offsets, strict=True):
+            header[e.name] = {"dtype": e.dtype, "shape": list(e.shape),
+                              "data_offsets": [off, off + e.nbytes]}
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     padded_len = -(-(8 + len(text)) // ALIGNMENT) * ALIGNMENT - 8
     blob = struct.pack("<Q", padded_len) + text + b" " * (padded_len - len(text))
     data_start = len(blob)
@@ -61,6 +62,22 @@ def layout(entries: Sequence[HeaderEntry], metadata: dict[str, str]) -> Layout:
         offsets=tuple(data_start + o for o in offsets),
         size=data_start + cursor,
     )
+
+
+_string = json.encoder.encode_basestring  # what ensure_ascii=False uses
+
+
+def _header_json(entries: Sequence[HeaderEntry], offsets: list[int], metadata: dict[str, str]
+                 ) -> bytes:
+    """json.dumps(header, separators=(",", ":"), ensure_ascii=False) of the
+    header's dict, byte for byte, without building it (names are unique)."""
+    parts = ['{"__metadata__":', json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)]
+    for e, off in zip(entries, offsets, strict=True):
+        shape = ",".join([f"{d:d}" for d in e.shape])
+        parts.append(f',{_string(e.name)}:{{"dtype":{_string(e.dtype)},"shape":[{shape}],'
+                     f'"data_offsets":[{off:d},{off + e.nbytes:d}]}}')
+    parts.append("}")
+    return "".join(parts).encode()
 
 
 class ParsedEntry(NamedTuple):  # a tuple: every load parses every entry of a header
