@@ -45,6 +45,21 @@ class TensorFactory:
         self.where = where
         self.moved: dict[tuple[int, str], torch.Tensor] = {}
         self.made: dict[Any, torch.Tensor] = {}
+        self._plain_device = target_device(map_location, "cpu")  # of a {"t", "e"} node
+
+    def _plain(self, index: Any) -> torch.Tensor:
+        """The tensor of a node that is only {"t": "tensor", "e": index}."""
+        if type(index) is not int or not 0 <= index < len(self.entries):
+            raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
+        device = self._plain_device
+        key = (index, device, "None", None, None)  # as __call__ makes it
+        t = self.made.get(key)
+        if t is None:
+            entry = self.entries[index]
+            # A CPU entry staying on the CPU is the entry itself (as .to would give).
+            t = entry if device == "cpu" == entry.device.type else self._entry_on(index, device)
+            self.made[key] = t
+        return t
 
     def _entry_on(self, index: int, device: str) -> torch.Tensor:
         key = (index, device)
@@ -60,6 +75,8 @@ class TensorFactory:
 
     def __call__(self, node: dict[str, Any]) -> torch.Tensor:
         index = node.get("e")
+        if len(node) == 2 and "t" in node:
+            return self._plain(index)
         if not isinstance(index, int) or not 0 <= index < len(self.entries):
             raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
         # numpy values load on the CPU, whatever map_location says.
