@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import gcpause
 from ..errors import CheckpointAbortedError, CheckpointError
 from ..knobs import current as current_knobs
 from ..tensors import plan, state
@@ -84,8 +85,9 @@ class Saver:
               wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None) -> SaveFuture:
         self.raise_unobserved_failure()
         target = Path(os.path.abspath(os.fspath(path)))
-        tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
-        stored = plan.plan_tensors(leaves)
+        with gcpause.paused():  # many tensors make many objects, and no cycles
+            tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
+            stored = plan.plan_tensors(leaves)
         self._wait_for_room()
         knobs = current_knobs()
         future = SaveFuture(target)
@@ -106,7 +108,8 @@ class Saver:
                     written.wait()
                     continue
                 buffer = self._pool.acquire(file.nbytes, knobs.staging_budget, pinned)
-                staged = stage_file(file.tensors, buffer, pinned)
+                with gcpause.paused():
+                    staged = stage_file(file.tensors, buffer, pinned)
                 future._staged.append(staged)
                 files.put((staged, None))
         except BaseException as exc:
