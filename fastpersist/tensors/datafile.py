@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import gcpause
 from ..engine import Engine, Segment
 from ..errors import ChecksumMismatchError
 from ..format import dtypes, safetensors_file
@@ -50,24 +51,27 @@ def plan_file(tensors: list[StoredTensor]) -> FileLayout:
 def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTensor]
           ) -> tuple[FileRecord, list[TensorRecord]]:
     """Write tensors to directory/file_name; durable (fsynced) on return."""
-    plan = plan_file(tensors)
-    lay = plan.layout
-    # Device tensors are copied to the host here, one file at a time; async
-    # saves stage them into pinned memory beforehand instead.
-    sources = [t.source if t.source.device.type == "cpu" else t.source.cpu() for t in plan.order]
-    segments: list[Segment] = [(lay.header, 0)]
-    segments += [(memory_of(src), off) for src, off in zip(sources, lay.offsets, strict=True)]
+    with gcpause.paused():  # bookkeeping of many small objects (not the I/O below)
+        plan = plan_file(tensors)
+        lay = plan.layout
+        # Device tensors are copied to the host here, one file at a time; async
+        # saves stage them into pinned memory beforehand instead.
+        sources = [t.source if t.source.device.type == "cpu" else t.source.cpu()
+                   for t in plan.order]
+        segments: list[Segment] = [(lay.header, 0)]
+        segments += [(memory_of(src), off) for src, off in zip(sources, lay.offsets, strict=True)]
     result = engine.write_file(os.path.join(directory, file_name), segments, lay.size)
+    del segments, sources
     assert result.crcs is not None
-    records = {
-        t.name: TensorRecord(name=t.name, file=file_name, offset=off, length=t.nbytes,
-                             dtype=t.dtype, shape=t.shape, crc32c=crc)
-        for t, off, crc in zip(plan.order, lay.offsets, result.crcs[1:], strict=True)
-    }
-    file_record = FileRecord(name=file_name, size=lay.size, data_start=lay.data_start,
-                             header_crc32c=result.crcs[0])
-    # Manifest order follows the state, not the file, so inspect reads naturally.
-    return file_record, [records[t.name] for t in tensors]
+    with gcpause.paused():
+        records = {
+            t.name: TensorRecord(t.name, file_name, off, t.nbytes, t.dtype, t.shape, crc)
+            for t, off, crc in zip(plan.order, lay.offsets, result.crcs[1:], strict=True)
+        }
+        file_record = FileRecord(name=file_name, size=lay.size, data_start=lay.data_start,
+                                 header_crc32c=result.crcs[0])
+        # Manifest order follows the state, not the file, so inspect reads naturally.
+        return file_record, [records[t.name] for t in tensors]
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,47 @@ def _empty_for_read(record: TensorRecord) -> torch.Tensor:
     return flat.view(record.shape)
 
 
+# Smaller tensors are carved out of shared blocks ("arenas") of at most this
+# many bytes, each mapped with its pages already in (MAP_POPULATE): one system
+# call instead of a page fault or two per tensor, which was most of the time of
+# allocating 100,000 small tensors here. Each tensor still has a storage of its
+# own (exactly its bytes); a block's memory goes back to the OS when the last
+# tensor in it is freed.
+_ARENA_BYTES = 4 << 20
+_ARENA_ALIGN = 64  # as torch's CPU allocator aligns
+_ARENA_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def empties_for_read(records: list[TensorRecord]) -> list[torch.Tensor]:
+    """New CPU tensors for `records`, in order: large ones as _empty_for_read
+    makes them, small ones from arenas."""
+    out: list[torch.Tensor | None] = [None] * len(records)
+    pending: list[tuple[int, TensorRecord, int]] = []  # (index, record, offset in arena)
+    used = 0
+    for i, r in enumerate(records):
+        if r.length >= _IN_PLACE_MIN or r.length == 0:
+            out[i] = _empty_for_read(r)
+            continue
+        start = -(-used // _ARENA_ALIGN) * _ARENA_ALIGN
+        if pending and start + r.length > _ARENA_BYTES:
+            _carve(pending, used, out)
+            pending, start = [], 0
+        pending.append((i, r, start))
+        used = start + r.length
+    if pending:
+        _carve(pending, used, out)
+    return out  # type: ignore[return-value]  # every index was filled
+
+
+def _carve(pending: list[tuple[int, TensorRecord, int]], size: int,
+           out: list[torch.Tensor | None]) -> None:
+    arena = mmap.mmap(-1, size, flags=_ARENA_FLAGS)
+    for i, r, start in pending:
+        dtype = dtypes.from_name(r.dtype)
+        t = torch.frombuffer(arena, dtype=dtype, offset=start, count=r.length // dtype.itemsize)
+        out[i] = t if len(r.shape) == 1 else t.view(r.shape)
+
+
 def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorRecord],
          *, verify: bool, header: bool = True) -> tuple[list[torch.Tensor], list[Mismatch]]:
     """Read the given tensors of one file into new CPU tensors.
@@ -110,7 +155,7 @@ def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorR
     against its CRC32C and the mismatches returned; the caller decides whether
     to raise. Raises EOFError when the file is shorter than the records need.
     """
-    tensors = [_empty_for_read(r) for r in records]
+    tensors = empties_for_read(records)
     with_header = verify and header
     segments: list[Segment] = [(bytearray(file.data_start), 0)] if with_header else []
     segments += [(memory_of(t), r.offset) for t, r in zip(tensors, records, strict=True)]
