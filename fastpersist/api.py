@@ -125,7 +125,8 @@ def _load(p: Path, map_location: MapLocation, allow_pickle: bool, verify: bool |
     manifest = checkpoint.read_manifest(p)
     if verify is None:
         verify = current_knobs().verify_load
-    if not allow_pickle and state.contains_pickle(manifest.tree):
+    pickled = state.contains_pickle(manifest.tree)
+    if pickled and not allow_pickle:
         # Fail before reading gigabytes of tensors.
         state.decode(manifest.tree, lambda node: torch.empty(0), where=str(p))
     if manifest.globals is not None:
@@ -136,7 +137,10 @@ def _load(p: Path, map_location: MapLocation, allow_pickle: bool, verify: bool |
     entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify,
                                       progress=progress)
     factory = TensorFactory(entries, map_location, str(p))
-    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=str(p))
+    # Without pickle nodes allow_pickle changes nothing; True spares decode its own
+    # search of the tree for them (contains_pickle looks wherever decode would).
+    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle or not pickled,
+                        where=str(p))
 
 
 # -- the one place that chooses a saver: in-process, through the daemon, distributed --

@@ -74,6 +74,20 @@ def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTe
         return file_record, [records[t.name] for t in tensors]
 
 
+def is_header_of(covered: bytes, file: FileRecord, records: list[TensorRecord]) -> bool:
+    """Whether `covered` (the file's first data_start bytes) is exactly the header
+    that write() makes for `records` and nothing else: then the file's header
+    says what the records say, byte for byte, without parsing it. (False says
+    nothing: another writer's metadata, another order, a tensor the records do
+    not name; the caller then parses the header and compares.)"""
+    order = sorted(records, key=lambda r: r.offset)
+    lay = safetensors_file.layout(
+        [safetensors_file.HeaderEntry(r.name, r.dtype, r.shape, r.length) for r in order],
+        METADATA)
+    return (lay.data_start == file.data_start and lay.header == covered
+            and lay.offsets == tuple(r.offset for r in order))
+
+
 @dataclass(frozen=True)
 class Mismatch:
     file: str
@@ -117,34 +131,40 @@ _ARENA_ALIGN = 64  # as torch's CPU allocator aligns
 _ARENA_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
 
 
-def empties_for_read(records: list[TensorRecord]) -> list[torch.Tensor]:
-    """New CPU tensors for `records`, in order: large ones as _empty_for_read
-    makes them, small ones from arenas."""
+def empties_for_read(records: list[TensorRecord]
+                     ) -> tuple[list[torch.Tensor], list[memoryview]]:
+    """New CPU tensors for `records`, in order, and a writable byte view of
+    each (for the engine): large ones as _empty_for_read makes them, small
+    ones from arenas."""
     out: list[torch.Tensor | None] = [None] * len(records)
+    views: list[memoryview | None] = [None] * len(records)
     pending: list[tuple[int, TensorRecord, int]] = []  # (index, record, offset in arena)
     used = 0
     for i, r in enumerate(records):
         if r.length >= _IN_PLACE_MIN or r.length == 0:
-            out[i] = _empty_for_read(r)
+            out[i] = t = _empty_for_read(r)
+            views[i] = memory_of(t)
             continue
         start = -(-used // _ARENA_ALIGN) * _ARENA_ALIGN
         if pending and start + r.length > _ARENA_BYTES:
-            _carve(pending, used, out)
+            _carve(pending, used, out, views)
             pending, start = [], 0
         pending.append((i, r, start))
         used = start + r.length
     if pending:
-        _carve(pending, used, out)
-    return out  # type: ignore[return-value]  # every index was filled
+        _carve(pending, used, out, views)
+    return out, views  # type: ignore[return-value]  # every index was filled
 
 
 def _carve(pending: list[tuple[int, TensorRecord, int]], size: int,
-           out: list[torch.Tensor | None]) -> None:
+           out: list[torch.Tensor | None], views: list[memoryview | None]) -> None:
     arena = mmap.mmap(-1, size, flags=_ARENA_FLAGS)
+    whole = memoryview(arena)
     for i, r, start in pending:
         dtype = dtypes.from_name(r.dtype)
         t = torch.frombuffer(arena, dtype=dtype, offset=start, count=r.length // dtype.itemsize)
         out[i] = t if len(r.shape) == 1 else t.view(r.shape)
+        views[i] = whole[start : start + r.length]
 
 
 def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorRecord],
@@ -155,11 +175,12 @@ def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorR
     against its CRC32C and the mismatches returned; the caller decides whether
     to raise. Raises EOFError when the file is shorter than the records need.
     """
-    tensors = empties_for_read(records)
+    tensors, views = empties_for_read(records)
     with_header = verify and header
     segments: list[Segment] = [(bytearray(file.data_start), 0)] if with_header else []
-    segments += [(memory_of(t), r.offset) for t, r in zip(tensors, records, strict=True)]
+    segments += [(v, r.offset) for v, r in zip(views, records, strict=True)]
     result = engine.read_file(os.path.join(directory, file.name), segments, checksum=verify)
+    del segments, views  # (a memoryview of an arena would keep it from being unmapped)
     mismatches = []
     if verify:
         assert result.crcs is not None

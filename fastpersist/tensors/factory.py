@@ -52,13 +52,15 @@ class TensorFactory:
         if type(index) is not int or not 0 <= index < len(self.entries):
             raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
         device = self._plain_device
+        entry = self.entries[index]
+        if device == "cpu" == entry.device.type:
+            # The entry itself, as __call__ would give it (.to of a CPU tensor to the
+            # CPU is the tensor): the same object for every node of this entry.
+            return entry
         key = (index, device, "None", None, None)  # as __call__ makes it
         t = self.made.get(key)
         if t is None:
-            entry = self.entries[index]
-            # A CPU entry staying on the CPU is the entry itself (as .to would give).
-            t = entry if device == "cpu" == entry.device.type else self._entry_on(index, device)
-            self.made[key] = t
+            t = self.made[key] = self._entry_on(index, device)
         return t
 
     def _entry_on(self, index: int, device: str) -> torch.Tensor:
