@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from _peers import METHODS, Method
-from _state import build_state, iter_tensors, make_spec
+from _state import build_state, iter_tensors, spec_from
 from _system import drop_page_cache, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 PAGE = 4096
@@ -55,7 +55,7 @@ def _touch_every_page(loaded: object) -> int:
 
 
 def _save(method: Method, job: dict[str, Any]) -> dict[str, Any]:
-    spec = make_spec(job["state_bytes"], job["seed"])
+    spec = spec_from(job["state"], job["seed"])
     state = build_state(spec)
     method.setup()
     path = Path(job["path"])
@@ -64,7 +64,7 @@ def _save(method: Method, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load(method: Method, job: dict[str, Any]) -> dict[str, Any]:
-    spec = make_spec(job["state_bytes"], job["seed"])
+    spec = spec_from(job["state"], job["seed"])
     path = Path(job["path"])
     method.prepare_load(spec)
     cache = drop_page_cache([path])  # after imports, right before the timed read
