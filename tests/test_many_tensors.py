@@ -119,3 +119,32 @@ def test_save_and_load_leave_the_collector_enabled(tmp_path: Path) -> None:
     with pytest.raises(fastpersist.CheckpointNotFoundError):
         fastpersist.load(tmp_path / "missing")
     assert gc.isenabled()
+
+
+def test_errors_of_several_files_come_in_file_order(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads of several files read one file while checking the next: a corrupt
+    tensor in the first file is still the error, not a bad header in the last."""
+    monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(1 << 20))
+    state = {f"w{i}": torch.randn(1 << 18) for i in range(3)}  # a file each
+    fastpersist.save(state, tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
+    first, last = doc["files"][0], doc["files"][-1]
+    record = next(r for r in doc["tensors"] if r["file"] == first["name"])
+    with open(tmp_path / "c" / first["name"], "r+b") as f:  # a flipped byte in a tensor
+        f.seek(record["offset"] + 5)
+        byte = f.read(1)
+        f.seek(record["offset"] + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(tmp_path / "c" / last["name"], "r+b") as f:  # and in the last header
+        f.seek(20)
+        f.write(b"#")
+    with pytest.raises(fastpersist.ChecksumMismatchError) as info:
+        fastpersist.load(tmp_path / "c")
+    assert info.value.tensor == record["name"]
+    fastpersist.save(state, tmp_path / "d")
+    last = json.loads((tmp_path / "d" / "manifest.json").read_bytes())["files"][-1]
+    with open(tmp_path / "d" / last["name"], "r+b") as f:
+        f.truncate(last["size"] - 1)
+    with pytest.raises(fastpersist.TruncatedFileError):
+        fastpersist.load(tmp_path / "d")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import crc32c
 import torch
 
 from .. import gcpause
-from ..engine import Engine
+from ..engine import Engine, IOResult
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -104,6 +105,9 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
     progress(n) is called as each batch of n tensor bytes has been read.
     """
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+    if progress is None and len(manifest.files) > 1:
+        _read_overlapped(path, manifest, engine, verify, result)
+        return result  # type: ignore[return-value]  # every record belongs to one file
     for f, indices in _records_by_file(manifest):
         _check_size(path, f)
         records = [manifest.tensors[i] for i in indices]
@@ -126,6 +130,46 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
                 progress(sum(r.length for r in batch_records))
     assert all(t is not None for t in result)  # every record belongs to one listed file
     return result  # type: ignore[return-value]
+
+
+def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: bool,
+                     result: list[torch.Tensor | None]) -> None:
+    """read_tensors without progress, several files: each file's engine read
+    runs on a reader thread while this one checks and allocates the next file
+    (its header, its tensors), so that the I/O and that work overlap. Errors are
+    raised as the file-by-file loop raises them: an earlier file's first."""
+    in_flight: list[tuple[list[int], datafile.PendingRead, Future[IOResult]]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-read") as reader:
+        # (Leaving the block waits for a read still running: nothing frees its memory.)
+        try:
+            for f, indices in _records_by_file(manifest):
+                _check_size(path, f)
+                records = [manifest.tensors[i] for i in indices]
+                _check_against_header(path, f, records, verify=verify)
+                pending = datafile.start_read(str(path), f, records, verify=verify,
+                                              header=False)
+                in_flight.append((indices, pending, reader.submit(
+                    engine.read_file, pending.path, pending.segments, checksum=verify)))
+        except BaseException:
+            _finish_reads(path, in_flight, result)  # an earlier file's error goes first
+            raise
+        _finish_reads(path, in_flight, result)
+
+
+def _finish_reads(path: Path, in_flight: list[tuple[list[int], datafile.PendingRead,
+                                                    Future[IOResult]]],
+                  result: list[torch.Tensor | None]) -> None:
+    while in_flight:
+        indices, pending, future = in_flight.pop(0)
+        try:
+            tensors, mismatches = datafile.finish_read(pending, future.result())
+        except EOFError as exc:
+            raise TruncatedFileError(f"{path}: {exc}") from None
+        except OSError as exc:
+            raise os_error(exc, f"cannot read {path / pending.file.name}") from exc
+        datafile.raise_for(mismatches, str(path))
+        for i, t in zip(indices, tensors, strict=True):
+            result[i] = t
 
 
 def _check_against_header(path: Path, f: FileRecord, records: list[TensorRecord], *,

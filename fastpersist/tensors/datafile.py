@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gcpause
-from ..engine import Engine, Segment
+from ..engine import Engine, IOResult, Segment
 from ..errors import ChecksumMismatchError
 from ..format import dtypes, safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
@@ -175,24 +175,52 @@ def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorR
     against its CRC32C and the mismatches returned; the caller decides whether
     to raise. Raises EOFError when the file is shorter than the records need.
     """
+    pending = start_read(directory, file, records, verify=verify, header=header)
+    return finish_read(pending, engine.read_file(pending.path, pending.segments,
+                                                 checksum=verify))
+
+
+@dataclass
+class PendingRead:
+    """A read of one file's tensors, split so that the engine's call (which
+    releases the GIL) can run on another thread: start_read allocates the
+    tensors and makes the segments, the engine reads `segments` of `path`
+    (with checksums if `verify`), finish_read compares the CRCs."""
+
+    path: str
+    file: FileRecord
+    records: list[TensorRecord]
+    tensors: list[torch.Tensor]
+    segments: list[Segment]
+    verify: bool
+    with_header: bool
+
+
+def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
+               verify: bool, header: bool = True) -> PendingRead:
     tensors, views = empties_for_read(records)
     with_header = verify and header
     segments: list[Segment] = [(bytearray(file.data_start), 0)] if with_header else []
     segments += [(v, r.offset) for v, r in zip(views, records, strict=True)]
-    result = engine.read_file(os.path.join(directory, file.name), segments, checksum=verify)
-    del segments, views  # (a memoryview of an arena would keep it from being unmapped)
-    mismatches = []
-    if verify:
+    return PendingRead(os.path.join(directory, file.name), file, records, tensors, segments,
+                       verify, with_header)
+
+
+def finish_read(pending: PendingRead, result: IOResult
+                ) -> tuple[list[torch.Tensor], list[Mismatch]]:
+    pending.segments = []  # (a memoryview of an arena would keep it from being unmapped)
+    file, mismatches = pending.file, []
+    if pending.verify:
         assert result.crcs is not None
         crcs = result.crcs
-        if with_header:
+        if pending.with_header:
             if crcs[0] != file.header_crc32c:
                 mismatches.append(Mismatch(file.name, "<header>", file.header_crc32c, crcs[0]))
             crcs = crcs[1:]
-        for r, crc in zip(records, crcs, strict=True):
+        for r, crc in zip(pending.records, crcs, strict=True):
             if crc != r.crc32c:
                 mismatches.append(Mismatch(file.name, r.name, r.crc32c, crc))
-    return tensors, mismatches
+    return pending.tensors, mismatches
 
 
 def raise_for(mismatches: list[Mismatch], where: str) -> None:
