@@ -128,7 +128,7 @@ def _json_list(key: str, items: list[str]) -> list[str]:
 def _tensor_json(t: TensorRecord) -> str:
     """records_to_json's object for one tensor record, as _encode writes it
     (same keys, same order), without building the dict."""
-    shape = ",".join([f"{d:d}" for d in t.shape])
+    shape = ",".join(map(str, map(int, t.shape)))
     return (f'{{"name":{_string(t.name)},"file":{_string(t.file)},"offset":{t.offset:d},'
             f'"length":{t.length:d},"dtype":{_string(t.dtype)},"shape":[{shape}],'
             f'"crc32c":{t.crc32c:d},"encoding":{_string(t.encoding)}}}')

@@ -72,9 +72,11 @@ def _header_json(entries: Sequence[HeaderEntry], offsets: list[int], metadata: d
     """json.dumps(header, separators=(",", ":"), ensure_ascii=False) of the
     header's dict, byte for byte, without building it (names are unique)."""
     parts = ['{"__metadata__":', json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)]
+    dtype_json: dict[str, str] = {}
     for e, off in zip(entries, offsets, strict=True):
-        shape = ",".join([f"{d:d}" for d in e.shape])
-        parts.append(f',{_string(e.name)}:{{"dtype":{_string(e.dtype)},"shape":[{shape}],'
+        dtype = dtype_json.get(e.dtype) or dtype_json.setdefault(e.dtype, _string(e.dtype))
+        shape = ",".join(map(str, map(int, e.shape)))
+        parts.append(f',{_string(e.name)}:{{"dtype":{dtype},"shape":[{shape}],'
                      f'"data_offsets":[{off:d},{off + e.nbytes:d}]}}')
     parts.append("}")
     return "".join(parts).encode()

@@ -160,9 +160,12 @@ def _carve(pending: list[tuple[int, TensorRecord, int]], size: int,
            out: list[torch.Tensor | None], views: list[memoryview | None]) -> None:
     arena = mmap.mmap(-1, size, flags=_ARENA_FLAGS)
     whole = memoryview(arena)
+    torch_dtypes: dict[str, torch.dtype] = {}
+    frombuffer = torch.frombuffer
     for i, r, start in pending:
-        dtype = dtypes.from_name(r.dtype)
-        t = torch.frombuffer(arena, dtype=dtype, offset=start, count=r.length // dtype.itemsize)
+        dtype = torch_dtypes.get(r.dtype) or torch_dtypes.setdefault(
+            r.dtype, dtypes.from_name(r.dtype))
+        t = frombuffer(arena, dtype=dtype, offset=start, count=r.length // dtype.itemsize)
         out[i] = t if len(r.shape) == 1 else t.view(r.shape)
         views[i] = whole[start : start + r.length]
 
