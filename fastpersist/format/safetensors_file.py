@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,15 +46,14 @@ def layout(entries: Sequence[HeaderEntry], metadata: dict[str, str]) -> Layout:
         cursor += e.nbytes
     names = {e.name for e in entries}
     if len(names) == len(entries) and "__metadata__" not in names:
-        text = _header_json(entries, offsets, metadata)
+        text = header_json(entries, metadata)
     else:  # a name twice or "__metadata__": the dict's rules decide what the header says
         header: dict[str, object] = {"__metadata__": metadata}
         for e, off in zip(entries, offsets, strict=True):
             header[e.name] = {"dtype": e.dtype, "shape": list(e.shape),
                               "data_offsets": [off, off + e.nbytes]}
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    padded_len = -(-(8 + len(text)) // ALIGNMENT) * ALIGNMENT - 8
-    blob = struct.pack("<Q", padded_len) + text + b" " * (padded_len - len(text))
+    blob = padded(text)
     data_start = len(blob)
     return Layout(
         header=blob,
@@ -67,19 +66,31 @@ def layout(entries: Sequence[HeaderEntry], metadata: dict[str, str]) -> Layout:
 _string = json.encoder.encode_basestring  # what ensure_ascii=False uses
 
 
-def _header_json(entries: Sequence[HeaderEntry], offsets: list[int], metadata: dict[str, str]
-                 ) -> bytes:
-    """json.dumps(header, separators=(",", ":"), ensure_ascii=False) of the
-    header's dict, byte for byte, without building it (names are unique)."""
+def header_json(entries: Iterable[tuple[str, str, Sequence[int], int]],
+                metadata: dict[str, str]) -> bytes:
+    """The header's JSON for (name, dtype, shape, nbytes) entries placed back to
+    back in the order given: json.dumps(header, separators=(",", ":"),
+    ensure_ascii=False) of layout()'s dict, byte for byte, without building it.
+    The names must be unique and none "__metadata__" (layout() checks)."""
     parts = ['{"__metadata__":', json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)]
     dtype_json: dict[str, str] = {}
-    for e, off in zip(entries, offsets, strict=True):
-        dtype = dtype_json.get(e.dtype) or dtype_json.setdefault(e.dtype, _string(e.dtype))
-        shape = ",".join(map(str, map(int, e.shape)))
-        parts.append(f',{_string(e.name)}:{{"dtype":{dtype},"shape":[{shape}],'
-                     f'"data_offsets":[{off:d},{off + e.nbytes:d}]}}')
+    cursor = 0
+    for name, dtype, shape, nbytes in entries:
+        text = dtype_json.get(dtype) or dtype_json.setdefault(dtype, _string(dtype))
+        dims = ",".join(map(str, map(int, shape)))
+        end = cursor + nbytes
+        parts.append(f',{_string(name)}:{{"dtype":{text},"shape":[{dims}],'
+                     f'"data_offsets":[{cursor:d},{end:d}]}}')
+        cursor = end
     parts.append("}")
     return "".join(parts).encode()
+
+
+def padded(text: bytes) -> bytes:
+    """The header as the file holds it: the 8-byte length, the JSON, and spaces
+    up to the next multiple of ALIGNMENT."""
+    padded_len = -(-(8 + len(text)) // ALIGNMENT) * ALIGNMENT - 8
+    return struct.pack("<Q", padded_len) + text + b" " * (padded_len - len(text))
 
 
 class ParsedEntry(NamedTuple):  # a tuple: every load parses every entry of a header

@@ -10,6 +10,7 @@ into manifest records; the engine does the I/O.
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from ..knobs import ALIGNMENT
 from .plan import StoredTensor, memory_of
 
 METADATA = {"format": "pt", "producer": "fastpersist"}
+_offset = operator.attrgetter("offset")
 
 
 @dataclass(frozen=True)
@@ -80,12 +82,16 @@ def is_header_of(covered: bytes, file: FileRecord, records: list[TensorRecord]) 
     says what the records say, byte for byte, without parsing it. (False says
     nothing: another writer's metadata, another order, a tensor the records do
     not name; the caller then parses the header and compares.)"""
-    order = sorted(records, key=lambda r: r.offset)
-    lay = safetensors_file.layout(
-        [safetensors_file.HeaderEntry(r.name, r.dtype, r.shape, r.length) for r in order],
-        METADATA)
-    return (lay.data_start == file.data_start and lay.header == covered
-            and lay.offsets == tuple(r.offset for r in order))
+    order = sorted(records, key=_offset)
+    cursor = file.data_start
+    for r in order:  # back to back from data_start, and no name the header's dict merges
+        if r.offset != cursor or r.name == "__metadata__":
+            return False
+        cursor += r.length
+    text = safetensors_file.header_json([(r.name, r.dtype, r.shape, r.length) for r in order],
+                                        METADATA)
+    blob = safetensors_file.padded(text)
+    return len(blob) == file.data_start and blob == covered
 
 
 @dataclass(frozen=True)
