@@ -84,13 +84,16 @@ def is_header_of(covered: bytes, file: FileRecord, records: list[TensorRecord]) 
     not name; the caller then parses the header and compares.)"""
     order = sorted(records, key=_offset)
     cursor = file.data_start
-    for r in order:  # back to back from data_start, and no name the header's dict merges
-        if r.offset != cursor or r.name == "__metadata__":
+    for r in order:  # back to back from data_start
+        if r.offset != cursor:
             return False
         cursor += r.length
-    text = safetensors_file.header_json([(r.name, r.dtype, r.shape, r.length) for r in order],
-                                        METADATA)
-    blob = safetensors_file.padded(text)
+    entries = [(r.name, r.dtype, r.shape, r.length) for r in order]
+    if any(r.name == "__metadata__" for r in order):  # layout()'s dict decides that header
+        blob = safetensors_file.layout([safetensors_file.HeaderEntry(*e) for e in entries],
+                                       METADATA).header
+    else:  # (a manifest's names are unique)
+        blob = safetensors_file.padded(safetensors_file.header_json(entries, METADATA))
     return len(blob) == file.data_start and blob == covered
 
 
