@@ -78,14 +78,17 @@ def table(title: str, rows: list[Summary], ceil: Summary | None, state_bytes: in
     lines = [
         title,
         f"  {'method':<44} {'median GB/s':>11} {'min':>6} {'max':>6} {'n':>2} {'x ceiling':>9}"
-        "  peak RSS +MiB (x state)",
+        f" {'median s':>9} {'s range':>13}  peak RSS +MiB (x state)",
     ]
     for row in ([ceil] if ceil else []) + rows:
         ratio = f"{row.median / ceil.median:9.2f}" if ceil else f"{'-':>9}"
         name = f"ceiling: {row.label}" if row is ceil else row.label
+        # Seconds for the state's bytes (a fio shape's own size may differ slightly).
+        secs = f"{state_bytes / row.median / 1e9:9.3f}"
+        span = f"{state_bytes / row.high / 1e9:.3f}-{state_bytes / row.low / 1e9:.3f}"
         lines.append(
             f"  {name:<44} {row.median:11.2f} {row.low:6.2f} {row.high:6.2f} {row.runs:2d}"
-            f" {ratio}  {_fmt_peak(row.peak_increase, state_bytes)}"
+            f" {ratio} {secs} {span:>13}  {_fmt_peak(row.peak_increase, state_bytes)}"
         )
     return lines
 

@@ -57,6 +57,7 @@ class StateSpec:
     n_layer: int
     tensors: tuple[TensorSpec, ...]
     param_groups: tuple[dict[str, Any], ...]
+    title: str = ""  # set for a state that is not GPT-shaped (many_spec)
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +66,9 @@ class StateSpec:
     def describe(self) -> str:
         largest = max(self.tensors, key=lambda t: t.nbytes)
         smallest = min(self.tensors, key=lambda t: t.nbytes)
+        if self.title:
+            return (f"{self.title}: {len(self.tensors)} tensors, {self.nbytes / 2**20:.0f} MiB; "
+                    f"largest {largest.nbytes} B, smallest {smallest.nbytes} B")
         return (
             f"GPT d_model={self.d_model} n_layer={self.n_layer} vocab={VOCAB}: "
             f"{len(self.tensors)} tensors, {self.nbytes / 2**30:.2f} GiB "
@@ -162,6 +166,38 @@ def make_spec(target_bytes: int, seed: int = 0) -> StateSpec:
         list(range(len(decay_names))), list(range(len(decay_names), len(params)))
     )
     return StateSpec(d, n_layer, tuple(tensors), groups)
+
+
+MANY_KINDS = (("weight", torch.bfloat16), ("bias", torch.float32), ("exp_avg", torch.float32),
+              ("exp_avg_sq", torch.float32))
+
+
+def many_spec(count: int, tensor_bytes: int, seed: int = 0) -> StateSpec:
+    """`count` small tensors of about `tensor_bytes` each (from half to one and a half
+    times it, deterministically): bf16 2-D weights and fp32 biases and AdamW moments,
+    under "model", in the same {"model", "optimizer", "step"} frame as the GPT state."""
+    tensors = []
+    for i in range(count):
+        kind, dtype = MANY_KINDS[i % len(MANY_KINDS)]
+        nbytes = tensor_bytes // 2 + (i * 7919) % max(tensor_bytes, 1)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = max(1, nbytes // itemsize)
+        shape: tuple[int, ...] = (numel,)
+        if kind == "weight":
+            cols = 16
+            shape = (max(1, numel // cols), cols)
+        tensors.append(TensorSpec(("model", f"layers.{i // 4}.{kind}"), shape, dtype, kind,
+                                  seed * 1_000_003 + i))
+    title = f"{count} small tensors (~{tensor_bytes} B each: bf16 weights, fp32 biases and moments)"
+    return StateSpec(0, 0, tuple(tensors), (), title)
+
+
+def spec_from(state: dict[str, Any], seed: int) -> StateSpec:
+    """The state a job describes: {"kind": "gpt", "bytes": n} or
+    {"kind": "many", "tensors": n, "tensor_bytes": b}."""
+    if state["kind"] == "many":
+        return many_spec(state["tensors"], state["tensor_bytes"], seed)
+    return make_spec(state["bytes"], seed)
 
 
 def make_tensor(spec: TensorSpec) -> torch.Tensor:

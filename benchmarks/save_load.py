@@ -3,6 +3,8 @@
     python benchmarks/save_load.py                       # 4 GiB state, 3 repeats, everything
     python benchmarks/save_load.py --size-gib 0.5 --repeats 1
     python benchmarks/save_load.py --methods fastpersist,torch,fio --json out.json
+    python benchmarks/save_load.py --tensors 100000 --repeats 5   # many small tensors
+    python benchmarks/save_load.py --sizes 64M,256M,1G --repeats 5  # time vs bytes
 
 Every method saves the same seeded GPT+AdamW state; every save is durable (data, then the
 directory entry, fsynced); every load starts from a cold page cache. Methods alternate
@@ -26,7 +28,8 @@ from typing import Any
 
 import _fio
 from _report import Record, Summary, Target, ceiling, memory_target, ratio_lines, summarize, table
-from _state import make_spec
+from _scaling import parse_size, scaling_table
+from _state import spec_from
 from _system import GIB, drop_page_cache, machine_facts, mount_of, tool_version
 
 HERE = Path(__file__).resolve().parent
@@ -35,6 +38,10 @@ ALL_METHODS = ("fastpersist", "torch", "safetensors", "dcp", "deepspeed", "fio")
 LOADERS = ("fastpersist", "torch", "safetensors", "dcp")
 SAVE_GOALS = {"fio write ceiling": 0.85, "torch": 8.0, "deepspeed": 1.5}
 LOAD_GOALS = {"fio read ceiling": 0.8, "torch": 1.0, "safetensors": 1.0, "dcp": 1.0}
+# Many small tensors (issue 14): ahead of both peers, saving and loading.
+SMALL_GOALS = {"torch": 1.0, "safetensors": 1.0}
+SMALL_METHODS = "fastpersist,torch,safetensors"
+SMALL_TENSOR_BYTES = 4644  # 100,000 of them are the 443 MiB state of issue 14
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs"}
 
 
@@ -48,8 +55,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--methods",
-        default=",".join(ALL_METHODS),
-        help=f"comma-separated subset of {','.join(ALL_METHODS)}",
+        help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all; with --tensors"
+        f" or --sizes: {SMALL_METHODS})",
+    )
+    parser.add_argument(
+        "--tensors", type=int, help="a state of this many small tensors instead of the GPT state"
+    )
+    parser.add_argument(
+        "--tensor-bytes",
+        type=int,
+        help=f"average bytes of each small tensor (default {SMALL_TENSOR_BYTES}); with --sizes,"
+        " each size is made of small tensors of this size instead of the GPT state",
+    )
+    parser.add_argument(
+        "--sizes", help="time vs bytes: measure at each of these state sizes (e.g. 64M,256M,1G)"
     )
     parser.add_argument(
         "--dir", type=Path, help="target directory on the disk under test (default: /var/tmp)"
@@ -64,6 +83,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--timeout", type=float, default=3600.0, help="seconds allowed per measured process"
     )
     args = parser.parse_args(argv)
+    if args.tensors is not None and args.sizes:
+        parser.error("--tensors and --sizes do not go together (--sizes with --tensor-bytes)")
+    if args.methods is None:
+        small = args.tensors is not None or args.sizes
+        args.methods = SMALL_METHODS if small else ",".join(ALL_METHODS)
+    try:
+        args.sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    if (args.tensors is not None and args.tensors < 1) or (
+        args.tensor_bytes is not None and args.tensor_bytes < 1
+    ):
+        parser.error("--tensors and --tensor-bytes must be positive")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(ALL_METHODS))
     if unknown:
@@ -77,10 +109,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 class Bench:
     """One run: a scratch directory, the selected methods, and the records they produce."""
 
-    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, workdir: Path, state: dict[str, Any]) -> None:
         self.args = args
         self.workdir = workdir
-        self.spec = make_spec(int(args.size_gib * GIB), args.seed)
+        self.state = state  # what _state.spec_from builds, in every worker
+        self.spec = spec_from(state, args.seed)
         self.state_bytes = self.spec.nbytes
         self.records: list[Record] = []
         self.skipped: dict[str, str] = {}
@@ -95,12 +128,7 @@ class Bench:
             self.workdir / n for n in ("job.json", "result.json", "worker.log")
         )
         result_file.unlink(missing_ok=True)
-        job = {
-            "op": op,
-            "method": method,
-            "path": str(path),
-            "state_bytes": int(self.args.size_gib * GIB),
-        }
+        job = {"op": op, "method": method, "path": str(path), "state": self.state}
         job |= {"seed": self.args.seed, "result": str(result_file)}
         job_file.write_text(json.dumps(job))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -224,6 +252,8 @@ class Bench:
         peers: dict[str, Summary | None] = {f"fio {kind} ceiling": ceil}
         peers |= {m: s for m, s in methods.items() if m != "fastpersist"}
         goals = SAVE_GOALS if phase == "save" else LOAD_GOALS
+        if self.state["kind"] == "many":
+            goals = SMALL_GOALS
         lines.append(f"-- fastpersist ratios ({phase}; informational, exit status unaffected)")
         if fp is None:
             reason = self.skipped.get("fastpersist", "not selected or failed")
@@ -311,44 +341,76 @@ def header(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     print("command:", shlex.join([sys.executable, *sys.argv]))
     print("machine:", ", ".join(f"{k}={v}" for k, v in facts.items()))
     print("versions:", ", ".join(f"{k}={v}" for k, v in vers.items()))
+    return {"machine": facts, "versions": vers}
+
+
+def states(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The states to measure, as _state.spec_from takes them: one, or one per --sizes."""
+    if args.tensors is not None:
+        return [{"kind": "many", "tensors": args.tensors,
+                 "tensor_bytes": args.tensor_bytes or SMALL_TENSOR_BYTES}]
+    if args.sizes is None:
+        return [{"kind": "gpt", "bytes": int(args.size_gib * GIB)}]
+    if args.tensor_bytes:
+        return [{"kind": "many", "tensors": max(1, size // args.tensor_bytes),
+                 "tensor_bytes": args.tensor_bytes} for size in args.sizes]
+    return [{"kind": "gpt", "bytes": size} for size in args.sizes]
+
+
+def measure(args: argparse.Namespace, bench: Bench) -> tuple[list[str], list[Target]]:
+    """Every phase of one state, interleaved over repeats; the report's lines and targets."""
     print(
         f"state: {bench.spec.describe()}; {bench.state_bytes / 1e9:.3f} GB"
         " (GB/s below: 1e9 bytes of state per second)"
     )
     print(f"repeats: {args.repeats}; methods: {','.join(args.methods)}", flush=True)
-    return {"machine": facts, "versions": vers}
+    check_space(bench.workdir, bench.state_bytes, args.methods, bench.fio_size)
+    usable = bench.probe()
+    bench.run_phase("save", usable)
+    if not args.skip_load:
+        saved = {r.method for r in bench.records if r.phase == "save" and r.error is None}
+        loaders = [m for m in usable if (m in LOADERS and m in saved) or m == "fio"]
+        bench.run_phase("load", loaders)
+    lines: list[str] = []
+    targets: list[Target] = []
+    for phase in ("save",) if args.skip_load else ("save", "load"):
+        phase_lines, phase_targets = bench.report_phase(phase)
+        lines += phase_lines
+        targets += phase_targets
+    print("\n".join(lines))
+    for method, reason in bench.skipped.items():
+        print(f"skipped: {method}: {reason}")
+    return lines, targets
 
 
 def run(args: argparse.Namespace) -> int:
     workdir = make_workdir(args.dir)
     try:
-        bench = Bench(args, workdir)
-        meta = header(args, bench)
-        check_space(workdir, bench.state_bytes, args.methods, bench.fio_size)
-        usable = bench.probe()
-        bench.run_phase("save", usable)
-        if not args.skip_load:
-            saved = {r.method for r in bench.records if r.phase == "save" and r.error is None}
-            loaders = [m for m in usable if (m in LOADERS and m in saved) or m == "fio"]
-            bench.run_phase("load", loaders)
-        lines: list[str] = []
+        benches: list[Bench] = []
         targets: list[Target] = []
-        for phase in ("save",) if args.skip_load else ("save", "load"):
-            phase_lines, phase_targets = bench.report_phase(phase)
-            lines += phase_lines
-            targets += phase_targets
-        print("\n".join(lines))
-        for method, reason in bench.skipped.items():
-            print(f"skipped: {method}: {reason}")
-        errors = [r for r in bench.records if r.error]
+        meta: dict[str, Any] = {}
+        for i, state in enumerate(states(args)):
+            sub = workdir / f"state-{i}"
+            sub.mkdir()
+            bench = Bench(args, sub, state)
+            if not meta:
+                meta = header(args, bench)
+            benches.append(bench)
+            targets += measure(args, bench)[1]
+            if not args.keep:
+                shutil.rmtree(sub, ignore_errors=True)  # room for the next size
+        if args.sizes:
+            print("\n".join(scaling_table(
+                [(b.state_bytes, b.records) for b in benches], args.methods)))
+        records = [r for b in benches for r in b.records]
+        errors = [r for r in records if r.error]
         if args.json:
-            dump = {
-                "argv": sys.argv,
-                **meta,
-                "state_bytes": bench.state_bytes,
-                "state": bench.spec.describe(),
-            }
-            dump |= {"skipped": bench.skipped, "records": [r.as_json() for r in bench.records]}
+            dump = {"argv": sys.argv, **meta}
+            dump["states"] = [
+                {"state": b.state, "state_bytes": b.state_bytes, "describe": b.spec.describe(),
+                 "skipped": b.skipped, "records": [r.as_json() for r in b.records]}
+                for b in benches
+            ]
             dump["targets"] = [t.__dict__ for t in targets]
             args.json.write_text(json.dumps(dump, indent=2, default=str))
             print(f"raw results: {args.json}")

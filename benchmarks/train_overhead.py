@@ -58,6 +58,7 @@ class Mode:
     waits for whatever is still in the background."""
 
     name = ""
+    first_stall: float | None = None  # the process's first checkpoint (cold staging)
 
     def setup(self, root: Path) -> None:
         self.root = root
@@ -158,7 +159,11 @@ def run(mode: Mode, model: GPT, opt: torch.optim.Optimizer, first_step: int, ste
         if (step + 1) % every == 0:
             t0 = time.perf_counter()
             mode.checkpoint(state_of(model, opt, step), step)
-            stalls.append(time.perf_counter() - t0)
+            stall = time.perf_counter() - t0
+            if mode.first_stall is None:
+                mode.first_stall = stall  # reported on its own: not a warm save
+            else:
+                stalls.append(stall)
     mode.finish()
     return steps / (time.perf_counter() - start), stalls
 
@@ -219,7 +224,8 @@ def print_report(results: dict[tuple[str, int], list[tuple[float, list[float]]]]
         all_stalls = [s for _, stalls in results[(name, every)] for s in stalls]
         return statistics.median(all_stalls) if all_stalls else 0.0
 
-    print("\n== steps/s (median) and loss against no checkpointing; stall per checkpoint")
+    print("\n== steps/s (median) and loss against no checkpointing; stall per checkpoint"
+          " (median, from each mode's second checkpoint on: warm)")
     print(f"  {'mode':18s} {'every':>5s} {'steps/s':>8s} {'loss':>7s} {'stall ms':>9s} "
           f"{'x floor':>8s}")
     for every in (1, 10):
@@ -233,12 +239,16 @@ def print_report(results: dict[tuple[str, int], list[tuple[float, list[float]]]]
             ratio = f"{s / floor:7.2f}x" if floor else "       -"
             print(f"  {modes[name].name:18s} {every:5d} {r:8.3f} {loss:>7s} {s * 1000:9.1f} "
                   f"{ratio:>8s}")
+    firsts = [f"{m.name} {m.first_stall * 1000:.0f} ms" for m in modes.values()
+              if m.first_stall is not None and not isinstance(m, NoCheckpoint)]
+    if firsts:
+        print("first checkpoint of the process (cold): " + ", ".join(firsts))
     if "fastpersist" in modes:
         staging = modes["fastpersist"].staging_bytes() or 0
         print(f"\nfastpersist staging memory: {staging / 2**20:.0f} MiB "
               f"({staging / nbytes:.2f}x the checkpointed bytes)")
-    print("targets: stall <= 1.3x copy floor; loss <= 3% every 10 steps, <= 10% every step; "
-          "staging <= 1x")
+    print("targets: stall <= 1.3x copy floor (<= 1.1x from the second save on, issue 14); "
+          "loss <= 3% every 10 steps, <= 10% every step; staging <= 1x")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from . import gcpause
 from .engine import get_engine
 from .knobs import current as current_knobs
 from .saving.futures import SaveFuture
@@ -88,17 +89,18 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
                                    overlap_writes=True).result()
         return
     target = Path(os.path.abspath(os.fspath(path)))
-    tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
-    stored = plan.plan_tensors(leaves)
-    writer = CheckpointWriter.begin(target, tree, stored, compression)
-    try:
-        # The same cut into data files as async and daemon saves: one layout on disk.
-        for file in group_into_files(stored, 0, current_knobs().file_bytes):
-            writer.write_file(file.tensors)
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+    with gcpause.paused():  # a state of many tensors makes many objects, no cycles
+        tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
+        stored = plan.plan_tensors(leaves)
+        writer = CheckpointWriter.begin(target, tree, stored, compression)
+        try:
+            # The same cut into data files as async and daemon saves: one layout on disk.
+            for file in group_into_files(stored, 0, current_knobs().file_bytes):
+                writer.write_file(file.tensors)
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
 
 
 def load(
@@ -129,11 +131,18 @@ def load(
         return load_from_tier(str(path), map_location, allow_pickle=allow_pickle,
                               verify=verify, progress=progress, like=like)
     target_device(map_location, "cpu")  # a bad map_location fails before any I/O
-    p = Path(os.path.abspath(os.fspath(path)))
+    with gcpause.paused():  # a manifest of many tensors makes many objects, no cycles
+        return _load(Path(os.path.abspath(os.fspath(path))), map_location, allow_pickle, verify,
+                     progress, like)
+
+
+def _load(p: Path, map_location: MapLocation, allow_pickle: bool, verify: bool | None,
+          progress: Callable[[int], None] | None, like: Any) -> Any:
     manifest = checkpoint.read_manifest(p)
     if verify is None:
         verify = current_knobs().verify_load
-    if state.contains_pickle(manifest.tree) and not allow_pickle:
+    pickled = state.contains_pickle(manifest.tree)
+    if pickled and not allow_pickle:
         # Fail before reading gigabytes of tensors.
         state.decode(manifest.tree, lambda node: torch.empty(0), where=str(p))
     if manifest.globals is not None:
@@ -144,7 +153,10 @@ def load(
     entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify,
                                       progress=progress)
     factory = TensorFactory(entries, map_location, str(p))
-    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=str(p))
+    # Without pickle nodes allow_pickle changes nothing; True spares decode its own
+    # search of the tree for them (contains_pickle looks wherever decode would).
+    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle or not pickled,
+                        where=str(p))
 
 
 def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: bool = False,

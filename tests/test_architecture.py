@@ -27,7 +27,7 @@ NATIVE = {"fastpersist._engine"}
 ROOMS = {
     "fastpersist.errors": "base", "fastpersist.knobs": "base",
     "fastpersist._version": "base", "fastpersist._engine": "base",
-    "fastpersist._proto": "base",
+    "fastpersist._proto": "base", "fastpersist.gcpause": "base",
     "fastpersist.format": "format",
     "fastpersist.codec": "codec",
     "fastpersist.engine": "engine",

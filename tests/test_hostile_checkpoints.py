@@ -319,7 +319,7 @@ def test_numbers_json_or_python_cannot_hold(single: Path, text: str, match: str)
 def test_duplicate_json_keys_are_refused(single: Path) -> None:
     """Parsers disagree on which of two values counts; the manifest must not be ambiguous."""
     doc = (single / MANIFEST).read_text()
-    (single / MANIFEST).write_text(doc.replace('"offset": ', '"offset": 0, "offset": ', 1))
+    (single / MANIFEST).write_text(doc.replace('"offset":', '"offset":0,"offset":', 1))
     refused(single, "duplicate key 'offset'")
 
 

@@ -72,6 +72,26 @@ def test_a_save_writes_the_committed_bytes(tmp_path: Path) -> None:
             assert (target / name).read_bytes() == (FIXTURE / name).read_bytes(), name
 
 
+def test_the_manifest_has_a_line_per_record(tmp_path: Path) -> None:
+    """Compact JSON (the C encoder's), one file or tensor record a line: diffs
+    of two manifests show the records that changed."""
+    lines = (FIXTURE / "manifest.json").read_text().splitlines()
+    doc = json.loads((FIXTURE / "manifest.json").read_bytes())
+    for key in ("files", "tensors"):
+        start = lines.index(f' "{key}": [')
+        rows = lines[start + 1 : start + 1 + len(doc[key])]
+        assert [json.loads(row.rstrip(",")) for row in rows] == doc[key]
+
+
+def test_an_indented_manifest_still_loads(tmp_path: Path) -> None:
+    """Manifests written before the compact form (json.dumps with indent=1)."""
+    old = tmp_path / "old"
+    shutil.copytree(FIXTURE, old)
+    doc = json.loads((old / "manifest.json").read_bytes())
+    (old / "manifest.json").write_text(json.dumps(doc, indent=1) + "\n")
+    _assert_same(fastpersist.load(old), fixed_state())
+
+
 def test_the_committed_checkpoint_loads(tmp_path: Path) -> None:
     loaded = fastpersist.load(FIXTURE)
     want = fixed_state()

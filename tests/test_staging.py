@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from fastpersist.errors import CheckpointError
 from fastpersist.saving.snapshot import StagedFile, stage_file
 from fastpersist.saving.staging import StagingPool
 from fastpersist.tensors.plan import StoredTensor
@@ -133,3 +134,21 @@ def test_a_quarantined_buffer_makes_room_in_the_budget() -> None:
     waiting.join(60)
     assert got and got[0].data_ptr() != buffer.data_ptr()
     assert p.pool.allocated_bytes == N
+
+
+def test_acquire_all_takes_a_buffer_per_size_and_reuses_them() -> None:
+    pool = StagingPool()
+    first = pool.acquire_all([N, 2 * N, N], 0, False)
+    assert [b.numel() for b in first] == [N, 2 * N, N] and pool.allocations == 3
+    pool.give_back_unused(first, False)
+    again = pool.acquire_all([N, 2 * N, N], 0, False)
+    assert sorted(b.data_ptr() for b in again) == sorted(b.data_ptr() for b in first)
+    assert pool.allocations == 3 and pool.allocated_bytes == 4 * N
+
+
+def test_acquire_all_gives_back_what_it_took_when_one_fails() -> None:
+    pool = StagingPool()
+    with pytest.raises(CheckpointError, match="does not fit the staging budget"):
+        pool.acquire_all([N, 4 * N], 2 * N, False)
+    assert pool.allocations == 1
+    assert pool.acquire(N, 2 * N, False).numel() == N and pool.allocations == 1  # reused

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,8 +22,7 @@ from . import dtypes
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
+class HeaderEntry(NamedTuple):  # a tuple: a file may hold 100,000 of them
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -40,20 +39,21 @@ class Layout:
 
 def layout(entries: Sequence[HeaderEntry], metadata: dict[str, str]) -> Layout:
     """Place entries in the data section in the order given and build the header."""
-    header: dict[str, object] = {"__metadata__": metadata}
     offsets = []
     cursor = 0
     for e in entries:
-        header[e.name] = {
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "data_offsets": [cursor, cursor + e.nbytes],
-        }
         offsets.append(cursor)
         cursor += e.nbytes
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    padded_len = -(-(8 + len(text)) // ALIGNMENT) * ALIGNMENT - 8
-    blob = struct.pack("<Q", padded_len) + text + b" " * (padded_len - len(text))
+    names = {e.name for e in entries}
+    if len(names) == len(entries) and "__metadata__" not in names:
+        text = header_json(entries, metadata)
+    else:  # a name twice or "__metadata__": the dict's rules decide what the header says
+        header: dict[str, object] = {"__metadata__": metadata}
+        for e, off in zip(entries, offsets, strict=True):
+            header[e.name] = {"dtype": e.dtype, "shape": list(e.shape),
+                              "data_offsets": [off, off + e.nbytes]}
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    blob = padded(text)
     data_start = len(blob)
     return Layout(
         header=blob,
@@ -61,6 +61,36 @@ def layout(entries: Sequence[HeaderEntry], metadata: dict[str, str]) -> Layout:
         offsets=tuple(data_start + o for o in offsets),
         size=data_start + cursor,
     )
+
+
+_string = json.encoder.encode_basestring  # what ensure_ascii=False uses
+
+
+def header_json(entries: Iterable[tuple[str, str, Sequence[int], int]],
+                metadata: dict[str, str]) -> bytes:
+    """The header's JSON for (name, dtype, shape, nbytes) entries placed back to
+    back in the order given: json.dumps(header, separators=(",", ":"),
+    ensure_ascii=False) of layout()'s dict, byte for byte, without building it.
+    The names must be unique and none "__metadata__" (layout() checks)."""
+    parts = ['{"__metadata__":', json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)]
+    dtype_json: dict[str, str] = {}
+    cursor = 0
+    for name, dtype, shape, nbytes in entries:
+        text = dtype_json.get(dtype) or dtype_json.setdefault(dtype, _string(dtype))
+        dims = ",".join(map(str, map(int, shape)))
+        end = cursor + nbytes
+        parts.append(f',{_string(name)}:{{"dtype":{text},"shape":[{dims}],'
+                     f'"data_offsets":[{cursor:d},{end:d}]}}')
+        cursor = end
+    parts.append("}")
+    return "".join(parts).encode()
+
+
+def padded(text: bytes) -> bytes:
+    """The header as the file holds it: the 8-byte length, the JSON, and spaces
+    up to the next multiple of ALIGNMENT."""
+    padded_len = -(-(8 + len(text)) // ALIGNMENT) * ALIGNMENT - 8
+    return struct.pack("<Q", padded_len) + text + b" " * (padded_len - len(text))
 
 
 class ParsedEntry(NamedTuple):  # a tuple: every load parses every entry of a header

@@ -60,6 +60,7 @@ def check_tree(tree: Any, entry_bytes: Sequence[int], where: str) -> None:
     """Raise ManifestError, naming the key path, for the first node that is
     malformed. entry_bytes[e] is the size of the tensor a node's "e" names."""
     stack: list[tuple[Any, Path, int]] = [(tree, None, 1)]
+    entries = len(entry_bytes)
     while stack:
         node, path, depth = stack.pop()
         if depth > MAX_TREE_DEPTH:
@@ -69,8 +70,11 @@ def check_tree(tree: Any, entry_bytes: Sequence[int], where: str) -> None:
         if not isinstance(node, dict) or not isinstance(node.get("t"), str):
             raise _bad(where, path, f"unexpected node {short(node)}")
         tag, value = node["t"], node.get("v")
+        if tag == "tensor" and len(node) == 2 and type(node.get("e")) is int and (
+                0 <= node["e"] < entries):
+            continue  # the common tensor node, {"t", "e"}: nothing more to check
         if tag in ("dict", "odict"):
-            stack += _mapping(node, path, depth, where)
+            stack += _mapping(node, path, depth, entries, where)
         elif tag in ("list", "tuple"):
             if not isinstance(value, list):
                 raise _bad(where, path, f"{tag} node without a list of items")
@@ -98,23 +102,31 @@ def _bad(where: str, path: Path, msg: str) -> Exception:
     return malformed(where, f"tree at {path_text(path)}: {msg}")
 
 
-def _mapping(node: dict[str, Any], path: Path, depth: int, where: str
+def _mapping(node: dict[str, Any], path: Path, depth: int, entries: int, where: str
              ) -> list[tuple[Any, Path, int]]:
     keys, values = node.get("k"), node.get("v")
     if not isinstance(keys, list) or not isinstance(values, list) or len(keys) != len(values):
         raise _bad(where, path, "dict keys and values must be lists of one length")
     seen: set[Any] = set()
     out: list[tuple[Any, Path, int]] = []
+    # Nodes that need no more checks are not pushed: scalar keys, and values that
+    # are plain tensor nodes ({"t": "tensor", "e": e}), unless too deep.
+    leaves_ok = depth < MAX_TREE_DEPTH
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
-        if isinstance(k, dict) and k.get("t") == "tensor":
-            raise _bad(where, path, "a tensor as a dict key")
         if isinstance(k, _SCALARS):
             # Keys equal in Python (1, 1.0 and true) would merge into one entry.
             if k in seen:
                 raise _bad(where, path, f"duplicate key {short(k)}")
             seen.add(k)
-        out.append((k, (path, _KEY, i), depth + 1))
-        out.append((v, (path, k, i), depth + 1))
+            if not leaves_ok:
+                out.append((k, (path, _KEY, i), depth + 1))
+        else:
+            if isinstance(k, dict) and k.get("t") == "tensor":
+                raise _bad(where, path, "a tensor as a dict key")
+            out.append((k, (path, _KEY, i), depth + 1))
+        if not (leaves_ok and type(v) is dict and len(v) == 2 and v.get("t") == "tensor"
+                and type(e := v.get("e")) is int and 0 <= e < entries):
+            out.append((v, (path, k, i), depth + 1))
     if "meta" in node:
         if node["t"] != "odict":  # only an OrderedDict can carry nn.Module's _metadata
             raise _bad(where, path, "a plain dict with _metadata")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import gcpause
 from .._version import __version__
 from ..engine import Engine, get_engine
 from ..format.manifest import FileRecord, Manifest, TensorRecord
@@ -71,14 +72,16 @@ class CheckpointWriter:
 
     def commit(self) -> None:
         """Step 3: on return the checkpoint is durable under its name."""
-        manifest = Manifest(
-            files=tuple(self.files),
-            tensors=tuple(self.records[t.name] for t in self.stored),
-            tree=self.tree,
-            fastpersist_version=__version__,
-            created_unix=time.time(),
-        )
-        self.staging.commit(manifest.to_json())
+        with gcpause.paused():  # a record per tensor: many objects, no cycles
+            manifest = Manifest(
+                files=tuple(self.files),
+                tensors=tuple(self.records[t.name] for t in self.stored),
+                tree=self.tree,
+                fastpersist_version=__version__,
+                created_unix=time.time(),
+            )
+            data = manifest.to_json()
+        self.staging.commit(data)
 
     def abort(self) -> None:
         self.staging.abort()

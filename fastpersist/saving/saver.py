@@ -8,7 +8,9 @@ writer = the Saver's background thread):
     caller  3. wait while max_in_flight saves are still persisting (backpressure)
     caller  4. make the staging directory (CheckpointWriter.begin)
     caller  5. per data file: take a staging buffer (waits for one under the
-               budget), copy the tensors into it, hand it to the writer
+               budget), copy the tensors into it, hand it to the writer; a
+               snapshot that fits the budget takes all its buffers first and
+               hands its files over once all are copied (Saver._snapshot)
     caller  6. return the SaveFuture (after the device copies finished, unless
                wait_for_snapshot=False: then future.wait_snapshot() does that)
     writer  7. per data file: wait for its copies, write it with the engine,
@@ -31,9 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import gcpause
 from ..errors import CheckpointAbortedError, CheckpointError
 from ..knobs import current as current_knobs
 from ..tensors import plan, state
+from ..tensors.plan import StoredTensor
 from .futures import STOP, SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
 from .persist import CheckpointWriter
 from .snapshot import StagedFile, group_into_files, stage_file
@@ -88,8 +92,9 @@ class Saver:
               compression: str | None = None) -> SaveFuture:
         self.raise_unobserved_failure()
         target = Path(os.path.abspath(os.fspath(path)))
-        tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
-        stored = plan.plan_tensors(leaves)
+        with gcpause.paused():  # many tensors make many objects, and no cycles
+            tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
+            stored = plan.plan_tensors(leaves)
         self._wait_for_room()
         knobs = current_knobs()
         future = SaveFuture(target)
@@ -99,20 +104,8 @@ class Saver:
             self._in_flight.append(future)
         self._ensure_thread()
         self._jobs.put((future, writer, files, on_commit))
-        # Pinned staging only where there is something to copy from a GPU.
-        pinned = any(t.source.device.type == "cuda" for t in stored)
         try:
-            for file in group_into_files(stored, knobs.staging_budget, knobs.file_bytes):
-                if not file.staged:
-                    # Written from the tensor itself while we wait.
-                    written = threading.Event()
-                    files.put((StagedFile(file.tensors, None), written))
-                    written.wait()
-                    continue
-                buffer = self._pool.acquire(file.nbytes, knobs.staging_budget, pinned)
-                staged = stage_file(file.tensors, buffer, pinned)
-                future._staged.append(staged)
-                files.put((staged, None))
+            self._snapshot(stored, knobs.staging_budget, knobs.file_bytes, future, files)
         except BaseException as exc:
             files.put(exc)  # the writer aborts the checkpoint
             future._observed = True  # the caller gets this error now, not at the next save
@@ -123,6 +116,52 @@ class Saver:
             future.wait_snapshot()
         future.snapshot_seconds = time.perf_counter() - future._started
         return future
+
+    def _snapshot(self, stored: list[StoredTensor], budget: int, file_bytes: int,
+                  future: SaveFuture, files: queue.Queue[Any]) -> None:
+        """Copy the state into staging, file by file, and queue the files for the writer.
+
+        A snapshot that fits the budget (or with none) takes all its buffers
+        first (acquire_all): from the second save of a state on, the same ones,
+        warm, whatever the writer's pace. Its files go to the writer once the
+        whole copy is done, so that the writer's checksums and I/O do not compete
+        with the copy that the caller is waiting for (as with fastpersistd). A
+        larger snapshot waits for the writes of its earlier files to free room.
+        """
+        # Pinned staging only where there is something to copy from a GPU.
+        pinned = any(t.source.device.type == "cuda" for t in stored)
+        plans = group_into_files(stored, budget, file_bytes)
+        sizes = [f.nbytes for f in plans if f.staged]
+        whole = not budget or sum(sizes) <= budget
+        upfront = self._pool.acquire_all(sizes, budget, pinned) if whole else []
+        upfront.reverse()  # popped from the end, in file order
+        deferred: list[StagedFile] = []  # copied, not yet handed to the writer
+        try:
+            for file in plans:
+                if not file.staged:
+                    # Written from the tensor itself while we wait.
+                    written = threading.Event()
+                    files.put((StagedFile(file.tensors, None), written))
+                    written.wait()
+                    continue
+                buffer = (upfront.pop() if upfront
+                          else self._pool.acquire(file.nbytes, budget, pinned))
+                # (A buffer whose copy failed is not given back: a device copy may
+                # still land in it. The untouched ones in `upfront` are, below.)
+                with gcpause.paused():
+                    staged = stage_file(file.tensors, buffer, pinned)
+                future._staged.append(staged)
+                if whole:
+                    deferred.append(staged)
+                else:
+                    files.put((staged, None))
+            while deferred:
+                files.put((deferred.pop(0), None))
+        except BaseException:
+            self._pool.give_back_unused(upfront, pinned)
+            for staged in deferred:
+                self._pool.give_back(staged)  # waits for its device copies
+            raise
 
     def wait(self) -> None:
         """Block until every save handed over so far has finished (either way)."""

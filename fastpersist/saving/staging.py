@@ -30,6 +30,10 @@ import torch
 
 from ..errors import CheckpointError
 
+# New host buffers get their pages at once (one system call, in the kernel),
+# not a fault at a time during the first snapshot's copy.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
 
 def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
     if pinned:
@@ -38,7 +42,8 @@ def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     # An anonymous mapping: page-aligned, and returned to the OS when freed.
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8, count=nbytes)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)
 
 
 class Staged(Protocol):
@@ -56,6 +61,24 @@ class Staged(Protocol):
     def claim_buffer(self) -> torch.Tensor | None:
         """The buffer, to give it back; None if it was given back already (it
         may have been handed out again since) or there is none."""
+
+
+class _Unused:
+    """A buffer taken and never used: no copy into it, no reader of it."""
+
+    def __init__(self, buffer: torch.Tensor, pinned: bool) -> None:
+        self._buffer: torch.Tensor | None = buffer
+        self.pinned = pinned
+
+    def wait_copied(self) -> None:
+        pass
+
+    def readers_done(self) -> bool:
+        return True
+
+    def claim_buffer(self) -> torch.Tensor | None:
+        buffer, self._buffer = self._buffer, None
+        return buffer
 
 
 class StagingPool:
@@ -81,6 +104,7 @@ class StagingPool:
         self._allocated = 0  # bytes in all buffers, free or in use (not quarantined)
         self._kept: list[torch.Tensor] = []  # quarantined, still mapped here
         self.quarantined = 0  # buffers quarantined so far
+        self.allocations = 0  # buffers allocated so far (a warm pool allocates none)
 
     @property
     def allocated_bytes(self) -> int:
@@ -120,6 +144,7 @@ class StagingPool:
                 if not self._cond.wait(timeout):
                     raise CheckpointError(f"timed out waiting for {nbytes} bytes of staging memory")
             self._allocated += nbytes
+            self.allocations += 1
         try:
             return self._allocate(nbytes, pinned)
         except BaseException:
@@ -127,6 +152,27 @@ class StagingPool:
                 self._allocated -= nbytes
                 self._cond.notify_all()
             raise
+
+    def acquire_all(self, sizes: list[int], budget: int, pinned: bool) -> list[torch.Tensor]:
+        """A buffer for each size, in order, all taken before any is used: the
+        buffers one snapshot takes then do not depend on how soon the writer of
+        the previous files gives theirs back, so the pool holds a buffer per file
+        after the first save, and a second save of the same state takes exactly
+        those (no allocation, no page faults). The sizes must fit the budget
+        together. On failure the buffers already taken go back."""
+        taken: list[torch.Tensor] = []
+        try:
+            for nbytes in sizes:
+                taken.append(self.acquire(nbytes, budget, pinned))
+        except BaseException:
+            self.give_back_unused(taken, pinned)
+            raise
+        return taken
+
+    def give_back_unused(self, buffers: list[torch.Tensor], pinned: bool) -> None:
+        """Buffers from acquire_all that no copy wrote and no reader saw."""
+        for buffer in buffers:
+            self.give_back(_Unused(buffer, pinned))
 
     def _drop(self, entry: tuple[torch.Tensor, bool]) -> None:
         self._free = [e for e in self._free if e is not entry]

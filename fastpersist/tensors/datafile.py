@@ -10,12 +10,14 @@ into manifest records; the engine does the I/O.
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 from dataclasses import dataclass
 
 import torch
 
-from ..engine import Engine, Segment
+from .. import gcpause
+from ..engine import Engine, IOResult, Segment
 from ..errors import ChecksumMismatchError
 from ..format import dtypes, safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
@@ -23,6 +25,7 @@ from ..knobs import ALIGNMENT
 from .plan import StoredTensor, memory_of
 
 METADATA = {"format": "pt", "producer": "fastpersist"}
+_offset = operator.attrgetter("offset")
 
 
 @dataclass(frozen=True)
@@ -50,24 +53,48 @@ def plan_file(tensors: list[StoredTensor]) -> FileLayout:
 def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTensor]
           ) -> tuple[FileRecord, list[TensorRecord]]:
     """Write tensors to directory/file_name; durable (fsynced) on return."""
-    plan = plan_file(tensors)
-    lay = plan.layout
-    # Device tensors are copied to the host here, one file at a time; async
-    # saves stage them into pinned memory beforehand instead.
-    sources = [t.source if t.source.device.type == "cpu" else t.source.cpu() for t in plan.order]
-    segments: list[Segment] = [(lay.header, 0)]
-    segments += [(memory_of(src), off) for src, off in zip(sources, lay.offsets, strict=True)]
+    with gcpause.paused():  # bookkeeping of many small objects (not the I/O below)
+        plan = plan_file(tensors)
+        lay = plan.layout
+        # Device tensors are copied to the host here, one file at a time; async
+        # saves stage them into pinned memory beforehand instead.
+        sources = [t.source if t.source.device.type == "cpu" else t.source.cpu()
+                   for t in plan.order]
+        segments: list[Segment] = [(lay.header, 0)]
+        segments += [(memory_of(src), off) for src, off in zip(sources, lay.offsets, strict=True)]
     result = engine.write_file(os.path.join(directory, file_name), segments, lay.size)
+    del segments, sources
     assert result.crcs is not None
-    records = {
-        t.name: TensorRecord(name=t.name, file=file_name, offset=off, length=t.nbytes,
-                             dtype=t.dtype, shape=t.shape, crc32c=crc)
-        for t, off, crc in zip(plan.order, lay.offsets, result.crcs[1:], strict=True)
-    }
-    file_record = FileRecord(name=file_name, size=lay.size, data_start=lay.data_start,
-                             header_crc32c=result.crcs[0])
-    # Manifest order follows the state, not the file, so inspect reads naturally.
-    return file_record, [records[t.name] for t in tensors]
+    with gcpause.paused():
+        records = {
+            t.name: TensorRecord(t.name, file_name, off, t.nbytes, t.dtype, t.shape, crc)
+            for t, off, crc in zip(plan.order, lay.offsets, result.crcs[1:], strict=True)
+        }
+        file_record = FileRecord(name=file_name, size=lay.size, data_start=lay.data_start,
+                                 header_crc32c=result.crcs[0])
+        # Manifest order follows the state, not the file, so inspect reads naturally.
+        return file_record, [records[t.name] for t in tensors]
+
+
+def is_header_of(covered: bytes, file: FileRecord, records: list[TensorRecord]) -> bool:
+    """Whether `covered` (the file's first data_start bytes) is exactly the header
+    that write() makes for `records` and nothing else: then the file's header
+    says what the records say, byte for byte, without parsing it. (False says
+    nothing: another writer's metadata, another order, a tensor the records do
+    not name; the caller then parses the header and compares.)"""
+    order = sorted(records, key=_offset)
+    cursor = file.data_start
+    for r in order:  # back to back from data_start
+        if r.offset != cursor:
+            return False
+        cursor += r.length
+    entries = [(r.name, r.dtype, r.shape, r.length) for r in order]
+    if any(r.name == "__metadata__" for r in order):  # layout()'s dict decides that header
+        blob = safetensors_file.layout([safetensors_file.HeaderEntry(*e) for e in entries],
+                                       METADATA).header
+    else:  # (a manifest's names are unique)
+        blob = safetensors_file.padded(safetensors_file.header_json(entries, METADATA))
+    return len(blob) == file.data_start and blob == covered
 
 
 @dataclass(frozen=True)
@@ -120,6 +147,56 @@ def _empty_for_read(record: TensorRecord) -> torch.Tensor:
     return flat.view(record.shape)
 
 
+# Smaller tensors are carved out of shared blocks ("arenas") of at most this
+# many bytes, each mapped with its pages already in (MAP_POPULATE): one system
+# call instead of a page fault or two per tensor, which was most of the time of
+# allocating 100,000 small tensors here. Each tensor still has a storage of its
+# own (exactly its bytes); a block's memory goes back to the OS when the last
+# tensor in it is freed.
+_ARENA_BYTES = 4 << 20
+_ARENA_ALIGN = 64  # as torch's CPU allocator aligns
+_ARENA_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def empties_for_read(records: list[TensorRecord]
+                     ) -> tuple[list[torch.Tensor], list[memoryview]]:
+    """New CPU tensors for `records`, in order, and a writable byte view of
+    each (for the engine): large ones as _empty_for_read makes them, small
+    ones from arenas."""
+    out: list[torch.Tensor | None] = [None] * len(records)
+    views: list[memoryview | None] = [None] * len(records)
+    pending: list[tuple[int, TensorRecord, int]] = []  # (index, record, offset in arena)
+    used = 0
+    for i, r in enumerate(records):
+        if r.length >= _IN_PLACE_MIN or r.length == 0:
+            out[i] = t = _empty_for_read(r)
+            views[i] = memory_of(t)
+            continue
+        start = -(-used // _ARENA_ALIGN) * _ARENA_ALIGN
+        if pending and start + r.length > _ARENA_BYTES:
+            _carve(pending, used, out, views)
+            pending, start = [], 0
+        pending.append((i, r, start))
+        used = start + r.length
+    if pending:
+        _carve(pending, used, out, views)
+    return out, views  # type: ignore[return-value]  # every index was filled
+
+
+def _carve(pending: list[tuple[int, TensorRecord, int]], size: int,
+           out: list[torch.Tensor | None], views: list[memoryview | None]) -> None:
+    arena = mmap.mmap(-1, size, flags=_ARENA_FLAGS)
+    whole = memoryview(arena)
+    torch_dtypes: dict[str, torch.dtype] = {}
+    frombuffer = torch.frombuffer
+    for i, r, start in pending:
+        dtype = torch_dtypes.get(r.dtype) or torch_dtypes.setdefault(
+            r.dtype, dtypes.from_name(r.dtype))
+        t = frombuffer(arena, dtype=dtype, offset=start, count=r.length // dtype.itemsize)
+        out[i] = t if len(r.shape) == 1 else t.view(r.shape)
+        views[i] = whole[start : start + r.length]
+
+
 def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorRecord],
          *, verify: bool, header: bool = True) -> tuple[list[torch.Tensor], list[Mismatch]]:
     """Read the given tensors of one file into new CPU tensors.
@@ -128,23 +205,52 @@ def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorR
     against its CRC32C and the mismatches returned; the caller decides whether
     to raise. Raises EOFError when the file is shorter than the records need.
     """
-    tensors = [_empty_for_read(r) for r in records]
+    pending = start_read(directory, file, records, verify=verify, header=header)
+    return finish_read(pending, engine.read_file(pending.path, pending.segments,
+                                                 checksum=verify))
+
+
+@dataclass
+class PendingRead:
+    """A read of one file's tensors, split so that the engine's call (which
+    releases the GIL) can run on another thread: start_read allocates the
+    tensors and makes the segments, the engine reads `segments` of `path`
+    (with checksums if `verify`), finish_read compares the CRCs."""
+
+    path: str
+    file: FileRecord
+    records: list[TensorRecord]
+    tensors: list[torch.Tensor]
+    segments: list[Segment]
+    verify: bool
+    with_header: bool
+
+
+def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
+               verify: bool, header: bool = True) -> PendingRead:
+    tensors, views = empties_for_read(records)
     with_header = verify and header
     segments: list[Segment] = [(bytearray(file.data_start), 0)] if with_header else []
-    segments += [(memory_of(t), r.offset) for t, r in zip(tensors, records, strict=True)]
-    result = engine.read_file(os.path.join(directory, file.name), segments, checksum=verify)
-    mismatches = []
-    if verify:
+    segments += [(v, r.offset) for v, r in zip(views, records, strict=True)]
+    return PendingRead(os.path.join(directory, file.name), file, records, tensors, segments,
+                       verify, with_header)
+
+
+def finish_read(pending: PendingRead, result: IOResult
+                ) -> tuple[list[torch.Tensor], list[Mismatch]]:
+    pending.segments = []  # (a memoryview of an arena would keep it from being unmapped)
+    file, mismatches = pending.file, []
+    if pending.verify:
         assert result.crcs is not None
         crcs = result.crcs
-        if with_header:
+        if pending.with_header:
             if crcs[0] != file.header_crc32c:
                 mismatches.append(Mismatch(file.name, "<header>", file.header_crc32c, crcs[0]))
             crcs = crcs[1:]
-        for r, crc in zip(records, crcs, strict=True):
+        for r, crc in zip(pending.records, crcs, strict=True):
             if crc != r.crc32c:
                 mismatches.append(Mismatch(file.name, r.name, r.crc32c, crc))
-    return tensors, mismatches
+    return pending.tensors, mismatches
 
 
 def raise_for(mismatches: list[Mismatch], where: str) -> None:

@@ -45,6 +45,23 @@ class TensorFactory:
         self.where = where
         self.moved: dict[tuple[int, str], torch.Tensor] = {}
         self.made: dict[Any, torch.Tensor] = {}
+        self._plain_device = target_device(map_location, "cpu")  # of a {"t", "e"} node
+
+    def _plain(self, index: Any) -> torch.Tensor:
+        """The tensor of a node that is only {"t": "tensor", "e": index}."""
+        if type(index) is not int or not 0 <= index < len(self.entries):
+            raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
+        device = self._plain_device
+        entry = self.entries[index]
+        if device == "cpu" == entry.device.type:
+            # The entry itself, as __call__ would give it (.to of a CPU tensor to the
+            # CPU is the tensor): the same object for every node of this entry.
+            return entry
+        key = (index, device, "None", None, None)  # as __call__ makes it
+        t = self.made.get(key)
+        if t is None:
+            t = self.made[key] = self._entry_on(index, device)
+        return t
 
     def _entry_on(self, index: int, device: str) -> torch.Tensor:
         key = (index, device)
@@ -60,6 +77,8 @@ class TensorFactory:
 
     def __call__(self, node: dict[str, Any]) -> torch.Tensor:
         index = node.get("e")
+        if len(node) == 2 and "t" in node:
+            return self._plain(index)
         if not isinstance(index, int) or not 0 <= index < len(self.entries):
             raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
         # numpy values load on the CPU, whatever map_location says.

@@ -48,6 +48,7 @@ from . import numpy_values
 from .numpy_values import is_numpy
 
 Node = Any  # a JSON value
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # exact types; subclasses need pickle
 
 # Python's JSON parser refuses integers of more than 4300 digits (int_max_str_digits);
 # 2**14000 has 4215.
@@ -77,6 +78,8 @@ class _Encoder:
         self._numpy_tensors: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def encode(self, obj: Any, path: str) -> Node:
+        if type(obj) in _PLAIN_TENSORS and self._depth < MAX_TREE_DEPTH:
+            return self._tensor(obj, path)  # the common leaf, without the try below
         self._depth += 1
         try:
             if self._depth > MAX_TREE_DEPTH:
@@ -136,7 +139,12 @@ class _Encoder:
 
     def _mapping(self, obj: dict[Any, Any], path: str) -> Node:
         keys, values = [], []
+        shallow = self._depth < MAX_TREE_DEPTH  # room for the keys' level
         for k, v in obj.items():
+            if type(k) is str and shallow:  # the common key, as encode(k) would give it
+                keys.append(k)
+                values.append(self.encode(v, f"{path}.{k}" if path else k))
+                continue
             if isinstance(k, torch.Tensor):
                 raise UnsupportedValueError(f"{path or '<root>'}: tensors cannot be dict keys")
             if is_numpy(k) and not isinstance(k, str):
@@ -167,7 +175,7 @@ class _Encoder:
                 shard["device"] = str(t.device)
             self.leaves.append(TensorLeaf(path or "<root>", t.detach(), shard))
             return shard
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if type(t) not in _PLAIN_TENSORS:
             return self._pickled(t, path, f"a tensor subclass ({type(t).__qualname__})")
         if t.layout != torch.strided or t.is_quantized:
             return self._pickled(t, path, f"a {t.layout} tensor")
@@ -178,7 +186,7 @@ class _Encoder:
         node: dict[str, Any] = {"t": "tensor"}
         if t.device.type != "cpu":
             node["device"] = str(t.device)
-        if isinstance(t, torch.nn.Parameter):
+        if type(t) is torch.nn.Parameter:  # (isinstance asks Parameter's metaclass: slow)
             node["param"] = True
             node["grad"] = t.requires_grad
         elif t.requires_grad:
@@ -218,15 +226,18 @@ def encode(obj: Any, *, allow_pickle: bool = False, sharded: bool = False
 def contains_pickle(node: Node) -> bool:
     # Iterative: a tree read from disk must not be able to exhaust the stack,
     # whoever calls this and whether or not the tree was validated first.
+    # Tensor nodes are not searched: nothing in them is decoded as a node.
     stack = [node]
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
-            if n.get("t") == "pickle":
+            tag = n.get("t")
+            if tag == "pickle":
                 return True
-            stack += [v for v in n.values() if isinstance(v, (dict, list))]
+            if tag != "tensor":
+                stack += [v for v in n.values() if isinstance(v, (dict, list))]
         elif isinstance(n, list):
-            stack += n
+            stack += [v for v in n if isinstance(v, (dict, list))]
     return False
 
 
@@ -287,11 +298,15 @@ class _Decoder:
             ):
                 raise self.bad(path, "dict keys and values differ in length")
             result: dict[Any, Any] = OrderedDict() if tag == "odict" else {}
+            tensor_for = self.tensor_for
             for i, (k, v) in enumerate(zip(keys, values, strict=True)):
-                key = self.decode(k, _path(path, f"<key {i}>"))
+                key = k if type(k) is str else self.decode(k, _path(path, f"<key {i}>"))
                 if key in result:
                     raise self.bad(path, f"duplicate key {str(key)[:80]!r}")
-                result[key] = self.decode(v, _path(path, key_text(key, i)))
+                if type(v) is dict and len(v) == 2 and v.get("t") == "tensor":
+                    result[key] = tensor_for(v)  # as decode(v) would, without the path
+                else:
+                    result[key] = self.decode(v, _path(path, key_text(key, i)))
             if "meta" in node:
                 result._metadata = self.decode(  # type: ignore[attr-defined]
                     node["meta"], _path(path, "_metadata"))
