@@ -27,16 +27,20 @@ SMALL = 16 * PAGE  # tensors touched through ctypes rather than torch ops
 
 
 def _measure(call: Any) -> tuple[dict[str, Any], object]:
-    """Run `call` once; return its time, RSS before it and peak RSS increase, and its result."""
+    """Run `call` once; return its time, the CPU time of all the process's threads
+    (steadier than wall time on a shared machine), RSS before it and peak RSS
+    increase, and its result."""
     gc.collect()
     if not reset_peak_rss():
         raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs); peak memory would be wrong")
     before = rss_bytes()
+    cpu = time.process_time()
     start = time.perf_counter()
     result = call()
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
+        "cpu_seconds": time.process_time() - cpu,
         "rss_before": before,
         "peak_increase": peak_rss_bytes() - before,
     }, result

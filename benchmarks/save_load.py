@@ -288,6 +288,8 @@ def progress_line(record: Record, repeats: int, state_bytes: int) -> str:
     if record.peak_increase is not None:
         peak = record.peak_increase
         text += f"  peak +{peak / 2**20:.0f} MiB ({peak / state_bytes:.2f}x state)"
+    if "cpu_seconds" in record.extra:
+        text += f"  cpu {record.extra['cpu_seconds']:.2f} s"
     if "cache" in record.extra:
         text += f"  cold via {record.extra['cache']}"
     return text
