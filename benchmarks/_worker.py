@@ -99,6 +99,8 @@ def _load(method: Method, job: dict[str, Any]) -> dict[str, Any]:
 
 def main(job_file: str) -> int:
     job = json.loads(Path(job_file).read_text())
+    if job.get("baseline"):
+        sys.path.insert(0, job["baseline"])  # before anything imports fastpersist
     method = METHODS[job["method"]]
     result: dict[str, Any]
     try:
@@ -108,6 +110,12 @@ def main(job_file: str) -> int:
             result = _save(method, job)
         else:
             result = _load(method, job)
+        module = sys.modules.get("fastpersist")
+        if job["op"] != "probe" and module is not None:
+            result["module"] = module.__file__  # which fastpersist was measured
+            if job.get("baseline") and not str(module.__file__).startswith(job["baseline"]):
+                raise RuntimeError(f"the baseline imported {module.__file__}, not from "
+                                   f"{job['baseline']}")
     except Exception as exc:
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}"}
