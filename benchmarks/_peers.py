@@ -86,6 +86,14 @@ class FastPersist(Method):
         return self._fp.load(str(path))
 
 
+class Baseline(FastPersist):
+    """Another fastpersist (save_load.py --baseline DIR, which the worker puts first on
+    sys.path): the same calls, for before/after comparisons in one interleaved run."""
+
+    name = "baseline"
+    label = "fastpersist baseline (--baseline)"
+
+
 class TorchSave(Method):
     name = "torch"
     label = "torch.save/load"
@@ -240,5 +248,6 @@ class DeepSpeedFastWriter(Method):
 
 
 METHODS: dict[str, Method] = {
-    m.name: m for m in (FastPersist(), TorchSave(), SafeTensors(), Dcp(), DeepSpeedFastWriter())
+    m.name: m
+    for m in (FastPersist(), Baseline(), TorchSave(), SafeTensors(), Dcp(), DeepSpeedFastWriter())
 }

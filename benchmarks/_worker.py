@@ -27,16 +27,20 @@ SMALL = 16 * PAGE  # tensors touched through ctypes rather than torch ops
 
 
 def _measure(call: Any) -> tuple[dict[str, Any], object]:
-    """Run `call` once; return its time, RSS before it and peak RSS increase, and its result."""
+    """Run `call` once; return its time, the CPU time of all the process's threads
+    (steadier than wall time on a shared machine), RSS before it and peak RSS
+    increase, and its result."""
     gc.collect()
     if not reset_peak_rss():
         raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs); peak memory would be wrong")
     before = rss_bytes()
+    cpu = time.process_time()
     start = time.perf_counter()
     result = call()
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
+        "cpu_seconds": time.process_time() - cpu,
         "rss_before": before,
         "peak_increase": peak_rss_bytes() - before,
     }, result
@@ -95,6 +99,8 @@ def _load(method: Method, job: dict[str, Any]) -> dict[str, Any]:
 
 def main(job_file: str) -> int:
     job = json.loads(Path(job_file).read_text())
+    if job.get("baseline"):
+        sys.path.insert(0, job["baseline"])  # before anything imports fastpersist
     method = METHODS[job["method"]]
     result: dict[str, Any]
     try:
@@ -104,6 +110,12 @@ def main(job_file: str) -> int:
             result = _save(method, job)
         else:
             result = _load(method, job)
+        module = sys.modules.get("fastpersist")
+        if job["op"] != "probe" and module is not None:
+            result["module"] = module.__file__  # which fastpersist was measured
+            if job.get("baseline") and not str(module.__file__).startswith(job["baseline"]):
+                raise RuntimeError(f"the baseline imported {module.__file__}, not from "
+                                   f"{job['baseline']}")
     except Exception as exc:
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}"}

@@ -34,8 +34,9 @@ from _system import GIB, drop_page_cache, machine_facts, mount_of, tool_version
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_worker.py"
-ALL_METHODS = ("fastpersist", "torch", "safetensors", "dcp", "deepspeed", "fio")
-LOADERS = ("fastpersist", "torch", "safetensors", "dcp")
+# "baseline" (another fastpersist, --baseline DIR) is measured only when asked for.
+ALL_METHODS = ("fastpersist", "baseline", "torch", "safetensors", "dcp", "deepspeed", "fio")
+LOADERS = ("fastpersist", "baseline", "torch", "safetensors", "dcp")
 SAVE_GOALS = {"fio write ceiling": 0.85, "torch": 8.0, "deepspeed": 1.5}
 LOAD_GOALS = {"fio read ceiling": 0.8, "torch": 1.0, "safetensors": 1.0, "dcp": 1.0}
 # Many small tensors (issue 14): ahead of both peers, saving and loading.
@@ -71,6 +72,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--sizes", help="time vs bytes: measure at each of these state sizes (e.g. 64M,256M,1G)"
     )
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="also measure the fastpersist package in this directory (DIR/fastpersist, e.g. an"
+        " export of main with its built _engine) as method 'baseline', interleaved with the rest",
+    )
+    parser.add_argument(
         "--dir", type=Path, help="target directory on the disk under test (default: /var/tmp)"
     )
     parser.add_argument("--json", type=Path, help="write raw results and summaries to this file")
@@ -87,7 +94,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--tensors and --sizes do not go together (--sizes with --tensor-bytes)")
     if args.methods is None:
         small = args.tensors is not None or args.sizes
-        args.methods = SMALL_METHODS if small else ",".join(ALL_METHODS)
+        args.methods = SMALL_METHODS if small else ",".join(
+            m for m in ALL_METHODS if m != "baseline")
+    if args.baseline is not None:
+        if not (args.baseline / "fastpersist" / "__init__.py").is_file():
+            parser.error(f"--baseline {args.baseline}: no fastpersist package there")
+        args.baseline = args.baseline.resolve()
+        args.methods += ",baseline"
     try:
         args.sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
     except ValueError as exc:
@@ -129,6 +142,8 @@ class Bench:
         )
         result_file.unlink(missing_ok=True)
         job = {"op": op, "method": method, "path": str(path), "state": self.state}
+        if method == "baseline":
+            job["baseline"] = str(self.args.baseline)
         job |= {"seed": self.args.seed, "result": str(result_file)}
         job_file.write_text(json.dumps(job))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -288,6 +303,8 @@ def progress_line(record: Record, repeats: int, state_bytes: int) -> str:
     if record.peak_increase is not None:
         peak = record.peak_increase
         text += f"  peak +{peak / 2**20:.0f} MiB ({peak / state_bytes:.2f}x state)"
+    if "cpu_seconds" in record.extra:
+        text += f"  cpu {record.extra['cpu_seconds']:.2f} s"
     if "cache" in record.extra:
         text += f"  cold via {record.extra['cache']}"
     return text

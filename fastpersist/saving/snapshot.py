@@ -124,9 +124,21 @@ def stage_file(tensors: list[StoredTensor], buffer: torch.Tensor, pinned: bool) 
     data_start = layout.layout.data_start
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     staged = []
+    # The buffer seen as each dtype, whole: a tensor's view is then one slice (and
+    # a reshape unless it is 1-D), which matters for states of many small tensors.
+    # File order puts larger elements first, so each offset is a multiple of its size.
+    typed: dict[str, torch.Tensor] = {}
     for t, offset in zip(layout.order, layout.layout.offsets, strict=True):
-        start = offset - data_start
-        view = buffer[start : start + t.nbytes].view(dtypes.from_name(t.dtype)).view(t.shape)
+        whole = typed.get(t.dtype)
+        if whole is None:
+            size = dtypes.itemsize(t.dtype)
+            whole = typed[t.dtype] = buffer[: buffer.numel() // size * size].view(
+                dtypes.from_name(t.dtype))
+        size = whole.element_size()
+        start = (offset - data_start) // size
+        view = whole[start : start + t.nbytes // size]
+        if len(t.shape) != 1:
+            view = view.view(t.shape)
         by_device.setdefault(t.source.device, []).append((view, t.source))
         staged.append(StoredTensor(t.name, t.dtype, t.shape, view))
     events = []
