@@ -35,6 +35,13 @@ class Method:
     def setup(self) -> None:
         """Per-process preparation that is neither timed nor counted in peak memory."""
 
+    def prepare_save(self, path: Path) -> None:
+        """Untimed preparation before a save that needs to know where it writes."""
+
+    def facts(self) -> dict[str, Any]:
+        """What the result should record about how this process ran the method (JSON)."""
+        return {}
+
     def prepare_load(self, spec: StateSpec) -> None:
         """Untimed preparation before a cold load (imports, in-place destinations)."""
 

@@ -73,8 +73,9 @@ def _save(method: Method, job: dict[str, Any]) -> dict[str, Any]:
     state = build_state(spec)
     method.setup()
     path = Path(job["path"])
+    method.prepare_save(path)
     measured, _ = _measure(lambda: method.save(state, path))
-    return measured
+    return {**method.facts(), **measured}
 
 
 def _load(method: Method, job: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +95,7 @@ def _load(method: Method, job: dict[str, Any]) -> dict[str, Any]:
         method.verify(loaded, spec)
     except Exception as exc:  # reported with the timing, so a wrong load cannot pass as fast
         verified = f"{type(exc).__name__}: {exc}"
-    return {**measured, "cache": cache, "verified": verified}
+    return {**method.facts(), **measured, "cache": cache, "verified": verified}
 
 
 def main(job_file: str) -> int:

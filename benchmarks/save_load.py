@@ -261,6 +261,7 @@ class Bench:
         }[phase]
         rows = [s for s in methods.values() if s is not None]
         lines = table(f"\n== {title}", rows, ceil, self.state_bytes)
+        lines += self.note_lines(phase)
         lines += self.fio_shape_lines(phase)
         fp = methods.get("fastpersist")
         kind = "write" if phase == "save" else "read"
@@ -276,6 +277,15 @@ class Bench:
         ratio_text, targets = ratio_lines(phase, fp, peers, goals)
         targets.append(memory_target(phase, fp, self.state_bytes))
         return lines + ratio_text + [targets[-1].line()], targets
+
+    def note_lines(self, phase: str) -> list[str]:
+        """What a method's processes reported about how they ran it (e.g. a fallback)."""
+        notes: dict[str, set[str]] = {}
+        for r in self.records:
+            if r.phase == phase and r.extra.get("note"):
+                notes.setdefault(r.label, set()).add(str(r.extra["note"]))
+        return [f"  note: {label}: {note}" for label, found in notes.items()
+                for note in sorted(found)]
 
     def fio_shape_lines(self, phase: str) -> list[str]:
         fio_records = [r for r in self.records if r.phase == phase and r.method == "fio"]
