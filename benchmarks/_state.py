@@ -236,6 +236,10 @@ def _plain_values(spec: StateSpec) -> dict[str, Any]:
     }
 
 
+# The top-level keys of every state (_assemble), for loaders that must name what to read.
+STATE_KEYS = ("model", "optimizer", "step")
+
+
 def _assemble(spec: StateSpec, tensors: list[torch.Tensor]) -> dict[str, Any]:
     state: dict[str, Any] = {"model": {}, "optimizer": {"state": {}}}
     for tspec, tensor in zip(spec.tensors, tensors, strict=True):

@@ -35,10 +35,12 @@ from _system import GIB, drop_page_cache, machine_facts, mount_of, tool_version
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_worker.py"
 # "baseline" (another fastpersist, --baseline DIR) is measured only when asked for.
-ALL_METHODS = ("fastpersist", "baseline", "torch", "safetensors", "dcp", "deepspeed", "fio")
-LOADERS = ("fastpersist", "baseline", "torch", "safetensors", "dcp")
-SAVE_GOALS = {"fio write ceiling": 0.85, "torch": 8.0, "deepspeed": 1.5}
-LOAD_GOALS = {"fio read ceiling": 0.8, "torch": 1.0, "safetensors": 1.0, "dcp": 1.0}
+ALL_METHODS = ("fastpersist", "baseline", "torch", "safetensors", "dcp", "torchckpt", "deepspeed",
+               "fio")
+LOADERS = ("fastpersist", "baseline", "torch", "safetensors", "dcp", "torchckpt")
+SAVE_GOALS = {"fio write ceiling": 0.85, "torch": 8.0, "deepspeed": 1.5, "torchckpt": 1.0}
+LOAD_GOALS = {"fio read ceiling": 0.8, "torch": 1.0, "safetensors": 1.0, "dcp": 1.0,
+              "torchckpt": 1.0}
 # Many small tensors (issue 14): ahead of both peers, saving and loading.
 SMALL_GOALS = {"torch": 1.0, "safetensors": 1.0}
 SMALL_METHODS = "fastpersist,torch,safetensors"
@@ -353,7 +355,8 @@ def versions() -> dict[str, str | None]:
     from importlib import metadata
 
     found: dict[str, str | None] = {}
-    for dist in ("torch", "safetensors", "deepspeed", "fastpersist", "numpy"):
+    for dist in ("torch", "safetensors", "torch-checkpointing", "deepspeed", "fastpersist",
+                 "numpy"):
         try:
             found[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
