@@ -21,13 +21,13 @@ the daemon may read it, StagedFile.returned once the daemon said it is done).
 
 from __future__ import annotations
 
-import mmap
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from ..anonmem import anonymous
 from ..errors import CheckpointError
 
 
@@ -37,11 +37,11 @@ def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    # An anonymous mapping: page-aligned, and returned to the OS when freed. Its
-    # pages come in as the first snapshot's copy touches them, on every thread of
-    # the copy (MAP_POPULATE, on this one thread, made a first save of 1.08 GB
-    # 1.6x slower on two cores).
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8, count=nbytes)
+    # Private anonymous memory (anonmem): page-aligned, returned to the OS when
+    # freed. Its pages come in as the first snapshot's copy touches them, on
+    # every thread of the copy (MAP_POPULATE, on this one thread, made a first
+    # save of 1.08 GB 1.6x slower on two cores).
+    return torch.frombuffer(anonymous(nbytes), dtype=torch.uint8, count=nbytes)
 
 
 class Staged(Protocol):

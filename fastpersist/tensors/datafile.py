@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gcpause
+from ..anonmem import anonymous
 from ..engine import Engine, IOResult, Segment
 from ..errors import ChecksumMismatchError
 from ..format import dtypes, safetensors_file
@@ -120,7 +121,7 @@ def phase_aligned(nbytes: int, offset: int) -> memoryview:
     shift = offset % ALIGNMENT
     if nbytes == 0:
         return memoryview(bytearray())
-    return memoryview(mmap.mmap(-1, nbytes + shift))[shift:shift + nbytes]
+    return memoryview(anonymous(nbytes + shift, huge=True))[shift:shift + nbytes]
 
 
 # Tensors at least this large are allocated so that O_DIRECT can read straight
@@ -141,7 +142,7 @@ def _empty_for_read(record: TensorRecord) -> torch.Tensor:
     if record.length < _IN_PLACE_MIN:
         return torch.empty(record.shape, dtype=dtype)
     shift = record.offset % ALIGNMENT
-    backing = mmap.mmap(-1, record.length + shift)
+    backing = anonymous(record.length + shift, huge=True)
     flat = torch.frombuffer(backing, dtype=dtype, offset=shift,
                             count=record.length // dtype.itemsize)
     return flat.view(record.shape)
