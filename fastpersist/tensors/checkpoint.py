@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -11,7 +12,7 @@ from typing import BinaryIO
 import crc32c
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, IOResult
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -108,6 +109,10 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
     Raw records are read whole, so that their CRC32C is checked.
     """
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+    if progress is None and len(manifest.files) > 1 and all(
+            r.frames is None for r in manifest.tensors):
+        _read_overlapped(path, manifest, engine, verify, result)
+        return result  # type: ignore[return-value]  # every record belongs to one file
     for f, indices in _records_by_file(manifest):
         _check_size(path, f)
         records = [manifest.tensors[i] for i in indices]
@@ -122,6 +127,53 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
                 progress(sum(r.length for r in batch_records))
     assert all(t is not None for t in result)  # every record belongs to one listed file
     return result  # type: ignore[return-value]
+
+
+# Files whose engine reads run at once in a load of several raw files. Two keep
+# the disk busy across a file's end (its last, uneven reads) and the next one's
+# start, and let the caller check and allocate a file while others are read.
+_FILES_IN_FLIGHT = 2
+
+
+def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: bool,
+                     result: list[torch.Tensor | None]) -> None:
+    """read_tensors of raw records, several files, without progress: the
+    engine reads up to _FILES_IN_FLIGHT files on reader threads (the GIL
+    released) while this thread checks and allocates the next. Errors are
+    raised as the file-by-file loop raises them: an earlier file's first."""
+    in_flight: list[tuple[list[int], datafile.PendingRead, Future[IOResult]]] = []
+    with ThreadPoolExecutor(_FILES_IN_FLIGHT, thread_name_prefix="fastpersist-read") as readers:
+        # (Leaving the block waits for reads still running: nothing frees their memory.)
+        try:
+            for f, indices in _records_by_file(manifest):
+                _check_size(path, f)
+                records = [manifest.tensors[i] for i in indices]
+                _check_against_header(path, f, records, verify=verify)
+                if len(in_flight) >= _FILES_IN_FLIGHT:
+                    _finish_read(path, *in_flight.pop(0), result)
+                pending = datafile.start_read(str(path), f, records, verify=verify,
+                                              header=False)
+                in_flight.append((indices, pending, readers.submit(
+                    engine.read_file, pending.path, pending.segments, checksum=verify)))
+        except BaseException:
+            while in_flight:  # an earlier file's error goes first
+                _finish_read(path, *in_flight.pop(0), result)
+            raise
+        while in_flight:
+            _finish_read(path, *in_flight.pop(0), result)
+
+
+def _finish_read(path: Path, indices: list[int], pending: datafile.PendingRead,
+                 future: Future[IOResult], result: list[torch.Tensor | None]) -> None:
+    try:
+        tensors, mismatches = datafile.finish_read(pending, future.result())
+    except EOFError as exc:
+        raise TruncatedFileError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise os_error(exc, f"cannot read {path / pending.file.name}") from exc
+    datafile.raise_for(mismatches, str(path))
+    for i, t in zip(indices, tensors, strict=True):
+        result[i] = t
 
 
 def _read_batch(path: Path, f: FileRecord, batch: list[tuple[int, TensorRecord]],
