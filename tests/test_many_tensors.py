@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,70 @@ def test_errors_of_several_files_come_in_file_order(tmp_path: Path,
         f.truncate(last["size"] - 1)
     with pytest.raises(fastpersist.TruncatedFileError):
         fastpersist.load(tmp_path / "d")
+
+
+def test_a_load_of_several_files_reports_progress_file_by_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(1 << 20))
+    state = {f"w{i}": torch.randn(1 << 18) for i in range(4)}  # a file each
+    fastpersist.save(state, tmp_path / "c")
+    seen: list[int] = []
+    loaded = fastpersist.load(tmp_path / "c", progress=seen.append)
+    assert_same(loaded, state)
+    assert seen == [1 << 20] * 4
+
+
+def test_verify_of_several_files_reports_problems_in_file_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify reads two files at once, and still lists problems file by file."""
+    from fastpersist.engine import get_engine
+    from fastpersist.tensors import checkpoint
+
+    monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(1 << 20))
+    state = {f"w{i}": torch.randn(1 << 18) for i in range(4)}
+    fastpersist.save(state, tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
+    files = doc["files"]
+    first = next(r for r in doc["tensors"] if r["file"] == files[0]["name"])
+    with open(tmp_path / "c" / files[0]["name"], "r+b") as f:  # a flipped byte
+        f.seek(first["offset"] + 7)
+        byte = f.read(1)
+        f.seek(first["offset"] + 7)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with open(tmp_path / "c" / files[2]["name"], "r+b") as f:  # a short file
+        f.truncate(files[2]["size"] - 1)
+    seen: list[int] = []
+    report = checkpoint.verify(tmp_path / "c", get_engine(), progress=seen.append)
+    assert len(report.problems) == 2, report.problems
+    assert first["name"] in report.problems[0]
+    assert files[2]["name"] in report.problems[1]
+    assert report.files == 4 and report.tensors == 3 and seen == [1 << 20] * 3
+
+
+def test_an_interrupted_verify_reads_no_further(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """^C in `fpctl verify` (here: the progress callback raising) cancels the
+    batches not started; only those already in flight finish (without the
+    cancel, all 8 would be read)."""
+    from fastpersist.engine import get_engine
+    from fastpersist.tensors import checkpoint
+
+    monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(1 << 20))
+    fastpersist.save({f"w{i}": torch.randn(1 << 18) for i in range(8)}, tmp_path / "c")
+    calls = []
+    real = checkpoint._verify_batch
+
+    def counted(*args: Any, **kwargs: Any) -> list[str]:
+        calls.append(1)
+        time.sleep(1.0)  # a slow disk: the interrupt comes while batches wait
+        return real(*args, **kwargs)
+
+    def interrupt(_: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "_verify_batch", counted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.verify(tmp_path / "c", get_engine(), progress=interrupt)
+    # The first batch, the one beside it, and one each reader may have taken
+    # as they finished.
+    assert 1 <= len(calls) <= 2 * checkpoint._FILES_IN_FLIGHT

@@ -65,9 +65,13 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return Manifest.from_json(data, str(p))
 
 
-# Reads that report progress (and verify, to bound its memory) go in batches of
-# at most this many tensor bytes.
+# Reads that report progress of compressed files, and verify's reads (to bound
+# their memory), go in batches of at most this many tensor bytes.
 _BATCH = 256 << 20
+# Files (or verify's batches) whose engine reads run at once. Two keep the disk
+# busy across a file's uneven last reads and the next one's start, and let the
+# caller check and allocate a file while others are read.
+_FILES_IN_FLIGHT = 2
 
 
 def _records_by_file(manifest: Manifest) -> Iterator[tuple[FileRecord, list[int]]]:
@@ -102,16 +106,15 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
     Each file's records must agree with the file's own header (names, dtypes,
     shapes, places, encodings), so that a manifest can only name bytes that
     were written for the tensor it says, even with verify=False.
-    progress(n) is called as each batch of n tensor bytes has been read.
+    progress(n) is called as each file or batch of n tensor bytes has been read.
     spans: record index -> the raw bytes start..end the caller needs of it; a
     compressed record is then decoded only where its frames overlap the span
     (the rest is zeros, and each frame's stored CRC32C is what is checked).
     Raw records are read whole, so that their CRC32C is checked.
     """
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
-    if progress is None and len(manifest.files) > 1 and all(
-            r.frames is None for r in manifest.tensors):
-        _read_overlapped(path, manifest, engine, verify, result)
+    if len(manifest.files) > 1 and all(r.frames is None for r in manifest.tensors):
+        _read_overlapped(path, manifest, engine, verify, result, progress)
         return result  # type: ignore[return-value]  # every record belongs to one file
     for f, indices in _records_by_file(manifest):
         _check_size(path, f)
@@ -129,18 +132,13 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
     return result  # type: ignore[return-value]
 
 
-# Files whose engine reads run at once in a load of several raw files. Two keep
-# the disk busy across a file's end (its last, uneven reads) and the next one's
-# start, and let the caller check and allocate a file while others are read.
-_FILES_IN_FLIGHT = 2
-
-
 def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: bool,
-                     result: list[torch.Tensor | None]) -> None:
-    """read_tensors of raw records, several files, without progress: the
-    engine reads up to _FILES_IN_FLIGHT files on reader threads (the GIL
-    released) while this thread checks and allocates the next. Errors are
-    raised as the file-by-file loop raises them: an earlier file's first."""
+                     result: list[torch.Tensor | None],
+                     progress: Callable[[int], None] | None) -> None:
+    """read_tensors of raw records, several files: the engine reads up to
+    _FILES_IN_FLIGHT files on reader threads (the GIL released) while this
+    thread checks and allocates the next. Errors come in file order, and
+    progress a file at a time, on this thread."""
     in_flight: list[tuple[list[int], datafile.PendingRead, Future[IOResult]]] = []
     with ThreadPoolExecutor(_FILES_IN_FLIGHT, thread_name_prefix="fastpersist-read") as readers:
         # (Leaving the block waits for reads still running: nothing frees their memory.)
@@ -150,21 +148,22 @@ def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: boo
                 records = [manifest.tensors[i] for i in indices]
                 _check_against_header(path, f, records, verify=verify)
                 if len(in_flight) >= _FILES_IN_FLIGHT:
-                    _finish_read(path, *in_flight.pop(0), result)
+                    _finish_read(path, *in_flight.pop(0), result, progress)
                 pending = datafile.start_read(str(path), f, records, verify=verify,
                                               header=False)
                 in_flight.append((indices, pending, readers.submit(
                     engine.read_file, pending.path, pending.segments, checksum=verify)))
         except BaseException:
             while in_flight:  # an earlier file's error goes first
-                _finish_read(path, *in_flight.pop(0), result)
+                _finish_read(path, *in_flight.pop(0), result, progress)
             raise
         while in_flight:
-            _finish_read(path, *in_flight.pop(0), result)
+            _finish_read(path, *in_flight.pop(0), result, progress)
 
 
 def _finish_read(path: Path, indices: list[int], pending: datafile.PendingRead,
-                 future: Future[IOResult], result: list[torch.Tensor | None]) -> None:
+                 future: Future[IOResult], result: list[torch.Tensor | None],
+                 progress: Callable[[int], None] | None) -> None:
     try:
         tensors, mismatches = datafile.finish_read(pending, future.result())
     except EOFError as exc:
@@ -174,6 +173,8 @@ def _finish_read(path: Path, indices: list[int], pending: datafile.PendingRead,
     datafile.raise_for(mismatches, str(path))
     for i, t in zip(indices, tensors, strict=True):
         result[i] = t
+    if progress:
+        progress(sum(r.length for r in pending.records))
 
 
 def _read_batch(path: Path, f: FileRecord, batch: list[tuple[int, TensorRecord]],
@@ -321,24 +322,36 @@ def verify(path: str | os.PathLike[str], engine: Engine,
     p = Path(path)
     manifest = read_manifest(p)
     report = VerifyReport(p)
-    for f, indices in _records_by_file(manifest):
-        report.files += 1
-        records = [manifest.tensors[i] for i in indices]
-        try:
-            _check_size(p, f)
-        except CorruptCheckpointError as exc:
-            report.problems.append(str(exc).removeprefix(f"{p}: "))
-            continue
-        report.problems += _check_header(p, f, records)
-        for n, items in enumerate(_batches(list(enumerate(records)), _BATCH)):
-            batch = [r for _, r in items]
-            report.problems += _verify_batch(p, f, batch, engine, header=n == 0,
-                                             decode=decode)
+    # Problems in file order; batches read on reader threads, as a load's files.
+    found: list[list[str] | tuple[list[TensorRecord], Future[list[str]]]] = []
+    readers = ThreadPoolExecutor(_FILES_IN_FLIGHT, thread_name_prefix="fastpersist-verify")
+    try:
+        for f, indices in _records_by_file(manifest):
+            report.files += 1
+            records = [manifest.tensors[i] for i in indices]
+            try:
+                _check_size(p, f)
+            except CorruptCheckpointError as exc:
+                found.append([str(exc).removeprefix(f"{p}: ")])
+                continue
+            found.append(_check_header(p, f, records))
+            for n, items in enumerate(_batches(list(enumerate(records)), _BATCH)):
+                batch = [r for _, r in items]
+                found.append((batch, readers.submit(_verify_batch, p, f, batch, engine,
+                                                    header=n == 0, decode=decode)))
+        for item in found:
+            if isinstance(item, list):
+                report.problems += item
+                continue
+            batch, future = item
+            report.problems += future.result()
             report.tensors += len(batch)
             done = sum(r.length for r in batch)
             report.bytes_checked += done
             if progress:
                 progress(done)
+    finally:  # an error or an interrupt (^C in fpctl) reads no further batch
+        readers.shutdown(cancel_futures=True)
     return report
 
 
