@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from ..format import dtypes
 from ..format.manifest import Manifest
 from ..format.tree import Path as TreePath
 from ..format.tree import path_text
-from ..tensors.checkpoint import read_manifest, verify
+from ..tensors.checkpoint import VerifyReport, read_manifest, verify
 from ._output import (
     EXIT_CORRUPT,
     EXIT_OK,
@@ -236,34 +237,43 @@ def print_description(path: Path | str, info: dict[str, Any]) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     path = Path(args.ckpt)
+    return run_verify(str(path), path.name, args.json, lambda: read_manifest(path).tensor_bytes,
+                      lambda progress: verify(path, get_engine(), progress=progress,
+                                              decode=not args.no_decode))
+
+
+def run_verify(where: str, name: str, as_json: bool, total: Callable[[], int],
+               check: Callable[[Callable[[int], None]], VerifyReport]) -> int:
+    """fpctl verify of a local or remote checkpoint: total() is the tensor bytes
+    to check (from the manifest), check(progress) re-reads them all."""
     try:
-        total = read_manifest(path).tensor_bytes
+        expected = total()
         start = time.perf_counter()
         # disable=None: a bar only when stderr is a terminal.
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
-                  desc=f"verify {path.name}", file=sys.stderr, leave=False) as bar:
-            report = verify(path, get_engine(), progress=bar.update,
-                            decode=not args.no_decode)
+        with tqdm(total=expected, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
+                  desc=f"verify {name}", file=sys.stderr, leave=False) as bar:
+            report = check(bar.update)
         seconds = time.perf_counter() - start
     except CorruptCheckpointError as exc:  # a malformed manifest: nothing else to check
-        if args.json:
-            print_json({"path": str(path), "ok": False, "problems": [str(exc)]})
+        if as_json:
+            print_json({"path": where, "ok": False, "problems": [str(exc)]})
         warn(str(exc))
         return EXIT_CORRUPT
-    if args.json:
-        print_json({"path": str(path), "ok": report.ok, "files": report.files,
+    if as_json:
+        print_json({"path": where, "ok": report.ok, "files": report.files,
                     "tensors": report.tensors, "bytes_checked": report.bytes_checked,
                     "seconds": seconds, "problems": report.problems})
     elif report.ok:
         rate = report.bytes_checked / seconds / 1e9 if seconds > 0 else 0.0
-        print(f"OK {path}: {report.files} files, {report.tensors} tensors, "
+        print(f"OK {where}: {report.files} files, {report.tensors} tensors, "
               f"{human_size(report.bytes_checked)} checked in {seconds:.2f} s "
               f"({rate:.2f} GB/s)")
     else:
-        print(f"CORRUPT {path}: {len(report.problems)} problems")
+        print(f"CORRUPT {where}: {len(report.problems)} problems")
         for problem in report.problems:
             print(f"  {problem}")
     return EXIT_OK if report.ok else EXIT_CORRUPT
 
 
-__all__ = ["cmd_inspect", "cmd_verify", "describe", "print_description", "tree_summary"]
+__all__ = ["cmd_inspect", "cmd_verify", "describe", "print_description", "run_verify",
+           "tree_summary"]

@@ -10,11 +10,8 @@ multipart uploads.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
-
-from tqdm import tqdm
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.manifest import Manifest
@@ -24,7 +21,6 @@ from ..tier.remote import entries, read_manifest
 from ..tier.retention import delete_checkpoint, incomplete, sweep_uploads
 from ..tier.url import TierURL
 from ._output import (
-    EXIT_CORRUPT,
     EXIT_ERROR,
     EXIT_OK,
     human_size,
@@ -33,7 +29,7 @@ from ._output import (
     print_table,
     warn,
 )
-from .inspecting import describe, print_description
+from .inspecting import describe, print_description, run_verify
 
 
 def _where(text: str) -> tuple[S3, TierURL]:
@@ -94,31 +90,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     s3, url = _where(args.ckpt)
-    try:
-        total = read_manifest(s3, url)[0].tensor_bytes
-        start = time.perf_counter()
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
-                  desc=f"verify {url.name}", file=sys.stderr, leave=False) as bar:
-            report = tier_read.verify(s3, url, progress=bar.update,
-                                      decode=not args.no_decode)
-        seconds = time.perf_counter() - start
-    except CorruptCheckpointError as exc:
-        if args.json:
-            print_json({"path": str(url), "ok": False, "problems": [str(exc)]})
-        warn(str(exc))
-        return EXIT_CORRUPT
-    if args.json:
-        print_json({"path": str(url), "ok": report.ok, "files": report.files,
-                    "tensors": report.tensors, "bytes_checked": report.bytes_checked,
-                    "seconds": seconds, "problems": report.problems})
-    elif report.ok:
-        print(f"OK {url}: {report.files} files, {report.tensors} tensors, "
-              f"{human_size(report.bytes_checked)} checked in {seconds:.2f} s")
-    else:
-        print(f"CORRUPT {url}: {len(report.problems)} problems")
-        for problem in report.problems:
-            print(f"  {problem}")
-    return EXIT_OK if report.ok else EXIT_CORRUPT
+    return run_verify(str(url), url.name, args.json,
+                      lambda: read_manifest(s3, url)[0].tensor_bytes,
+                      lambda progress: tier_read.verify(s3, url, progress=progress,
+                                                        decode=not args.no_decode))
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
