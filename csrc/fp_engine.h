@@ -87,9 +87,13 @@ int fp_write_file_at(int dir_fd, const char *name, const fp_wseg *segs, size_t n
  * Read each segment's bytes from `path` into its buffer, in any order and in
  * parallel. crcs (may be NULL when opts->checksum is 0) receives each
  * segment's CRC32C. Returns -FP_ETRUNCATED if the file is too short.
+ * region (may be NULL): a buffer laid out as the file from region->off, in
+ * which (some of) the segments lie at their offsets; those are then read with
+ * large I/Os straight into it (bytes between them included), so that a file
+ * read whole needs no bounce copies and no small reads.
  */
-int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
-                 uint32_t *crcs, int *used_direct);
+int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_rseg *region,
+                 const fp_opts *opts, uint32_t *crcs, int *used_direct);
 
 /*
  * 0 if io_uring can be used here (setup succeeds and the kernel has

@@ -199,12 +199,17 @@ const char *fp_block_source(fp_write_job *job, uint64_t k, char *buf, uint64_t *
 
 /* ---- jobs: fp_read_job.c ------------------------------------------------- */
 
-/* One planned read: a piece read in place, or a group of bounce pieces. */
+/* One planned read: a piece read in place, a group of bounce pieces, or a
+ * block of a region (memory laid out as the file) holding pieces of several
+ * segments, read in place. */
+typedef enum { FP_IO_IN_PLACE, FP_IO_BOUNCE, FP_IO_REGION } fp_read_io_kind;
+
 typedef struct {
-    int bounce;      /* 0: one piece read in place; 1: a group of bounce pieces */
-    uint64_t off;    /* aligned file offset of the I/O */
+    fp_read_io_kind kind;
+    char *mem;       /* where the I/O reads to; NULL: the thread's bounce buffer */
+    uint64_t off;    /* file offset of the I/O (aligned under O_DIRECT) */
     uint64_t len;
-    size_t first;    /* direct: index into pieces; bounce: index into bounce_idx */
+    size_t first;    /* in place: index into pieces; else index into group_idx */
     size_t count;
 } fp_read_io;
 
@@ -220,8 +225,10 @@ typedef struct {
     uint64_t bounce_size; /* bytes of a bounce buffer: the longest bounce io */
     fp_piece *pieces;
     size_t npieces;
-    size_t *bounce_idx; /* bounce pieces, in file order */
-    size_t nbounce;
+    /* Pieces of bounce and region ios, each io's together: io k's are
+     * group_idx[ios[k].first .. + ios[k].count). */
+    size_t *group_idx;
+    size_t ngroup;
     fp_read_io *ios;
     size_t nios;
     size_t next_io; /* claimed with an atomic add */
@@ -237,11 +244,16 @@ typedef struct {
 /*
  * Plan the ios for a descriptor opened with (direct) or without O_DIRECT:
  * in place into the segments' memory where alignment allows, else through
- * bounce buffers of bounce_size bytes. The plan points into the caller's
- * buffers. 0 or -ENOMEM (message set); fp_read_plan_free frees either way.
+ * bounce buffers of bounce_size bytes. region (may be NULL) is memory laid out
+ * as the file from region->off: the segments that lie in it at their own file
+ * offsets are read with whole blocks of it in place, as if they were one
+ * segment, and the rest as above. It must be phase-aligned (address - offset a
+ * multiple of FP_ALIGN) for direct reads and cover its segments' aligned
+ * span, or it is not used. The plan points into the caller's buffers. 0 or
+ * -ENOMEM (message set); fp_read_plan_free frees either way.
  */
-int fp_read_plan(fp_read_job *job, const fp_rseg *segs, size_t nsegs, uint64_t block_size,
-                 int direct);
+int fp_read_plan(fp_read_job *job, const fp_rseg *segs, size_t nsegs, const fp_rseg *region,
+                 uint64_t block_size, int direct);
 /* Buffered reads on the pool only: split the (in-place, file-ordered) ios into
  * `threads` streams of about equal bytes. 0 or -ENOMEM (message set). */
 int fp_read_plan_streams(fp_read_job *job, unsigned threads);

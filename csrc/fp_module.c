@@ -83,6 +83,21 @@ fail:
     return -1;
 }
 
+/* read_file's region: one writable (buffer, offset), held as a one-entry list. */
+static int acquire_region(PyObject *region, seg_list *sl)
+{
+    PyObject *one = PyTuple_Pack(1, region);
+    if (!one)
+        return -1;
+    int rc = acquire_segments(one, 1, sl);
+    Py_DECREF(one);
+    if (rc < 0 && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "region must be a (buffer, offset) tuple or None");
+    }
+    return rc;
+}
+
 /*
  * Keyword defaults of write_file/read_file. Pool: medians of 11 interleaved
  * 2 GiB runs, 8 MiB blocks, 64 MiB of buffers: pool x8 write 1.80 / cold read
@@ -194,37 +209,42 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw)
 
 PyDoc_STRVAR(read_file_doc,
              "read_file(path, segments, block_size, threads, direct, checksum=True, *,\n"
-             "          backend=BACKEND_POOL, queue_depth=8)\n"
+             "          backend=BACKEND_POOL, queue_depth=8, region=None)\n"
              "--\n\n"
              "Fill each writable (buffer, offset) segment with the file's bytes at that\n"
              "offset, in parallel. Returns (crc32c of each segment or None, whether\n"
              "O_DIRECT was used). Raises EOFError if the file is too short. backend and\n"
-             "queue_depth as for write_file.");
+             "queue_depth as for write_file. region: a writable (buffer, offset) laid\n"
+             "out as the file from offset; segments that are views of it at their own\n"
+             "offsets are read with large I/Os straight into it (bytes between them too).");
 
 static PyObject *py_read_file(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"path", "segments", "block_size", "threads", "direct", "checksum",
-                             "backend", "queue_depth", NULL};
-    PyObject *path = NULL, *seq;
+                             "backend", "queue_depth", "region", NULL};
+    PyObject *path = NULL, *seq, *region_arg = Py_None;
     Py_ssize_t block_size;
     int threads, direct, checksum = 1, backend = DEFAULT_BACKEND;
     int queue_depth = DEFAULT_QUEUE_DEPTH;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Onii|p$ii", kwlist, PyUnicode_FSConverter,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Onii|p$iiO", kwlist, PyUnicode_FSConverter,
                                      &path, &seq, &block_size, &threads, &direct, &checksum,
-                                     &backend, &queue_depth))
+                                     &backend, &queue_depth, &region_arg))
         return NULL;
     fp_opts opts = {.checksum = checksum};
-    seg_list sl = {0};
+    seg_list sl = {0}, region = {0};
     PyObject *result = NULL;
     if (parse_opts(&opts, block_size, threads, direct, backend, queue_depth) == 0 &&
-        acquire_segments(seq, 1, &sl) == 0) {
+        acquire_segments(seq, 1, &sl) == 0 &&
+        (region_arg == Py_None || acquire_region(region_arg, &region) == 0)) {
         int rc, used_direct = 0;
         Py_BEGIN_ALLOW_THREADS
-        rc = fp_read_file(PyBytes_AS_STRING(path), sl.segs, (size_t)sl.n, &opts,
-                          checksum ? sl.crcs : NULL, &used_direct);
+        rc = fp_read_file(PyBytes_AS_STRING(path), sl.segs, (size_t)sl.n,
+                          region.n ? region.segs : NULL, &opts, checksum ? sl.crcs : NULL,
+                          &used_direct);
         Py_END_ALLOW_THREADS
         result = io_result(rc, path, &sl, checksum, used_direct);
     }
+    release_segments(&region);
     release_segments(&sl);
     Py_XDECREF(path);
     return result;

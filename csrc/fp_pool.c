@@ -68,8 +68,8 @@ static void *read_worker(void *arg)
         if (k >= job->nios)
             break;
         const fp_read_io *io = &job->ios[k];
-        if (!io->bounce) {
-            read_one(job, io, job->pieces[io->first].mem);
+        if (io->mem) {
+            read_one(job, io, io->mem);
             continue;
         }
         if (!buf && !(buf = fp_bounce_get(job->bounce_size))) {
@@ -93,13 +93,13 @@ static void read_stream(fp_read_job *job, size_t first, size_t last)
     posix_fadvise(fd, (off_t)lo, (off_t)(hi - lo), POSIX_FADV_SEQUENTIAL);
     for (size_t k = first; k < last && !fp_failed(&job->st); k++) {
         const fp_read_io *io = &job->ios[k];
-        int64_t n = fp_pread_full(fd, job->pieces[io->first].mem, io->len, io->off);
+        int64_t n = fp_pread_full(fd, io->mem, io->len, io->off);
         if (n < 0)
             fp_fail(&job->st, (int)-n, "read of %llu bytes at offset %llu: %s",
                     (unsigned long long)io->len, (unsigned long long)io->off,
                     strerror((int)-n));
         else
-            fp_read_io_done(job, io, job->pieces[io->first].mem, (uint64_t)n);
+            fp_read_io_done(job, io, io->mem, (uint64_t)n);
     }
     /* The bytes now live in the caller's memory; a second copy in the page
      * cache would only crowd out the trainer's. */

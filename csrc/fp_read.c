@@ -12,8 +12,9 @@
 #include <string.h>
 #include <unistd.h>
 
-static int read_once(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
-                     fp_direct_mode mode, fp_ring *ring, uint32_t *crcs, int *used_direct)
+static int read_once(const char *path, const fp_rseg *segs, size_t nsegs, const fp_rseg *region,
+                     const fp_opts *opts, fp_direct_mode mode, fp_ring *ring, uint32_t *crcs,
+                     int *used_direct)
 {
     int fd = fp_open_for(AT_FDCWD, path, O_RDONLY, mode, used_direct);
     if (fd < 0) {
@@ -23,7 +24,7 @@ static int read_once(const char *path, const fp_rseg *segs, size_t nsegs, const 
     fp_read_job job = {.fd = fd, .checksum = opts->checksum,
                     .bounce_size = opts->block_size + 2 * FP_ALIGN, .path = path};
     pthread_mutex_init(&job.st.lock, NULL);
-    int rc = fp_read_plan(&job, segs, nsegs, opts->block_size, *used_direct);
+    int rc = fp_read_plan(&job, segs, nsegs, region, opts->block_size, *used_direct);
     unsigned threads = (unsigned)fp_min(opts->threads ? opts->threads : 1,
                                         job.nios ? job.nios : 1);
     if (rc == 0 && !*used_direct && !ring)
@@ -46,8 +47,8 @@ static int read_once(const char *path, const fp_rseg *segs, size_t nsegs, const 
     return rc;
 }
 
-int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_opts *opts,
-                 uint32_t *crcs, int *used_direct)
+int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_rseg *region,
+                 const fp_opts *opts, uint32_t *crcs, int *used_direct)
 {
     int rc = fp_check_opts(opts);
     if (rc < 0)
@@ -62,9 +63,10 @@ int fp_read_file(const char *path, const fp_rseg *segs, size_t nsegs, const fp_o
     rc = fp_ring_for(opts->backend, opts->queue_depth, &ring);
     if (rc < 0)
         return rc;
-    rc = read_once(path, segs, nsegs, opts, opts->direct, ring, crcs, used_direct);
+    rc = read_once(path, segs, nsegs, region, opts, opts->direct, ring, crcs, used_direct);
     if (rc == -EINVAL && opts->direct == FP_DIRECT_AUTO && *used_direct)
-        rc = read_once(path, segs, nsegs, opts, FP_DIRECT_OFF, ring, crcs, used_direct);
+        rc = read_once(path, segs, nsegs, region, opts, FP_DIRECT_OFF, ring, crcs,
+                       used_direct);
     fp_ring_close(ring);
     return rc;
 }

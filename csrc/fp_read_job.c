@@ -9,6 +9,12 @@
  * with one I/O (the tail of one tensor and the head of the next usually share
  * a block), so a checkpoint of many small tensors costs few reads.
  *
+ * A caller that reads a whole file can pass a region: one buffer laid out as
+ * the file, in which the segments lie at their own offsets. Those segments
+ * are then read as one: block-sized I/Os straight into the region, with no
+ * bounce copies and no small reads at tensor boundaries, and each I/O
+ * checksums the pieces of the segments it holds.
+ *
  * Buffered reads (no O_DIRECT) read every piece in place; for the thread pool
  * the ios are also split into one contiguous span (stream) per thread, which
  * fp_pool.c reads in order through its own descriptor.
@@ -35,8 +41,9 @@ static void add_direct(planner *pl, fp_piece piece)
 {
     fp_read_job *job = pl->job;
     job->pieces[job->npieces] = piece;
-    job->ios[job->nios++] = (fp_read_io){.off = piece.off, .len = piece.len,
-                                      .first = job->npieces++, .count = 1};
+    job->ios[job->nios++] = (fp_read_io){.kind = FP_IO_IN_PLACE, .mem = piece.mem,
+                                         .off = piece.off, .len = piece.len,
+                                         .first = job->npieces++, .count = 1};
 }
 
 static void add_bounce(planner *pl, fp_piece piece)
@@ -50,15 +57,15 @@ static void add_bounce(planner *pl, fp_piece piece)
         g = NULL;
     if (!g) {
         g = pl->group = &job->ios[job->nios++];
-        *g = (fp_read_io){.bounce = 1, .off = fp_round_down(piece.off, FP_ALIGN),
-                       .first = job->nbounce};
+        *g = (fp_read_io){.kind = FP_IO_BOUNCE, .off = fp_round_down(piece.off, FP_ALIGN),
+                          .first = job->ngroup};
         pl->group_end = 0;
     }
     if (end > pl->group_end)
         pl->group_end = end;
     g->len = fp_round_up(pl->group_end, FP_ALIGN) - g->off;
     g->count++;
-    job->bounce_idx[job->nbounce++] = job->npieces;
+    job->group_idx[job->ngroup++] = job->npieces;
     job->pieces[job->npieces++] = piece;
 }
 
@@ -107,17 +114,117 @@ static int by_offset(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-int fp_read_plan(fp_read_job *job, const fp_rseg *segs, size_t nsegs, uint64_t block_size,
-                 int direct)
+/* Whether segment s lies in region r at its own file offset. */
+static int in_region(const fp_rseg *r, const fp_rseg *s)
 {
-    size_t maxpieces = 0;
+    return s->len && s->off >= r->off && s->len <= r->len && s->off - r->off <= r->len - s->len &&
+           (char *)s->buf == (char *)r->buf + (s->off - r->off);
+}
+
+/* The span [*lo, *hi) of the region's ios for its member segments: 0 when
+ * none is a member, or the region cannot be read in place (direct reads need
+ * its phase to match the file's and its memory to cover the aligned span). */
+static int region_span(const fp_rseg *r, const fp_rseg *segs, size_t nsegs, int direct,
+                       uint64_t *lo, uint64_t *hi)
+{
+    int any = 0;
+    for (size_t i = 0; i < nsegs; i++) {
+        if (!in_region(r, &segs[i]))
+            continue;
+        uint64_t end = segs[i].off + segs[i].len;
+        *lo = any && *lo < segs[i].off ? *lo : segs[i].off;
+        *hi = any && *hi > end ? *hi : end;
+        any = 1;
+    }
+    if (!any || !direct)
+        return any;
+    *lo = fp_round_down(*lo, FP_ALIGN);
+    *hi = fp_round_up(*hi, FP_ALIGN);
+    return (uintptr_t)r->buf % FP_ALIGN == r->off % FP_ALIGN && *lo >= r->off &&
+           *hi - r->off <= r->len;
+}
+
+/* The first and last block (of the region's ios from lo) that [off, end) touches. */
+static void blocks_of(uint64_t lo, uint64_t block, uint64_t off, uint64_t end, size_t *first,
+                      size_t *last)
+{
+    *first = (size_t)((off - lo) / block);
+    *last = (size_t)((end - 1 - lo) / block);
+}
+
+/* The region's ios, one a block from lo, and the pieces of its member
+ * segments cut at those blocks; each io's pieces are listed together in
+ * group_idx (counted first, then placed: overlapping segments may interleave). */
+static int plan_region(planner *pl, const fp_rseg *r, const fp_rseg *segs, const seg_order *order,
+                       size_t nsegs, uint64_t lo, uint64_t hi)
+{
+    fp_read_job *job = pl->job;
+    uint64_t block = pl->block_size;
+    size_t nblocks = (size_t)((hi - lo + block - 1) / block), base = job->nios;
+    size_t *fill = calloc(nblocks, sizeof *fill);
+    if (!fill) {
+        fp_set_error("out of memory planning a read of %zu blocks", nblocks);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < nsegs; i++) {
+        const fp_rseg *seg = &segs[order[i].seg];
+        size_t first, last;
+        if (!in_region(r, seg))
+            continue;
+        blocks_of(lo, block, seg->off, seg->off + seg->len, &first, &last);
+        for (size_t k = first; k <= last; k++)
+            fill[k]++;
+    }
+    size_t at = job->ngroup;
+    for (size_t k = 0; k < nblocks; k++) {
+        uint64_t off = lo + k * block, len = hi - off < block ? hi - off : block;
+        job->ios[job->nios++] = (fp_read_io){.kind = FP_IO_REGION,
+                                             .mem = (char *)r->buf + (off - r->off),
+                                             .off = off, .len = len, .first = at};
+        at += fill[k];
+    }
+    job->ngroup = at;
+    for (size_t i = 0; i < nsegs; i++) {
+        size_t s = order[i].seg;
+        const fp_rseg *seg = &segs[s];
+        size_t first, last;
+        if (!in_region(r, seg))
+            continue;
+        blocks_of(lo, block, seg->off, seg->off + seg->len, &first, &last);
+        for (size_t k = first; k <= last; k++) {
+            fp_read_io *io = &job->ios[base + k];
+            uint64_t a = seg->off > io->off ? seg->off : io->off;
+            uint64_t b = seg->off + seg->len < io->off + io->len ? seg->off + seg->len
+                                                                 : io->off + io->len;
+            job->group_idx[io->first + io->count++] = job->npieces;
+            job->pieces[job->npieces++] = (fp_piece){.mem = (char *)seg->buf + (a - seg->off),
+                                                     .off = a, .len = b - a, .seg = s};
+        }
+    }
+    free(fill);
+    return 0;
+}
+
+static int by_io_offset(const void *a, const void *b)
+{
+    uint64_t x = ((const fp_read_io *)a)->off, y = ((const fp_read_io *)b)->off;
+    return x < y ? -1 : x > y;
+}
+
+int fp_read_plan(fp_read_job *job, const fp_rseg *segs, size_t nsegs, const fp_rseg *region,
+                 uint64_t block_size, int direct)
+{
+    uint64_t lo = 0, hi = 0;
+    if (region && !region_span(region, segs, nsegs, direct, &lo, &hi))
+        region = NULL;
+    size_t maxpieces = 0, region_ios = region ? (size_t)((hi - lo) / block_size + 1) : 0;
     for (size_t i = 0; i < nsegs; i++)
         maxpieces += segs[i].len / block_size + 3; /* head, tail, rounding */
     seg_order *order = malloc((nsegs ? nsegs : 1) * sizeof *order);
     job->pieces = calloc(maxpieces + 1, sizeof *job->pieces);
-    job->bounce_idx = calloc(maxpieces + 1, sizeof *job->bounce_idx);
-    job->ios = calloc(maxpieces + 1, sizeof *job->ios);
-    if (!order || !job->pieces || !job->bounce_idx || !job->ios) {
+    job->group_idx = calloc(maxpieces + 1, sizeof *job->group_idx);
+    job->ios = calloc(maxpieces + region_ios + 1, sizeof *job->ios);
+    if (!order || !job->pieces || !job->group_idx || !job->ios) {
         free(order);
         fp_set_error("out of memory planning the reads of %zu segments", nsegs);
         return -ENOMEM;
@@ -126,10 +233,16 @@ int fp_read_plan(fp_read_job *job, const fp_rseg *segs, size_t nsegs, uint64_t b
         order[i] = (seg_order){.off = segs[i].off, .seg = i};
     qsort(order, nsegs, sizeof *order, by_offset);
     planner pl = {.job = job, .direct = direct, .block_size = block_size};
-    for (size_t i = 0; i < nsegs; i++)
-        plan_segment(&pl, &segs[order[i].seg], order[i].seg);
+    int rc = region ? plan_region(&pl, region, segs, order, nsegs, lo, hi) : 0;
+    for (size_t i = 0; rc == 0 && i < nsegs; i++) {
+        if (!region || !in_region(region, &segs[order[i].seg]))
+            plan_segment(&pl, &segs[order[i].seg], order[i].seg);
+    }
     free(order);
-    return 0;
+    /* Buffered streams read their ios in file order. */
+    if (rc == 0 && region && !direct)
+        qsort(job->ios, job->nios, sizeof *job->ios, by_io_offset);
+    return rc;
 }
 
 void fp_read_plan_free(fp_read_job *job)
@@ -137,12 +250,12 @@ void fp_read_plan_free(fp_read_job *job)
     free(job->stream_first);
     job->stream_first = NULL;
     free(job->pieces);
-    free(job->bounce_idx);
+    free(job->group_idx);
     free(job->ios);
     job->pieces = NULL;
-    job->bounce_idx = NULL;
+    job->group_idx = NULL;
     job->ios = NULL;
-    job->npieces = job->nbounce = job->nios = 0;
+    job->npieces = job->ngroup = job->nios = 0;
 }
 
 /* Split the (in-place, file-ordered) ios of a buffered read into `threads`
@@ -179,7 +292,7 @@ static void fail_short(fp_read_job *job, const fp_piece *p, uint64_t got_end)
 
 void fp_read_io_done(fp_read_job *job, const fp_read_io *io, const char *buf, uint64_t got)
 {
-    if (!io->bounce) {
+    if (io->kind == FP_IO_IN_PLACE) {
         fp_piece *p = &job->pieces[io->first];
         if (got < p->len)
             fail_short(job, p, p->off + got);
@@ -188,12 +301,15 @@ void fp_read_io_done(fp_read_job *job, const fp_read_io *io, const char *buf, ui
         return;
     }
     for (size_t i = io->first; i < io->first + io->count; i++) {
-        fp_piece *p = &job->pieces[job->bounce_idx[i]];
+        fp_piece *p = &job->pieces[job->group_idx[i]];
         uint64_t rel = p->off - io->off;
         if (rel + p->len > got) {
             fail_short(job, p, io->off + got);
             return;
         }
-        p->crc = fp_copy_with_crc(p->mem, buf + rel, p->len, job->checksum);
+        if (io->kind == FP_IO_REGION) /* already in place: buf + rel is p->mem */
+            p->crc = job->checksum ? fp_crc32c(0, p->mem, p->len) : 0;
+        else
+            p->crc = fp_copy_with_crc(p->mem, buf + rel, p->len, job->checksum);
     }
 }

@@ -214,12 +214,12 @@ static int read_start(loop *L, slot *s)
     if (k >= job->nios)
         return 0;
     const fp_read_io *io = &job->ios[k];
-    if (io->bounce && !s->buf && !(s->buf = fp_bounce_get(job->bounce_size))) {
+    if (!io->mem && !s->buf && !(s->buf = fp_bounce_get(job->bounce_size))) {
         fp_fail(L->st, ENOMEM, "allocating a bounce buffer");
         return 0;
     }
     s->io = k;
-    s->base = io->bounce ? s->buf : job->pieces[io->first].mem;
+    s->base = io->mem ? io->mem : s->buf;
     s->off = io->off;
     s->got = 0;
     s->left = io->len;

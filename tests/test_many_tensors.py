@@ -57,7 +57,9 @@ def test_each_loaded_tensor_has_its_own_storage(tmp_path: Path) -> None:
     assert len(pointers) == len(tensors)
     for t in tensors:
         assert t.untyped_storage().nbytes() == t.nbytes
-        assert t.data_ptr() % 64 == 0  # aligned as torch's own allocator aligns
+        # At its place in the file (a multiple of its element size), as
+        # safetensors.s own mmap loads place it.
+        assert t.data_ptr() % t.element_size() == 0
     loaded["model"]["l1.b"].add_(1)  # writable, and no other tensor changes
     # Saved again, every tensor is its own record: no views of a shared span.
     fastpersist.save(loaded, tmp_path / "again")

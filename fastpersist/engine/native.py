@@ -60,10 +60,11 @@ class NativeEngine:
         return IOResult(crcs=crcs, direct=direct)
 
     def read_file(
-        self, path: str, segments: Sequence[Segment], *, checksum: bool = True
+        self, path: str, segments: Sequence[Segment], *, checksum: bool = True,
+        region: Segment | None = None,
     ) -> IOResult:
         crcs, direct = _engine.read_file(
             path, segments, self._block_size, self._threads, _DIRECT_MODES[self._mode], checksum,
-            backend=self._backend, queue_depth=self._queue_depth,
+            backend=self._backend, queue_depth=self._queue_depth, region=region,
         )
         return IOResult(crcs=crcs, direct=direct)

@@ -38,8 +38,14 @@ class Engine(Protocol):
         ...
 
     def read_file(
-        self, path: str, segments: Sequence[Segment], *, checksum: bool = True
+        self, path: str, segments: Sequence[Segment], *, checksum: bool = True,
+        region: Segment | None = None,
     ) -> IOResult:
         """Fill each writable segment from the file. Raises EOFError when the
-        file is shorter than a segment needs, OSError otherwise."""
+        file is shorter than a segment needs, OSError otherwise.
+
+        region, a hint: a writable buffer laid out as the file from its offset,
+        of which (some) segments are views at their own offsets; an engine may
+        then read the whole span into it with large I/Os (the bytes between
+        those segments included) instead of segment by segment."""
         ...

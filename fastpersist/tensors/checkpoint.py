@@ -151,8 +151,8 @@ def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: boo
                     _finish_read(path, *in_flight.pop(0), result, progress)
                 pending = datafile.start_read(str(path), f, records, verify=verify,
                                               header=False)
-                in_flight.append((indices, pending, readers.submit(
-                    engine.read_file, pending.path, pending.segments, checksum=verify)))
+                in_flight.append((indices, pending,
+                                  readers.submit(datafile.run_read, engine, pending)))
         except BaseException:
             while in_flight:  # an earlier file's error goes first
                 _finish_read(path, *in_flight.pop(0), result, progress)

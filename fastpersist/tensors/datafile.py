@@ -9,9 +9,11 @@ into manifest records; the engine does the I/O.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import operator
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -207,8 +209,13 @@ def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorR
     to raise. Raises EOFError when the file is shorter than the records need.
     """
     pending = start_read(directory, file, records, verify=verify, header=header)
-    return finish_read(pending, engine.read_file(pending.path, pending.segments,
-                                                 checksum=verify))
+    return finish_read(pending, run_read(engine, pending))
+
+
+def run_read(engine: Engine, pending: PendingRead) -> IOResult:
+    """The engine's read of a started read (any thread; releases the GIL)."""
+    return engine.read_file(pending.path, pending.segments, checksum=pending.verify,
+                            region=pending.region)
 
 
 @dataclass
@@ -225,21 +232,114 @@ class PendingRead:
     segments: list[Segment]
     verify: bool
     with_header: bool
+    region: Segment | None = None  # the engine's region hint (see start_read)
 
 
 def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
                verify: bool, header: bool = True) -> PendingRead:
-    tensors, views = empties_for_read(records)
+    """Allocate the tensors for a read of `records` of `file` and make the
+    engine's segments.
+
+    A read of most of a file's bytes (a load) puts the file into one mapping
+    laid out as the file, each tensor a view of it, and hands the mapping to
+    the engine as its region: the engine then reads the file with block-sized
+    O_DIRECT reads straight into place, with no bounce copies and no small
+    reads at tensor boundaries. The mapping is unmapped when the last tensor
+    of the file is freed; a tensor of at least _GIVE_BACK_MIN bytes gives its
+    own pages back to the OS when it is freed (see _give_back).
+    """
     with_header = verify and header
-    segments: list[Segment] = [(bytearray(file.data_start), 0)] if with_header else []
+    header_bytes = file.data_start if with_header else 0
+    span = _region_span(records, header_bytes)
+    region: Segment | None = None
+    if span is None:
+        tensors, views = empties_for_read(records)
+        segments: list[Segment] = [(bytearray(header_bytes), 0)] if with_header else []
+    else:
+        mapping, tensors, views = _empties_in_region(records, *span)
+        region = (mapping, span[0])
+        segments = [(memoryview(mapping)[:header_bytes], 0)] if with_header else []
     segments += [(v, r.offset) for v, r in zip(views, records, strict=True)]
     return PendingRead(os.path.join(directory, file.name), file, records, tensors, segments,
-                       verify, with_header)
+                       verify, with_header, region)
+
+
+# A read whose bytes fill at least this share of their span reads the span
+# into one mapping (start_read); sparser reads allocate tensor by tensor.
+_REGION_MIN_FILL = 0.5
+
+
+def _region_span(records: list[TensorRecord], header_bytes: int) -> tuple[int, int] | None:
+    """The page-aligned file span [lo, hi) of start_read's mapping, or None."""
+    if not records:
+        return None
+    lo = 0 if header_bytes else min(r.offset for r in records)
+    hi = max(r.offset + r.length for r in records)
+    filled = header_bytes + sum(r.length for r in records)
+    if not filled or filled < _REGION_MIN_FILL * (hi - lo):
+        return None
+    return lo // ALIGNMENT * ALIGNMENT, -(-hi // ALIGNMENT) * ALIGNMENT
+
+
+# Tensors of at least this many bytes in a region give their pages back when
+# freed, so that keeping one tensor of a loaded file does not keep the file's
+# memory: a load followed by optimizer.load_state_dict keeps the optimizer's
+# tensors and frees the model's. (Smaller ones would cost more in bookkeeping
+# than they hold; their pages go with the mapping.)
+_GIVE_BACK_MIN = 256 << 10
+
+
+def _owner(mapping: mmap.mmap, start: int, length: int) -> ctypes.Array[ctypes.c_ubyte]:
+    """A buffer over mapping[start:start + length] that torch keeps alive for
+    exactly as long as the tensor made from it has storage; when it dies the
+    pages wholly inside it are given back (the pages at its ends may hold
+    neighbours' bytes and go with the mapping)."""
+    owner = (ctypes.c_ubyte * length).from_buffer(mapping, start)
+    first = -(-start // ALIGNMENT) * ALIGNMENT
+    last = (start + length) // ALIGNMENT * ALIGNMENT
+    if last > first:
+        weakref.finalize(owner, mapping.madvise, mmap.MADV_DONTNEED, first,
+                         last - first).atexit = False
+    return owner
+
+
+def _empties_in_region(records: list[TensorRecord], lo: int, hi: int
+                       ) -> tuple[mmap.mmap, list[torch.Tensor], list[memoryview]]:
+    """A mapping for file bytes [lo, hi) and, for each record, a tensor over
+    its bytes there and a writable view of them. A record whose offset is not a
+    multiple of its element size (not something this writer makes) gets memory
+    of its own, as empties_for_read makes it, so no tensor is misaligned."""
+    mapping = anonymous(hi - lo, huge=True)
+    whole = memoryview(mapping)
+    out: list[torch.Tensor | None] = [None] * len(records)
+    views: list[memoryview | None] = [None] * len(records)
+    apart: list[int] = []
+    torch_dtypes: dict[str, torch.dtype] = {}
+    frombuffer = torch.frombuffer
+    for i, r in enumerate(records):
+        dtype = torch_dtypes.get(r.dtype) or torch_dtypes.setdefault(
+            r.dtype, dtypes.from_name(r.dtype))
+        start = r.offset - lo
+        if r.length == 0 or start % dtype.itemsize:
+            apart.append(i)
+            continue
+        if r.length >= _GIVE_BACK_MIN:
+            t = frombuffer(_owner(mapping, start, r.length), dtype=dtype)
+        else:
+            t = frombuffer(mapping, dtype=dtype, offset=start, count=r.length // dtype.itemsize)
+        out[i] = t if len(r.shape) == 1 else t.view(r.shape)
+        views[i] = whole[start:start + r.length]
+    if apart:
+        tensors, own = empties_for_read([records[i] for i in apart])
+        for i, t, v in zip(apart, tensors, own, strict=True):
+            out[i], views[i] = t, v
+    return mapping, out, views  # type: ignore[return-value]  # every index was filled
 
 
 def finish_read(pending: PendingRead, result: IOResult
                 ) -> tuple[list[torch.Tensor], list[Mismatch]]:
     pending.segments = []  # (a memoryview of an arena would keep it from being unmapped)
+    pending.region = None
     file, mismatches = pending.file, []
     if pending.verify:
         assert result.crcs is not None
