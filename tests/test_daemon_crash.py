@@ -46,7 +46,7 @@ from fastpersist.errors import DaemonUnavailableError
 from fastpersist.protocol import shm
 from fastpersist.saving.remote import RemoteSaver
 from fastpersist.storage.commit import parse_leftover
-from fastpersist.tensors import checkpoint
+from fastpersist.tensors import verifying
 
 HELPERS = Path(__file__).parent / "helpers"
 CLIENT = HELPERS / "daemon_crash_client.py"
@@ -177,7 +177,7 @@ def assert_loads(path: Path, step: int, shape: dict[str, int]) -> None:
     loaded = fastpersist.load(path, verify=True)
     problem = mismatch(loaded, step, shape["tensors"], shape["numel"])
     assert problem is None, f"{path}: {problem}"
-    report = checkpoint.verify(path, get_engine())
+    report = verifying.verify(path, get_engine())
     assert report.ok, report
 
 

@@ -30,7 +30,7 @@ import fastpersist
 from fastpersist import CheckpointNotFoundError
 from fastpersist.engine import get_engine
 from fastpersist.storage.commit import Leftover, collect, find_leftovers
-from fastpersist.tensors import checkpoint
+from fastpersist.tensors import checkpoint, verifying
 
 HELPER = Path(__file__).parent / "helpers" / "kill_saver.py"
 
@@ -324,7 +324,7 @@ def test_staging_directory_with_complete_manifest_is_not_loadable(zygote, tmp_pa
     with pytest.raises(CheckpointNotFoundError):
         checkpoint.read_manifest(lo.path)
     with pytest.raises(CheckpointNotFoundError):
-        checkpoint.verify(lo.path, get_engine())
+        verifying.verify(lo.path, get_engine())
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         fastpersist.load(target)
     # A relative path and a trailing slash name the same directory.

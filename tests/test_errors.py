@@ -39,7 +39,7 @@ from fastpersist import (
 )
 from fastpersist.engine import get_engine
 from fastpersist.storage.commit import find_leftovers
-from fastpersist.tensors import checkpoint
+from fastpersist.tensors import checkpoint, verifying
 
 DATA = "data-00000.safetensors"
 MANIFEST = "manifest.json"
@@ -236,7 +236,7 @@ def test_read_only_filesystem(engine: str, readonly_ckpts: Path) -> None:
     assert listing(ckpts) == before
     # Reading needs no write access.
     assert_version(ckpts / "ck", 1, 1)
-    report = checkpoint.verify(ckpts / "ck", get_engine())
+    report = verifying.verify(ckpts / "ck", get_engine())
     assert report.ok, report.problems
 
 
@@ -381,7 +381,7 @@ def test_flipped_bit_in_a_tensor(ckpt: Path, name: str, bit: int) -> None:
     loaded = fastpersist.load(ckpt, verify=False)
     assert int((loaded["model"][key] != STATE["model"][key]).sum()) == 1
     # fpctl verify's code path names it too.
-    report = checkpoint.verify(ckpt, get_engine())
+    report = verifying.verify(ckpt, get_engine())
     assert not report.ok and any(repr(name) in p for p in report.problems)
 
 

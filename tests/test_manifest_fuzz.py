@@ -38,7 +38,7 @@ import fastpersist
 from fastpersist import CheckpointError
 from fastpersist.cli.inspecting import describe
 from fastpersist.engine import get_engine
-from fastpersist.tensors import checkpoint
+from fastpersist.tensors import checkpoint, verifying
 
 BOMB = "__nesting_bomb__"
 
@@ -184,7 +184,7 @@ def _other_readers(ckpt: Path) -> None:
         return
     describe(ckpt, manifest)
     with contextlib.suppress(CheckpointError):
-        checkpoint.verify(ckpt, get_engine())
+        verifying.verify(ckpt, get_engine())
 
 
 def test_unmutated_bases_load(bases: dict[str, Base]) -> None:

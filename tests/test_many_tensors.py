@@ -168,7 +168,7 @@ def test_verify_of_several_files_reports_problems_in_file_order(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """verify reads two files at once, and still lists problems file by file."""
     from fastpersist.engine import get_engine
-    from fastpersist.tensors import checkpoint
+    from fastpersist.tensors import verifying
 
     monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(1 << 20))
     state = {f"w{i}": torch.randn(1 << 18) for i in range(4)}
@@ -184,7 +184,7 @@ def test_verify_of_several_files_reports_problems_in_file_order(
     with open(tmp_path / "c" / files[2]["name"], "r+b") as f:  # a short file
         f.truncate(files[2]["size"] - 1)
     seen: list[int] = []
-    report = checkpoint.verify(tmp_path / "c", get_engine(), progress=seen.append)
+    report = verifying.verify(tmp_path / "c", get_engine(), progress=seen.append)
     assert len(report.problems) == 2, report.problems
     assert first["name"] in report.problems[0]
     assert files[2]["name"] in report.problems[1]
@@ -197,12 +197,12 @@ def test_an_interrupted_verify_reads_no_further(tmp_path: Path,
     batches not started; only those already in flight finish (without the
     cancel, all 8 would be read)."""
     from fastpersist.engine import get_engine
-    from fastpersist.tensors import checkpoint
+    from fastpersist.tensors import checkpoint, verifying
 
     monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(1 << 20))
     fastpersist.save({f"w{i}": torch.randn(1 << 18) for i in range(8)}, tmp_path / "c")
     calls = []
-    real = checkpoint._verify_batch
+    real = verifying._verify_batch
 
     def counted(*args: Any, **kwargs: Any) -> list[str]:
         calls.append(1)
@@ -212,9 +212,9 @@ def test_an_interrupted_verify_reads_no_further(tmp_path: Path,
     def interrupt(_: int) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "_verify_batch", counted)
+    monkeypatch.setattr(verifying, "_verify_batch", counted)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.verify(tmp_path / "c", get_engine(), progress=interrupt)
+        verifying.verify(tmp_path / "c", get_engine(), progress=interrupt)
     # The first batch, the one beside it, and one each reader may have taken
     # as they finished.
-    assert 1 <= len(calls) <= 2 * checkpoint._FILES_IN_FLIGHT
+    assert 1 <= len(calls) <= 2 * checkpoint.FILES_IN_FLIGHT

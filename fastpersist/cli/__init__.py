@@ -14,7 +14,7 @@ object store (the tier), reached the standard AWS way or at --endpoint-url.
 
 Exit status: 0 success, 1 corruption found by verify, 2 any other error.
 Everything goes through fastpersist's own reader (checkpoint.read_manifest,
-checkpoint.verify, load); fpctl never parses the format itself.
+verifying.verify, load); fpctl never parses the format itself.
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ from ..tier.client import S3
 from ..tier.remote import Fetch, fetch_all, object_sizes, read_manifest
 from ..tier.url import TierURL
 from . import datafile, packed
-from .checkpoint import VerifyReport, header_problems, parse_header, problems_of
+from .headers import header_problems, parse_header
 from .plan import memory_of
+from .verifying import VerifyReport, problems_of
 
 # verify() reads at most this many tensor bytes at once.
 _BATCH = 256 << 20

@@ -1,0 +1,95 @@
+"""A data file's own header against the manifest: reading it (either kind of
+data file), parsing it, and naming where the two disagree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import BinaryIO
+
+import crc32c
+
+from ..errors import CorruptCheckpointError, ManifestError
+from ..format import packed_file, safetensors_file
+from ..format.manifest import FileRecord, TensorRecord
+from ..storage.commit import os_error
+from . import datafile
+
+
+def read_header_prefix(fh: BinaryIO) -> bytes:
+    """A data file's header, as its own length says (whatever the manifest
+    says): a safetensors header or a packed one (format/packed_file.py)."""
+    fh.seek(0)
+    head = fh.read(8)
+    magic = b""
+    if packed_file.is_packed(head):
+        magic, head = head, fh.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    return magic + head + fh.read(min(n, safetensors_file.MAX_HEADER_BYTES))
+
+
+def parse_header(prefix: bytes) -> tuple[int, dict[str, safetensors_file.ParsedEntry],
+                                         dict[str, str]]:
+    """Either kind of data file's header (HeaderError if malformed)."""
+    if packed_file.is_packed(prefix):
+        return packed_file.parse_header(prefix)
+    return safetensors_file.parse_header(prefix)
+
+
+def check_against_header(path: Path, f: FileRecord, records: list[TensorRecord], *,
+                          verify: bool) -> None:
+    """Raise unless the records match the data file's header (checked against
+    its CRC32C first when verifying, so corruption is named as such)."""
+    try:
+        with open(path / f.name, "rb") as fh:
+            covered = fh.read(f.data_start)  # what header_crc32c covers
+            prefix = read_header_prefix(fh)
+    except OSError as exc:
+        raise os_error(exc, f"cannot read {path / f.name}") from exc
+    if verify:
+        actual = crc32c.crc32c(covered)
+        if actual != f.header_crc32c:
+            datafile.raise_for([datafile.Mismatch(f.name, "<header>", f.header_crc32c, actual)],
+                               str(path))
+    if not packed_file.is_packed(covered[:8]) and datafile.is_header_of(covered, f, records):
+        return  # the header write() makes for these records, byte for byte: nothing to parse
+    try:
+        data_start, entries, _ = parse_header(prefix)
+    except safetensors_file.HeaderError as exc:
+        if not verify:
+            # Unverified loads trust the data files: a damaged header (its
+            # tensors may be intact) leaves the manifest's own checks.
+            return
+        raise CorruptCheckpointError(f"{path}: {f.name}: {header_kind(prefix)} header: {exc}"
+                                     ) from None
+    problems = header_problems(f, records, data_start, entries)
+    if problems:
+        raise ManifestError(f"{path}: {problems[0]}" + (
+            f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def header_problems(f: FileRecord, records: list[TensorRecord], data_start: int,
+                    entries: dict[str, safetensors_file.ParsedEntry]) -> list[str]:
+    """Where the manifest's records of file `f` disagree with its header."""
+    problems = []
+    if data_start != f.data_start:
+        problems.append(f"{f.name}: header ends at {data_start}, manifest says {f.data_start}")
+    for r in records:
+        e = entries.get(r.name)
+        if e is None:
+            problems.append(f"tensor {r.name!r} in {f.name} is missing from the file's "
+                            "header")
+        elif (e.dtype, e.shape, f.data_start + e.begin, e.end - e.begin, e.encoding) != (
+            r.dtype, r.shape, r.offset, r.stored_span, r.encoding
+        ):
+            problems.append(
+                f"tensor {r.name!r} in {f.name} does not match the file's header: "
+                f"the manifest says {r.dtype} {list(r.shape)} {r.encoding} at bytes "
+                f"{r.offset}..{r.offset + r.stored_span}, the header {e.dtype} "
+                f"{list(e.shape)} {e.encoding} at "
+                f"{f.data_start + e.begin}..{f.data_start + e.end}")
+    return problems
+
+
+def header_kind(prefix: bytes) -> str:
+    """'packed' or 'safetensors': the kind of data file a header prefix is."""
+    return "packed" if packed_file.is_packed(prefix) else "safetensors"
