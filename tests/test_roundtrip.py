@@ -247,7 +247,7 @@ def test_load_reports_progress_in_batches(tmp_path: Path, engine_name: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     state = {f"t{i}": torch.randn(500 + i) for i in range(20)}
     fastpersist.save(state, tmp_path / "ckpt")
-    monkeypatch.setattr(fastpersist.tensors.checkpoint, "_BATCH", 8 * 1024)  # many batches
+    monkeypatch.setattr(fastpersist.tensors.checkpoint, "BATCH_BYTES", 8 * 1024)  # many batches
     seen: list[int] = []
     out = fastpersist.load(tmp_path / "ckpt", progress=seen.append)
     assert_same(state, out)
