@@ -74,7 +74,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
             from .distributed.saver import saver_for
 
             saver_for(group, node_local, address).save(
-                obj, path, allow_pickle=allow_pickle, overlap_writes=True).result()
+                obj, path, allow_pickle=allow_pickle).result()
             return
         from .distributed import coordinator
 

@@ -92,26 +92,10 @@ def test_dp4_through_the_daemon_writes_parts_and_commits_once(daemon: Daemon,
     assert fpctl(["verify", str(ckpt)]) == 0
 
 
-def test_a_blocking_save_hands_each_file_over_as_its_copy_ends(daemon: Daemon,
-                                                              tmp_path: Path) -> None:
-    """fastpersist.save through the daemon: the daemon has each file before the
-    next one is copied (each rank's copy waits for that here, and would time
-    out if files were handed over only after the whole copy)."""
-    ckpt = daemon.root / "shared" / "ckpt"
-    reports = run_job(tmp_path, "overlap", ["n0", "n0"], {"path": str(ckpt), "seconds": 10},
-                      env={"FASTPERSIST_DAEMON": daemon.address,
-                           "FASTPERSIST_FILE_BYTES": str(256 << 10)})
-    ok(reports)
-    for r in reports:
-        assert len(r["waits"]) >= 3 and all(r["waits"]), r["waits"]
-    assert _segments(daemon) == [], "the ranks left shared-memory segments"
-    check_loaded(describe_here(fastpersist.load(ckpt)), tp=False)
-
-
 def test_a_copy_failing_mid_part_fails_the_job_everywhere(daemon: Daemon,
                                                           tmp_path: Path) -> None:
-    """Rank 1's third file cannot be copied after its first two went to the
-    daemon: every rank fails the save, nothing is committed, no segment stays."""
+    """Rank 1's third file cannot be copied into shared memory: every rank
+    fails the save, nothing is committed, no segment stays."""
     ckpt = daemon.root / "shared" / "ckpt"
     ckpt.parent.mkdir(parents=True)
     reports = run_job(tmp_path, "fail_copy", ["n0", "n0"],

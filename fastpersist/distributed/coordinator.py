@@ -68,7 +68,6 @@ from .layout import (
     within,
 )
 from .outcome import Ballot, SaveStore, forget, job_store, post_mortem, this_process
-from .part_stream import PartStream
 from .phases import Coordinator, Failure, Phase, RanksLost, coordinator_for, failure
 from .planner import Item, Plan, RankInfo, layout_digest, make_plan
 from .settling import has_prepared, settle_with
@@ -249,7 +248,7 @@ class Save(CommitPoint):
                                        piece_source(h, piece)))
         return stored
 
-    def finish(self, files: list[StagedFile] | PartStream | BaseException) -> None:
+    def finish(self, files: list[StagedFile] | BaseException) -> None:
         """Write this rank's files (or report why it has none) and commit."""
         try:
             self._finish(files)
@@ -258,7 +257,7 @@ class Save(CommitPoint):
             return
         self.check_in("save")
 
-    def _finish(self, files: list[StagedFile] | PartStream | BaseException) -> None:
+    def _finish(self, files: list[StagedFile] | BaseException) -> None:
         co, phase = self.co, self.phase
         self.held = []
         # 4 write this rank's pieces

@@ -34,13 +34,7 @@ from ..saving.futures import SaveFuture, observe_aborts, raise_failure_of, take_
 from ..saving.snapshot import StagedFile, group_into_files, stage_file
 from ..storage.retention import AfterCommit
 from .coordinator import Save, coordinator_for
-from .part_stream import PartStream
 from .storage import storage_for
-
-# Files of a part handed to the daemon as they are copied (save(overlap_writes=
-# True)) are at most this large: the daemon writes nothing of a file before
-# its copy ends, so smaller files overlap more of the copy with the writes.
-_OVERLAP_FILE_BYTES = 64 << 20
 
 
 class DistributedSaver:
@@ -66,17 +60,11 @@ class DistributedSaver:
     def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              wait_for_snapshot: bool = True,
              on_commit: Callable[[Path], None] | None = None,
-             after_commit: AfterCommit | None = None,
-             overlap_writes: bool = False) -> SaveFuture:
+             after_commit: AfterCommit | None = None) -> SaveFuture:
         """See async_save. on_commit(path) runs on rank 0 after the commit;
         after_commit (a Checkpointer's policy) is applied by whoever commits
         the job (rank 0, or its daemon) right after the commit. Either failing
-        fails the save on every rank (phase "after commit"), committed.
-        overlap_writes (fastpersist.save through a daemon, whose caller waits
-        for the whole save anyway): hand each file to the daemon as soon as it
-        is copied, in files of at most _OVERLAP_FILE_BYTES, so that the
-        daemon writes while the rest is copied; otherwise files are handed
-        over after the whole copy, which then has the cores to itself."""
+        fails the save on every rank (phase "after commit"), committed."""
         if self._closed:
             raise CheckpointError("this saver is closed")
         self.raise_unobserved_failure()
@@ -86,49 +74,33 @@ class DistributedSaver:
                    after_commit=after_commit)
         future = SaveFuture(job.target)
         job.prepare()  # raises the same error on every rank
-        with self._lock:
-            self._futures.append(future)
-        stream = overlap_writes and self.storage.takes_part_streams
         staged: list[StagedFile] = []
-        files: list[StagedFile] | PartStream | BaseException = staged
-        copied = False
+        files: list[StagedFile] | BaseException
+        buffer = None  # taken and not yet copied into
         try:
             pieces = job.my_pieces()
             pinned = any(t.source.device.type == "cuda" for t in pieces)
-            file_bytes = current_knobs().file_bytes
-            plans = group_into_files(pieces, 0, min(file_bytes, _OVERLAP_FILE_BYTES)
-                                     if stream else file_bytes)
-            buffers = self._pool.acquire_all([f.nbytes for f in plans], 0, pinned)
-            if stream:
-                files = PartStream(sum(1 for f in plans if f.tensors),
-                                   sum(b.numel() for f, b in zip(plans, buffers, strict=True)
-                                       if f.tensors))
-                self._writer.submit(self._finish, job, files, future, on_commit)
-            try:
-                for plan, buffer in zip(plans, buffers, strict=True):
-                    staged.append(stage_file(plan.tensors, buffer, pinned))
-                    if isinstance(files, PartStream):
-                        files.put(staged[-1])
-            except BaseException:
-                self._pool.give_back_unused(buffers[len(staged):], pinned)
-                raise
-            copied = True
+            for file in group_into_files(pieces, 0, current_knobs().file_bytes):
+                buffer = self._pool.acquire(file.nbytes, 0, pinned)
+                staged.append(stage_file(file.tensors, buffer, pinned))
+                buffer = None
+            files = staged
         except Exception as exc:
             # The other ranks go on to write: this rank reports there, so that
-            # every rank fails the save together.
-            if isinstance(files, PartStream):
-                files.fail(exc)
-            else:
-                files = exc
-        finally:
-            if isinstance(files, PartStream):
-                if not copied:  # (an interrupt: the writer must not wait for more)
-                    files.fail(CheckpointAbortedError(f"the copy for {job.target} stopped"))
-                files.close()
+            # every rank fails the save together. Nothing was lent to a daemon
+            # yet: the buffers go back to the pool (shared-memory segments
+            # would otherwise outlive the process).
+            if buffer is not None:
+                self._pool.give_back_unused([buffer], pinned)
+            for f in staged:
+                self._pool.give_back(f)
+            staged = []
+            files = exc
         future._staged = staged
         future._snapshot_done.set()
-        if not isinstance(files, PartStream):
-            self._writer.submit(self._finish, job, files, future, on_commit)
+        with self._lock:
+            self._futures.append(future)
+        self._writer.submit(self._finish, job, files, future, on_commit)
         if isinstance(files, BaseException):
             future._observed = True
             future._future.exception()  # the job's error, raised on every rank, names it
@@ -138,8 +110,8 @@ class DistributedSaver:
         future.snapshot_seconds = time.perf_counter() - future._started
         return future
 
-    def _finish(self, job: Save, files: list[StagedFile] | PartStream | BaseException,
-                future: SaveFuture, on_commit: Callable[[Path], None] | None) -> None:
+    def _finish(self, job: Save, files: list[StagedFile] | BaseException, future: SaveFuture,
+                on_commit: Callable[[Path], None] | None) -> None:
         future._persist_started = time.perf_counter()
         try:
             if isinstance(files, list):
@@ -162,9 +134,8 @@ class DistributedSaver:
         else:
             future._future.set_result(None)
         finally:
-            given = files.all_staged() if isinstance(files, PartStream) else files
-            if isinstance(given, list):
-                for f in given:
+            if isinstance(files, list):
+                for f in files:
                     # Reused, or quarantined if the daemon may still read it.
                     self._pool.give_back(f)
             future.persist_seconds = time.perf_counter() - future._persist_started

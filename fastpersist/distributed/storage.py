@@ -59,20 +59,17 @@ from ..storage.commit import Staging, leftover_name, os_error
 from ..storage.prepared import discard_prepared, prepare, publish_prepared
 from ..storage.retention import AfterCommit, apply_at
 from ..tensors import datafile
-from .part_stream import PartStream
 
 Records = list[tuple[FileRecord, list[TensorRecord]]]
 
 
 class Storage(Protocol):
     pool: StagingPool
-    # Whether write() takes a PartStream: files written as they are copied.
-    takes_part_streams: bool
 
     def stage(self, target: Path) -> str: ...
 
-    def write(self, target: Path, where: str, rank: int,
-              files: list[StagedFile] | PartStream, node: str | None) -> Records: ...
+    def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
+              node: str | None) -> Records: ...
 
     def publish(self, where: str, manifest: bytes, node: str | None,
                 after_commit: AfterCommit | None = None) -> str: ...
@@ -109,8 +106,6 @@ def _with_node(record: FileRecord, node: str | None) -> FileRecord:
 class InProcess:
     """Each rank writes its files itself, with the direct-I/O engine."""
 
-    takes_part_streams = False
-
     def __init__(self) -> None:
         self.pool = StagingPool()
         self._staging: dict[str, Staging] = {}
@@ -120,8 +115,8 @@ class InProcess:
         self._staging[str(staging.path)] = staging
         return str(staging.path)
 
-    def write(self, target: Path, where: str, rank: int,
-              files: list[StagedFile] | PartStream, node: str | None) -> Records:
+    def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
+              node: str | None) -> Records:
         engine = get_engine()
         out = []
         for n, file in enumerate(f for f in files if f.tensors):
@@ -193,8 +188,6 @@ class ThroughDaemon:
     the job; the domain's first rank begins and commits the job there
     (proto/fastpersist.proto: BeginJob, Begin with a job_id, CommitJob)."""
 
-    takes_part_streams = True
-
     def __init__(self, address: str) -> None:
         from ..protocol.client import DaemonClient
         from ..saving.segments import SegmentBuffers, socket_group
@@ -209,33 +202,27 @@ class ThroughDaemon:
     def stage(self, target: Path) -> str:
         return self.client.begin_job(self.client.relative(target))
 
-    def write(self, target: Path, where: str, rank: int,
-              files: list[StagedFile] | PartStream, node: str | None) -> Records:
+    def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
+              node: str | None) -> Records:
         """The part's files, durable in the job's directory. Each buffer is lent
         to the daemon and marked returned only by its report (handover.py), so
         the caller's StagingPool.give_back quarantines what the daemon may
         still read. A lost reply after Commit is settled by asking the daemon."""
         from ..saving.handover import Handover
 
-        if isinstance(files, PartStream):
-            count, reserve = files.count, files.reserve_bytes
-        else:
-            files = [f for f in files if f.tensors]
-            count = len(files)
-            reserve = sum(f.buffer.numel() for f in files if f.buffer is not None)
-        if not count:
+        files = [f for f in files if f.tensors]
+        if not files:
             return []
-        ident, stream = self.client.open(self.client.relative(target), reserve, count,
+        reserve = sum(f.buffer.numel() for f in files if f.buffer is not None)
+        ident, stream = self.client.open(self.client.relative(target), reserve, len(files),
                                          job_id=where, rank=rank)
         # Open's stream is our liveness lease until the hand-over.
         handover = Handover(self.client, self._segments, ident,
                             f"the part of rank {rank} of {target}", stream)
         try:
-            sent = []
-            for index, file in enumerate(files):  # a PartStream: as each copy ends
+            for index, file in enumerate(files):
                 handover.submit(index, file)
-                sent.append(file)
-            handover.commit("null", [t.name for f in sent for t in f.tensors])
+            handover.commit("null", [t.name for f in files for t in f.tensors])
             status = handover.wait_end()
         except Exception as exc:
             error = handover.outcome_after(exc)

@@ -200,14 +200,10 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
             result["plans_made"] = co.plans_made
             result["plan_bytes"] = {str(r): n for r, n in co.cache.plan.bytes_per_rank().items()}  # type: ignore[union-attr]
             result["ok"] = True
-        elif scenario in ("overlap", "fail_copy"):
-            if scenario == "overlap":
-                waits = _watch_overlap(args["seconds"])
-            elif rank == args["fail_rank"]:
+        elif scenario == "fail_copy":
+            if rank == args["fail_rank"]:
                 _fail_copy(args["call"])
             fastpersist.save(build_state(args), path, process_group=dist.group.WORLD)
-            if scenario == "overlap":
-                result["waits"] = waits
             result["ok"] = True
         elif scenario == "async":
             state = build_state(args)
@@ -310,37 +306,6 @@ def _lost_watch(args: dict[str, Any], rank: int, path: str) -> dict[str, Any]:
     shm_dir = Path(os.environ["FASTPERSIST_SHM_DIR"])
     return {"errors": errors, "segments": segments,
             "segments_left": sorted(p.name for p in shm_dir.iterdir())}
-
-
-def _watch_overlap(seconds: float) -> list[bool]:
-    """Before each file's copy after the first, wait until the file before it
-    was handed to the daemon; the list says, per file, whether that happened
-    within `seconds` (False: the daemon got nothing until the whole copy ended)."""
-    import threading
-
-    from fastpersist.distributed import saver
-    from fastpersist.saving import handover
-
-    handed = [threading.Event() for _ in range(1000)]
-    waits: list[bool] = []
-    stage, submit = saver.stage_file, handover.Handover.submit
-
-    def submit_and_tell(self: Any, index: int, staged: Any) -> None:
-        submit(self, index, staged)
-        handed[index].set()
-
-    calls = [0]
-
-    def staged_in_order(tensors: Any, buffer: Any, pinned: bool) -> Any:
-        k = calls[0]
-        calls[0] += 1
-        if k:
-            waits.append(handed[k - 1].wait(seconds if all(waits) else 0))
-        return stage(tensors, buffer, pinned)
-
-    saver.stage_file = staged_in_order  # type: ignore[assignment]
-    handover.Handover.submit = submit_and_tell  # type: ignore[method-assign]
-    return waits
 
 
 def _fail_copy(call: int) -> None:
