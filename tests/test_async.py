@@ -384,8 +384,9 @@ def test_a_failed_copy_gives_back_the_buffers_it_did_not_use(
     assert not (tmp_path / "b").exists()
     monkeypatch.setattr(saver_module, "stage_file", real_stage)
     saver.save(state, tmp_path / "c").result()
-    # Only the buffer the failed copy wrote into is not reused (a device copy
-    # might still land in it); the two copied files' and the three untouched ones are.
+    # Only the buffer the failed copy wrote into is not reused (discarded: freed,
+    # or kept where a device copy might still land in it); the two copied
+    # files' and the three untouched ones are.
     assert saver._pool.allocations == 6 + 1
     assert_same(fastpersist.load(tmp_path / "c"), state)
     saver.close()

@@ -152,3 +152,62 @@ def test_acquire_all_gives_back_what_it_took_when_one_fails() -> None:
         pool.acquire_all([N, 4 * N], 2 * N, False)
     assert pool.allocations == 1
     assert pool.acquire(N, 2 * N, False).numel() == N and pool.allocations == 1  # reused
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["host", "pinned"])
+def test_a_discarded_buffer_leaves_the_budget(pinned: bool) -> None:
+    """A buffer whose copy failed part-way: freed when the copy came from host
+    memory (it has ended), kept out of use when a device copy may still land
+    in it; either way out of the budget, so a save waiting for room proceeds."""
+    freed: list[int] = []
+    # (A "pinned" buffer here is plain memory: what differs is the bookkeeping.)
+    pool = StagingPool(lambda n, _: torch.empty(n, dtype=torch.uint8),
+                       free=lambda b: freed.append(b.data_ptr()))
+    buffer = pool.acquire(N, N, pinned)
+    got: list[torch.Tensor] = []
+    waiting = threading.Thread(target=lambda: got.append(pool.acquire(N, N, False, 60)))
+    waiting.start()  # blocks: the budget is full
+    pool.discard(buffer, pinned)
+    waiting.join(60)
+    assert got and pool.allocated_bytes == N
+    if pinned:
+        assert freed == [] and pool.quarantined == 1
+        assert got[0].data_ptr() != buffer.data_ptr()
+    else:
+        assert freed == [buffer.data_ptr()] and pool.quarantined == 0
+
+
+def test_failed_copies_do_not_use_up_the_staging_budget(tmp_path, monkeypatch) -> None:
+    """Two async_saves whose copy fails part-way, then one that works: with a
+    budget of two files, buffers kept by the failed copies would leave the
+    third save waiting for room for ever."""
+    import fastpersist
+    from fastpersist.saving import saver as saver_module
+    from fastpersist.saving.saver import Saver
+
+    monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(2 << 20))
+    state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(6)}  # 6 x 1 MiB
+    real = saver_module.stage_file
+    calls = [0]
+
+    def fails_on_the_second_file(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] % 2 == 0:
+            raise RuntimeError("copy failed")
+        return real(*args, **kwargs)
+
+    saver = Saver()
+    monkeypatch.setattr(saver_module, "stage_file", fails_on_the_second_file)
+    for attempt in range(2):
+        with pytest.raises(RuntimeError, match="copy failed"):
+            saver.save(state, tmp_path / f"bad{attempt}").result()
+    monkeypatch.setattr(saver_module, "stage_file", real)
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(
+        saver.save(state, tmp_path / "good").result()), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done, "the save after two failed copies is still waiting for staging room"
+    loaded = fastpersist.load(tmp_path / "good")
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    saver.close()

@@ -89,10 +89,10 @@ class DistributedSaver:
             # The other ranks go on to write: this rank reports there, so that
             # every rank fails the save together. Nothing was lent to a daemon
             # yet: the buffers go back to the pool (shared-memory segments
-            # would otherwise outlive the process), but not one whose copy from
-            # a GPU failed: a device copy may still land in it (as in Saver).
-            if buffer is not None and not pinned:
-                self._pool.give_back_unused([buffer], pinned)
+            # would otherwise outlive the process); the one whose copy failed
+            # leaves it (StagingPool.discard).
+            if buffer is not None:
+                self._pool.discard(buffer, pinned)
             for f in staged:
                 self._pool.give_back(f)
             staged = []

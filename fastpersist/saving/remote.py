@@ -156,7 +156,11 @@ class RemoteSaver(Saver):
                     streamed.wait()  # sent from the tensor itself while we wait
                     continue
                 buffer = self._pool.acquire(file.nbytes, budget, pinned)
-                staged = stage_file(file.tensors, buffer, pinned)
+                try:
+                    staged = stage_file(file.tensors, buffer, pinned)
+                except BaseException:
+                    self._pool.discard(buffer, pinned)  # (no reader saw it)
+                    raise
                 future._staged.append(staged)
                 if deferred is not None:
                     deferred.append((index, staged, None))

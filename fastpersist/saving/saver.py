@@ -146,10 +146,14 @@ class Saver:
                     continue
                 buffer = (upfront.pop() if upfront
                           else self._pool.acquire(file.nbytes, budget, pinned))
-                # (A buffer whose copy failed is not given back: a device copy may
-                # still land in it. The untouched ones in `upfront` are, below.)
-                with gcpause.paused():
-                    staged = stage_file(file.tensors, buffer, pinned)
+                try:
+                    with gcpause.paused():
+                        staged = stage_file(file.tensors, buffer, pinned)
+                except BaseException:
+                    # Out of the budget (kept if a device copy may still land
+                    # in it); the untouched ones in `upfront` go back below.
+                    self._pool.discard(buffer, pinned)
+                    raise
                 future._staged.append(staged)
                 if whole:
                     deferred.append(staged)

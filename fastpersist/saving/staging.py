@@ -200,6 +200,18 @@ class StagingPool:
             self._free.append((buffer, staged.pinned))
             self._cond.notify_all()
 
+    def discard(self, buffer: torch.Tensor, pinned: bool) -> None:
+        """A buffer from acquire whose copy failed part-way (no reader saw it):
+        out of the budget, which it would otherwise shrink for good. A copy
+        from host memory has ended when it fails, so the buffer is freed; a
+        device copy may still land in a pinned one, which is kept instead."""
+        if pinned:
+            self._quarantine(buffer, keep=True)
+            return
+        with self._cond:
+            self._drop((buffer, pinned))
+            self._cond.notify_all()
+
     def _quarantine(self, buffer: torch.Tensor, keep: bool) -> None:
         with self._cond:
             # Out of the budget: it is nobody's to reuse, and counting it would
