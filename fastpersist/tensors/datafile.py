@@ -177,25 +177,32 @@ def empties_for_read(records: list[TensorRecord]
             continue
         start = -(-used // _ARENA_ALIGN) * _ARENA_ALIGN
         if pending and start + r.length > _ARENA_BYTES:
-            _carve(pending, used, out, views)
+            _carve(mmap.mmap(-1, used, flags=_ARENA_FLAGS), pending, out, views)
             pending, start = [], 0
         pending.append((i, r, start))
         used = start + r.length
     if pending:
-        _carve(pending, used, out, views)
+        _carve(mmap.mmap(-1, used, flags=_ARENA_FLAGS), pending, out, views)
     return out, views  # type: ignore[return-value]  # every index was filled
 
 
-def _carve(pending: list[tuple[int, TensorRecord, int]], size: int,
-           out: list[torch.Tensor | None], views: list[memoryview | None]) -> None:
-    arena = mmap.mmap(-1, size, flags=_ARENA_FLAGS)
-    whole = memoryview(arena)
+def _carve(buffer: mmap.mmap, pending: list[tuple[int, TensorRecord, int]],
+           out: list[torch.Tensor | None], views: list[memoryview | None], *,
+           give_back: bool = False) -> None:
+    """For each (index, record, start): a tensor over buffer[start:start +
+    length] into out[index] and a writable view of those bytes into
+    views[index]. give_back: tensors of at least _GIVE_BACK_MIN bytes give
+    their pages back when freed (see _owner)."""
+    whole = memoryview(buffer)
     torch_dtypes: dict[str, torch.dtype] = {}
     frombuffer = torch.frombuffer
     for i, r, start in pending:
         dtype = torch_dtypes.get(r.dtype) or torch_dtypes.setdefault(
             r.dtype, dtypes.from_name(r.dtype))
-        t = frombuffer(arena, dtype=dtype, offset=start, count=r.length // dtype.itemsize)
+        if give_back and r.length >= _GIVE_BACK_MIN:
+            t = frombuffer(_owner(buffer, start, r.length), dtype=dtype)
+        else:
+            t = frombuffer(buffer, dtype=dtype, offset=start, count=r.length // dtype.itemsize)
         out[i] = t if len(r.shape) == 1 else t.view(r.shape)
         views[i] = whole[start : start + r.length]
 
@@ -246,7 +253,7 @@ def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
     O_DIRECT reads straight into place, with no bounce copies and no small
     reads at tensor boundaries. The mapping is unmapped when the last tensor
     of the file is freed; a tensor of at least _GIVE_BACK_MIN bytes gives its
-    own pages back to the OS when it is freed (see _give_back).
+    own pages back to the OS when it is freed (see _owner).
     """
     with_header = verify and header
     header_bytes = file.data_start if with_header else 0
@@ -310,25 +317,17 @@ def _empties_in_region(records: list[TensorRecord], lo: int, hi: int
     multiple of its element size (not something this writer makes) gets memory
     of its own, as empties_for_read makes it, so no tensor is misaligned."""
     mapping = anonymous(hi - lo, huge=True)
-    whole = memoryview(mapping)
     out: list[torch.Tensor | None] = [None] * len(records)
     views: list[memoryview | None] = [None] * len(records)
+    inside: list[tuple[int, TensorRecord, int]] = []  # (index, record, offset in mapping)
     apart: list[int] = []
-    torch_dtypes: dict[str, torch.dtype] = {}
-    frombuffer = torch.frombuffer
     for i, r in enumerate(records):
-        dtype = torch_dtypes.get(r.dtype) or torch_dtypes.setdefault(
-            r.dtype, dtypes.from_name(r.dtype))
         start = r.offset - lo
-        if r.length == 0 or start % dtype.itemsize:
+        if r.length == 0 or start % dtypes.itemsize(r.dtype):
             apart.append(i)
-            continue
-        if r.length >= _GIVE_BACK_MIN:
-            t = frombuffer(_owner(mapping, start, r.length), dtype=dtype)
         else:
-            t = frombuffer(mapping, dtype=dtype, offset=start, count=r.length // dtype.itemsize)
-        out[i] = t if len(r.shape) == 1 else t.view(r.shape)
-        views[i] = whole[start:start + r.length]
+            inside.append((i, r, start))
+    _carve(mapping, inside, out, views, give_back=True)
     if apart:
         tensors, own = empties_for_read([records[i] for i in apart])
         for i, t, v in zip(apart, tensors, own, strict=True):
