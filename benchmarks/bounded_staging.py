@@ -28,16 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from _system import peak_rss_bytes, reset_peak_rss, rss_bytes
+from async_stall import spread
+
 GIB = 1 << 30
 MIB = 1 << 20
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -54,15 +49,15 @@ def child(args: argparse.Namespace) -> None:
     row: dict[str, float] = {}
 
     def bounded() -> None:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5\n")  # VmHWM := VmRSS: the peak of this save alone
-        before = _status_kib("VmRSS:")
+        if not reset_peak_rss():  # VmHWM := VmRSS: the peak of this save alone
+            raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs)")
+        before = rss_bytes()
         start = time.perf_counter()
         future = fastpersist.async_save(state, base / "async")
         row["stall"] = time.perf_counter() - start
         future.result()
         row["durable"] = time.perf_counter() - start
-        row["peak_mib"] = (_status_kib("VmHWM:") - before) / 1024
+        row["peak_mib"] = (peak_rss_bytes() - before) / MIB
         shutil.rmtree(base / "async")
 
     def blocking() -> None:
@@ -74,10 +69,6 @@ def child(args: argparse.Namespace) -> None:
     for step in ((bounded, blocking) if args.first == "async" else (blocking, bounded)):
         step()
     print(json.dumps(row))
-
-
-def spread(values: list[float], fmt: str = ".2f") -> str:
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
 
 def main() -> int:
@@ -121,11 +112,11 @@ def main() -> int:
     ratio = statistics.median(durable) / statistics.median(save)
     print(f"\n{nbytes / GIB:.3g} GiB state, staging budget {budget_mib:.0f} MiB, medians of "
           f"{len(rows)} fresh processes [min-max]:")
-    print(f"  async_save stall            {spread([r['stall'] for r in rows])} s")
-    print(f"  async_save until durable    {spread(durable)} s "
+    print(f"  async_save stall            {spread([r['stall'] for r in rows], fmt='.2f')} s")
+    print(f"  async_save until durable    {spread(durable, fmt='.2f')} s "
           f"({nbytes / statistics.median(durable) / 1e9:.2f} GB/s)")
-    print(f"  blocking save (reference)   {spread(save)} s")
-    print(f"  peak RSS beyond the state   {spread(peak, '.0f')} MiB")
+    print(f"  blocking save (reference)   {spread(save, fmt='.2f')} s")
+    print(f"  peak RSS beyond the state   {spread(peak)} MiB")
     print(f"  {'PASS' if max(peak) <= budget_mib + 256 else 'MISS'}  peak RSS <= budget + 256 MiB")
     print(f"  {'PASS' if ratio <= 1.2 else 'MISS'}  durable / blocking save "
           f"{ratio:.2f}x (target <= 1.2x)")
