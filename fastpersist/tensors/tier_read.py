@@ -29,12 +29,10 @@ from ..tier.client import S3
 from ..tier.remote import Fetch, fetch_all, object_sizes, read_manifest
 from ..tier.url import TierURL
 from . import datafile, packed
+from .checkpoint import BATCH_BYTES, batches
 from .headers import header_problems, parse_header
 from .plan import memory_of
 from .verifying import VerifyReport, problems_of
-
-# verify() reads at most this many tensor bytes at once.
-_BATCH = 256 << 20
 
 
 def _size_problem(url: TierURL, f: FileRecord, sizes: dict[str, int]
@@ -176,14 +174,9 @@ def verify(s3: S3, url: TierURL, progress: Callable[[int], None] | None = None, 
             continue
         records = [manifest.tensors[i] for i in by_file[f.name]]
         report.problems += _check_header(s3, url, f, records, verify=True)[1]
-        start = 0
-        while start < len(records):
-            batch: list[TensorRecord] = []
-            size = 0
-            while start < len(records) and (not batch or size + records[start].length <= _BATCH):
-                batch.append(records[start])
-                size += records[start].length
-                start += 1
+        for items in batches(list(enumerate(records)), BATCH_BYTES) if records else ():
+            batch = [r for _, r in items]
+            size = sum(r.length for r in batch)
             try:
                 report.problems += _verify_batch(s3, url, f, batch, decode)
             except EOFError as exc:
