@@ -2,6 +2,7 @@
 
     python benchmarks/daemon_save.py                      # 2 GiB state, 5 repeats
     python benchmarks/daemon_save.py --size-gib 1 --repeats 3 --json out.json
+    python benchmarks/daemon_save.py --compression zstd   # every save compressed
 
 Measures, interleaved within each repeat (medians reported):
 1. throughput: durable fastpersist.save in-process vs through the daemon (target >= 0.9x),
@@ -13,6 +14,9 @@ Measures, interleaved within each repeat (medians reported):
 4. four clients at once (4 processes, a quarter of the state each) vs one client with all
    of it: aggregate throughput (target: the same, >= ~0.9x). Each client's
    OMP_NUM_THREADS is its share of the cores, as torchrun sets it.
+With --compression zstd every save above is compressed: in-process by the
+caller (or its background thread), through the daemon by the daemon; the stall
+target is then the same copy floor (the daemon, not the caller, compresses).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from _system import GIB, machine_facts
 
 import fastpersist
 from fastpersist.protocol.client import DaemonClient
+from fastpersist.tensors.checkpoint import read_manifest
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -47,13 +52,14 @@ sys.path.insert(0, sys.argv[1])
 import fastpersist
 from _state import build_state, make_spec
 nbytes, seed, target, go = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+compression = sys.argv[6] or None
 state = build_state(make_spec(nbytes, seed))
-fastpersist.save(state, target + "-warm")   # connect; staging allocated once, as in training
+fastpersist.save(state, target + "-warm", compression=compression)  # staging made once
 print("ready", flush=True)
 while not __import__("os").path.exists(go):
     time.sleep(0.001)
 start = time.time()
-fastpersist.save(state, target)
+fastpersist.save(state, target, compression=compression)
 print(json.dumps({"start": start, "end": time.time()}), flush=True)
 """
 
@@ -144,7 +150,8 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def concurrent(clients: int, total: int, root: Path, tag: str, env: dict[str, str]) -> float:
+def concurrent(clients: int, total: int, root: Path, tag: str, env: dict[str, str],
+               compression: str | None = None) -> float:
     """Aggregate bytes/s of `clients` processes saving total/clients bytes each at once."""
     go = root / f".go-{tag}"
     # Each client gets its share of the cores for torch's intra-op threads, as
@@ -154,7 +161,8 @@ def concurrent(clients: int, total: int, root: Path, tag: str, env: dict[str, st
     threads = str(max(1, (os.cpu_count() or 1) // clients))
     procs = [subprocess.Popen(
         [sys.executable, "-c", CLIENT, str(HERE), str(total // clients), str(100 + c),
-         str(root / f"{tag}-client{c}"), str(go)], stdout=subprocess.PIPE, text=True,
+         str(root / f"{tag}-client{c}"), str(go), compression or ""],
+        stdout=subprocess.PIPE, text=True,
         env=dict(env, OMP_NUM_THREADS=threads)) for c in range(clients)]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -166,8 +174,8 @@ def concurrent(clients: int, total: int, root: Path, tag: str, env: dict[str, st
         if p.wait(600) != 0:
             raise RuntimeError(f"client exited with {p.returncode}")
     go.unlink()
-    written = sum(f.stat().st_size for c in range(clients)
-                  for f in (root / f"{tag}-client{c}").iterdir())
+    written = sum(t.length for c in range(clients)  # raw tensor bytes, even compressed
+                  for t in read_manifest(root / f"{tag}-client{c}").tensors)
     t0 = min(s["start"] for s in spans)
     if os.environ.get("FP_BENCH_SPANS"):
         print([(round(s["start"] - t0, 3), round(s["end"] - t0, 3)) for s in spans])
@@ -181,7 +189,10 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", type=Path, default=Path("/var/tmp"))
     p.add_argument("--json", type=Path)
+    p.add_argument("--compression", choices=("zstd",), default=None,
+                   help="compress every save (default: raw)")
     args = p.parse_args()
+    z = args.compression
 
     work = Path(tempfile.mkdtemp(prefix="fp-daemon-bench-", dir=args.dir))
     shm_dir = Path(tempfile.mkdtemp(prefix="fp-bench-", dir="/dev/shm"))
@@ -199,16 +210,20 @@ def main() -> int:
         floor_buf = torch.empty(nbytes, dtype=torch.uint8)
         floor_buf.fill_(0)  # touched: the floor is the copy alone
         env = dict(os.environ, FASTPERSIST_DAEMON=daemon.address)
-        fastpersist.save(state, root / "warm", daemon=daemon.address)  # segments made once
+        fastpersist.save(state, root / "warm", daemon=daemon.address,
+                         compression=z)  # segments made once
         daemon.sample()
         fio_reason = _fio.available()
         for r in range(args.repeats):
             results["inprocess_s"].append(
-                timed(lambda: fastpersist.save(state, root / "inproc", daemon="")))
+                timed(lambda: fastpersist.save(state, root / "inproc", daemon="",
+                                               compression=z)))
             results["daemon_s"].append(
-                timed(lambda: fastpersist.save(state, root / "via-daemon", daemon=daemon.address)))
+                timed(lambda: fastpersist.save(state, root / "via-daemon", daemon=daemon.address,
+                                               compression=z)))
             started = time.perf_counter()
-            future = fastpersist.async_save(state, root / "async", daemon=daemon.address)
+            future = fastpersist.async_save(state, root / "async", daemon=daemon.address,
+                                            compression=z)
             results["stall_s"].append(time.perf_counter() - started)
             future.result()
             results["floor_s"].append(copy_floor(state, floor_buf))
@@ -220,8 +235,8 @@ def main() -> int:
                                               if v and k.endswith("_s")), flush=True)
         daemon.stop_sampling()
         for r in range(max(1, args.repeats // 2)):
-            results["one_client_bps"].append(concurrent(1, nbytes, root, f"one{r}", env))
-            results["four_clients_bps"].append(concurrent(4, nbytes, root, f"four{r}", env))
+            results["one_client_bps"].append(concurrent(1, nbytes, root, f"one{r}", env, z))
+            results["four_clients_bps"].append(concurrent(4, nbytes, root, f"four{r}", env, z))
             for c in root.glob("one*"):
                 shutil.rmtree(c, ignore_errors=True)
             for c in root.glob("four*"):
@@ -236,6 +251,7 @@ def main() -> int:
     gbps = {k: nbytes / med[k] / 1e9 for k in ("inprocess_s", "daemon_s", "fio_s") if k in med}
     report = {
         "state_bytes": nbytes, "repeats": args.repeats, "machine": machine_facts(args.dir),
+        "compression": z,
         "medians": med, "samples": results, "daemon_peak_private_rss": daemon.peak_private,
         "throughput_GBps": gbps,
         "ratios": {
@@ -246,7 +262,8 @@ def main() -> int:
         },
     }
     ratio = report["ratios"]
-    print(f"\nstate {nbytes / GIB:.2f} GiB, {args.repeats} repeats, medians")
+    print(f"\nstate {nbytes / GIB:.2f} GiB, {args.repeats} repeats, medians"
+          + (f", compression={z}" if z else ""))
     for k, v in gbps.items():
         print(f"  {k.removesuffix('_s'):10s} {v:6.2f} GB/s")
     print(f"  daemon vs in-process save   {ratio['daemon_vs_inprocess']:.2f}x (target >= 0.9)")

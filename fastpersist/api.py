@@ -59,14 +59,15 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     node keeps the files its ranks wrote. With a daemon, each rank hands its
     part to its own node's daemon and the job is committed there.
 
-    compression="zstd" (in-process saves only; default None: raw) stores each
-    tensor of 4 KiB or more byte-grouped and zstd-compressed, in frames of
-    FASTPERSIST_FRAME_BYTES encoded on FASTPERSIST_CODEC_THREADS threads; the
-    data files are then packed files (data-NNNNN.fpz), not safetensors. Loads
-    decode them transparently, checking the same CRC32Cs (README "Compression").
+    compression="zstd" (default None: raw) stores each tensor of 4 KiB or more
+    byte-grouped and zstd-compressed, in frames of FASTPERSIST_FRAME_BYTES
+    encoded on FASTPERSIST_CODEC_THREADS threads (by whoever writes the file:
+    this process, each rank, or the daemon); the data files are then packed
+    files (data-NNNNN.fpz), not safetensors. Loads decode them transparently,
+    checking the same CRC32Cs (README "Compression").
     """
     address = current_knobs().daemon if daemon is None else daemon
-    check_local_compression(compression, address, process_group)
+    packed.check_compression(compression)
     if process_group is not None:
         group = None if process_group == "world" else process_group
         if address:
@@ -74,11 +75,12 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
             from .distributed.saver import saver_for
 
             saver_for(group, node_local, address).save(
-                obj, path, allow_pickle=allow_pickle).result()
+                obj, path, allow_pickle=allow_pickle, compression=compression).result()
             return
         from .distributed import coordinator
 
-        coordinator.save(obj, path, group, node_local=node_local, allow_pickle=allow_pickle)
+        coordinator.save(obj, path, group, node_local=node_local, allow_pickle=allow_pickle,
+                         compression=compression)
         return
     if node_local:
         raise ValueError("node_local=True needs process_group (a distributed save)")
@@ -86,7 +88,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
         from .saving.remote import remote_saver
 
         remote_saver(address).save(obj, path, allow_pickle=allow_pickle,
-                                   overlap_writes=True).result()
+                                   overlap_writes=True, compression=compression).result()
         return
     target = Path(os.path.abspath(os.fspath(path)))
     with gcpause.paused():  # a state of many tensors makes many objects, no cycles
@@ -232,36 +234,20 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     the writes and the global commit run in the background (the next call
     waits for them); with a daemon, each rank's node's daemon writes its part.
 
-    compression="zstd": as in fastpersist.save; the background thread
-    compresses, the caller's stall is the snapshot's copy as without it.
+    compression="zstd": as in fastpersist.save; the background thread (or
+    the daemon) compresses, the caller's stall is the snapshot's copy as
+    without it.
     """
-    check_local_compression(compression,
-                            current_knobs().daemon if daemon is None else daemon, process_group)
+    packed.check_compression(compression)
     if process_group is not None:
         from .distributed.saver import saver_for as distributed_saver_for
 
         address = current_knobs().daemon if daemon is None else daemon
         return distributed_saver_for(process_group, node_local, address).save(
-            obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot)
+            obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot,
+            compression=compression)
     if node_local:
         raise ValueError("node_local=True needs process_group (a distributed save)")
-    if compression is not None:
-        return default_saver().save(obj, path, allow_pickle=allow_pickle,
-                                    wait_for_snapshot=wait_for_snapshot, compression=compression)
     return saver_for(daemon).save(obj, path, allow_pickle=allow_pickle,
-                                  wait_for_snapshot=wait_for_snapshot)
+                                  wait_for_snapshot=wait_for_snapshot, compression=compression)
 
-
-def check_local_compression(compression: str | None, daemon: str, process_group: Any) -> None:
-    """Compression is for in-process, single-process saves (this version):
-    refuse it clearly anywhere else."""
-    if packed.check_compression(compression) is None:
-        return
-    if process_group is not None:
-        raise ValueError("compression='zstd' is not supported for distributed saves "
-                         "(process_group) yet; save without compression")
-    if daemon:
-        raise ValueError(
-            "compression='zstd' is not supported through fastpersistd yet: the daemon "
-            "writes the staged bytes as they are. Save in-process (daemon=\"\") to "
-            "compress")

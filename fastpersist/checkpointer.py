@@ -43,13 +43,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .api import check_local_compression, load, load_from_tier
+from .api import load, load_from_tier
 from .errors import CheckpointError, CheckpointNotFoundError, PostCommitError, TierError
 from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
 from .saving.futures import SaveFuture
 from .saving.saver import Saver
 from .storage.retention import LATEST, AfterCommit, apply_at, step_of
+from .tensors import packed
 from .tensors.checkpoint import read_manifest
 from .tensors.factory import MapLocation
 
@@ -99,8 +100,8 @@ class Checkpointer:
     tier_compression: "zstd" (default): a raw checkpoint is compressed on its
         way to the store (the local one stays raw); "none": uploaded as it is.
         A checkpoint saved with compression="zstd" is uploaded as it is.
-    compression: "zstd" to compress each checkpoint (fastpersist.save);
-        in-process saves only.
+    compression: "zstd" to compress each checkpoint (fastpersist.save), in
+        this process, on each rank, or in the daemon.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -120,8 +121,7 @@ class Checkpointer:
         self.after_commit = AfterCommit(True, keep_last, keep_every)
         self.allow_pickle = allow_pickle
         address = current_knobs().daemon if daemon is None else daemon
-        check_local_compression(compression, address, process_group)
-        self.compression = compression
+        self.compression = packed.check_compression(compression)
         self._mirror: Mirror | None = None
         self._last_committed: str | None = None
         if tier is not None:
@@ -162,7 +162,8 @@ class Checkpointer:
             return self._delegated.save(state, self.path_for(step),
                                         allow_pickle=self.allow_pickle,
                                         wait_for_snapshot=wait_for_snapshot,
-                                        after_commit=self.after_commit)
+                                        after_commit=self.after_commit,
+                                        compression=self.compression)
         assert isinstance(self._saver, Saver)  # the in-process one: not delegated
         return self._saver.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                 wait_for_snapshot=wait_for_snapshot,

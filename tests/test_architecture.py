@@ -46,9 +46,9 @@ ROOMS = {
 }
 
 _TORCH_FREE = {"base", "format", "engine", "storage", "protocol", "tier"}
-# The codec (numpy and zstandard, no torch) is for the torch side, and for the
-# tier's compression on the way (tier/compress.py, imported only to compress): the daemon
-# writes what clients staged and never encodes or decodes.
+# The codec (numpy and zstandard, no torch) is for the torch side, for the tier's
+# compression on the way (tier/compress.py), and for the daemon's compression of
+# what a client staged (Begin's compression): the daemon imports it only to compress.
 _WITH_CODEC = _TORCH_FREE | {"codec"}
 MAY_IMPORT: dict[str, set[str]] = {
     "base": {"base"},
@@ -63,7 +63,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "saving": _WITH_CODEC | {"tensors", "saving"},
     "distributed": _WITH_CODEC | {"tensors", "saving", "distributed"},
     # The daemon runs without torch and never plans or stages a save.
-    "daemon": _TORCH_FREE | {"daemon"},
+    "daemon": _WITH_CODEC | {"daemon"},
     "api": _WITH_CODEC | {"tensors", "saving", "distributed", "api"},
     # Adapters built on the public API (the package's names), and what it stands on.
     "integrations": _WITH_CODEC | {"tensors", "saving", "distributed", "api", "package",

@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 import fastpersist
 from fastpersist import ChecksumMismatchError, CorruptCheckpointError
 from fastpersist.cli import main
-from fastpersist.codec import frame, frames, planes
+from fastpersist.codec import frame, frames, packing, planes
 from fastpersist.distributed import restore
 from fastpersist.engine import get_engine
 from fastpersist.format import dtypes, packed_file
-from fastpersist.tensors import checkpoint, packed, verifying
+from fastpersist.tensors import checkpoint, verifying
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8,
           torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
@@ -40,7 +40,7 @@ SMALL_FRAMES = "4096"  # FASTPERSIST_FRAME_BYTES for tests: many frames in small
 def small_frames(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every tensor compressed (none left raw for being small), in 4 KiB frames."""
     monkeypatch.setenv("FASTPERSIST_FRAME_BYTES", SMALL_FRAMES)
-    monkeypatch.setattr(packed, "MIN_ENCODED_BYTES", 1)
+    monkeypatch.setattr(packing, "MIN_ENCODED_BYTES", 1)
 
 
 def values(dtype: torch.dtype, shape: tuple[int, ...], kind: str, seed: int) -> torch.Tensor:
@@ -316,18 +316,14 @@ def test_raw_stays_the_default(tmp_path: Path) -> None:
     assert "frames" not in read_doc(tmp_path / "c")["tensors"][0]
 
 
-def test_where_compression_is_not_supported_it_says_so(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="not supported through fastpersistd"):
-        fastpersist.save({}, tmp_path / "c", compression="zstd", daemon="unix:///nowhere")
-    with pytest.raises(ValueError, match="not supported through fastpersistd"):
-        fastpersist.async_save({}, tmp_path / "c", compression="zstd",
-                               daemon="unix:///nowhere")
-    with pytest.raises(ValueError, match="not supported through fastpersistd"):
-        fastpersist.Checkpointer(tmp_path, compression="zstd", daemon="unix:///nowhere")
-    with pytest.raises(ValueError, match="distributed saves"):
-        fastpersist.save({}, tmp_path / "c", compression="zstd", process_group="world")
+def test_an_unknown_compression_is_refused_before_anything_is_done(tmp_path: Path) -> None:
+    for where in ({}, {"daemon": "unix:///nowhere"}, {"process_group": "world"}):
+        with pytest.raises(ValueError, match="None or 'zstd'"):
+            fastpersist.save({}, tmp_path / "c", compression="gzip", **where)
+        with pytest.raises(ValueError, match="None or 'zstd'"):
+            fastpersist.async_save({}, tmp_path / "c", compression="gzip", **where)
     with pytest.raises(ValueError, match="None or 'zstd'"):
-        fastpersist.save({}, tmp_path / "c", compression="gzip")
+        fastpersist.Checkpointer(tmp_path, compression="lz4", daemon="unix:///nowhere")
     assert not (tmp_path / "c").exists()
 
 

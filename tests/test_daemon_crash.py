@@ -339,6 +339,33 @@ def test_client_killed_right_after_hand_over_is_committed(slow_daemon, clients):
     assert_daemon_healthy(d)
 
 
+def test_client_killed_after_hand_over_of_a_compressed_save_is_committed(tmp_path, clients):
+    """compression="zstd": the daemon, not the client, encodes; a client dead
+    before the daemon even began (every write held at a gate) loses nothing."""
+    from daemon_support import Daemon
+
+    d = Daemon(tmp_path, gate=tmp_path / "gate").start()
+    try:
+        target = d.root / "ck"
+        c = clients(d, {"kind": "handover", "target": str(target), "step": 5,
+                        "compression": "zstd", **SMALL})
+        c.wait_for("handed-over")
+        killed_at = c.kill()
+        # Nothing written yet: the gate holds the daemon's first write.
+        assert not target.exists() and not list(d.root.rglob("data-*"))
+        d.open_gate()
+        committed = wait_until("the daemon to commit ck", lambda: events_of(d, "committed", "ck"),
+                               timeout=60)
+        assert committed[0]["ts"] > killed_at
+        assert_loads(target, 5, SMALL)
+        names = sorted(p.name for p in target.iterdir())
+        assert names and all(n.endswith(".fpz") for n in names if n != "manifest.json"), names
+        wait_until("the daemon to settle", lambda: settled(d), timeout=5)
+        assert_daemon_healthy(d)
+    finally:
+        d.cleanup()
+
+
 # --- 2. the trainer dies before the hand-over -----------------------------------------------
 
 # Where the client is when it dies (the daemon's checkpoint is RECEIVING):

@@ -169,6 +169,24 @@ def test_dp2_tp2_dtensors_save_and_reshard(tmp_path: Path) -> None:
         assert r["tensors"]["tp.rows"]["local_shape"] == [64, 12]
 
 
+def test_a_compressed_save_packs_each_ranks_files_and_reshards(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
+                {"path": str(ckpt), "dp": 2, "tp": 2, "compression": "zstd"}))
+    data = sorted(p.name for p in ckpt.iterdir() if p.name != "manifest.json")
+    assert data and all(n.endswith(".fpz") for n in data), data
+    m = read_manifest(ckpt)
+    assert any(t.frames is not None for t in m.tensors)
+    # Each unique byte still once, counted raw, by the rank that wrote it.
+    assert sum(data_bytes_by_rank(ckpt).values()) == unique_bytes(tp=True)
+    check_loaded(describe_here(fastpersist.load(ckpt)), tp=True)
+    # Resharded: each rank decodes only the frames of the boxes it needs.
+    for r in run_job(tmp_path, "load", ["n0", "n0"], {"path": str(ckpt), "like": True}):
+        check_loaded(r, tp=True)
+        assert r["tensors"]["tp.rows"]["local_equal"] and r["tensors"]["tp.cols"]["local_equal"]
+    assert fpctl(["verify", str(ckpt)]) == 0
+
+
 # --- failures ---------------------------------------------------------------------------
 
 

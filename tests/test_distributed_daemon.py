@@ -92,6 +92,20 @@ def test_dp4_through_the_daemon_writes_parts_and_commits_once(daemon: Daemon,
     assert fpctl(["verify", str(ckpt)]) == 0
 
 
+def test_a_compressed_job_is_packed_by_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
+    ckpt = daemon.root / "shared" / "ckpt"
+    ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
+               {"path": str(ckpt), "compression": "zstd"},
+               env={"FASTPERSIST_DAEMON": daemon.address}))
+    assert sorted(e["rank"] for e in daemon.events("part-written")) == [0, 1, 2, 3]
+    data = sorted(p.name for p in ckpt.iterdir() if p.name != "manifest.json")
+    assert len(data) >= 4 and all(n.endswith(".fpz") for n in data), data
+    assert sum(data_bytes_by_rank(ckpt).values()) == unique_bytes(tp=False)
+    assert _hidden(ckpt.parent) == [] and _segments(daemon) == []
+    check_loaded(describe_here(fastpersist.load(ckpt)), tp=False)
+    assert fpctl(["verify", str(ckpt)]) == 0
+
+
 def test_a_copy_failing_mid_part_fails_the_job_everywhere(daemon: Daemon,
                                                           tmp_path: Path) -> None:
     """Rank 1's third file cannot be copied into shared memory: every rank

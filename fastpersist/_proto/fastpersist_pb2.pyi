@@ -42,20 +42,24 @@ class InfoResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank")
+    __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank", "compression", "frame_bytes")
     PATH_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     FILE_COUNT_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     path: str
     client_id: str
     staging_bytes: int
     file_count: int
     job_id: str
     rank: int
-    def __init__(self, path: _Optional[str] = ..., client_id: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    compression: str
+    frame_bytes: int
+    def __init__(self, path: _Optional[str] = ..., client_id: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., compression: _Optional[str] = ..., frame_bytes: _Optional[int] = ...) -> None: ...
 
 class BeginResponse(_message.Message):
     __slots__ = ("checkpoint_id",)
@@ -158,7 +162,7 @@ class WaitRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., min_files_written: _Optional[int] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("checkpoint_id", "path", "state", "bytes_written", "bytes_total", "error", "files_written", "files_total", "error_code", "part_json", "after_commit_error")
+    __slots__ = ("checkpoint_id", "path", "state", "bytes_written", "bytes_total", "error", "files_written", "files_total", "error_code", "part_json", "after_commit_error", "compression")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[CheckpointStatus.State]
@@ -184,6 +188,7 @@ class CheckpointStatus(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     PART_JSON_FIELD_NUMBER: _ClassVar[int]
     AFTER_COMMIT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     path: str
     state: CheckpointStatus.State
@@ -195,7 +200,8 @@ class CheckpointStatus(_message.Message):
     error_code: str
     part_json: str
     after_commit_error: str
-    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[CheckpointStatus.State, str]] = ..., bytes_written: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., files_written: _Optional[int] = ..., files_total: _Optional[int] = ..., error_code: _Optional[str] = ..., part_json: _Optional[str] = ..., after_commit_error: _Optional[str] = ...) -> None: ...
+    compression: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[CheckpointStatus.State, str]] = ..., bytes_written: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., files_written: _Optional[int] = ..., files_total: _Optional[int] = ..., error_code: _Optional[str] = ..., part_json: _Optional[str] = ..., after_commit_error: _Optional[str] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("path",)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
+from .._proto import fastpersist_pb2 as pb
 from ..errors import CheckpointError
-from ..protocol.client import DaemonClient, as_dict
+from ..protocol.client import DaemonClient
 from ._output import EXIT_ERROR, EXIT_OK, human_size, print_json, warn
 
 DEFAULT_ADDRESS = "unix:///run/fastpersist/fastpersistd.sock"
@@ -56,3 +58,16 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                       + (f"; last error: {info.tier_last_error}" if info.tier_last_error
                          else ""))
     return EXIT_OK if health == "SERVING" else EXIT_ERROR
+
+
+def state_name(state: int) -> str:
+    return str(pb.CheckpointStatus.State.Name(state)).lower()
+
+
+def as_dict(status: pb.CheckpointStatus) -> dict[str, Any]:
+    return {
+        "checkpoint_id": status.checkpoint_id, "path": status.path,
+        "state": state_name(status.state), "bytes_written": status.bytes_written,
+        "bytes_total": status.bytes_total, "files_written": status.files_written,
+        "files_total": status.files_total, "error": status.error,
+    }

@@ -74,14 +74,16 @@ class Checkpoint:
     # Thousands stay known after they finish (registry.MAX_FINISHED): no __dict__.
     __slots__ = ("after_commit", "after_commit_error", "begun_unix", "busy", "bytes_total",
                  "bytes_written", "cleaned", "client", "error", "error_code", "file_records",
-                 "files_total", "files_written", "finished_at", "first_submit", "handed_over",
+                 "files_total", "files_written", "finished_at", "first_submit", "frame_bytes",
+                 "handed_over",
                  "id", "job", "last_activity", "mapped_bytes", "names", "part_json", "pending",
                  "rank", "relpath", "remove_parents", "reserved", "staging", "state", "streams",
                  "submitted", "target", "tensor_order", "tensor_records", "tree", "watchers")
 
     def __init__(self, ident: str, client: str, target: Path, relpath: str,
                  staging: Staging | None, files_total: int, reserved: int,
-                 job: Job[Checkpoint] | None = None, rank: int = 0) -> None:
+                 job: Job[Checkpoint] | None = None, rank: int = 0, frame_bytes: int = 0
+                 ) -> None:
         self.id = ident
         self.job = job  # a part of this distributed checkpoint (jobs.py)
         self.rank = rank  # the part's rank: its files are part_file_name(rank, i)
@@ -94,6 +96,9 @@ class Checkpoint:
         self.staging = staging
         self.files_total = files_total
         self.reserved = reserved
+        # Begin's compression="zstd": submitted files are packed (compressed)
+        # in frames of this many bytes; 0: written as submitted.
+        self.frame_bytes = frame_bytes
         self.state = State.RECEIVING
         self.error = ""
         self.error_code = ""
@@ -142,8 +147,9 @@ class Checkpoint:
         if self.job is None:
             self.tensor_records = _NO_RECORDS
 
-    def file_name(self, index: int) -> str:
-        return part_file_name(self.rank, index) if self.job else data_file_name(index)
+    def file_name(self, index: int, *, packed: bool = False) -> str:
+        return (part_file_name(self.rank, index, packed=packed) if self.job else
+                data_file_name(index, packed=packed))
 
     @property
     def terminal(self) -> bool:
@@ -168,6 +174,15 @@ class Checkpoint:
         self.files_written += 1
         self.bytes_written += size
 
+    def record_packed(self, index: int, file: FileRecord, records: list[TensorRecord]) -> None:
+        """Packed data file `index` is durable, with these records."""
+        if self.terminal:
+            return
+        self.file_records[index] = file
+        self.tensor_records.update((r.name, r) for r in records)
+        self.files_written += 1
+        self.bytes_written += file.size
+
     def runnable(self) -> bool:
         if self.busy or self.terminal:
             return False
@@ -180,6 +195,7 @@ class Checkpoint:
             "error": self.error, "files_written": self.files_written,
             "files_total": self.files_total, "error_code": self.error_code,
             "part_json": self.part_json, "after_commit_error": self.after_commit_error,
+            "compression": "zstd" if self.frame_bytes else "",
         }
 
 

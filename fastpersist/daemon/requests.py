@@ -142,6 +142,28 @@ def check_client(client: str) -> None:
         raise invalid("client_id must be 1..256 characters")
 
 
+def check_compression(compression: str, frame_bytes: int) -> int:
+    """Begin's compression and frame size: the frame size to pack files in
+    (0: no compression; a frame_bytes of 0 takes the daemon's own knob). Also
+    refuses compression where the daemon cannot do it (no numpy or zstandard)."""
+    if compression == "":
+        return 0
+    if compression != "zstd":
+        raise invalid(f"compression must be \"zstd\" or \"\", not {shown(compression)}")
+    try:
+        from ..codec import packing  # noqa: F401  (numpy, zstandard)
+    except ImportError as exc:
+        raise RequestError("FAILED_PRECONDITION", f"fastpersistd cannot compress: {exc}; "
+                           "install numpy and zstandard where it runs, or save without "
+                           "compression") from None
+    if frame_bytes == 0:
+        return knobs.current().frame_bytes
+    if frame_bytes % knobs.ALIGNMENT or frame_bytes > knobs.MAX_FRAME_BYTES:
+        raise invalid(f"frame_bytes {frame_bytes} must be a positive multiple of "
+                      f"{knobs.ALIGNMENT} and at most {knobs.MAX_FRAME_BYTES}")
+    return frame_bytes
+
+
 def check_file_count(file_count: int) -> None:
     if not 0 <= file_count <= MAX_FILES:
         raise invalid(f"file_count {file_count} is outside 0..{MAX_FILES}")

@@ -121,7 +121,9 @@ class Servicer(pb_grpc.FastPersistServicer):
         def run() -> pb.BeginResponse:
             ck = self.service.begin(parse(request.path), request.client_id,
                                     request.staging_bytes, request.file_count,
-                                    request.job_id, request.rank)
+                                    request.job_id, request.rank,
+                                    compression=request.compression,
+                                    frame_bytes=request.frame_bytes)
             return pb.BeginResponse(checkpoint_id=ck.id)
         return self._guard(context, run)
 
@@ -130,7 +132,9 @@ class Servicer(pb_grpc.FastPersistServicer):
         def run() -> Checkpoint:
             return self.service.begin(parse(request.path), request.client_id,
                                       request.staging_bytes, request.file_count,
-                                      request.job_id, request.rank, leased=True)
+                                      request.job_id, request.rank, leased=True,
+                                      compression=request.compression,
+                                      frame_bytes=request.frame_bytes)
         ck = self._guard(context, run)
         # The lease ends with the call, however it ends (done, cancelled, the
         # client's connection gone): gRPC's termination callback, rather than

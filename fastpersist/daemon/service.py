@@ -34,6 +34,7 @@ from .registry import Registry
 from .requests import (
     RequestError,
     check_client,
+    check_compression,
     check_file_count,
     invalid,
     parse_data_file,
@@ -103,8 +104,8 @@ class Service:
     # -- Begin ---------------------------------------------------------------
 
     def begin(self, path: RequestPath, client: str, staging_bytes: int,
-              file_count: int, job_id: str = "", rank: int = 0, *, leased: bool = False
-              ) -> Checkpoint:
+              file_count: int, job_id: str = "", rank: int = 0, *, leased: bool = False,
+              compression: str = "", frame_bytes: int = 0) -> Checkpoint:
         """Reserve the target and the staging under the lock; make the staging
         directory without it (a slow disk must not stall other requests); then
         hand out the id, unless the daemon began to drain meanwhile. leased:
@@ -112,6 +113,7 @@ class Service:
         born watched, and watch_ended() must follow when the stream ends."""
         check_client(client)
         check_file_count(file_count)
+        frame_bytes = check_compression(compression, frame_bytes)
         target, relpath = path.under(self.root.path), path.text
         r = self.registry
         joined = self.jobs.open_unknown(path, job_id) if job_id else None
@@ -128,7 +130,7 @@ class Service:
                     raise invalid(f"rank {rank} already has a part in job {job.id}")
                 ck = Checkpoint(secrets.token_hex(12), client, target, relpath,
                                 job.staging if job else None, file_count, staging_bytes, job,
-                                rank)
+                                rank, frame_bytes)
                 if job is not None:
                     if job is joined:
                         r.jobs[job.id] = job

@@ -21,7 +21,7 @@ import time
 from .._version import __version__
 from ..engine import Engine, Segment
 from ..errors import CheckpointIOError
-from ..format.manifest import Manifest
+from ..format.manifest import FileRecord, Manifest, TensorRecord
 from ..storage import dirs
 from ..storage.commit import os_error
 from . import logs
@@ -126,20 +126,28 @@ class Writers:
                     r.cond.notify_all()
 
     def _write(self, ck: Checkpoint, job: PendingFile) -> None:
-        name = ck.file_name(job.index)
+        name = ck.file_name(job.index, packed=bool(ck.frame_bytes))
         assert ck.staging is not None and ck.staging.fds is not None
         fds = ck.staging.fds
         if not dirs.is_entry(ck.staging.path.name, fds.parent, fds.staging):
             # Moved away (a job aborted by the daemon that began it) or replaced.
             raise CheckpointIOError(errno.ESTALE, f"the staging directory of {ck.relpath} was "
                                                   "moved or removed")
-        segments: list[Segment] = [(job.header, 0)]
-        segments += [(job.data.view[e.begin:e.end], job.data_start + e.begin)
-                     for e in job.entries]
+        views = [job.data.view[e.begin:e.end] for e in job.entries]
         started = time.perf_counter()
         try:
-            result = self.engine.write_file(name, segments, job.data_start + job.nbytes,
-                                            dir_fd=fds.staging)
+            if ck.frame_bytes:
+                file, records = self._write_packed(name, job, views, ck.frame_bytes, fds.staging)
+                size = file.size
+            else:
+                segments: list[Segment] = [(job.header, 0)]
+                segments += [(v, job.data_start + e.begin)
+                             for v, e in zip(views, job.entries, strict=True)]
+                size = job.data_start + job.nbytes
+                result = self.engine.write_file(name, segments, size, dir_fd=fds.staging)
+                del segments
+                assert result.crcs is not None
+                crcs = result.crcs
         except FileExistsError:
             # Two parts of one rank (on two daemons): refuse rather than overwrite.
             raise invalid(f"{name} already exists in the staging directory of "
@@ -147,18 +155,34 @@ class Writers:
         except OSError as exc:
             raise os_error(exc, f"cannot save checkpoint {ck.relpath}") from exc
         finally:
-            for view, _ in segments[1:]:
+            for view in views:
                 view.release()
         seconds = time.perf_counter() - started
         r = self.registry
         r.metrics.write_seconds.observe(seconds)
         logs.debug("file-written", checkpoint=ck.id, file=name, bytes=job.nbytes,
                    seconds=round(seconds, 4))
-        assert result.crcs is not None
-        size = job.data_start + job.nbytes
         with r.cond:
-            ck.record_file(job.index, size, job.data_start, job.entries, result.crcs)
+            if ck.frame_bytes:
+                ck.record_packed(job.index, file, records)
+            else:
+                ck.record_file(job.index, size, job.data_start, job.entries, crcs)
         r.metrics.bytes_written.inc(size)
+
+    def _write_packed(self, name: str, job: PendingFile, views: list[memoryview],
+                      frame_bytes: int, dir_fd: int) -> tuple[FileRecord, list[TensorRecord]]:
+        """Begin's compression="zstd": the codec encodes the file's tensors (on
+        its threads) and the engine writes them as the packed file `name`,
+        the same bytes an in-process save with compression writes. Nothing
+        made here outlives the call (it would keep the shared memory mapped)."""
+        from ..codec import packing
+
+        laid = packing.plan(name, [packing.RawTensor(e.name, e.dtype, e.shape, v)
+                                   for e, v in zip(job.entries, views, strict=True)],
+                            frame_bytes)
+        result = self.engine.write_file(name, laid.segments, laid.size, dir_fd=dir_fd)
+        assert result.crcs is not None
+        return laid.records(result.crcs)
 
     def _commit(self, ck: Checkpoint) -> None:
         if ck.job is not None:

@@ -47,7 +47,7 @@ from ..errors import (
 from ..knobs import current as current_knobs
 from ..saving.snapshot import StagedFile, group_into_files
 from ..storage.retention import AfterCommit
-from ..tensors import state
+from ..tensors import packed, state
 from ..tensors.plan import StoredTensor
 from .commit_point import CommitPoint
 from .describe import (
@@ -75,7 +75,8 @@ from .storage import InProcess, Storage, ident_of
 
 
 def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None, *,
-         node_local: bool = False, allow_pickle: bool = False) -> None:
+         node_local: bool = False, allow_pickle: bool = False,
+         compression: str | None = None) -> None:
     """fastpersist.save(..., process_group=...) in-process: see the module docstring.
 
     Shared storage (default): every rank passes the same `path`, on a
@@ -86,7 +87,7 @@ def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None
     """
     storage = InProcess()
     job = Save(coordinator_for(group), obj, path, storage, node_local=node_local,
-               allow_pickle=allow_pickle)
+               allow_pickle=allow_pickle, compression=compression)
     job.prepare()
     try:
         files: list[StagedFile] | BaseException = [
@@ -106,7 +107,8 @@ class Save(CommitPoint):
     def __init__(self, co: Coordinator, obj: Any, path: str | os.PathLike[str],
                  storage: Storage, *, node_local: bool, allow_pickle: bool,
                  aborted: Callable[[], bool] = lambda: False,
-                 after_commit: AfterCommit | None = None) -> None:
+                 after_commit: AfterCommit | None = None,
+                 compression: str | None = None) -> None:
         self.co = co
         # A Checkpointer's policy: applied with rank 0's publish, the job's
         # commit point (never before it: other nodes' publishes may be undone).
@@ -118,6 +120,10 @@ class Save(CommitPoint):
         self.node_local = node_local
         self.allow_pickle = allow_pickle
         self.knobs = current_knobs()
+        # compression="zstd": each rank's files are packed, in frames of this
+        # many bytes (0: raw), by the rank or by its node's daemon.
+        self.frame_bytes = self.knobs.frame_bytes if packed.check_compression(
+            compression) else 0
         self.target = Path(os.path.abspath(os.fspath(path)))
         self.phase = Phase(co, self.clean_up)
         self.timeout = self.knobs.dist_timeout
@@ -267,7 +273,8 @@ class Save(CommitPoint):
                 raise files
             self._raise_if_aborted()
             written = self.storage.write(self.target, self.directory, co.rank, files,
-                                         self.nodes[co.rank] if self.node_local else None)
+                                         self.nodes[co.rank] if self.node_local else None,
+                                         self.frame_bytes)
             self._raise_if_aborted()  # the last moment at which one rank can stop the job
         except Exception as exc:
             error = failure(co.rank, "write", exc)

@@ -60,7 +60,8 @@ class DistributedSaver:
     def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              wait_for_snapshot: bool = True,
              on_commit: Callable[[Path], None] | None = None,
-             after_commit: AfterCommit | None = None) -> SaveFuture:
+             after_commit: AfterCommit | None = None,
+             compression: str | None = None) -> SaveFuture:
         """See async_save. on_commit(path) runs on rank 0 after the commit;
         after_commit (a Checkpointer's policy) is applied by whoever commits
         the job (rank 0, or its daemon) right after the commit. Either failing
@@ -71,7 +72,7 @@ class DistributedSaver:
         self.wait()  # the previous save's collectives end before this one's begin
         job = Save(self.co, obj, path, self.storage, node_local=self.node_local,
                    allow_pickle=allow_pickle, aborted=self._abort.is_set,
-                   after_commit=after_commit)
+                   after_commit=after_commit, compression=compression)
         future = SaveFuture(job.target)
         job.prepare()  # raises the same error on every rank
         staged: list[StagedFile] = []

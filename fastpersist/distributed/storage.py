@@ -58,7 +58,7 @@ from ..saving.staging import StagingPool
 from ..storage.commit import Staging, leftover_name, os_error
 from ..storage.prepared import discard_prepared, prepare, publish_prepared
 from ..storage.retention import AfterCommit, apply_at
-from ..tensors import datafile
+from ..tensors import datafile, packed
 
 Records = list[tuple[FileRecord, list[TensorRecord]]]
 
@@ -69,7 +69,7 @@ class Storage(Protocol):
     def stage(self, target: Path) -> str: ...
 
     def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
-              node: str | None) -> Records: ...
+              node: str | None, frame_bytes: int = 0) -> Records: ...
 
     def publish(self, where: str, manifest: bytes, node: str | None,
                 after_commit: AfterCommit | None = None) -> str: ...
@@ -116,14 +116,19 @@ class InProcess:
         return str(staging.path)
 
     def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
-              node: str | None) -> Records:
+              node: str | None, frame_bytes: int = 0) -> Records:
+        """frame_bytes: pack (compress) the files in frames of this many bytes."""
         engine = get_engine()
         out = []
         for n, file in enumerate(f for f in files if f.tensors):
-            name = part_file_name(rank, n)
+            name = part_file_name(rank, n, packed=bool(frame_bytes))
             file.wait_copied()
             try:
-                record, records = datafile.write(engine, where, name, file.tensors)
+                if frame_bytes:
+                    record, records = packed.write(engine, where, name, file.tensors,
+                                                   frame_bytes)
+                else:
+                    record, records = datafile.write(engine, where, name, file.tensors)
             except OSError as exc:
                 raise os_error(exc, f"cannot write {name} of the checkpoint") from exc
             out.append((_with_node(record, node), records))
@@ -203,11 +208,12 @@ class ThroughDaemon:
         return self.client.begin_job(self.client.relative(target))
 
     def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
-              node: str | None) -> Records:
+              node: str | None, frame_bytes: int = 0) -> Records:
         """The part's files, durable in the job's directory. Each buffer is lent
         to the daemon and marked returned only by its report (handover.py), so
         the caller's StagingPool.give_back quarantines what the daemon may
-        still read. A lost reply after Commit is settled by asking the daemon."""
+        still read. A lost reply after Commit is settled by asking the daemon.
+        frame_bytes: the daemon packs (compresses) the files, in such frames."""
         from ..saving.handover import Handover
 
         files = [f for f in files if f.tensors]
@@ -215,7 +221,9 @@ class ThroughDaemon:
             return []
         reserve = sum(f.buffer.numel() for f in files if f.buffer is not None)
         ident, stream = self.client.open(self.client.relative(target), reserve, len(files),
-                                         job_id=where, rank=rank)
+                                         job_id=where, rank=rank,
+                                         compression="zstd" if frame_bytes else "",
+                                         frame_bytes=frame_bytes)
         # Open's stream is our liveness lease until the hand-over.
         handover = Handover(self.client, self._segments, ident,
                             f"the part of rank {rank} of {target}", stream)

@@ -14,12 +14,13 @@ def data_file_name(index: int, *, packed: bool = False) -> str:
     return f"data-{index:05d}.{'fpz' if packed else 'safetensors'}"
 
 
-def part_file_name(rank: int, index: int) -> str:
-    """A distributed checkpoint's data file: the index-th that `rank` wrote."""
-    return f"data-r{rank:05d}-{index:03d}.safetensors"
+def part_file_name(rank: int, index: int, *, packed: bool = False) -> str:
+    """A distributed checkpoint's data file: the index-th that `rank` wrote
+    (packed: compressed, as data_file_name's)."""
+    return f"data-r{rank:05d}-{index:03d}.{'fpz' if packed else 'safetensors'}"
 
 
-_PART_FILE = re.compile(r"^data-r(\d{5,})-\d{3,}\.safetensors$")
+_PART_FILE = re.compile(r"^data-r(\d{5,})-\d{3,}\.(?:safetensors|fpz)$")
 
 
 def rank_of_part_file(name: str) -> int | None:

@@ -181,16 +181,19 @@ class DaemonClient:
         return str(reply.checkpoint_id)
 
     def open(self, relative: str, staging_bytes: int, file_count: int, *, job_id: str = "",
-             rank: int = 0) -> tuple[str, Any]:
+             rank: int = 0, compression: str = "", frame_bytes: int = 0) -> tuple[str, Any]:
         """Begin a checkpoint with Open: (its id, the stream of its statuses that
         follow). The open stream is this process's lease on the checkpoint: if
         it ends before Commit (this process died, or cancelled it), the daemon
-        aborts the checkpoint at once."""
+        aborts the checkpoint at once. compression="zstd": the daemon packs the
+        files in frames of frame_bytes (0: its default); one that would not
+        (too old: it ignores the field) is refused here."""
         part = f"the part of rank {rank} of " if job_id else ""
         what = f"cannot begin {part}checkpoint {relative}"
         call = self.stub.Open(pb.BeginRequest(
             path=relative, client_id=CLIENT_ID, staging_bytes=staging_bytes,
-            file_count=file_count, job_id=job_id, rank=rank))
+            file_count=file_count, job_id=job_id, rank=rank, compression=compression,
+            frame_bytes=frame_bytes))
         # The first message is Begin's answer and gets its time limit; the rest
         # of the stream lasts as long as the checkpoint.
         timer = threading.Timer(CALL_TIMEOUT, call.cancel)
@@ -201,7 +204,8 @@ class DaemonClient:
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise self.error(exc, what) from None
-            # A daemon older than Open: Begin, and Watch right away.
+            # A daemon older than Open (and than compression): Begin, and Watch.
+            self._check_compresses(what, compression, "")
             ident = self.begin(relative, staging_bytes, file_count, job_id=job_id, rank=rank)
             return ident, self.stub.Watch(pb.WaitRequest(checkpoint_id=ident))
         except StopIteration:
@@ -209,7 +213,16 @@ class DaemonClient:
                               "INTERNAL") from None
         finally:
             timer.cancel()
+        if first.compression != compression:
+            call.cancel()  # (ends the lease: the daemon aborts the checkpoint)
+            self._check_compresses(what, compression, first.compression)
         return str(first.checkpoint_id), call
+
+    def _check_compresses(self, what: str, asked: str, answered: str) -> None:
+        if asked != answered:
+            raise DaemonError(f"{what}: fastpersistd at {self.address} does not compress "
+                              f"(asked for {asked!r}, it answered {answered!r}): upgrade it "
+                              "or save without compression", "FAILED_PRECONDITION")
 
     def begin_job(self, relative: str) -> str:
         reply = self._call(f"cannot begin distributed checkpoint {relative}",
@@ -381,15 +394,3 @@ def _after_commit(policy: AfterCommit | None) -> pb.AfterCommit | None:
     return pb.AfterCommit(point_latest=policy.point_latest, keep_last=policy.keep_last or 0,
                           keep_every=policy.keep_every or 0)
 
-
-def state_name(state: int) -> str:
-    return str(pb.CheckpointStatus.State.Name(state)).lower()
-
-
-def as_dict(status: pb.CheckpointStatus) -> dict[str, Any]:
-    return {
-        "checkpoint_id": status.checkpoint_id, "path": status.path,
-        "state": state_name(status.state), "bytes_written": status.bytes_written,
-        "bytes_total": status.bytes_total, "files_written": status.files_written,
-        "files_total": status.files_total, "error": status.error,
-    }

@@ -53,7 +53,7 @@ from ..errors import CheckpointAbortedError, CheckpointError
 from ..knobs import current as current_knobs
 from ..protocol.client import DaemonClient
 from ..storage.retention import AfterCommit
-from ..tensors import plan, state
+from ..tensors import packed, plan, state
 from .futures import STOP, SaveFuture
 from .handover import Handover
 from .saver import Saver
@@ -105,8 +105,9 @@ class RemoteSaver(Saver):
         the stall is the copy, and the writes follow in the background.
         after_commit: a Checkpointer's policy, which the daemon applies in the
         checkpoint's directory before it reports it committed. compression:
-        not supported through the daemon (ValueError), which writes the staged
-        bytes as they are."""
+        "zstd" has the daemon compress each staged file as it writes it (its
+        CPU, not the caller's); a file too large for the staging budget, sent
+        as a stream, is written raw."""
         return self._entered(lambda: self._save(obj, path, allow_pickle, wait_for_snapshot,
                                                 on_commit, compression, overlap_writes,
                                                 after_commit))
@@ -115,9 +116,7 @@ class RemoteSaver(Saver):
               wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None,
               compression: str | None = None, overlap_writes: bool = False,
               after_commit: AfterCommit | None = None) -> SaveFuture:
-        if compression is not None:
-            raise ValueError("compression is not supported through fastpersistd yet: save "
-                             "in-process (daemon=\"\") to compress")
+        compression = packed.check_compression(compression)
         self.raise_unobserved_failure()
         target = Path(os.path.abspath(os.fspath(path)))
         relative = self.client.relative(target)
@@ -132,7 +131,9 @@ class RemoteSaver(Saver):
         # Unstaged files are streamed, and the daemon writes them to disk as they
         # arrive: they take none of its staging.
         reserve = min(staged_bytes, budget) if budget else staged_bytes
-        ident, stream = self.client.open(relative, reserve, len(files))
+        ident, stream = self.client.open(relative, reserve, len(files),
+                                         compression=compression or "",
+                                         frame_bytes=knobs.frame_bytes if compression else 0)
         future = SaveFuture(target)
         job = _Job(future, ident, relative, len(files), tree_json, [t.name for t in stored],
                    queue.Queue(), on_commit, budget,

@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from ..engine import Engine, Segment
-from ..format import dtypes, packed_file
-from ..format.frames import MIN_ENCODED_BYTES, RAW, ZSTD_BYTEGROUP
+from ..format import dtypes
 from ..format.manifest import FileRecord, TensorRecord
-from .datafile import METADATA, Mismatch, phase_aligned
+from .datafile import Mismatch, phase_aligned
 from .plan import StoredTensor, memory_of
 
 Span = tuple[int, int]  # raw bytes start..end of a record
@@ -38,43 +37,14 @@ Span = tuple[int, int]  # raw bytes start..end of a record
 def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTensor],
           frame_bytes: int) -> tuple[FileRecord, list[TensorRecord]]:
     """Write tensors to directory/file_name as a packed file; durable on return."""
-    from ..codec.frames import encode_tensors  # numpy: only where compression is used
+    from ..codec import packing  # numpy: only where compression is used
 
-    sources = {t.name: t.source if t.source.device.type == "cpu" else t.source.cpu()
-               for t in tensors}
-    big = [t for t in tensors if t.nbytes >= MIN_ENCODED_BYTES]
-    small = sorted((t for t in tensors if t.nbytes < MIN_ENCODED_BYTES),
-                   key=lambda t: -dtypes.itemsize(t.dtype))  # stable, as datafile
-    encoded = dict(zip((t.name for t in big), encode_tensors(
-        [(memory_of(sources[t.name]), t.dtype) for t in big], frame_bytes), strict=True))
-    order = small + big
-    entries = [packed_file.PackedEntry(
-        t.name, t.dtype, t.shape,
-        encoded[t.name].stored_length if t.name in encoded else t.nbytes,
-        ZSTD_BYTEGROUP if t.name in encoded else RAW) for t in order]
-    lay = packed_file.layout(entries, METADATA)
-    segments: list[Segment] = [(lay.header, 0)]
-    for t, off in zip(order, lay.offsets, strict=True):
-        e = encoded.get(t.name)
-        if e is None:
-            segments.append((memory_of(sources[t.name]), off))
-        else:
-            segments += [(part, off + fr.stored_offset)
-                         for fr, part in zip(e.frames, e.parts, strict=True)]
-    result = engine.write_file(os.path.join(directory, file_name), segments, lay.size)
+    raws = [packing.RawTensor(t.name, t.dtype, t.shape, memory_of(
+        t.source if t.source.device.type == "cpu" else t.source.cpu())) for t in tensors]
+    laid = packing.plan(file_name, raws, frame_bytes)
+    result = engine.write_file(os.path.join(directory, file_name), laid.segments, laid.size)
     assert result.crcs is not None
-    raw_crcs = iter(result.crcs[1:1 + len(small)])
-    records = {}
-    for t, off in zip(order, lay.offsets, strict=True):
-        e = encoded.get(t.name)
-        rec = TensorRecord(name=t.name, file=file_name, offset=off, length=t.nbytes,
-                           dtype=t.dtype, shape=t.shape, crc32c=0)
-        records[t.name] = (replace(rec, crc32c=next(raw_crcs)) if e is None else
-                           replace(rec, crc32c=e.crc32c, encoding=ZSTD_BYTEGROUP,
-                                   stored_length=e.stored_length, frames=e.frames))
-    file_record = FileRecord(name=file_name, size=lay.size, data_start=lay.data_start,
-                             header_crc32c=result.crcs[0])
-    return file_record, [records[t.name] for t in tensors]
+    return laid.records(result.crcs)
 
 
 @dataclass

@@ -134,9 +134,10 @@ def _upload_file(s3: S3, url: TierURL, fd: int, f: FileRecord,
                  pool: ThreadPoolExecutor, where: str) -> tuple[FileRecord, list[TensorRecord]]:
     """Compress and upload one local data file; its new records."""
     name = packed_name(f.name)
-    small = sorted((r for r in records if r.length < MIN_ENCODED_BYTES),
-                   key=lambda r: -dtypes.itemsize(r.dtype))  # stable, as packed.write
-    big = [r for r in records if r.length >= MIN_ENCODED_BYTES]
+    # Larger elements first, stably, in each kind: as codec/packing.py orders them.
+    by_size = sorted(records, key=lambda r: -dtypes.itemsize(r.dtype))
+    small = [r for r in by_size if r.length < MIN_ENCODED_BYTES]
+    big = [r for r in by_size if r.length >= MIN_ENCODED_BYTES]
     k = current_knobs()
     frame_bytes = k.frame_bytes
     batch_frames = max(2, min(2 * k.codec_threads, _BATCH_BYTES // frame_bytes))

@@ -61,7 +61,7 @@ def wait_for_kill() -> None:
 def handover(job: dict[str, Any]) -> None:
     state = make_state(job["step"], job["tensors"], job["numel"])
     emit("ready")
-    fastpersist.async_save(state, job["target"])
+    fastpersist.async_save(state, job["target"], compression=job.get("compression"))
     emit("handed-over")
     wait_for_kill()
 

@@ -195,7 +195,8 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
                 state["model"]["extra"] = torch.zeros(3)  # a state the others do not have
             for _ in range(args.get("saves", 1)):
                 fastpersist.save(state, path, process_group=dist.group.WORLD,
-                                 node_local=args.get("node_local", False))
+                                 node_local=args.get("node_local", False),
+                                 compression=args.get("compression"))
             co = coordinator.coordinator_for(dist.group.WORLD)
             result["plans_made"] = co.plans_made
             result["plan_bytes"] = {str(r): n for r, n in co.cache.plan.bytes_per_rank().items()}  # type: ignore[union-attr]
