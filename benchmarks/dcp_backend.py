@@ -22,6 +22,11 @@ moments, 0-d steps). With --world 4 each of 4 gloo ranks holds a quarter of
 every tensor as a DTensor (Shard(0) on a CPU mesh; tensors too small to shard
 replicated), as FSDP would, and the state size is the whole job's.
 
+With one process, each repeat also measures, interleaved with the saves, a plain
+fastpersist.save of the same state (no DCP) and the disk's write ceiling: the
+best fio O_DIRECT write shape (_fio.WRITE_SHAPES, end_fsync) of the same bytes.
+The report then says what "3x FileSystemWriter" would need against that ceiling.
+
 Methods alternate within each repeat (order rotated each repeat); the report
 gives median, min and max over repeats and the FileSystem/FastPersist ratio.
 The first repeat's async saves allocate the staging buffers (both methods);
@@ -46,6 +51,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+import _fio  # noqa: E402  (from HERE)
 
 METHODS = ("fs", "fp")
 NAMES = {"fs": "FileSystemWriter/Reader", "fp": "FastPersistWriter/Reader"}
@@ -113,12 +120,20 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
              "fp": lambda p: dcp.save(state, storage_writer=FastPersistWriter(p))}
     samples: dict[str, list[float]] = {f"{k}:{m}": [] for k in ("save", "load", "stall",
                                                               "async_total") for m in METHODS}
+    ceiling = world == 1 and _fio.available() is None
+    if ceiling:
+        samples["save:plain"] = []  # fastpersist.save, no DCP
+        samples["save:fio"] = []  # the best fio write shape of this repeat
     cache = ""
     for r in range(repeats):
         order = METHODS if r % 2 == 0 else METHODS[::-1]
         paths = {m: work / f"{m}-{r}" for m in METHODS}
+        if ceiling and r % 2:
+            _ceiling(work, state, spec.nbytes, samples)
         for m in order:
             samples[f"save:{m}"].append(timed(lambda p=paths[m], m=m: saves[m](p)))
+        if ceiling and not r % 2:
+            _ceiling(work, state, spec.nbytes, samples)
         for m in order:
             barrier()
             if rank == 0:
@@ -155,6 +170,23 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
     if world > 1:
         dist.destroy_process_group()
     return result
+
+
+def _ceiling(work: Path, state: Any, nbytes: int, samples: dict[str, list[float]]) -> None:
+    """One plain fastpersist.save of `state`, and the best fio write of its bytes."""
+    import fastpersist
+
+    start = time.perf_counter()
+    fastpersist.save(state, work / "plain", daemon="")
+    samples["save:plain"].append(time.perf_counter() - start)
+    shutil.rmtree(work / "plain")
+    best = float("inf")
+    for shape in _fio.WRITE_SHAPES:
+        (work / "fio.dat").unlink(missing_ok=True)  # a fresh file, as every save makes
+        res = _fio.run(shape, work / "fio.dat", _fio.fio_size(nbytes))
+        best = min(best, res.seconds * nbytes / res.nbytes)
+    (work / "fio.dat").unlink(missing_ok=True)
+    samples["save:fio"].append(best)
 
 
 def run_job(work: Path, nbytes: int, repeats: int, world: int) -> dict[str, Any]:
@@ -194,6 +226,14 @@ def summarize(job: dict[str, Any], world: int) -> list[str]:
                          f"({min(v):.3f}-{max(v):.3f}) {rate}")
         lines.append(f"  {'':26s} {'FileSystem / FastPersist':26s} "
                      f"{med[f'{kind}:fs'] / med[f'{kind}:fp']:6.2f}x")
+    if "save:fio" in med:
+        for key, what in (("plain", "fastpersist.save (no DCP)"), ("fio", "fio write ceiling")):
+            v, m = job["samples"][f"save:{key}"], med[f"save:{key}"]
+            lines.append(f"  {'durable save':26s} {what:26s} {m:7.3f} s "
+                         f"({min(v):.3f}-{max(v):.3f}) {nbytes / m / 1e9:6.2f} GB/s")
+        fs, fp, fio = med["save:fs"], med["save:fp"], med["save:fio"]
+        lines.append(f"  FastPersistWriter = {fio / fp:.2f}x the ceiling; 3x FileSystemWriter "
+                     f"would be {fs / 3:.3f} s = {fio / (fs / 3):.2f}x the ceiling")
     return lines
 
 

@@ -8,6 +8,14 @@ and checkpoints model + optimizer every step and every 10 steps with:
     dcp.async_save   torch.distributed.checkpoint.async_save (1-process gloo group)
     copy floor       a plain copy of the same bytes into preallocated memory:
                      the least any consistent snapshot can cost
+    fastpersist+tier (--modes ...,tier,tier-raw) the same Checkpointer with tier=
+                     a local moto S3 server: each checkpoint also uploaded in the
+                     background, compressed (the default; tier-raw: as it is);
+                     every 10 steps only (uploads of every step would only queue
+                     up). Between measurements the uploads are drained, untimed.
+                     moto shares the machine's cores with the trainer, which a
+                     remote store would not: it runs at nice 19, and its CPU
+                     time is printed.
 
 For each mode, in the same run and alternating over repeats: the median stall
 (time the training loop spends inside the checkpoint call) and steps/s, with
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -59,6 +68,7 @@ class Mode:
 
     name = ""
     first_stall: float | None = None  # the process's first checkpoint (cold staging)
+    cadences = (1, 10)  # checkpoint every N steps: the measurements this mode takes part in
 
     def setup(self, root: Path) -> None:
         self.root = root
@@ -68,6 +78,9 @@ class Mode:
 
     def finish(self) -> None:
         pass
+
+    def settle(self) -> None:
+        """After a measurement, untimed: let background work end before the next."""
 
     def staging_bytes(self) -> int | None:
         return None
@@ -95,6 +108,49 @@ class Fastpersist(Mode):
 
     def staging_bytes(self) -> int | None:
         return self.ckpt.staging_bytes
+
+
+class FastpersistTier(Fastpersist):
+    name = "fastpersist+tier"
+    cadences = (10,)
+    endpoint = ""  # the local moto server (main)
+    compression = "zstd"
+
+    def setup(self, root: Path) -> None:
+        Mode.setup(self, root)
+        self.ckpt = fastpersist.Checkpointer(
+            root, keep_last=2, tier=f"s3://fp-train/{root.name}", tier_endpoint=self.endpoint,
+            tier_keep_last=2, tier_compression=self.compression)
+        self.drained: list[float] = []
+
+    def settle(self) -> None:
+        start = time.perf_counter()
+        if not self.ckpt.wait_for_tier(timeout=600):
+            raise SystemExit(f"uploads did not finish: {self.ckpt.tier_status()}")
+        self.drained.append(time.perf_counter() - start)
+
+
+class FastpersistTierRaw(FastpersistTier):
+    name = "fastpersist+tier raw"
+    compression = "none"
+
+
+def start_store(base: Path) -> Any:
+    """A moto S3 server with the bucket the tier mode uploads to."""
+    import boto3
+    from tier import start_moto
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = start_moto(port, base / "moto.log")
+    # At the lowest priority: it stands in for a remote store, whose CPU is not
+    # the trainer's (its CPU time is printed at the end).
+    os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
+    FastpersistTier.endpoint = f"http://127.0.0.1:{port}"
+    boto3.client("s3", endpoint_url=FastpersistTier.endpoint, region_name="us-east-1",
+                 aws_access_key_id="x", aws_secret_access_key="x").create_bucket(Bucket="fp-train")
+    return proc
 
 
 class TorchSave(Mode):
@@ -146,7 +202,7 @@ class CopyFloor(Mode):
 
 MODES: dict[str, Callable[[], Mode]] = {
     "none": NoCheckpoint, "fastpersist": Fastpersist, "torch": TorchSave, "dcp": DcpAsync,
-    "copy": CopyFloor,
+    "copy": CopyFloor, "tier": FastpersistTier, "tier-raw": FastpersistTierRaw,
 }
 
 
@@ -193,6 +249,12 @@ def main() -> int:
           f"checkpoint {nbytes / 2**20:.0f} MiB; torch threads {torch.get_num_threads()}; "
           f"dir {base}")
     modes = {name: MODES[name]() for name in args.modes.split(",")}
+    store = start_store(base) if any(isinstance(m, FastpersistTier)
+                                     for m in modes.values()) else None
+    if store is not None:  # the credentials boto3 finds for the tier (moto takes any)
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "x")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "x")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     for name, mode in modes.items():
         (base / name).mkdir(parents=True, exist_ok=True)
         mode.setup(base / name)
@@ -203,14 +265,28 @@ def main() -> int:
         names = names[rep % len(names):] + names[: rep % len(names)]  # rotate the order
         for every in (1, 10):
             for name in names:
+                if every not in modes[name].cadences:
+                    continue
                 steps = args.steps if every == 1 else max(args.steps, 30)
                 rate, stalls = run(modes[name], model, opt, step, steps, every, args.batch)
+                modes[name].settle()
                 step += steps
                 results.setdefault((name, every), []).append((rate, stalls))
                 med = statistics.median(stalls) if stalls else 0.0
                 print(f"  [{rep + 1}/{args.repeats}] every {every:2d}: {name:18s} "
                       f"{rate:.3f} steps/s  stall median {med * 1000:8.1f} ms", flush=True)
     print_report(results, modes, nbytes)
+    for mode in modes.values():
+        if isinstance(mode, FastpersistTier):
+            mode.ckpt.close()
+            print(f"{mode.name}: uploads drained {statistics.median(mode.drained):.2f} s "
+                  "(median) after each measurement's last checkpoint")
+    if store is not None:
+        with open(f"/proc/{store.pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        print(f"moto server CPU over the run: {(int(fields[11]) + int(fields[12])) / ticks:.1f} s")
+        store.kill()
     shutil.rmtree(base, ignore_errors=True)
     return 0
 
@@ -232,7 +308,7 @@ def print_report(results: dict[tuple[str, int], list[tuple[float, list[float]]]]
         base_rate = rate("none", every) if ("none", every) in results else None
         floor = stall("copy", every) if ("copy", every) in results else None
         for name in modes:
-            if name == "none":
+            if name == "none" or (name, every) not in results:
                 continue
             r, s = rate(name, every), stall(name, every)
             loss = f"{(1 - r / base_rate) * 100:6.1f}%" if base_rate else "     -"

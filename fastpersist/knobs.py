@@ -35,6 +35,9 @@
     FASTPERSIST_FRAME_BYTES    raw bytes per compressed frame (a multiple 4 MiB
                                of 4096, at most 64 MiB): the unit a load
                                decodes, and decodes in parallel
+    FASTPERSIST_BACKGROUND_NICE  nice value of background threads (async  10
+                               persist, tier uploads, codec), 0..19; 0: off
+                               (background.py)
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
 thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for
@@ -102,6 +105,7 @@ class Knobs:
     tier_attempts: int = 5
     codec_threads: int = 8
     frame_bytes: int = 4 * _MIB
+    background_nice: int = 10
 
     @property
     def io_threads(self) -> int:
@@ -161,4 +165,5 @@ def current() -> Knobs:
         codec_threads=min(_int_env("FASTPERSIST_CODEC_THREADS",
                                    min(8, len(os.sched_getaffinity(0)))), 64),
         frame_bytes=frame_bytes,
+        background_nice=min(_int_env("FASTPERSIST_BACKGROUND_NICE", 10, minimum=0), 19),
     )

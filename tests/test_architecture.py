@@ -28,7 +28,7 @@ ROOMS = {
     "fastpersist.errors": "base", "fastpersist.knobs": "base",
     "fastpersist._version": "base", "fastpersist._engine": "base",
     "fastpersist._proto": "base", "fastpersist.gcpause": "base",
-    "fastpersist.anonmem": "base",
+    "fastpersist.anonmem": "base", "fastpersist.background": "base",
     "fastpersist.format": "format",
     "fastpersist.codec": "codec",
     "fastpersist.engine": "engine",

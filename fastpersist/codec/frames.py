@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
+from ..background import lower_this_thread
 from ..format.frames import Frame
 from ..knobs import current as current_knobs
 from . import frame
@@ -48,7 +49,9 @@ def _executor() -> ThreadPoolExecutor:
     with _pool_lock:
         if _pool is None or _pool_key != key:
             old = _pool
-            _pool = ThreadPoolExecutor(key[0], thread_name_prefix="fastpersist-codec")
+            # Niced whoever starts them (background.py): mostly the background's work.
+            _pool = ThreadPoolExecutor(key[0], thread_name_prefix="fastpersist-codec",
+                                       initializer=lower_this_thread)
             if old is not None and _pool_key[1] == key[1]:
                 old.shutdown(wait=False)
             _pool_key = key

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import gcpause
+from ..background import lower_this_thread
 from ..errors import CheckpointAbortedError, CheckpointError
 from ..knobs import current as current_knobs
 from ..tensors import plan, state
@@ -242,6 +243,7 @@ class Saver:
     # -- writer side ------------------------------------------------------
 
     def _run(self) -> None:
+        lower_this_thread()  # the persist yields the cores to training (background.py)
         while True:
             job = self._jobs.get()
             if job is STOP:

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..background import lower_this_thread
 from .client import S3
 from .retention import keep_last, sweep_uploads
 from .upload import NotUploadable, Uploaded, check_compression, upload_checkpoint
@@ -186,6 +187,7 @@ class Uploader:
                 self._cond.wait(None if wake is None else max(0.0, wake - now))
 
     def _run(self) -> None:
+        lower_this_thread()  # uploads yield the cores to training (background.py)
         while True:
             self._sweep_if_due()
             job = self._next()
