@@ -153,3 +153,33 @@ def test_a_daemon_that_ignores_compression_is_refused(tmp_path: Path,
     finally:
         _close_remote_savers()
         d.cleanup()
+
+
+# The codec fails inside a frame's encoding, where the task's views of the
+# client's shared memory are in the traceback.
+_ENCODE_FAILS = (
+    "import fastpersist.codec.frame as f\n"
+    "def encode(*args, **kwargs):\n"
+    "    raise MemoryError('injected: no memory for the frame')\n"
+    "f.encode = encode\n"
+)
+
+
+def test_a_failing_encode_fails_the_checkpoint_and_the_daemon_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = Daemon(tmp_path, prelude=_ENCODE_FAILS).start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    try:
+        with pytest.raises(fastpersist.CheckpointError, match="injected"):
+            # (The failure may come before the hand-over or after it; a
+            # TimeoutError instead: the daemon's writer got stuck.)
+            fastpersist.async_save(trained_like(), d.root / "ck", daemon=d.address,
+                                   compression="zstd").result(timeout=60)
+        assert not (d.root / "ck").exists()
+        # Nothing stuck: the same daemon writes the next checkpoint (raw).
+        fastpersist.save(trained_like(), d.root / "ck", daemon=d.address)
+        assert_same(trained_like(), fastpersist.load(d.root / "ck"))
+        assert not [e for e in d.events() if e.get("event") == "worker-error"]
+    finally:
+        _close_remote_savers()
+        d.cleanup()

@@ -123,7 +123,11 @@ class Mapping:
 
     def close(self) -> None:
         self.view.release()
-        self.map.close()
+        # A view derived from it may outlive the write (one held by the
+        # traceback of a failed encode, say): the mapping then goes with the
+        # last such view, and the caller's bookkeeping must go on.
+        with contextlib.suppress(BufferError):
+            self.map.close()
 
 
 class SegmentError(ValueError):
