@@ -183,3 +183,16 @@ def test_a_failing_encode_fails_the_checkpoint_and_the_daemon_goes_on(
     finally:
         _close_remote_savers()
         d.cleanup()
+
+
+def test_the_clients_frame_size_is_the_daemons(daemon: Daemon, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The daemon runs with the default 4 MiB frames; this client asks for 64 KiB ones.
+    monkeypatch.setenv("FASTPERSIST_FRAME_BYTES", str(64 << 10))
+    state = trained_like(2)
+    fastpersist.save(state, daemon.root / "ck", daemon=daemon.address, compression="zstd")
+    fastpersist.save(state, tmp_path / "local", daemon="", compression="zstd")
+    same_files(daemon.root / "ck", tmp_path / "local")
+    w = next(t for t in read_manifest(daemon.root / "ck").tensors if t.name == "model.w")
+    assert w.frames is not None and len(w.frames) == w.length // (64 << 10)
+    assert {f.raw_length for f in w.frames} == {64 << 10}
