@@ -139,7 +139,11 @@ def campaign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fuzzer
         raw.close()
         close_remote_savers()
         # Unblock anything stuck on a planted FIFO, so that the daemon can stop.
-        for fifo in list(d.root.rglob("*")) + list(d.shm_dir.iterdir()):
+        # (os.walk: the daemon may be removing leftovers while we look, which
+        # makes Path.rglob raise for a directory that just went.)
+        found = [Path(top) / name for top, dirs, files in os.walk(d.root)
+                 for name in dirs + files]
+        for fifo in found + list(d.shm_dir.iterdir()):
             with contextlib.suppress(OSError):
                 if fifo.is_fifo():
                     os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
