@@ -17,16 +17,17 @@ Torch-free (numpy and zstandard): the daemon imports this.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ..format import dtypes, packed_file
 from ..format.frames import MIN_ENCODED_BYTES, RAW, ZSTD_BYTEGROUP
 from ..format.manifest import FileRecord, TensorRecord
+from ..format.safetensors_file import DATA_FILE_METADATA
 from .frames import Encoded, encode_tensors
 
-METADATA = {"format": "pt", "producer": "fastpersist"}  # as a safetensors data file's
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,21 @@ class PackedPlan:
         return file_record, [out[t.name] for t in self.tensors]
 
 
+def file_order(items: Sequence[T], nbytes: Callable[[T], int], dtype: Callable[[T], str]
+               ) -> tuple[list[T], list[T]]:
+    """A packed file's tensors as (stored raw, encoded), each in file order:
+    larger elements first, stably, as a safetensors data file orders them.
+    The daemon gets a file's tensors in that order, a save in the state's,
+    and the tier (tier/compress.py) a manifest's records: all must write the
+    same file."""
+    by_size = sorted(items, key=lambda t: -dtypes.itemsize(dtype(t)))
+    return ([t for t in by_size if nbytes(t) < MIN_ENCODED_BYTES],
+            [t for t in by_size if nbytes(t) >= MIN_ENCODED_BYTES])
+
+
 def plan(name: str, tensors: Sequence[RawTensor], frame_bytes: int) -> PackedPlan:
     """Encode `tensors` (names unique) and lay out the packed file `name`."""
-    # Larger elements first, stably (as a safetensors data file's order): the
-    # daemon gets the tensors in that order, a save in the state's, and both
-    # must write the same file.
-    by_size = sorted(tensors, key=lambda t: -dtypes.itemsize(t.dtype))
-    big = [t for t in by_size if t.nbytes >= MIN_ENCODED_BYTES]
-    small = [t for t in by_size if t.nbytes < MIN_ENCODED_BYTES]
+    small, big = file_order(tensors, lambda t: t.nbytes, lambda t: t.dtype)
     encoded = dict(zip((t.name for t in big), encode_tensors(
         [(memoryview(t.data).cast("B"), t.dtype) for t in big], frame_bytes), strict=True))
     order = small + big
@@ -92,7 +100,7 @@ def plan(name: str, tensors: Sequence[RawTensor], frame_bytes: int) -> PackedPla
         t.name, t.dtype, t.shape,
         encoded[t.name].stored_length if t.name in encoded else t.nbytes,
         ZSTD_BYTEGROUP if t.name in encoded else RAW) for t in order]
-    lay = packed_file.layout(entries, METADATA)
+    lay = packed_file.layout(entries, DATA_FILE_METADATA)
     segments: list[tuple[Any, int]] = [(lay.header, 0)]
     for t, off in zip(order, lay.offsets, strict=True):
         e = encoded.get(t.name)
@@ -105,4 +113,4 @@ def plan(name: str, tensors: Sequence[RawTensor], frame_bytes: int) -> PackedPla
                       lay.data_start, lay.size, segments)
 
 
-__all__ = ["METADATA", "PackedPlan", "RawTensor", "plan"]
+__all__ = ["PackedPlan", "RawTensor", "file_order", "plan"]

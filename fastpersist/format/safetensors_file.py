@@ -20,6 +20,8 @@ from ..knobs import ALIGNMENT
 from . import dtypes
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+# The "__metadata__" of every data file fastpersist writes, raw or packed.
+DATA_FILE_METADATA = {"format": "pt", "producer": "fastpersist"}
 
 
 class HeaderEntry(NamedTuple):  # a tuple: a file may hold 100,000 of them

@@ -27,7 +27,7 @@ from ..format.manifest import FileRecord, TensorRecord
 from ..knobs import ALIGNMENT
 from .plan import StoredTensor, memory_of
 
-METADATA = {"format": "pt", "producer": "fastpersist"}
+METADATA = safetensors_file.DATA_FILE_METADATA
 _offset = operator.attrgetter("offset")
 
 

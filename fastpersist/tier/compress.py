@@ -35,16 +35,17 @@ from dataclasses import replace
 from typing import Any
 
 from ..codec.frames import checksum, combine, cut, encode_tensors
+from ..codec.packing import file_order
 from ..errors import TierError
-from ..format import dtypes, packed_file
-from ..format.frames import MIN_ENCODED_BYTES, RAW, ZSTD_BYTEGROUP, Frame
+from ..format import packed_file
+from ..format.frames import RAW, ZSTD_BYTEGROUP, Frame
 from ..format.manifest import FileRecord, Manifest, TensorRecord
+from ..format.safetensors_file import DATA_FILE_METADATA
 from ..knobs import current as current_knobs
 from .client import S3
 from .url import TierURL
 
 _BATCH_BYTES = 64 << 20
-_METADATA = {"format": "pt", "producer": "fastpersist"}  # as packed.write: the same bytes
 
 
 class LocalCorruption(TierError):
@@ -134,10 +135,7 @@ def _upload_file(s3: S3, url: TierURL, fd: int, f: FileRecord,
                  pool: ThreadPoolExecutor, where: str) -> tuple[FileRecord, list[TensorRecord]]:
     """Compress and upload one local data file; its new records."""
     name = packed_name(f.name)
-    # Larger elements first, stably, in each kind: as codec/packing.py orders them.
-    by_size = sorted(records, key=lambda r: -dtypes.itemsize(r.dtype))
-    small = [r for r in by_size if r.length < MIN_ENCODED_BYTES]
-    big = [r for r in by_size if r.length >= MIN_ENCODED_BYTES]
+    small, big = file_order(records, lambda r: r.length, lambda r: r.dtype)
     k = current_knobs()
     frame_bytes = k.frame_bytes
     batch_frames = max(2, min(2 * k.codec_threads, _BATCH_BYTES // frame_bytes))
@@ -177,7 +175,8 @@ def _upload_file(s3: S3, url: TierURL, fd: int, f: FileRecord,
         order = small + big
         lay = packed_file.layout([packed_file.PackedEntry(
             r.name, r.dtype, r.shape, stored[r.name][0],
-            RAW if stored[r.name][1] is None else ZSTD_BYTEGROUP) for r in order], _METADATA)
+            RAW if stored[r.name][1] is None else ZSTD_BYTEGROUP) for r in order],
+            DATA_FILE_METADATA)
         stream.finish(lay.header)
     except BaseException:
         stream.abort()
