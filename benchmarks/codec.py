@@ -275,7 +275,7 @@ def main() -> None:
         + f" ({cores} cores here)")
     print("\n".join(lines))
     if args.json:
-        out["args"] = vars(args) | {"json": str(args.json)}
+        out["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         out["versions"] = {"torch": torch.__version__, "zstandard": zstandard.__version__}
         try:
             from importlib.metadata import version

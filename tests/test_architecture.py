@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fastpersist"
 MAX_LINES = 400
 GENERATED = ("fastpersist._proto",)
 # Modules that exist but not as .py files here (the C engine, generated stubs).
-NATIVE = {"fastpersist._engine"}
+NATIVE = {"fastpersist._engine", "fastpersist._codec"}
 
 # Each module's room: the longest prefix that names it.
 ROOMS = {
@@ -30,7 +30,7 @@ ROOMS = {
     "fastpersist._proto": "base", "fastpersist.gcpause": "base",
     "fastpersist.anonmem": "base", "fastpersist.background": "base",
     "fastpersist.format": "format",
-    "fastpersist.codec": "codec",
+    "fastpersist.codec": "codec", "fastpersist._codec": "codec",  # the codec's C core
     "fastpersist.engine": "engine",
     "fastpersist.storage": "storage",
     "fastpersist.protocol": "protocol",

@@ -9,7 +9,11 @@ CRC32C in the manifest:
                       then each plane's bytes in order
 
 A plane holds byte j of every unit of the frame (planes.py); a zstd plane is
-one zstd frame with its content size. A frame that would not get smaller is
+one zstd frame with its content size. Float planes are written by the C
+extension's encoder of Huffman-coded literals (csrc/codec/fpc_zstd_literals.c:
+zstd frames without matches, twice as fast to write as zstd's own fastest
+level on these bytes, and smaller); integer planes, which may repeat, by
+zstd's library. Any zstd decoder reads both. A frame that would not get smaller is
 stored (kind 0), so stored bytes never exceed raw bytes by more than
 format.frames.MAX_FRAME_OVERHEAD. Decoding checks every length against what
 the frame must hold and raises CodecError on anything else: a decoder fed
@@ -50,6 +54,12 @@ _PARAMS = zstandard.ZstdCompressionParameters(
     write_dict_id=False)
 
 
+try:
+    from .. import _codec
+except ImportError:  # no C extension: numpy planes and zstd's library, the same format
+    _codec = None  # type: ignore[assignment]
+
+
 class CodecError(ValueError):
     """Stored bytes that are not a frame of the expected kind and size."""
 
@@ -71,7 +81,32 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _plane(plane: memoryview) -> tuple[int, bytes | memoryview]:
+def _scratch(n: int) -> memoryview:
+    """A buffer of n bytes this thread reuses (fresh memory costs page faults)."""
+    buf: bytearray | None = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < n:
+        buf = _local.scratch = bytearray(n)
+    return memoryview(buf)[:n]
+
+
+def _split(raw: memoryview, g: Grouping) -> list[memoryview]:
+    """raw's planes; they live in this thread's scratch until the next call."""
+    if _codec is None:
+        return [memoryview(row).cast("B") for row in split(raw, g)]
+    buf = _scratch(len(raw))
+    _codec.split(raw, g.unit, g.rotate, buf)
+    n = len(raw) // g.unit
+    return [buf[j * n:(j + 1) * n] for j in range(g.unit)]
+
+
+def _plane(plane: memoryview, floats: bool) -> tuple[int, bytes | memoryview]:
+    if floats and _codec is not None:
+        coded = _codec.zstd_literals(plane)
+        if isinstance(coded, bytes):
+            return MODE_ZSTD, coded
+        if coded == _codec.NOT_SMALLER:
+            return MODE_RAW, plane
+        # UNSUPPORTED (a table it cannot write): zstd's library does it.
     c = _compressor()
     if len(plane) >= 2 * SAMPLE and len(c.compress(plane[:SAMPLE])) > SKIP_RATIO * SAMPLE:
         return MODE_RAW, plane
@@ -81,10 +116,9 @@ def _plane(plane: memoryview) -> tuple[int, bytes | memoryview]:
 
 def encode(raw: memoryview, g: Grouping) -> bytes:
     """The stored form of `raw`, whose length is a multiple of g.unit."""
-    planes = split(raw, g)
     modes, parts = [], []
-    for row in planes:
-        mode, part = _plane(memoryview(row).cast("B"))
+    for row in _split(raw, g):
+        mode, part = _plane(row, g.floats)
         modes.append(mode)
         parts.append(part)
     head = _HEAD.pack(KIND_GROUPED, int(g.rotate), g.unit) + b"".join(
@@ -119,7 +153,7 @@ def decode(stored: memoryview, g: Grouping, out: memoryview) -> None:
     pos = _HEAD.size + unit * _PLANE.size
     if len(stored) < pos:
         raise CodecError("frame header is cut short")
-    planes = []
+    planes: list[bytes | memoryview] = []
     for j in range(unit):
         mode, length = _PLANE.unpack_from(stored, _HEAD.size + j * _PLANE.size)
         part = stored[pos:pos + length]
@@ -129,14 +163,17 @@ def decode(stored: memoryview, g: Grouping, out: memoryview) -> None:
         if mode == MODE_RAW:
             if length != n:
                 raise CodecError(f"raw plane {j} holds {length} bytes, expected {n}")
-            planes.append(np.frombuffer(part, dtype=np.uint8))
+            planes.append(part)
         elif mode == MODE_ZSTD:
-            planes.append(np.frombuffer(_unzstd(part, n, j), dtype=np.uint8))
+            planes.append(_unzstd(part, n, j))
         else:
             raise CodecError(f"plane {j} has unknown mode {mode}")
     if pos != len(stored):
         raise CodecError(f"{len(stored) - pos} bytes after the frame's last plane")
-    merge(planes, g, out)
+    if _codec is None:
+        merge([np.frombuffer(p, dtype=np.uint8) for p in planes], g, out)
+    else:
+        _codec.merge(planes, g.unit, g.rotate, out)
 
 
 def _unzstd(part: memoryview, n: int, j: int) -> bytes:

@@ -29,21 +29,26 @@ from ..format import dtypes
 @dataclass(frozen=True)
 class Grouping:
     """How a dtype's elements are cut into planes: `unit` bytes (one plane
-    each), rotated first when `rotate`."""
+    each), rotated first when `rotate`. `floats`: the planes are float bytes,
+    which only an entropy coder compresses (frame.py codes them without
+    looking for repeats); integers' planes may repeat, and are not."""
 
     unit: int
     rotate: bool
+    floats: bool = False
 
 
 # Multi-byte dtypes; every 1-byte dtype is one plane, unrotated.
 _GROUPINGS = {
-    "BF16": Grouping(2, True), "F32": Grouping(4, True), "F64": Grouping(8, True),
-    "C64": Grouping(4, True),  # two float32s
-    "F16": Grouping(2, False),
+    "BF16": Grouping(2, True, True), "F32": Grouping(4, True, True),
+    "F64": Grouping(8, True, True),
+    "C64": Grouping(4, True, True),  # two float32s
+    "F16": Grouping(2, False, True),
     "I16": Grouping(2, False), "U16": Grouping(2, False),
     "I32": Grouping(4, False), "U32": Grouping(4, False),
     "I64": Grouping(8, False), "U64": Grouping(8, False),
 }
+_FLOAT8 = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 _UINT: dict[int, np.dtype[np.unsignedinteger[Any]]] = {
     1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -55,11 +60,12 @@ def grouping_for(dtype: str) -> Grouping:
         return g
     if dtypes.itemsize(dtype) != 1:  # every dtype the format knows is listed above
         raise KeyError(dtype)
-    return Grouping(1, False)
+    return Grouping(1, False, dtype in _FLOAT8)
 
 
 def split(raw: memoryview, g: Grouping) -> np.ndarray:
-    """The planes of `raw` (whose length is a multiple of g.unit) as a
+    """(numpy; frame.py uses the C extension's split where it is built.)
+    The planes of `raw` (whose length is a multiple of g.unit) as a
     (unit, n) array: row j holds byte j (little-endian) of every unit."""
     n = len(raw) // g.unit
     a = np.frombuffer(raw, dtype=_UINT[g.unit], count=n)
@@ -77,7 +83,8 @@ def split(raw: memoryview, g: Grouping) -> np.ndarray:
 
 
 def merge(planes: Sequence[np.ndarray], g: Grouping, out: memoryview) -> None:
-    """Write the units that `planes` (split's rows, each n bytes) hold into `out`."""
+    """(numpy, as split.) Write the units that `planes` (split's rows, each n
+    bytes) hold into `out`."""
     n = len(planes[0])
     target = np.frombuffer(out, dtype=np.uint8, count=n * g.unit).reshape(n, g.unit)
     for j, plane in enumerate(planes):  # plane by plane: long inner loops
