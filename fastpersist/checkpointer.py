@@ -31,7 +31,8 @@ retention in the store. Failed uploads are retried with backoff, logged
 (logger `fastpersist.tier`) and shown by tier_status(); close() waits for the
 uploads (a few more tries each) and raises TierError naming what is not
 uploaded. Checkpoints committed but not uploaded when the process died are
-uploaded by the next Checkpointer on the same root and tier.
+uploaded by the next Checkpointer on the same root and tier. In a distributed
+job (process_group) rank 0 does all of this, from the shared root.
 """
 
 from __future__ import annotations
@@ -92,8 +93,12 @@ class Checkpointer:
         once; whoever commits the job (rank 0, or its daemon) moves `latest`
         and applies retention.
     tier: "s3://BUCKET/PREFIX": copy each checkpoint there in the background
-        (see the module docstring). In-process saves only: with fastpersistd,
-        give the daemon the tier (fastpersistd --tier).
+        (see the module docstring). Not through fastpersistd: give the daemon
+        the tier (fastpersistd --tier). With process_group, rank 0 uploads
+        (every rank's files are on the shared storage) and applies retention;
+        its tier_status()/wait_for_tier() tell of the uploads, the other
+        ranks' report nothing pending; every rank's latest()/load_latest()
+        falls back to the store.
     tier_keep_last: keep this many newest checkpoints in the store (None: all).
     tier_endpoint: the store's endpoint URL (default: the standard AWS
         configuration, e.g. AWS_ENDPOINT_URL).
@@ -124,27 +129,34 @@ class Checkpointer:
         self.compression = packed.check_compression(compression)
         self._mirror: Mirror | None = None
         self._last_committed: str | None = None
-        if tier is not None:
-            if address or process_group is not None:
-                raise ValueError("tier= uploads in-process saves; with fastpersistd give the "
-                                 "daemon the tier (fastpersistd --tier), and a distributed "
-                                 "job's checkpoints are not uploaded yet")
-            self._mirror = self._start_tier(tier, tier_keep_last, tier_endpoint,
-                                            tier_compression)
+        if tier is not None and address:
+            raise ValueError("tier= uploads what this process commits; with fastpersistd "
+                             "give the daemon the tier (fastpersistd --tier)")
         self._saver: Saver | DistributedSaver
         # The savers that take the policy along with the commit (to the daemon,
-        # or to the distributed job's commit); the in-process Saver calls back.
+        # or to the distributed job's commit); the in-process Saver calls back,
+        # and so does a distributed job's with a tier, on rank 0: its retention
+        # must keep what is not in the store yet (_committed).
         self._delegated: RemoteSaver | DistributedSaver | None = None
         if process_group is not None:
             from .distributed.saver import DistributedSaver
 
-            self._saver = self._delegated = DistributedSaver(process_group, daemon=address)
+            self._saver = DistributedSaver(process_group, daemon=address)
+            if tier is None:
+                self._delegated = self._saver
+            else:
+                self._mirror = self._start_tier(tier, tier_keep_last, tier_endpoint,
+                                                tier_compression,
+                                                uploads=self._saver.co.rank == 0)
         elif address:
             from .saving.remote import RemoteSaver
 
             self._saver = self._delegated = RemoteSaver(address, max_in_flight)
         else:
             self._saver = Saver(max_in_flight)
+        if tier is not None and self._mirror is None:
+            self._mirror = self._start_tier(tier, tier_keep_last, tier_endpoint,
+                                            tier_compression)
         self._lock = threading.Lock()  # latest pointer and retention
 
     def path_for(self, step: int) -> Path:
@@ -164,7 +176,6 @@ class Checkpointer:
                                         wait_for_snapshot=wait_for_snapshot,
                                         after_commit=self.after_commit,
                                         compression=self.compression)
-        assert isinstance(self._saver, Saver)  # the in-process one: not delegated
         return self._saver.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                 wait_for_snapshot=wait_for_snapshot,
                                 on_commit=self._committed, compression=self.compression)
@@ -286,13 +297,17 @@ class Checkpointer:
     # -- the object-store tier ---------------------------------------------
 
     def _start_tier(self, tier: str, keep_last: int | None, endpoint: str | None,
-                    compression: str) -> Mirror:
+                    compression: str, *, uploads: bool = True) -> Mirror:
+        """The mirror of the root in the store; it uploads only where `uploads`
+        (elsewhere it serves latest() and load_latest() from the store)."""
         from .tier.client import client_for
         from .tier.mirror import Mirror
         from .tier.url import TierURL
 
-        return Mirror(self.root, TierURL.parse(tier), client_for(endpoint), keep_last=keep_last,
-                      on_uploaded=self._uploaded, compression=compression).start()
+        mirror = Mirror(self.root, TierURL.parse(tier), client_for(endpoint),
+                        keep_last=keep_last, on_uploaded=self._uploaded,
+                        compression=compression)
+        return mirror.start() if uploads else mirror
 
     def tier_status(self) -> TierStatus | None:
         """The uploads: pending, failing, the last error (None without a tier)."""
@@ -322,7 +337,8 @@ class Checkpointer:
                 warnings.warn(f"retention after an upload failed: {exc}", RuntimeWarning,
                               stacklevel=1)
 
-    # -- runs on the writer thread, after a commit (in-process) -------------
+    # -- runs on the writer thread after a commit (in-process; rank 0 of a
+    # -- distributed job with a tier) -----------------------------------------
 
     def _committed(self, path: Path) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ from fastpersist.distributed import restore
 from fastpersist.storage import dirs
 from fastpersist.tensors import tier_read
 from fastpersist.tier.client import S3
-from fastpersist.tier.remote import read_manifest
+from fastpersist.tier.remote import entries, read_manifest
 from fastpersist.tier.upload import upload_checkpoint
 from fastpersist.tier.url import TierURL
 
@@ -74,3 +74,28 @@ def test_a_distributed_checkpoint_loads_from_the_store_resharded(
         assert torch.equal(t, full_tensors()["embed"][10:13])
         # embed is 1 MB in chunks of 64 KiB (FASTPERSIST_PIECE_BYTES), ~4.8 MB in all.
         assert 0 < sum(got) <= 192 << 10, (name, got)
+
+
+def test_a_distributed_checkpointer_uploads_from_rank_0(s3: Any, tmp_path: Path) -> None:
+    """Checkpointer(tier=..., process_group=...) without a daemon: rank 0 uploads
+    each committed checkpoint and local retention keeps it until it is in the
+    store; 2 ranks then load the last one from the store, resharded."""
+    root = tmp_path / "ckpts"
+    tier = TierURL.parse(s3.url).child("run")
+    reports = run_job(tmp_path, "tier_checkpointer", ["n0", "n0", "n1", "n1"],
+                      {"path": str(root), "dp": 2, "tp": 2, "tier": str(tier)})
+    ok(reports)
+    assert [r["uploaded"] for r in reports] == [3, 0, 0, 0]  # rank 0 uploads
+    assert all(r["pending"] == [] and r["last_error"] is None for r in reports)
+    # keep_last=1, applied by rank 0 as each upload finished (the other ranks
+    # looked before rank 0's close() had waited for the uploads)
+    assert reports[0]["steps"] == [2]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        "step-00000002"]
+    names = sorted(e.name for e in entries(S3(), tier) if e.committed)
+    assert names == ["step-00000000", "step-00000001", "step-00000002"]
+    # compressed on the way (the uploader's default)
+    assert any(t.frames for t in read_manifest(S3(), tier.child("step-00000002"))[0].tensors)
+    for r in run_job(tmp_path, "load", ["n0", "n0"],
+                     {"path": str(tier.child("step-00000002")), "like": True}):
+        check_loaded(r, tp=True)

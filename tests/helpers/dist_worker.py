@@ -225,6 +225,22 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
             result["latest"] = str(ckpt.latest())
             result["staging_bytes_after_close"] = ckpt.staging_bytes
             result["ok"] = True
+        elif scenario == "tier_checkpointer":
+            # Three steps with a tier; the last one's model is full_tensors().
+            state = build_state(args)
+            ckpt = fastpersist.Checkpointer(path, keep_last=1, process_group=dist.group.WORLD,
+                                            tier=args["tier"],
+                                            compression=args.get("compression"))
+            full = full_tensors()
+            for step in range(3):
+                for k, t in full.items():
+                    state["model"][k].copy_(t + (step - 2))
+                ckpt.save(step, state)
+            ckpt.close()  # rank 0: after the uploads
+            status = ckpt.tier_status()
+            assert status is not None
+            result.update(ok=True, steps=ckpt.steps(), uploaded=status.uploaded,
+                          pending=list(status.pending), last_error=status.last_error)
         elif scenario == "abort":
             # Every rank's writes are slow, so that the abort comes in mid-save.
             _slow_writes()
