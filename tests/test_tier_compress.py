@@ -18,6 +18,7 @@ import fastpersist
 from fastpersist.errors import TierError
 from fastpersist.format.manifest import Manifest
 from fastpersist.storage import dirs
+from fastpersist.tensors.checkpoint import read_manifest as read_local_manifest
 from fastpersist.tier.client import S3
 from fastpersist.tier.remote import read_manifest
 from fastpersist.tier.upload import NotUploadable, Uploaded, upload_checkpoint
@@ -129,3 +130,64 @@ def test_a_failed_part_leaves_no_manifest_and_no_multipart_upload(
     assert s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []) == []
     done = _upload(S3(), tmp_path / "raw", url, "zstd")  # the next attempt
     assert not done.already and read_manifest(S3(), url)[0].files[0].name.endswith(".fpz")
+
+
+def test_an_upload_cut_short_by_a_kill_resumes_without_sending_its_parts_again(
+        s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The uploader dies after part 2 of the 3-part object is in the store (its
+    multipart upload left open, as a SIGKILL leaves it); the next upload takes
+    that upload up, keeps part 2 and sends the rest."""
+    state = _state()
+    fastpersist.save(state, tmp_path / "raw")
+    url = TierURL.parse(s3.url).child("r")
+    dying = S3()
+
+    def die_at_part_3(params: Any, **_: Any) -> None:
+        if params["PartNumber"] == 3:
+            raise ConnectionError("injected: the uploader is killed")
+
+    dying.client.meta.events.register("before-parameter-build.s3.UploadPart", die_at_part_3)
+    monkeypatch.setattr(dying, "abort_upload", lambda *a: None)  # a killed process aborts nothing
+    monkeypatch.setattr(dying, "concurrency", 1)  # part 2 is in the store before part 3 starts
+    with pytest.raises(TierError, match="part 3"):
+        _upload(dying, tmp_path / "raw", url, "zstd")
+    (left,) = s3.client.list_multipart_uploads(Bucket=s3.bucket)["Uploads"]
+    had = s3.client.list_parts(Bucket=s3.bucket, Key=left["Key"], UploadId=left["UploadId"])
+    assert [p["PartNumber"] for p in had["Parts"]] == [2]
+
+    sent: list[int] = []
+    client = S3()
+    client.client.meta.events.register("before-parameter-build.s3.UploadPart",
+                                       lambda params, **_: sent.append(params["PartNumber"]))
+    done = _upload(client, tmp_path / "raw", url, "zstd")
+    assert sorted(sent) == [1, 3]  # part 2 was kept
+    remote = read_manifest(S3(), url)[0]
+    big = next(f for f in remote.files if f.name == left["Key"].rsplit("/", 1)[1])
+    assert done.bytes == sum(f.size for f in remote.files) - had["Parts"][0]["Size"]
+    assert big.size > 2 * 5 * MIB
+    assert s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []) == []
+    loaded = fastpersist.load(str(url))
+    for k in ("big", "bf16", "ints", "zeros"):
+        assert torch.equal(loaded[k], state[k]), k
+
+
+def test_parts_that_differ_from_the_interrupted_uploads_are_sent_again(
+        s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open upload of the same key with other bytes (another checkpoint of
+    that name, other knobs) is taken up, but none of its parts is kept."""
+    fastpersist.save(_state(), tmp_path / "raw")
+    url = TierURL.parse(s3.url).child("d")
+    client = S3()
+    manifest = read_local_manifest(tmp_path / "raw")
+    big = max(manifest.files, key=lambda f: f.size).name.replace(".safetensors", ".fpz")
+    key = url.key(big)
+    upload = s3.client.create_multipart_upload(Bucket=s3.bucket, Key=key)["UploadId"]
+    s3.client.upload_part(Bucket=s3.bucket, Key=key, UploadId=upload, PartNumber=2,
+                          Body=b"\0" * (5 * MIB))
+    sent: list[int] = []
+    client.client.meta.events.register("before-parameter-build.s3.UploadPart",
+                                       lambda params, **_: sent.append(params["PartNumber"]))
+    done = _upload(client, tmp_path / "raw", url, "zstd")
+    assert sorted(sent) == [1, 2, 3]
+    assert done.bytes == sum(f.size for f in read_manifest(S3(), url)[0].files)
+    assert fastpersist.load(str(url))["big"].shape == (4 * MIB,)

@@ -176,6 +176,29 @@ class S3:
         except Exception as exc:
             raise tier_error(exc, f"starting an upload of s3://{url.bucket}/{key}") from exc
 
+    def unfinished_upload(self, url: TierURL, name: str
+                          ) -> tuple[str, dict[int, tuple[str, int]]] | None:
+        """The newest multipart upload of url/name still open (its uploader
+        stopped: a crash, a kill) and its parts: (upload id, {number: (ETag,
+        size)}); None if there is none."""
+        key = url.key(name)
+        try:
+            found = [(stamp, upload_id) for k, upload_id, stamp in self._uploads(url.bucket, key)
+                     if k == key]
+            if not found:
+                return None
+            upload_id = max(found)[1]
+            parts: dict[int, tuple[str, int]] = {}
+            paginator = self.client.get_paginator("list_parts")
+            for page in paginator.paginate(Bucket=url.bucket, Key=key, UploadId=upload_id):
+                for p in page.get("Parts", []):
+                    parts[int(p["PartNumber"])] = (str(p["ETag"]), int(p["Size"]))
+        except Exception as exc:
+            if error_code(exc) == "NoSuchUpload":  # finished or aborted meanwhile
+                return None
+            raise tier_error(exc, f"listing the parts of s3://{url.bucket}/{key}") from exc
+        return upload_id, parts
+
     def upload_part(self, url: TierURL, name: str, upload_id: str, number: int,
                     body: bytes) -> dict[str, Any]:
         """Part `number` (from 1); what complete_upload needs of it."""
@@ -254,13 +277,16 @@ class S3:
 
     def multipart_uploads(self, url: TierURL) -> Iterator[tuple[str, str, float]]:
         """(key, upload id, initiated) of the multipart uploads begun below `url`."""
-        paginator = self.client.get_paginator("list_multipart_uploads")
         try:
-            for page in paginator.paginate(Bucket=url.bucket, Prefix=url.dir_prefix):
-                for u in page.get("Uploads", []):
-                    yield u["Key"], u["UploadId"], _stamp(u.get("Initiated"))
+            yield from self._uploads(url.bucket, url.dir_prefix)
         except Exception as exc:
             raise tier_error(exc, f"listing multipart uploads under {url}") from exc
+
+    def _uploads(self, bucket: str, prefix: str) -> Iterator[tuple[str, str, float]]:
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+            for u in page.get("Uploads", []):
+                yield u["Key"], u["UploadId"], _stamp(u.get("Initiated"))
 
     def abort_upload(self, bucket: str, key: str, upload_id: str) -> None:
         try:

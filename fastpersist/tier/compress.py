@@ -19,6 +19,14 @@ and the first part's worth of stored bytes) is kept in memory and sent last;
 S3 assembles parts by number, not by arrival. A file of less than two
 parts of stored bytes is a single put.
 
+An upload whose uploader was killed resumes: the object's newest open
+multipart upload is taken up, and each part whose size and ETag (the MD5 of
+its bytes, as S3 computes it without KMS) are those of the part about to be
+sent is kept instead of sent again. The encoding is deterministic, so with
+the same knobs the parts come out the same; any that differ are sent again
+(and parts the store cannot prove the same, e.g. ETags that are not MD5s).
+An upload that failed while its uploader lived was aborted: it starts over.
+
 The raw bytes read are checked against the local manifest's CRC32Cs as they
 are encoded (combined from the frames'): a file corrupted on the local disk
 is refused (NotUploadable), never laundered into frames with fresh CRCs.
@@ -28,6 +36,7 @@ Torch-free (numpy and zstandard through codec/): the daemon imports this.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,8 +78,11 @@ class _PartStream:
         self.upload_id: str | None = None
         self.futures: list[Future[dict[str, Any]]] = []
         self.slots = threading.BoundedSemaphore(s3.concurrency)
+        self.kept_lock = threading.Lock()
         self.next_part = 2
         self.size = 0
+        self.kept = 0  # bytes of parts an earlier, interrupted upload had sent already
+        self.earlier: dict[int, tuple[str, int]] = {}  # its parts: number -> (ETag, size)
 
     def write(self, data: bytes | memoryview) -> None:
         self.size += len(data)
@@ -85,17 +97,35 @@ class _PartStream:
             del self.current[:part]
             self._send(body)
 
-    def _send(self, body: bytes) -> None:
+    def _start(self) -> str:
         if self.upload_id is None:
-            self.upload_id = self.s3.start_upload(self.url, self.name, self.metadata)
+            unfinished = self.s3.unfinished_upload(self.url, self.name)
+            if unfinished is None:
+                self.upload_id = self.s3.start_upload(self.url, self.name, self.metadata)
+            else:
+                self.upload_id, self.earlier = unfinished
+        return self.upload_id
+
+    def _part(self, number: int, body: bytes) -> dict[str, Any]:
+        """Send part `number`, unless the interrupted upload holds it already."""
+        upload_id = self._start()
+        had = self.earlier.get(number)
+        if had is not None and had[1] == len(body) and \
+                had[0].strip('"') == hashlib.md5(body, usedforsecurity=False).hexdigest():
+            with self.kept_lock:
+                self.kept += len(body)
+            return {"PartNumber": number, "ETag": had[0]}
+        return self.s3.upload_part(self.url, self.name, upload_id, number, body)
+
+    def _send(self, body: bytes) -> None:
+        self._start()
         number = self.next_part
         self.next_part += 1
         self.slots.acquire()  # at most `concurrency` parts held in flight
 
         def run() -> dict[str, Any]:
             try:
-                assert self.upload_id is not None
-                return self.s3.upload_part(self.url, self.name, self.upload_id, number, body)
+                return self._part(number, body)
             finally:
                 self.slots.release()
 
@@ -109,9 +139,8 @@ class _PartStream:
         if self.current:
             self._send(bytes(self.current))
         parts = [f.result() for f in self.futures]
-        parts.append(self.s3.upload_part(self.url, self.name, self.upload_id, 1,
-                                         header + bytes(self.first)))
-        self.s3.complete_upload(self.url, self.name, self.upload_id, parts)
+        parts.append(self._part(1, header + bytes(self.first)))
+        self.s3.complete_upload(self.url, self.name, self._start(), parts)
 
     def abort(self) -> None:
         for f in self.futures:
@@ -132,8 +161,10 @@ def _pread(fd: int, offset: int, n: int, where: str) -> bytes:
 
 def _upload_file(s3: S3, url: TierURL, fd: int, f: FileRecord,
                  records: list[TensorRecord], metadata: dict[str, str],
-                 pool: ThreadPoolExecutor, where: str) -> tuple[FileRecord, list[TensorRecord]]:
-    """Compress and upload one local data file; its new records."""
+                 pool: ThreadPoolExecutor, where: str
+                 ) -> tuple[FileRecord, list[TensorRecord], int]:
+    """Compress and upload one local data file; its new records, and the bytes
+    an interrupted upload had sent already (not sent again)."""
     name = packed_name(f.name)
     small, big = file_order(records, lambda r: r.length, lambda r: r.dtype)
     k = current_knobs()
@@ -188,7 +219,7 @@ def _upload_file(s3: S3, url: TierURL, fd: int, f: FileRecord,
             r, file=name, offset=off, encoding=ZSTD_BYTEGROUP, stored_length=length,
             frames=index)
     return (FileRecord(name, lay.size, lay.data_start, checksum(lay.header)),
-            [placed[r.name] for r in records])
+            [placed[r.name] for r in records], stream.kept)
 
 
 def upload_compressed(s3: S3, url: TierURL, manifest: Manifest,
@@ -196,18 +227,20 @@ def upload_compressed(s3: S3, url: TierURL, manifest: Manifest,
                       where: str) -> tuple[bytes, int]:
     """Upload every data file of a raw checkpoint (open as `files`: name,
     fd, size) compressed; returns the remote manifest's bytes (not yet
-    written) and the bytes sent."""
+    written) and the bytes sent (not those an interrupted upload had sent)."""
     fds = {name: fd for name, fd, _ in files}
     by_file: dict[str, list[int]] = {f.name: [] for f in manifest.files}
     for i, t in enumerate(manifest.tensors):
         by_file[t.file].append(i)
     tensors: list[TensorRecord | None] = [None] * len(manifest.tensors)
     new_files = []
+    kept = 0
     with ThreadPoolExecutor(s3.concurrency, thread_name_prefix="fp-tier-part") as pool:
         for f in manifest.files:
             records = [manifest.tensors[i] for i in by_file[f.name]]
-            new_file, new_records = _upload_file(s3, url, fds[f.name], f, records, metadata,
-                                                 pool, where)
+            new_file, new_records, kept_here = _upload_file(s3, url, fds[f.name], f, records,
+                                                            metadata, pool, where)
+            kept += kept_here
             new_files.append(new_file)
             for i, r in zip(by_file[f.name], new_records, strict=True):
                 tensors[i] = r
@@ -216,4 +249,4 @@ def upload_compressed(s3: S3, url: TierURL, manifest: Manifest,
                      tensors=tuple(t for t in tensors if t is not None))
     data = remote.to_json()
     Manifest.from_json(data, f"the manifest made for {url}")  # valid, as any reader will check
-    return data, sum(f.size for f in new_files)
+    return data, sum(f.size for f in new_files) - kept

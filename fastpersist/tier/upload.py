@@ -19,7 +19,8 @@
        replaces one that appeared meanwhile.
 
 A failure at any step leaves no manifest: nothing partial is visible, and the
-next attempt sends the data files again (they are overwritten in place).
+next attempt sends the data files again (they are overwritten in place),
+except, compressed, the parts a killed uploader had sent (compress.py).
 
 Compression (compression="zstd", the uploader's default): the data files
 of a raw checkpoint are compressed on the way (compress.py) into packed
