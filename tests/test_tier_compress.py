@@ -132,38 +132,47 @@ def test_a_failed_part_leaves_no_manifest_and_no_multipart_upload(
     assert not done.already and read_manifest(S3(), url)[0].files[0].name.endswith(".fpz")
 
 
+@pytest.mark.parametrize(("compression", "kept", "resent"),
+                         [("zstd", [2], [1, 3]),  # part 1, with the header, goes last
+                          ("none", [1, 2], [3, 4])])
 def test_an_upload_cut_short_by_a_kill_resumes_without_sending_its_parts_again(
-        s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The uploader dies after part 2 of the 3-part object is in the store (its
-    multipart upload left open, as a SIGKILL leaves it); the next upload takes
-    that upload up, keeps part 2 and sends the rest."""
+        s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compression: str,
+        kept: list[int], resent: list[int]) -> None:
+    """The uploader dies at part 3 of the big object (its multipart upload left
+    open, as a SIGKILL leaves it); the next upload takes that upload up, keeps
+    the parts in the store and sends the rest."""
     state = _state()
     fastpersist.save(state, tmp_path / "raw")
     url = TierURL.parse(s3.url).child("r")
-    dying = S3()
+    with monkeypatch.context() as m:
+        m.setenv("FASTPERSIST_TIER_CONCURRENCY", "1")  # parts 1 and 2 are in before part 3
+        dying = S3()
 
     def die_at_part_3(params: Any, **_: Any) -> None:
         if params["PartNumber"] == 3:
             raise ConnectionError("injected: the uploader is killed")
 
+    def killed(**_: Any) -> None:  # a killed process aborts nothing
+        raise ConnectionError("injected: the uploader is killed")
+
     dying.client.meta.events.register("before-parameter-build.s3.UploadPart", die_at_part_3)
-    monkeypatch.setattr(dying, "abort_upload", lambda *a: None)  # a killed process aborts nothing
-    monkeypatch.setattr(dying, "concurrency", 1)  # part 2 is in the store before part 3 starts
-    with pytest.raises(TierError, match="part 3"):
-        _upload(dying, tmp_path / "raw", url, "zstd")
+    dying.client.meta.events.register("before-call.s3.AbortMultipartUpload", killed)
+    with pytest.raises(TierError, match="the uploader is killed"):
+        _upload(dying, tmp_path / "raw", url, compression)
     (left,) = s3.client.list_multipart_uploads(Bucket=s3.bucket)["Uploads"]
     had = s3.client.list_parts(Bucket=s3.bucket, Key=left["Key"], UploadId=left["UploadId"])
-    assert [p["PartNumber"] for p in had["Parts"]] == [2]
+    assert [p["PartNumber"] for p in had["Parts"]] == kept
 
     sent: list[int] = []
     client = S3()
     client.client.meta.events.register("before-parameter-build.s3.UploadPart",
                                        lambda params, **_: sent.append(params["PartNumber"]))
-    done = _upload(client, tmp_path / "raw", url, "zstd")
-    assert sorted(sent) == [1, 3]  # part 2 was kept
+    done = _upload(client, tmp_path / "raw", url, compression)
+    assert sorted(sent) == resent
     remote = read_manifest(S3(), url)[0]
     big = next(f for f in remote.files if f.name == left["Key"].rsplit("/", 1)[1])
-    assert done.bytes == sum(f.size for f in remote.files) - had["Parts"][0]["Size"]
+    assert done.bytes == sum(f.size for f in remote.files) - sum(
+        p["Size"] for p in had["Parts"])
     assert big.size > 2 * 5 * MIB
     assert s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []) == []
     loaded = fastpersist.load(str(url))

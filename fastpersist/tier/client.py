@@ -15,7 +15,9 @@ of times with jittered exponential backoff; it speaks conditional puts
 local moto server, obstore (Rust) uploaded no faster (73-87 vs 73-97 MiB/s
 for 256 MiB, 4-16 parts in flight; moto is the bottleneck either way) and
 would add a second credential chain. boto3 is an optional dependency (the
-`tier` extra), imported only when a tier is used.
+`tier` extra), imported only when a tier is used. An upload that a killed
+uploader left open is taken up part by part by parts.py (s3transfer cannot):
+its parts are numbered and sized as s3transfer's, so either's can be kept.
 
 Every request retries FASTPERSIST_TIER_ATTEMPTS times in all; an error that
 remains is translated into a CheckpointError (tier_error) naming what was
@@ -166,7 +168,7 @@ class S3:
         except Exception as exc:
             raise tier_error(exc, f"writing s3://{url.bucket}/{key}") from exc
 
-    # -- multipart uploads of bytes made on the way (compress.py) --------------
+    # -- multipart uploads part by part (parts.py) ---------------------------------
 
     def start_upload(self, url: TierURL, name: str, metadata: dict[str, str]) -> str:
         key = url.key(name)

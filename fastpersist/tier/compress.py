@@ -19,13 +19,7 @@ and the first part's worth of stored bytes) is kept in memory and sent last;
 S3 assembles parts by number, not by arrival. A file of less than two
 parts of stored bytes is a single put.
 
-An upload whose uploader was killed resumes: the object's newest open
-multipart upload is taken up, and each part whose size and ETag (the MD5 of
-its bytes, as S3 computes it without KMS) are those of the part about to be
-sent is kept instead of sent again. The encoding is deterministic, so with
-the same knobs the parts come out the same; any that differ are sent again
-(and parts the store cannot prove the same, e.g. ETags that are not MD5s).
-An upload that failed while its uploader lived was aborted: it starts over.
+An upload a killed uploader left open is taken up where it stopped (parts.py).
 
 The raw bytes read are checked against the local manifest's CRC32Cs as they
 are encoded (combined from the frames'): a file corrupted on the local disk
@@ -36,12 +30,9 @@ Torch-free (numpy and zstandard through codec/): the daemon imports this.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
 
 from ..codec.frames import checksum, combine, cut, encode_tensors
 from ..codec.packing import file_order
@@ -52,6 +43,7 @@ from ..format.manifest import FileRecord, Manifest, TensorRecord
 from ..format.safetensors_file import DATA_FILE_METADATA
 from ..knobs import current as current_knobs
 from .client import S3
+from .parts import PartStream
 from .url import TierURL
 
 _BATCH_BYTES = 64 << 20
@@ -64,92 +56,6 @@ class LocalCorruption(TierError):
 def packed_name(name: str) -> str:
     stem = name.removesuffix(".safetensors")
     return stem + packed_file.SUFFIX
-
-
-class _PartStream:
-    """Bytes appended in order become one object: parts 2.. are uploaded as
-    they fill, part 1 (header + its first bytes) once the header is known."""
-
-    def __init__(self, s3: S3, url: TierURL, name: str, metadata: dict[str, str],
-                 pool: ThreadPoolExecutor) -> None:
-        self.s3, self.url, self.name, self.metadata, self.pool = s3, url, name, metadata, pool
-        self.first = bytearray()
-        self.current = bytearray()
-        self.upload_id: str | None = None
-        self.futures: list[Future[dict[str, Any]]] = []
-        self.slots = threading.BoundedSemaphore(s3.concurrency)
-        self.kept_lock = threading.Lock()
-        self.next_part = 2
-        self.size = 0
-        self.kept = 0  # bytes of parts an earlier, interrupted upload had sent already
-        self.earlier: dict[int, tuple[str, int]] = {}  # its parts: number -> (ETag, size)
-
-    def write(self, data: bytes | memoryview) -> None:
-        self.size += len(data)
-        part = self.s3.part_bytes
-        if len(self.first) < part:
-            take = min(part - len(self.first), len(data))
-            self.first += data[:take]
-            data = data[take:]
-        self.current += data
-        while len(self.current) >= part:
-            body = bytes(self.current[:part])
-            del self.current[:part]
-            self._send(body)
-
-    def _start(self) -> str:
-        if self.upload_id is None:
-            unfinished = self.s3.unfinished_upload(self.url, self.name)
-            if unfinished is None:
-                self.upload_id = self.s3.start_upload(self.url, self.name, self.metadata)
-            else:
-                self.upload_id, self.earlier = unfinished
-        return self.upload_id
-
-    def _part(self, number: int, body: bytes) -> dict[str, Any]:
-        """Send part `number`, unless the interrupted upload holds it already."""
-        upload_id = self._start()
-        had = self.earlier.get(number)
-        if had is not None and had[1] == len(body) and \
-                had[0].strip('"') == hashlib.md5(body, usedforsecurity=False).hexdigest():
-            with self.kept_lock:
-                self.kept += len(body)
-            return {"PartNumber": number, "ETag": had[0]}
-        return self.s3.upload_part(self.url, self.name, upload_id, number, body)
-
-    def _send(self, body: bytes) -> None:
-        self._start()
-        number = self.next_part
-        self.next_part += 1
-        self.slots.acquire()  # at most `concurrency` parts held in flight
-
-        def run() -> dict[str, Any]:
-            try:
-                return self._part(number, body)
-            finally:
-                self.slots.release()
-
-        self.futures.append(self.pool.submit(run))
-
-    def finish(self, header: bytes) -> None:
-        if self.upload_id is None:
-            self.s3.put(self.url, self.name, header + bytes(self.first) + bytes(self.current),
-                        self.metadata)
-            return
-        if self.current:
-            self._send(bytes(self.current))
-        parts = [f.result() for f in self.futures]
-        parts.append(self._part(1, header + bytes(self.first)))
-        self.s3.complete_upload(self.url, self.name, self._start(), parts)
-
-    def abort(self) -> None:
-        for f in self.futures:
-            f.cancel()
-        for f in self.futures:
-            if not f.cancelled():
-                f.exception()  # wait: no part is sent after the abort
-        if self.upload_id is not None:
-            self.s3.abort_upload(self.url.bucket, self.url.key(self.name), self.upload_id)
 
 
 def _pread(fd: int, offset: int, n: int, where: str) -> bytes:
@@ -170,7 +76,7 @@ def _upload_file(s3: S3, url: TierURL, fd: int, f: FileRecord,
     k = current_knobs()
     frame_bytes = k.frame_bytes
     batch_frames = max(2, min(2 * k.codec_threads, _BATCH_BYTES // frame_bytes))
-    stream = _PartStream(s3, url, name, metadata, pool)
+    stream = PartStream(s3, url, name, metadata, pool)
     stored: dict[str, tuple[int, tuple[Frame, ...] | None]] = {}  # name -> length, frames
     try:
         for r in small:

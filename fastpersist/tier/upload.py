@@ -11,16 +11,17 @@
        a mix, while this one replaces it.
     3. Upload the data files (compressed: see below): s3transfer, parallel
        multipart uploads of FASTPERSIST_TIER_PART_BYTES, read from the files
-       in place (bounded memory), each request retried with backoff (client.py). A failed
-       multipart upload is aborted; one that cannot be (the store went away)
-       is swept later (retention.sweep_uploads).
+       in place (bounded memory), each request retried with backoff
+       (client.py). A failed multipart upload is aborted; one that cannot be
+       (the store went away) is swept later (retention.sweep_uploads); one a
+       killed uploader left open is taken up by the next attempt (parts.py).
     4. Write manifest.json with a conditional put (If-None-Match: *): the
        remote checkpoint becomes visible, complete, in one step, and never
        replaces one that appeared meanwhile.
 
 A failure at any step leaves no manifest: nothing partial is visible, and the
 next attempt sends the data files again (they are overwritten in place),
-except, compressed, the parts a killed uploader had sent (compress.py).
+except the parts a killed uploader had sent (parts.py).
 
 Compression (compression="zstd", the uploader's default): the data files
 of a raw checkpoint are compressed on the way (compress.py) into packed
@@ -41,6 +42,7 @@ import contextlib
 import hashlib
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, TierError
@@ -50,6 +52,7 @@ from ..format.frames import ZSTD_BYTEGROUP
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage import dirs
 from .client import S3, tier_error
+from .parts import PartStream
 from .url import TierURL
 
 CODEC_KEY = "fastpersist-codec"
@@ -157,12 +160,40 @@ def upload_checkpoint(s3: S3, dir_fd: int, where: str, url: TierURL,
 
 
 def _upload_raw(s3: S3, url: TierURL, files: list[tuple[str, int, int]]) -> int:
-    """The data files as they are (s3transfer, read in place through
-    /proc/self/fd: the bytes of the open file, whatever its name points at now)."""
+    """The data files as they are, read from their descriptors (the bytes of the
+    open file, whatever its name points at now). s3transfer uploads them, all
+    at once, except those whose upload a killed uploader left open: parts.py
+    takes those up, keeping the parts the store has. The bytes sent."""
+    left_open = {name for name, _, _ in files if s3.unfinished_upload(url, name) is not None}
+    sent = 0
     with s3.transfer_manager() as tm:
         futures = [tm.upload(f"/proc/self/fd/{fd}", url.bucket, url.key(name),
                              extra_args={"Metadata": {CODEC_KEY: "raw"}})
-                   for name, fd, _ in files]
+                   for name, fd, _ in files if name not in left_open]
+        sent += sum(size for name, _, size in files if name not in left_open)
+        for name, fd, size in files:
+            if name in left_open:
+                sent += _resume_raw(s3, url, name, fd, size)
         for fut in futures:
             fut.result()
-    return sum(size for _, _, size in files)
+    return sent
+
+
+def _resume_raw(s3: S3, url: TierURL, name: str, fd: int, size: int) -> int:
+    """Upload one data file in parts as s3transfer cuts it, keeping those an
+    interrupted upload has; the bytes sent."""
+    with ThreadPoolExecutor(s3.concurrency, thread_name_prefix="fp-tier-part") as pool:
+        stream = PartStream(s3, url, name, {CODEC_KEY: "raw"}, pool, late_header=False)
+        try:
+            for off in range(0, size, s3.part_bytes):
+                n = min(s3.part_bytes, size - off)
+                data = os.pread(fd, n, off)
+                if len(data) != n:
+                    raise NotUploadable(f"{name} ends before byte {off + n} (changed while "
+                                        "it was uploaded?)")
+                stream.write(data)
+            stream.finish()
+        except BaseException:
+            stream.abort()
+            raise
+    return size - stream.kept

@@ -1,0 +1,126 @@
+"""One object uploaded from bytes appended in order, in multipart parts.
+
+Parts 2.. are uploaded as they fill (FASTPERSIST_TIER_PART_BYTES each,
+FASTPERSIST_TIER_CONCURRENCY in flight: memory stays bounded), part 1 last,
+with whatever header the writer knows only at the end (compress.py: the
+packed header; a raw file: none); S3 assembles parts by number, not by
+arrival. Less than two parts of bytes is a single put.
+
+An upload whose uploader was killed resumes: the object's newest open
+multipart upload is taken up, and each part whose size and ETag (the MD5 of
+its bytes, as S3 computes it without KMS) are those of the part about to be
+sent is kept instead of sent again. A file's bytes, and their encoding, are
+deterministic, so with the same knobs the parts come out the same; any that
+differ are sent again (and parts the store cannot prove the same, e.g. ETags
+that are not MD5s).
+An upload that failed while its uploader lived was aborted: it starts over.
+
+Torch-free: the daemon imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..errors import CheckpointError
+from .client import S3
+from .url import TierURL
+
+
+class PartStream:
+    """Bytes appended in order become one object: parts 2.. are uploaded as
+    they fill, part 1 (header + its first bytes) once the header is known
+    (finish); with `late_header=False`, there is no header and part 1 goes as
+    soon as it fills, like the rest."""
+
+    def __init__(self, s3: S3, url: TierURL, name: str, metadata: dict[str, str],
+                 pool: ThreadPoolExecutor, *, late_header: bool = True) -> None:
+        self.s3, self.url, self.name, self.metadata, self.pool = s3, url, name, metadata, pool
+        self.late_header = late_header
+        self.first = bytearray()  # part 1's bytes, held for the header
+        self.current = bytearray()
+        self.upload_id: str | None = None
+        self.futures: list[Future[dict[str, Any]]] = []
+        self.slots = threading.BoundedSemaphore(s3.concurrency)
+        self.kept_lock = threading.Lock()
+        self.next_part = 2 if late_header else 1
+        self.size = 0
+        self.kept = 0  # bytes of parts an earlier, interrupted upload had sent already
+        self.earlier: dict[int, tuple[str, int]] = {}  # its parts: number -> (ETag, size)
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.size += len(data)
+        part = self.s3.part_bytes
+        if self.late_header and len(self.first) < part:
+            take = min(part - len(self.first), len(data))
+            self.first += data[:take]
+            data = data[take:]
+        self.current += data
+        while len(self.current) >= part:
+            body = bytes(self.current[:part])
+            del self.current[:part]
+            self._send(body)
+
+    def _start(self) -> str:
+        if self.upload_id is None:
+            unfinished = self.s3.unfinished_upload(self.url, self.name)
+            if unfinished is None:
+                self.upload_id = self.s3.start_upload(self.url, self.name, self.metadata)
+            else:
+                self.upload_id, self.earlier = unfinished
+        return self.upload_id
+
+    def _part(self, number: int, body: bytes) -> dict[str, Any]:
+        """Send part `number`, unless the interrupted upload holds it already."""
+        upload_id = self._start()
+        had = self.earlier.get(number)
+        if had is not None and had[1] == len(body) and \
+                had[0].strip('"') == hashlib.md5(body, usedforsecurity=False).hexdigest():
+            with self.kept_lock:
+                self.kept += len(body)
+            return {"PartNumber": number, "ETag": had[0]}
+        return self.s3.upload_part(self.url, self.name, upload_id, number, body)
+
+    def _send(self, body: bytes) -> None:
+        self._start()
+        number = self.next_part
+        self.next_part += 1
+        self.slots.acquire()  # at most `concurrency` parts held in flight
+
+        def run() -> dict[str, Any]:
+            try:
+                return self._part(number, body)
+            finally:
+                self.slots.release()
+
+        self.futures.append(self.pool.submit(run))
+
+    def finish(self, header: bytes = b"") -> None:
+        """Send what is left (with late_header, the header goes first in the object)."""
+        if self.upload_id is None:
+            self.s3.put(self.url, self.name, header + bytes(self.first) + bytes(self.current),
+                        self.metadata)
+            return
+        if self.current:
+            self._send(bytes(self.current))
+        parts = [f.result() for f in self.futures]
+        if self.late_header:
+            parts.append(self._part(1, header + bytes(self.first)))
+        self.s3.complete_upload(self.url, self.name, self._start(), parts)
+
+    def abort(self) -> None:
+        for f in self.futures:
+            f.cancel()
+        for f in self.futures:
+            if not f.cancelled():
+                f.exception()  # wait: no part is sent after the abort
+        if self.upload_id is not None:
+            # An upload that cannot be aborted now (the store went away) is swept
+            # later (retention.sweep_uploads); the error that brought us here is
+            # the one to raise.
+            with contextlib.suppress(CheckpointError):
+                self.s3.abort_upload(self.url.bucket, self.url.key(self.name), self.upload_id)
