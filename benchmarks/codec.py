@@ -50,6 +50,7 @@ import torch
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fastpersist import checksum
 from fastpersist.codec import frames
 
 FRAME_BYTES = 4 << 20
@@ -113,7 +114,7 @@ def fastpersist_codec(dtype: str) -> Codec:
                                  view[f.raw_offset:f.raw_offset + f.raw_length], f.crc32c)
                 for f, p in zip(e.frames, e.parts, strict=True)]
         results = frames.decode_frames(jobs, raw_crc=True)
-        crc = frames.combine([(r.raw_crc32c or 0, f.raw_length)
+        crc = checksum.combine([(r.raw_crc32c or 0, f.raw_length)
                               for r, f in zip(results, e.frames, strict=True)])
         assert crc == e.crc32c and all(r.error is None for r in results)
         return bytes(out)

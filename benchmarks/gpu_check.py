@@ -20,6 +20,7 @@ Performance lines are informational.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -141,6 +142,12 @@ def main() -> int:
     cpu = fastpersist.load(root / "sync", map_location="cpu")
     check("load with map_location='cpu'", same(state, cpu) and not cpu["model"]["w"].is_cuda,
           failures)
+    for ring in (str(256 << 20), str(64 << 10)):  # the default, and a ring smaller than a tensor
+        os.environ["FASTPERSIST_LOAD_RING_BYTES"] = ring
+        ringed = fastpersist.load(root / "sync", map_location="cuda:0")
+        check(f"load with map_location='cuda:0' through a {ring}-byte pinned ring",
+              same(state, ringed) and ringed["model"]["w"].is_cuda, failures)
+    del os.environ["FASTPERSIST_LOAD_RING_BYTES"]
 
     before = clone(state)
     fut = fastpersist.async_save(state, root / "async", wait_for_snapshot=False)

@@ -22,7 +22,7 @@ from .saving.futures import SaveFuture
 from .saving.persist import CheckpointWriter
 from .saving.saver import Saver, default_saver
 from .saving.snapshot import group_into_files
-from .tensors import checkpoint, packed, plan, state
+from .tensors import checkpoint, device_load, packed, plan, state
 from .tensors.factory import MapLocation, TensorFactory, target_device
 from .tier.url import is_tier_url
 
@@ -152,8 +152,15 @@ def _load(p: Path, map_location: MapLocation, allow_pickle: bool, verify: bool |
 
         return restore.load(p, manifest, map_location, like, allow_pickle=allow_pickle,
                             verify=verify, progress=progress)
-    entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify,
-                                      progress=progress)
+    ring = device_load.enabled(map_location, manifest, current_knobs().load_ring_bytes)
+    if ring is not None:  # straight to the accelerator, through bounded host memory
+        entries = device_load.read_to_device(p, manifest, get_engine(), ring, verify=verify,
+                                             ring_bytes=current_knobs().load_ring_bytes)
+        if progress:
+            progress(sum(r.length for r in manifest.tensors))
+    else:
+        entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify,
+                                          progress=progress)
     factory = TensorFactory(entries, map_location, str(p))
     # Without pickle nodes allow_pickle changes nothing; True spares decode its own
     # search of the tree for them (contains_pickle looks wherever decode would).

@@ -35,6 +35,9 @@
     FASTPERSIST_FRAME_BYTES    raw bytes per compressed frame (a multiple 4 MiB
                                of 4096, at most 64 MiB): the unit a load
                                decodes, and decodes in parallel
+    FASTPERSIST_LOAD_RING_BYTES  host memory a load to an accelerator    256 MiB
+                               streams through (pinned; 0: read the whole
+                               state to the CPU first)
     FASTPERSIST_BACKGROUND_NICE  nice value of background threads (async  10
                                persist, tier uploads, codec), 0..19; 0: off
                                (background.py)
@@ -106,6 +109,7 @@ class Knobs:
     codec_threads: int = 8
     frame_bytes: int = 4 * _MIB
     background_nice: int = 10
+    load_ring_bytes: int = 256 * _MIB
 
     @property
     def io_threads(self) -> int:
@@ -166,4 +170,5 @@ def current() -> Knobs:
                                    min(8, len(os.sched_getaffinity(0)))), 64),
         frame_bytes=frame_bytes,
         background_nice=min(_int_env("FASTPERSIST_BACKGROUND_NICE", 10, minimum=0), 19),
+        load_ring_bytes=_int_env("FASTPERSIST_LOAD_RING_BYTES", 256 * _MIB, minimum=0),
     )

@@ -29,6 +29,7 @@ ROOMS = {
     "fastpersist._version": "base", "fastpersist._engine": "base",
     "fastpersist._proto": "base", "fastpersist.gcpause": "base",
     "fastpersist.anonmem": "base", "fastpersist.background": "base",
+    "fastpersist.checksum": "base",
     "fastpersist.format": "format",
     "fastpersist.codec": "codec", "fastpersist._codec": "codec",  # the codec's C core
     "fastpersist.engine": "engine",

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import fastpersist
-from fastpersist import ChecksumMismatchError, CorruptCheckpointError
+from fastpersist import ChecksumMismatchError, CorruptCheckpointError, checksum
 from fastpersist.cli import main
 from fastpersist.codec import frame, frames, packing, planes
 from fastpersist.distributed import restore
@@ -109,7 +109,7 @@ def test_frames_round_trip_in_the_codec_alone(dtype: torch.dtype, n: int, kind: 
     results = frames.decode_frames(jobs, raw_crc=True)
     assert bytes(out) == raw
     assert all(r.bad_stored_crc32c is None and r.error is None for r in results)
-    assert frames.combine([(r.raw_crc32c or 0, f.raw_length)
+    assert checksum.combine([(r.raw_crc32c or 0, f.raw_length)
                            for r, f in zip(results, enc.frames, strict=True)]) == enc.crc32c
     assert all(f.stored_length <= f.raw_length + 1 for f in enc.frames)
 

@@ -21,20 +21,11 @@ from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 from ..background import lower_this_thread
+from ..checksum import crc32c, crc32c_combine
 from ..format.frames import Frame
 from ..knobs import current as current_knobs
 from . import frame
 from .planes import grouping_for
-
-try:
-    from .._engine import crc32c, crc32c_combine
-except ImportError:  # no C extension (the reference engine's case): slower, same values
-    from crc32c import crc32c
-
-    def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-        # CRC32C is affine: crc(A+B) = crc(zeros, from crc(A)) ^ crc(zeros) ^ crc(B).
-        zeros = bytes(len2)
-        return int(crc32c(zeros, crc1) ^ crc32c(zeros) ^ crc2)
 
 T = TypeVar("T")
 
@@ -175,11 +166,3 @@ def decode_frames(jobs: Sequence[DecodeJob], *, raw_crc: bool) -> list[Decoded]:
 def checksum(data: memoryview | bytes) -> int:
     """The CRC32C of `data`."""
     return int(crc32c(data))
-
-
-def combine(crcs: Sequence[tuple[int, int]]) -> int:
-    """The CRC32C of consecutive pieces from (crc, length) of each."""
-    crc = 0
-    for i, (c, n) in enumerate(crcs):
-        crc = crc32c_combine(crc, c, n) if i else c
-    return crc

@@ -163,7 +163,7 @@ def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: boo
 def _finish_read(path: Path, indices: list[int], pending: datafile.PendingRead,
                  future: Future[IOResult], result: list[torch.Tensor | None],
                  progress: Callable[[int], None] | None) -> None:
-    with _read_errors(path, pending.file):
+    with read_errors(path, pending.file):
         tensors, mismatches = datafile.finish_read(pending, future.result())
     datafile.raise_for(mismatches, str(path))
     for i, t in zip(indices, tensors, strict=True):
@@ -178,7 +178,7 @@ def _read_batch(path: Path, f: FileRecord, batch: list[tuple[int, TensorRecord]]
     raw = [(i, r) for i, r in batch if r.frames is None]
     encoded = [(i, r) for i, r in batch if r.frames is not None]
     out: list[tuple[int, torch.Tensor]] = []
-    with _read_errors(path, f):
+    with read_errors(path, f):
         if raw:
             tensors, mismatches = datafile.read(engine, str(path), f, [r for _, r in raw],
                                                 verify=verify, header=False)
@@ -197,7 +197,7 @@ def _read_batch(path: Path, f: FileRecord, batch: list[tuple[int, TensorRecord]]
 
 
 @contextmanager
-def _read_errors(path: Path, f: FileRecord) -> Iterator[None]:
+def read_errors(path: Path, f: FileRecord) -> Iterator[None]:
     """A data file's read errors as checkpoint errors: a short file is a
     TruncatedFileError, any other OSError names the file."""
     try:

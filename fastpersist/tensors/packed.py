@@ -96,7 +96,8 @@ def read(read_stored: StoredReader, file: FileRecord, records: Sequence[TensorRe
     CRCs only (fpctl verify's quick mode) and returns empty tensors. Raises
     EOFError when the file is shorter than the records need, OSError otherwise.
     """
-    from ..codec.frames import DecodeJob, combine, decode_frames  # numpy: only here
+    from ..checksum import combine
+    from ..codec.frames import DecodeJob, decode_frames  # numpy: only here
 
     spans = spans if spans is not None else [None] * len(records)
     wanted = [_wanted(r, s) for r, s in zip(records, spans, strict=True)]

@@ -34,7 +34,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from ..codec.frames import checksum, combine, cut, encode_tensors
+from ..checksum import combine
+from ..codec.frames import checksum, cut, encode_tensors
 from ..codec.packing import file_order
 from ..errors import TierError
 from ..format import packed_file
