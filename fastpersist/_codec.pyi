@@ -5,7 +5,6 @@ from typing_extensions import Buffer
 
 NOT_SMALLER: int
 UNSUPPORTED: int
-SLACK: int
 
 def split(raw: Buffer, unit: int, rotate: bool, out: Buffer, /) -> None: ...
 def merge(planes: Sequence[Buffer], unit: int, rotate: bool, out: Buffer, /) -> None: ...

@@ -152,10 +152,11 @@ def _load(p: Path, map_location: MapLocation, allow_pickle: bool, verify: bool |
 
         return restore.load(p, manifest, map_location, like, allow_pickle=allow_pickle,
                             verify=verify, progress=progress)
-    ring = device_load.enabled(map_location, manifest, current_knobs().load_ring_bytes)
+    ring_bytes = current_knobs().load_ring_bytes
+    ring = device_load.enabled(map_location, manifest, ring_bytes)
     if ring is not None:  # straight to the accelerator, through bounded host memory
         entries = device_load.read_to_device(p, manifest, get_engine(), ring, verify=verify,
-                                             ring_bytes=current_knobs().load_ring_bytes)
+                                             ring_bytes=ring_bytes)
         if progress:
             progress(sum(r.length for r in manifest.tensors))
     else:

@@ -131,8 +131,7 @@ PyMODINIT_FUNC PyInit__codec(void)
     if (m == NULL)
         return NULL;
     if (PyModule_AddIntConstant(m, "NOT_SMALLER", 0) < 0 ||
-        PyModule_AddIntConstant(m, "UNSUPPORTED", 1) < 0 ||
-        PyModule_AddIntConstant(m, "SLACK", FPC_SLACK) < 0) {
+        PyModule_AddIntConstant(m, "UNSUPPORTED", 1) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -160,38 +160,60 @@ static void assign_codes(const uint8_t len[256], unsigned longest, code_t code[2
     }
 }
 
-/* One backward bitstream (zstd's): the symbols in reverse order, each code
- * written with its first bit highest, then a 1 bit that marks the end. Writes
- * whole 8-byte words: 8 bytes past the stream's end may be overwritten. */
+/*
+ * zstd's backward bitstreams, Huffman's and FSE's alike: values added low bits
+ * first into a 64-bit word, whole bytes stored as they fill, and a 1 bit after
+ * the last value marks the end (the decoder reads from there backwards).
+ * bw_flush stores a whole 8-byte word: 8 bytes past what is written must be
+ * writable. After a flush at most 7 bits wait, so 57 more fit.
+ */
+typedef struct {
+    uint8_t *p;
+    uint64_t acc;
+    unsigned bits;
+} bitw_t;
+
+static inline void bw_add(bitw_t *w, uint64_t v, unsigned nbits) /* v < 2^nbits */
+{
+    w->acc |= v << w->bits;
+    w->bits += nbits;
+}
+
+static inline void bw_flush(bitw_t *w)
+{
+    unsigned nbytes = w->bits >> 3;
+    memcpy(w->p, &w->acc, 8);
+    w->p += nbytes;
+    w->acc = nbytes ? w->acc >> (8 * nbytes) : w->acc; /* nbytes < 8: bits <= 63 */
+    w->bits &= 7;
+}
+
+/* The end mark, the last bytes out; the stream's size from `start`. */
+static size_t bw_close(bitw_t *w, const uint8_t *start)
+{
+    bw_add(w, 1, 1);
+    bw_flush(w);
+    return (size_t)(w->p - start) + (w->bits ? 1 : 0);
+}
+
+/* One Huffman stream: the symbols in reverse order, each code with its first
+ * bit highest (the decoder meets them first to last). */
 static size_t encode_stream(const uint8_t *s, size_t n, const code_t *code, uint8_t *out)
 {
-    uint64_t acc = 0;
-    unsigned bits = 0;
-    uint8_t *p = out;
-#define ADD(sym) (acc |= (uint64_t)code[sym].code << bits, bits += code[sym].len)
-#define FLUSH() (memcpy(p, &acc, 8), p += bits >> 3, acc = (bits >> 3) ? acc >> ((bits >> 3) * 8) : acc, bits &= 7)
+    bitw_t w = {out, 0, 0};
     size_t i = n;
-    /* At most 7 bits wait after a flush: five 11-bit codes fit in the word. */
-    while (i >= 5) {
-        ADD(s[i - 1]);
-        ADD(s[i - 2]);
-        ADD(s[i - 3]);
-        ADD(s[i - 4]);
-        ADD(s[i - 5]);
+    while (i >= 5) { /* five 11-bit codes fit after a flush */
+        for (unsigned k = 1; k <= 5; k++)
+            bw_add(&w, code[s[i - k]].code, code[s[i - k]].len);
         i -= 5;
-        FLUSH();
+        bw_flush(&w);
     }
     while (i > 0) {
         i--;
-        ADD(s[i]);
+        bw_add(&w, code[s[i]].code, code[s[i]].len);
     }
-    FLUSH();
-    acc |= (uint64_t)1 << bits;
-    bits++;
-    FLUSH();
-#undef ADD
-#undef FLUSH
-    return (size_t)(p - out) + (bits ? 1 : 0);
+    bw_flush(&w);
+    return bw_close(&w, out);
 }
 
 /* Bits a block's literals take with `len`. */
@@ -217,30 +239,6 @@ static uint64_t coded_bits(const uint32_t count[256], const uint8_t len[256])
 static unsigned highbit(uint32_t v) { return 31u - (unsigned)__builtin_clz(v); }
 
 typedef struct {
-    uint8_t *p, *end;
-    uint64_t acc;
-    unsigned bits;
-} bitw_t;
-
-static void bw_add(bitw_t *w, uint64_t v, unsigned nbits)
-{
-    w->acc |= (v & ((1ull << nbits) - 1)) << w->bits;
-    w->bits += nbits;
-}
-
-static int bw_flush(bitw_t *w)
-{
-    unsigned nbytes = w->bits >> 3;
-    if (w->p + 8 > w->end)
-        return -1;
-    memcpy(w->p, &w->acc, 8);
-    w->p += nbytes;
-    w->acc = nbytes ? (nbytes == 8 ? 0 : w->acc >> (8 * nbytes)) : w->acc;
-    w->bits &= 7;
-    return 0;
-}
-
-typedef struct {
     uint32_t delta_nbits;
     int32_t delta_state;
 } fse_tt;
@@ -260,7 +258,7 @@ static void fse_encode(bitw_t *w, fse_state *st, const uint16_t *table, const fs
                        unsigned sym)
 {
     uint32_t nbits = (uint32_t)((st->value + tt[sym].delta_nbits) >> 16);
-    bw_add(w, st->value, nbits);
+    bw_add(w, st->value & ((1u << nbits) - 1), nbits);
     st->value = table[(st->value >> nbits) + (uint64_t)(int64_t)tt[sym].delta_state];
 }
 
@@ -369,7 +367,8 @@ static size_t fse_weights(const uint8_t *wt, unsigned n, uint8_t *out)
     size_t head = write_ncount(norm, max_sym, p, out + 128);
     if (head == 0)
         return 0;
-    bitw_t w = {p + head, out + 128, 0, 0};
+    bitw_t w = {p + head, 0, 0};
+    const uint8_t *end = out + 128 - 8; /* where a flush may store its word */
     /* FSE_buildCTable: spread the values over the cells, then each value's
      * states and transforms. */
     uint16_t table[1u << WEIGHT_LOG];
@@ -405,47 +404,45 @@ static size_t fse_weights(const uint8_t *wt, unsigned n, uint8_t *out)
             }
         }
     }
-    /* FSE_compress_usingCTable: two states, the weights backwards. */
-    {
-        const uint8_t *ip = wt + n;
-        fse_state s1, s2;
-        size_t left = n;
-        if (left & 1) {
-            fse_init(&s1, table, tt, *--ip);
-            fse_init(&s2, table, tt, *--ip);
-            fse_encode(&w, &s1, table, tt, *--ip);
-            if (bw_flush(&w))
-                return 0;
-        } else {
-            fse_init(&s2, table, tt, *--ip);
-            fse_init(&s1, table, tt, *--ip);
-        }
-        left -= 2;
-        if (left & 2) {
-            fse_encode(&w, &s2, table, tt, *--ip);
-            fse_encode(&w, &s1, table, tt, *--ip);
-            if (bw_flush(&w))
-                return 0;
-        }
-        while (ip > wt) {
-            fse_encode(&w, &s2, table, tt, *--ip);
-            fse_encode(&w, &s1, table, tt, *--ip);
-            fse_encode(&w, &s2, table, tt, *--ip);
-            fse_encode(&w, &s1, table, tt, *--ip);
-            if (bw_flush(&w))
-                return 0;
-        }
-        bw_add(&w, s2.value, WEIGHT_LOG);
-        if (bw_flush(&w))
-            return 0;
-        bw_add(&w, s1.value, WEIGHT_LOG);
-        if (bw_flush(&w))
-            return 0;
-        bw_add(&w, 1, 1);
-        if (bw_flush(&w))
-            return 0;
+    /* FSE_compress_usingCTable: two states, the weights backwards; a flush
+     * after at most four values (24 bits). */
+    const uint8_t *ip = wt + n;
+    fse_state s1, s2;
+    if (w.p > end)
+        return 0;
+    if (n & 1) {
+        fse_init(&s1, table, tt, *--ip);
+        fse_init(&s2, table, tt, *--ip);
+        fse_encode(&w, &s1, table, tt, *--ip);
+        bw_flush(&w);
+    } else {
+        fse_init(&s2, table, tt, *--ip);
+        fse_init(&s1, table, tt, *--ip);
     }
-    size_t size_out = (size_t)(w.p - p) + (w.bits ? 1 : 0);
+    if (w.p > end)
+        return 0;
+    if ((n - 2) & 2) {
+        fse_encode(&w, &s2, table, tt, *--ip);
+        fse_encode(&w, &s1, table, tt, *--ip);
+        bw_flush(&w);
+    }
+    while (ip > wt) {
+        if (w.p > end)
+            return 0;
+        fse_encode(&w, &s2, table, tt, *--ip);
+        fse_encode(&w, &s1, table, tt, *--ip);
+        fse_encode(&w, &s2, table, tt, *--ip);
+        fse_encode(&w, &s1, table, tt, *--ip);
+        bw_flush(&w);
+    }
+    if (w.p > end)
+        return 0;
+    bw_add(&w, s2.value & (size - 1), WEIGHT_LOG);
+    bw_add(&w, s1.value & (size - 1), WEIGHT_LOG);
+    bw_flush(&w);
+    if (w.p > end)
+        return 0;
+    size_t size_out = bw_close(&w, p);
     if (size_out >= 128)
         return 0;
     out[0] = (uint8_t)size_out;

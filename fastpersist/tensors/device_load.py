@@ -30,7 +30,7 @@ from ..checksum import combine
 from ..engine import Engine
 from ..format import dtypes
 from ..format.manifest import FileRecord, Manifest, TensorRecord
-from . import datafile
+from . import datafile, state
 from .checkpoint import check_size, read_errors, records_by_file
 from .datafile import Mismatch
 from .headers import check_against_header
@@ -83,10 +83,13 @@ class _Ring:
     def take(self) -> int:
         k = self.turn
         self.turn = (k + 1) % SLOTS
+        self._wait(k)
+        return k
+
+    def _wait(self, k: int) -> None:
         if self.done[k] is not None:
             self.done[k].synchronize()
             self.done[k] = None
-        return k
 
     def copied(self, k: int) -> None:
         if self.device.type == "cuda":
@@ -96,9 +99,7 @@ class _Ring:
 
     def drain(self) -> None:
         for k in range(SLOTS):
-            if self.done[k] is not None:
-                self.done[k].synchronize()
-                self.done[k] = None
+            self._wait(k)
 
 
 def read_to_device(path: Path, manifest: Manifest, engine: Engine, device: torch.device, *,
@@ -150,9 +151,9 @@ def _read_file(path: Path, f: FileRecord, records: list[tuple[int, TensorRecord]
                 crcs[p.index].append((out.crcs[j], p.length))
         ring.copied(k)
     if verify:
-        mismatches = [Mismatch(f.name, r.name, r.crc32c, combine(crcs[i]) if crcs[i] else 0)
-                      for i, r in records if (combine(crcs[i]) if crcs[i] else 0) != r.crc32c]
-        datafile.raise_for(mismatches, str(path))
+        actual = {i: combine(crcs[i]) for i, _ in records}  # an empty tensor's: 0
+        datafile.raise_for([Mismatch(f.name, r.name, r.crc32c, actual[i])
+                            for i, r in records if actual[i] != r.crc32c], str(path))
 
 
 def enabled(map_location: Any, manifest: Manifest, ring_bytes: int) -> torch.device | None:
@@ -185,19 +186,11 @@ def _usable(device: torch.device) -> torch.device | None:
 
 def _saved_accelerator(manifest: Manifest) -> torch.device | None:
     by_device: dict[str, int] = {}
-    stack: list[Any] = [manifest.tree]
-    while stack:  # iterative, as state.contains_pickle
-        n = stack.pop()
-        if isinstance(n, dict):
-            if n.get("t") == "tensor":
-                e = n.get("e")
-                if isinstance(e, int) and 0 <= e < len(manifest.tensors):
-                    where = "cpu" if "np" in n else str(n.get("device", "cpu"))
-                    by_device[where] = by_device.get(where, 0) + manifest.tensors[e].length
-                continue
-            stack += [v for v in n.values() if isinstance(v, (dict, list))]
-        elif isinstance(n, list):
-            stack += [v for v in n if isinstance(v, (dict, list))]
+    for n in state.tree_nodes(manifest.tree):
+        e = n.get("e")
+        if n.get("t") == "tensor" and isinstance(e, int) and 0 <= e < len(manifest.tensors):
+            where = "cpu" if "np" in n else str(n.get("device", "cpu"))
+            by_device[where] = by_device.get(where, 0) + manifest.tensors[e].length
     accelerators = [d for d in by_device if d != "cpu"]
     if len(accelerators) != 1 or by_device[accelerators[0]] < by_device.get("cpu", 0):
         return None

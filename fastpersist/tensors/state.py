@@ -34,7 +34,7 @@ import base64
 import math
 import pickle
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,22 +223,24 @@ def encode(obj: Any, *, allow_pickle: bool = False, sharded: bool = False
     return enc.encode(obj, ""), enc.leaves
 
 
-def contains_pickle(node: Node) -> bool:
-    # Iterative: a tree read from disk must not be able to exhaust the stack,
-    # whoever calls this and whether or not the tree was validated first.
-    # Tensor nodes are not searched: nothing in them is decoded as a node.
+def tree_nodes(node: Node) -> Iterator[dict[str, Any]]:
+    """Every dict node of a tree. Iterative: a tree read from disk must not be
+    able to exhaust the stack, whoever calls this and whether or not the tree
+    was validated first. Tensor nodes are yielded, not searched: nothing in
+    them is decoded as a node."""
     stack = [node]
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
-            tag = n.get("t")
-            if tag == "pickle":
-                return True
-            if tag != "tensor":
+            yield n
+            if n.get("t") != "tensor":
                 stack += [v for v in n.values() if isinstance(v, (dict, list))]
         elif isinstance(n, list):
             stack += [v for v in n if isinstance(v, (dict, list))]
-    return False
+
+
+def contains_pickle(node: Node) -> bool:
+    return any(n.get("t") == "pickle" for n in tree_nodes(node))
 
 
 class _Decoder:

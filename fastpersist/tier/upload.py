@@ -164,7 +164,8 @@ def _upload_raw(s3: S3, url: TierURL, files: list[tuple[str, int, int]]) -> int:
     open file, whatever its name points at now). s3transfer uploads them, all
     at once, except those whose upload a killed uploader left open: parts.py
     takes those up, keeping the parts the store has. The bytes sent."""
-    left_open = {name for name, _, _ in files if s3.unfinished_upload(url, name) is not None}
+    open_keys = {key for key, _, _ in s3.multipart_uploads(url)}  # one listing for all
+    left_open = {name for name, _, _ in files if url.key(name) in open_keys}
     sent = 0
     with s3.transfer_manager() as tm:
         futures = [tm.upload(f"/proc/self/fd/{fd}", url.bucket, url.key(name),
