@@ -9,9 +9,11 @@ MASTER_PORT). Each rank writes OUT_DIR/rank-R.json: {"ok": ...} or {"error"}.
 Scenarios:
     save   an FSDP2 model (fully_shard over all ranks) and its Adam state from
            get_state_dict, a large DTensor sharded by columns, and non-tensor
-           values (bytes items): dcp.save (args["async"]: dcp.async_save)
-           to args["path"]; rank 0 also writes args["reference"], the full
-           tensors by DCP fqn (torch.save) to compare loads against
+           values (bytes items): dcp.save (args["async"]: dcp.async_save;
+           args["executor"] == "process": DCP's process executor, saving
+           args["saves"] times, each replacing the last) to args["path"];
+           rank 0 also writes args["reference"], the full tensors by DCP fqn
+           (torch.save) to compare loads against
     load   the same model and DTensor on this job's ranks (rows, a different
            layout), from a fresh seed: dcp.load from args["path"], then
            set_state_dict; reports which fqns differ from the reference and
@@ -33,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -74,13 +77,24 @@ def run(scenario: str, args: dict[str, Any]) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     if scenario == "save":
         sd, _, _ = state(mesh, 1, Shard(1))
+        if args.get("executor") == "process":
+            # Earlier saves hold other values: the last one must win.
+            for _ in range(args["saves"]):
+                for t in sd["model"].values():
+                    t.to_local().add_(1)
+                dcp.async_save(sd, storage_writer=FastPersistWriter(args["path"]),
+                               async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+            from fastpersist.integrations.dcp.stager import shared_pool
+
+            # Each snapshot went to DCP's save process: none may stay counted.
+            if shared_pool().allocated_bytes:
+                return {"error": f"staging still holds {shared_pool().allocated_bytes} bytes"}
+        elif args.get("async"):
+            dcp.async_save(sd, storage_writer=FastPersistWriter(args["path"])).result()
+        else:
+            dcp.save(sd, storage_writer=FastPersistWriter(args["path"]))
         flat, _ = flatten_state_dict(sd)
         reference = {k: full(v) for k, v in flat.items()}
-        writer = FastPersistWriter(args["path"])
-        if args.get("async"):
-            dcp.async_save(sd, storage_writer=writer).result()
-        else:
-            dcp.save(sd, storage_writer=writer)
         if dist.get_rank() == 0:
             torch.save(reference, args["reference"])
         return {"ok": True}

@@ -12,15 +12,16 @@ the save). The pool is shared by every stager of the process unless one is
 given, and bounded by FASTPERSIST_STAGING_BUDGET (0: unbounded): a stage()
 that does not fit waits for buffers that earlier saves give back.
 
-Supported with the default thread-based async_save executor. With
-AsyncCheckpointerType.PROCESS, DCP pickles the staged state into another
-process: a buffer whose writer was pickled is dropped from the pool, never
-reused (see FastPersistWriter.__getstate__).
+With AsyncCheckpointerType.PROCESS, DCP pickles the staged state into its
+save process (torch.multiprocessing moves the buffer into shared memory): a
+buffer whose writer was pickled is dropped from the pool, never reused (see
+FastPersistWriter.__getstate__), and the next save allocates a new one.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import threading
 import weakref
 from typing import Any
@@ -93,7 +94,8 @@ class FastPersistStager(AsyncStager):
     def stage_leased(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], Lease | None]:
         """The staged state and its buffer's lease, for the caller to release()."""
         sources: list[torch.Tensor] = []
-        _walk(state_dict, sources)
+        local_ids: set[int] = set()
+        _walk(state_dict, sources, local_ids)
         total, offsets = 0, []
         for t in sources:
             offsets.append(total)
@@ -115,6 +117,8 @@ class FastPersistStager(AsyncStager):
                 views[id(t)] = view
             for device in devices:
                 torch.cuda.current_stream(device).synchronize()
+            if local_ids:  # see _own_storage; 5 us a tensor
+                views = {k: _own_storage(v) for k, v in views.items()}
             staged = _rebuild(state_dict, views)
         except BaseException:
             self.release(lease)
@@ -145,18 +149,22 @@ def _stageable(t: torch.Tensor) -> bool:
         and not t.is_quantized
 
 
-def _walk(obj: Any, out: list[torch.Tensor]) -> None:
+def _walk(obj: Any, out: list[torch.Tensor], local_ids: set[int]) -> None:
+    """The tensors to stage into `out`; the ids of DTensors' local tensors
+    into `local_ids`."""
     if isinstance(obj, torch.Tensor):
         local = _local(obj)
         t = obj if local is None else local
+        if local is not None:
+            local_ids.add(id(local))
         if _stageable(t) and t.numel():
             out.append(t)
     elif isinstance(obj, dict):
         for v in obj.values():
-            _walk(v, out)
+            _walk(v, out, local_ids)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            _walk(v, out)
+            _walk(v, out, local_ids)
 
 
 def _rebuild(obj: Any, views: dict[int, torch.Tensor]) -> Any:
@@ -187,6 +195,23 @@ def _rebuild(obj: Any, views: dict[int, torch.Tensor]) -> Any:
         items = [_rebuild(v, views) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     return copy.deepcopy(obj)
+
+
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """`view` (contiguous) as a tensor with a storage of its own over the same
+    memory; the alias keeps the buffer alive for as long as it lives.
+
+    Why: DCP's process executor pickles the staged state with
+    torch.multiprocessing, which moves each storage it meets into shared
+    memory. A DTensor over a slice of a staging buffer crashed the trainer
+    there (SIGSEGV in _share_fd_cpu_, torch 2.13: the wrapper takes its local
+    tensor's storage offset but has no storage); and once any view moved the
+    buffer's storage, aliases by address into the old memory would dangle.
+    With a storage per tensor, each moves alone and none starts past 0.
+    """
+    raw = (ctypes.c_char * (view.numel() * view.element_size())).from_address(view.data_ptr())
+    raw.owner = view  # type: ignore[attr-defined]
+    return torch.frombuffer(raw, dtype=torch.uint8).view(view.dtype).view(view.shape)
 
 
 def _release_when_collected(staged: Any, lease: Lease, pool: _fp.StagingPool) -> None:
