@@ -13,6 +13,7 @@ without holding a second copy of the whole state.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -284,6 +285,26 @@ def flatten_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dic
 
     walk(state, "")
     return tensors, metadata
+
+
+def local_tensors(node: object) -> list[torch.Tensor]:
+    """Every tensor in a nested state, a DTensor as its local shard (what a
+    snapshot of this process copies)."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in iter_tensors(node)]
+
+
+def copy_floor(tensors: list[torch.Tensor], buffer: torch.Tensor) -> float:
+    """Seconds to copy `tensors` into one touched buffer (at least their bytes):
+    the least a snapshot costs."""
+    start = time.perf_counter()
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        buffer[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+        offset += n
+    return time.perf_counter() - start
 
 
 def iter_tensors(node: object) -> Iterator[torch.Tensor]:

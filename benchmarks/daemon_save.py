@@ -36,7 +36,7 @@ from typing import Any
 
 import _fio
 import torch
-from _state import build_state, make_spec
+from _state import build_state, copy_floor, local_tensors, make_spec
 from _system import GIB, machine_facts
 
 import fastpersist
@@ -128,28 +128,6 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def copy_floor(state: dict[str, Any], buffer: torch.Tensor) -> float:
-    """A plain copy of every tensor into one touched buffer: the least a snapshot costs."""
-    tensors = [t for t in _tensors(state)]
-    start = time.perf_counter()
-    offset = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        buffer[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
-        offset += n
-    return time.perf_counter() - start
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
 def concurrent(clients: int, total: int, root: Path, tag: str, env: dict[str, str],
                compression: str | None = None) -> float:
     """Aggregate bytes/s of `clients` processes saving total/clients bytes each at once."""
@@ -206,7 +184,8 @@ def main() -> int:
         "four_clients_bps")}
     try:
         state = build_state(make_spec(int(args.size_gib * GIB)))
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+        tensors = local_tensors(state)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         floor_buf = torch.empty(nbytes, dtype=torch.uint8)
         floor_buf.fill_(0)  # touched: the floor is the copy alone
         env = dict(os.environ, FASTPERSIST_DAEMON=daemon.address)
@@ -226,7 +205,7 @@ def main() -> int:
                                             compression=z)
             results["stall_s"].append(time.perf_counter() - started)
             future.result()
-            results["floor_s"].append(copy_floor(state, floor_buf))
+            results["floor_s"].append(copy_floor(tensors, floor_buf))
             if fio_reason is None:
                 shape = _fio.WRITE_SHAPES[1]
                 res = _fio.run(shape, work / "fio.dat", _fio.fio_size(nbytes))

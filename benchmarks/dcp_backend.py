@@ -15,7 +15,9 @@ The same DCP calls, only the storage differs:
 - async_save stall: the time dcp.async_save takes to return (the trainer's
   stall: the snapshot), with FileSystemWriter as its own stager (DCP's
   BlockingAsyncStager: a new host copy per save) vs FastPersistWriter (staging
-  buffers reused from the second save on); and the time until durable.
+  buffers reused from the second save on); and the time until durable. Each
+  repeat also copies the rank's tensors into one touched buffer, the least a
+  snapshot costs (the "copy floor"); the report gives each stall / floor.
 
 State: the benchmarks' GPT-style state (_state.py: bf16 weights, fp32 AdamW
 moments, 0-d steps). With --world 4 each of 4 gloo ranks holds a quarter of
@@ -75,9 +77,17 @@ def shard_state(state: Any, mesh: Any, rank: int, world: int) -> Any:
 
 
 def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from _state import build_skeleton, build_state, make_spec, verify_nested
+    from _state import (
+        build_skeleton,
+        build_state,
+        copy_floor,
+        local_tensors,
+        make_spec,
+        verify_nested,
+    )
     from _system import drop_page_cache, fsync_path
 
     from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter
@@ -120,6 +130,10 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
              "fp": lambda p: dcp.save(state, storage_writer=FastPersistWriter(p))}
     samples: dict[str, list[float]] = {f"{k}:{m}": [] for k in ("save", "load", "stall",
                                                               "async_total") for m in METHODS}
+    samples["stall:copy"] = []
+    tensors = local_tensors(state)
+    floor_buffer = torch.zeros(sum(t.numel() * t.element_size() for t in tensors),
+                               dtype=torch.uint8)  # touched: the floor is the copy alone
     ceiling = world == 1 and _fio.available() is None
     if ceiling:
         samples["save:plain"] = []  # fastpersist.save, no DCP
@@ -146,6 +160,12 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
         if rank == 0:
             for p in paths.values():
                 shutil.rmtree(p)
+        floor = copy_floor(tensors, floor_buffer)
+        if world > 1:  # as the stall: the slowest rank's
+            floors = [0.0] * world
+            dist.all_gather_object(floors, floor)
+            floor = max(floors)
+        samples["stall:copy"].append(floor)
         for m in order:
             path = work / f"async-{m}-{r}"
             barrier()
@@ -226,6 +246,13 @@ def summarize(job: dict[str, Any], world: int) -> list[str]:
                          f"({min(v):.3f}-{max(v):.3f}) {rate}")
         lines.append(f"  {'':26s} {'FileSystem / FastPersist':26s} "
                      f"{med[f'{kind}:fs'] / med[f'{kind}:fp']:6.2f}x")
+    v = job["samples"].get("stall:copy")
+    if v:  # results written before the floor was measured have none
+        lines.append(f"  {'async_save stall':26s} {'copy floor':26s} {med['stall:copy']:7.3f} s "
+                     f"({min(v):.3f}-{max(v):.3f})")
+        lines.append(f"  {'':26s} {'stall / copy floor':26s} "
+                     + "  ".join(f"{m} {med[f'stall:{m}'] / med['stall:copy']:.2f}x"
+                                 for m in METHODS))
     if "save:fio" in med:
         for key, what in (("plain", "fastpersist.save (no DCP)"), ("fio", "fio write ceiling")):
             v, m = job["samples"][f"save:{key}"], med[f"save:{key}"]

@@ -24,10 +24,12 @@ import copy
 import ctypes
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor  # imported by the line above already
 
 from . import _fp
 
@@ -106,19 +108,26 @@ class FastPersistStager(AsyncStager):
         buffer = self._pool.acquire(total, self._budget, pinned)
         lease = Lease(buffer, pinned)
         try:
+            # With DTensors in the state, every staged tensor gets a storage of
+            # its own (see _aliases).
+            alias = _aliases(buffer) if local_ids else None
             views: dict[int, torch.Tensor] = {}
             devices = set()
             for t, off in zip(sources, offsets, strict=True):
-                n = t.numel() * t.element_size()
-                view = buffer[off:off + n].view(t.dtype).view(t.shape)
-                view.copy_(t.detach(), non_blocking=t.device.type == "cuda")
-                if t.device.type == "cuda":
+                cuda = t.device.type == "cuda"
+                if alias is not None and not cuda:
+                    view = alias(t, off)
+                else:  # a device copy lands in the pinned buffer's own storage
+                    n = t.numel() * t.element_size()
+                    view = buffer[off:off + n].view(t.dtype).view(t.shape)
+                view.copy_(t.detach(), non_blocking=cuda)
+                if cuda:
                     devices.add(t.device)
+                    if alias is not None:
+                        view = alias(t, off)
                 views[id(t)] = view
             for device in devices:
                 torch.cuda.current_stream(device).synchronize()
-            if local_ids:  # see _own_storage; 5 us a tensor
-                views = {k: _own_storage(v) for k, v in views.items()}
             staged = _rebuild(state_dict, views)
         except BaseException:
             self.release(lease)
@@ -139,8 +148,6 @@ class FastPersistStager(AsyncStager):
 
 def _local(t: torch.Tensor) -> torch.Tensor | None:
     """A DTensor's local shard; None for a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else None
 
 
@@ -171,8 +178,6 @@ def _rebuild(obj: Any, views: dict[int, torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         local = _local(obj)
         if local is not None:
-            from torch.distributed.tensor import DTensor
-
             # As DCP's own stager does: the same spec (mesh, placements,
             # global shape) over the host copy of the shard.
             staged = views.get(id(local))
@@ -197,9 +202,10 @@ def _rebuild(obj: Any, views: dict[int, torch.Tensor]) -> Any:
     return copy.deepcopy(obj)
 
 
-def _own_storage(view: torch.Tensor) -> torch.Tensor:
-    """`view` (contiguous) as a tensor with a storage of its own over the same
-    memory; the alias keeps the buffer alive for as long as it lives.
+def _aliases(buffer: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """A function giving, for a tensor like `t` at byte `offset` of `buffer`,
+    a tensor with a storage of its own over that memory; each keeps the
+    buffer alive for as long as it lives.
 
     Why: DCP's process executor pickles the staged state with
     torch.multiprocessing, which moves each storage it meets into shared
@@ -209,9 +215,15 @@ def _own_storage(view: torch.Tensor) -> torch.Tensor:
     buffer's storage, aliases by address into the old memory would dangle.
     With a storage per tensor, each moves alone and none starts past 0.
     """
-    raw = (ctypes.c_char * (view.numel() * view.element_size())).from_address(view.data_ptr())
-    raw.owner = view  # type: ignore[attr-defined]
-    return torch.frombuffer(raw, dtype=torch.uint8).view(view.dtype).view(view.shape)
+    raw = (ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())
+    raw.owner = buffer  # type: ignore[attr-defined]
+    memory = memoryview(raw).cast("B")
+
+    def alias(t: torch.Tensor, offset: int) -> torch.Tensor:
+        return torch.frombuffer(memory, dtype=t.dtype, count=t.numel(),
+                                offset=offset).view(t.shape)
+
+    return alias
 
 
 def _release_when_collected(staged: Any, lease: Lease, pool: _fp.StagingPool) -> None:
