@@ -285,6 +285,14 @@ except fastpersist.CheckpointError as exc:
     assert "a is a numpy value; install numpy to load this checkpoint" in str(exc), exc
 else:
     raise AssertionError("loaded numpy values without numpy")
+# The GPU load's ring, run on the CPU as its tests do, needs no numpy either.
+from fastpersist.engine import get_engine
+from fastpersist.tensors import checkpoint, device_load
+saved = __import__("pathlib").Path({str(tmp_path / "plain")!r})
+manifest = checkpoint.read_manifest(saved)
+ringed = device_load.read_to_device(saved, manifest, get_engine(), torch.device("cpu"),
+                                    verify=True, ring_bytes=64)
+assert any(torch.equal(t, obj["w"]) for t in ringed), ringed
 assert sys.modules["numpy"] is None
 print("ok")
 """

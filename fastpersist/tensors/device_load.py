@@ -34,6 +34,7 @@ from . import datafile, state
 from .checkpoint import check_size, read_errors, records_by_file
 from .datafile import Mismatch
 from .headers import check_against_header
+from .plan import memory_of
 
 SLOTS = 4  # ring slots: one read while the others' copies drain
 
@@ -76,7 +77,7 @@ class _Ring:
         pin = device.type == "cuda"
         self.buffers = [torch.empty(slot, dtype=torch.uint8, pin_memory=pin)
                         for _ in range(SLOTS)]
-        self.views = [b.numpy().data for b in self.buffers]
+        self.views = [memory_of(b) for b in self.buffers]  # the ring keeps them alive
         self.done: list[Any] = [None] * SLOTS  # a CUDA event per slot in use
         self.turn = 0
 

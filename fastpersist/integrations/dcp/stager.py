@@ -21,7 +21,6 @@ FastPersistWriter.__getstate__), and the next save allocates a new one.
 from __future__ import annotations
 
 import copy
-import ctypes
 import threading
 import weakref
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor  # imported by the line above already
 
 from . import _fp
+from .memory import bytes_of
 
 _ALIGN = 64  # every element size divides it
 
@@ -215,9 +215,7 @@ def _aliases(buffer: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor
     buffer's storage, aliases by address into the old memory would dangle.
     With a storage per tensor, each moves alone and none starts past 0.
     """
-    raw = (ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())
-    raw.owner = buffer  # type: ignore[attr-defined]
-    memory = memoryview(raw).cast("B")
+    memory = bytes_of(buffer)  # keeps the buffer alive, and so does each alias
 
     def alias(t: torch.Tensor, offset: int) -> torch.Tensor:
         return torch.frombuffer(memory, dtype=t.dtype, count=t.numel(),
