@@ -101,6 +101,50 @@ def test_a_corrupt_tensor_is_named(saved: Path) -> None:
     assert got[manifest.tensors.index(big)].numel() == big.length  # a U8 storage
 
 
+def _many_small(count: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    kinds = itertools.cycle([torch.float32, torch.bfloat16, torch.int8, torch.float64,
+                             torch.bool, torch.int16])
+    return {f"t{i}": (torch.randn(i % 9 + 1, generator=g) * 50).to(kind)
+            for i, kind in zip(range(count), kinds, strict=False)}
+
+
+def test_small_tensors_share_one_allocation_per_run(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors below SHARED_BELOW that lie together in a chunk become views of
+    one allocation (one copy for all); larger ones get their own."""
+    state = {**_many_small(600), "large": torch.randn(4096)}
+    fastpersist.save(state, tmp_path / "c")
+    manifest = checkpoint.read_manifest(tmp_path / "c")
+    monkeypatch.setattr(device_load, "SHARED_BELOW", 1024)  # "large" (16 KiB) is not small
+    for ring_bytes in (4 << 10, 64 << 10, 16 << 20):
+        got = device_load.read_to_device(tmp_path / "c", manifest, get_engine(), CPU,
+                                         verify=True, ring_bytes=ring_bytes)
+        by_name = {r.name: t for r, t in zip(manifest.tensors, got, strict=True)}
+        for k, v in state.items():
+            assert by_name[k].dtype == v.dtype and torch.equal(by_name[k], v), k
+        storages = {t.untyped_storage().data_ptr() for k, t in by_name.items() if k != "large"}
+        # one allocation per run of a chunk: at most a few per slot of the file's bytes
+        span = sum(r.length for r in manifest.tensors if r.name != "large")
+        assert len(storages) <= 2 * (span // (ring_bytes // device_load.SLOTS) + 1), ring_bytes
+        large = by_name["large"]
+        assert large.untyped_storage().nbytes() == large.nbytes  # its own
+
+
+def test_a_corrupt_small_tensor_in_a_shared_run_is_named(tmp_path: Path) -> None:
+    fastpersist.save(_many_small(50), tmp_path / "c")
+    manifest = checkpoint.read_manifest(tmp_path / "c")
+    victim = manifest.tensors[20]
+    with open(tmp_path / "c" / victim.file, "r+b") as fh:
+        fh.seek(victim.offset)
+        b = fh.read(1)
+        fh.seek(victim.offset)
+        fh.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(ChecksumMismatchError, match=victim.name):
+        device_load.read_to_device(tmp_path / "c", manifest, get_engine(), CPU, verify=True,
+                                   ring_bytes=1 << 20)
+
+
 def test_a_truncated_file_is_named(saved: Path) -> None:
     manifest = checkpoint.read_manifest(saved)
     f = max(manifest.files, key=lambda f: f.size)
