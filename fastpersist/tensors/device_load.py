@@ -215,7 +215,8 @@ def enabled(map_location: Any, manifest: Manifest, ring_bytes: int) -> torch.dev
             r.frames is not None for r in manifest.tensors):
         return None
     if map_location is None:
-        return _saved_accelerator(manifest)
+        # Walking the tree costs ~2 us a tensor: not where no GPU could take it.
+        return _saved_accelerator(manifest) if torch.cuda.is_available() else None
     if not isinstance(map_location, (str, torch.device)):
         return None
     try:
