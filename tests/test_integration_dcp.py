@@ -347,6 +347,11 @@ def test_four_ranks_save_two_ranks_and_one_process_load(tmp_path: Path) -> None:
                        reference["big"])
 
 
+def test_staged_dtensors_have_storages_of_their_own(tmp_path: Path) -> None:
+    (report,) = run_job(tmp_path, "stage", 1, {})
+    assert report.get("ok"), report
+
+
 def test_async_save_with_the_process_executor(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """DCP pickles the writer and the snapshot into its own save process. Each

@@ -14,6 +14,10 @@ Scenarios:
            args["saves"] times, each replacing the last) to args["path"];
            rank 0 also writes args["reference"], the full tensors by DCP fqn
            (torch.save) to compare loads against
+    stage  DTensors of several dtypes (a 0-d one among them) staged by
+           FastPersistStager: equal to the sources, each on a storage of its
+           own starting at its first byte, and through torch.multiprocessing's
+           pickler (what DCP's process executor uses) and back unchanged
     load   the same model and DTensor on this job's ranks (rows, a different
            layout), from a fresh seed: dcp.load from args["path"], then
            set_state_dict; reports which fqns differ from the reference and
@@ -98,6 +102,8 @@ def run(scenario: str, args: dict[str, Any]) -> dict[str, Any]:
         if dist.get_rank() == 0:
             torch.save(reference, args["reference"])
         return {"ok": True}
+    if scenario == "stage":
+        return stage_scenario(mesh)
     if scenario == "load":
         sd, model, opt = state(mesh, 2, Shard(0))
         reader = FastPersistReader(args["path"])
@@ -113,6 +119,45 @@ def run(scenario: str, args: dict[str, Any]) -> dict[str, Any]:
         return {"ok": not differ and not missing, "differ": differ, "missing": missing,
                 "bytes_read": reader.bytes_read}
     raise ValueError(f"unknown scenario {scenario}")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)  # bytes: float8 has no torch.equal
+
+
+def stage_scenario(mesh: Any) -> dict[str, Any]:
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.distributed.tensor import Replicate
+
+    from fastpersist.integrations.dcp import FastPersistStager
+
+    g = torch.Generator().manual_seed(3)
+    sources = {str(dtype): DTensor.from_local(  # no collective: gloo has no float8
+        (torch.randn(37, 5, generator=g) * 9).to(dtype), mesh, [Shard(0)], run_check=False)
+               for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8,
+                             torch.bool, torch.float64, torch.float8_e4m3fn)}
+    sources["scalar"] = DTensor.from_local(torch.tensor(4.5), mesh, [Replicate()],
+                                           run_check=False)
+    sources["plain"] = torch.arange(7)
+    staged, lease = FastPersistStager().stage_leased({"s": sources})
+    assert lease is not None
+    out = staged["s"]
+    problems = []
+    for k, v in sources.items():
+        local = out[k].to_local() if isinstance(out[k], DTensor) else out[k]
+        want = v.to_local() if isinstance(v, DTensor) else v
+        if local.dtype != want.dtype or not torch.equal(_raw(local), _raw(want)):
+            problems.append(f"{k}: staged differs")
+        if local.storage_offset() or local.untyped_storage().nbytes() != local.nbytes:
+            problems.append(f"{k}: not a storage of its own")
+    back = ForkingPickler.loads(ForkingPickler.dumps(out))
+    for k, v in out.items():
+        a = back[k].to_local() if isinstance(back[k], DTensor) else back[k]
+        b = v.to_local() if isinstance(v, DTensor) else v
+        if not torch.equal(_raw(a), _raw(b)):
+            problems.append(f"{k}: changed through the pickler")
+    return {"ok": not problems, "problems": problems}
 
 
 def main() -> None:
