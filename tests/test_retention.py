@@ -95,6 +95,41 @@ def test_latest_is_not_moved_back_by_an_older_save_that_finished_last(tmp_path: 
     assert (root / "latest").read_text() == "step-00000003\n"
 
 
+def test_a_validated_manifest_is_not_parsed_again_until_it_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention asks about the previous checkpoint at every commit: its manifest
+    is parsed once, and again only once the file changed (a broken rewrite is
+    then seen as not committed)."""
+    from fastpersist.format.manifest import Manifest
+    from fastpersist.storage import retention
+
+    parsed: list[str] = []
+    real = Manifest.from_json
+
+    def counting(data: bytes, where: str) -> Manifest:
+        parsed.append(where)
+        return real(data, where)
+
+    monkeypatch.setattr(Manifest, "from_json", staticmethod(counting))
+    fastpersist.save(small(1), tmp_path / "step-1")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(3):
+            assert retention.is_committed("step-1", fd)
+        assert parsed == ["step-1"]
+        manifest = tmp_path / "step-1" / MANIFEST_NAME
+        text = manifest.read_bytes()
+        time.sleep(0.05)  # file times move by the kernel's clock tick (a few ms)
+        manifest.write_bytes(text[: len(text) // 2])  # in place: same inode, new ctime
+        assert not retention.is_committed("step-1", fd)
+        time.sleep(0.05)
+        manifest.write_bytes(text)
+        assert retention.is_committed("step-1", fd)
+        assert parsed == ["step-1"] * 3
+    finally:
+        os.close(fd)
+
+
 def test_symbolic_links_in_a_root_are_never_followed(tmp_path: Path) -> None:
     """What retention lists, deletes and replaces is the root's own entries: a
     step-N link to a checkpoint elsewhere is not a checkpoint here, and a
