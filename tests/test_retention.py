@@ -130,6 +130,28 @@ def test_a_validated_manifest_is_not_parsed_again_until_it_changes(
         os.close(fd)
 
 
+def test_retention_does_not_parse_what_this_process_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each commit's retention asks whether the one before is committed; the
+    process that committed it knows (a manifest of 100,000 tensors takes a
+    second to parse)."""
+    from fastpersist.format.manifest import Manifest
+
+    parsed: list[str] = []
+    real = Manifest.from_json
+
+    def counting(data: bytes, where: str) -> Manifest:
+        parsed.append(where)
+        return real(data, where)
+
+    monkeypatch.setattr(Manifest, "from_json", staticmethod(counting))
+    with Checkpointer(tmp_path / "ckpts", keep_last=2) as ckpt:
+        for step in range(1, 6):
+            ckpt.save(step, small(step)).result()
+    assert parsed == []
+    assert Checkpointer(tmp_path / "ckpts").steps() == [4, 5]
+
+
 def test_symbolic_links_in_a_root_are_never_followed(tmp_path: Path) -> None:
     """What retention lists, deletes and replaces is the root's own entries: a
     step-N link to a checkpoint elsewhere is not a checkpoint here, and a

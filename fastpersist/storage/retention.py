@@ -127,8 +127,7 @@ def is_committed(name: str, dir_fd: int) -> bool:
     """Whether `name` holds a checkpoint whose manifest reads and validates."""
     try:
         with _entry(name, dir_fd) as fd:
-            st = os.stat(MANIFEST_NAME, dir_fd=fd, follow_symlinks=False)
-            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            identity = _identity(os.stat(MANIFEST_NAME, dir_fd=fd, follow_symlinks=False))
             if _validated.seen(identity):
                 return True
             data = dirs.read_regular(MANIFEST_NAME, fd, MAX_MANIFEST_BYTES)
@@ -139,6 +138,18 @@ def is_committed(name: str, dir_fd: int) -> bool:
         return False
     _validated.add(identity)
     return True
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _known_committed(name: str, dir_fd: int) -> None:
+    """`name` was just committed by the caller, who wrote its manifest: no
+    need to parse it when a later commit's retention asks."""
+    st = _manifest_stat(name, dir_fd)
+    if st is not None:
+        _validated.add(_identity(st))
 
 
 class _Seen:
@@ -236,6 +247,7 @@ def apply(dir_fd: int, where: Path, newest: str, policy: AfterCommit,
     retention must keep for now (to_delete). Raises PostCommitError."""
     what = f"moving {where / LATEST} to {newest}"
     pointed, deleted = False, []
+    _known_committed(newest, dir_fd)  # the next commit's retention asks about it
     try:
         if policy.point_latest and not _pointer_is_newer(dir_fd, newest, since):
             point_latest(dir_fd, newest)
