@@ -95,22 +95,29 @@ def test_latest_is_not_moved_back_by_an_older_save_that_finished_last(tmp_path: 
     assert (root / "latest").read_text() == "step-00000003\n"
 
 
-def test_a_validated_manifest_is_not_parsed_again_until_it_changes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Retention asks about the previous checkpoint at every commit: its manifest
-    is parsed once, and again only once the file changed (a broken rewrite is
-    then seen as not committed)."""
+@pytest.fixture
+def parsed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The `where` of every manifest parsed from here on."""
     from fastpersist.format.manifest import Manifest
-    from fastpersist.storage import retention
 
-    parsed: list[str] = []
+    seen: list[str] = []
     real = Manifest.from_json
 
     def counting(data: bytes, where: str) -> Manifest:
-        parsed.append(where)
+        seen.append(where)
         return real(data, where)
 
     monkeypatch.setattr(Manifest, "from_json", staticmethod(counting))
+    return seen
+
+
+def test_a_validated_manifest_is_not_parsed_again_until_it_changes(
+        tmp_path: Path, parsed: list[str]) -> None:
+    """Retention asks about the previous checkpoint at every commit: its manifest
+    is parsed once, and again only once the file changed (a broken rewrite is
+    then seen as not committed)."""
+    from fastpersist.storage import retention
+
     fastpersist.save(small(1), tmp_path / "step-1")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -131,20 +138,10 @@ def test_a_validated_manifest_is_not_parsed_again_until_it_changes(
 
 
 def test_retention_does_not_parse_what_this_process_committed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, parsed: list[str]) -> None:
     """Each commit's retention asks whether the one before is committed; the
     process that committed it knows (a manifest of 100,000 tensors takes a
     second to parse)."""
-    from fastpersist.format.manifest import Manifest
-
-    parsed: list[str] = []
-    real = Manifest.from_json
-
-    def counting(data: bytes, where: str) -> Manifest:
-        parsed.append(where)
-        return real(data, where)
-
-    monkeypatch.setattr(Manifest, "from_json", staticmethod(counting))
     with Checkpointer(tmp_path / "ckpts", keep_last=2) as ckpt:
         for step in range(1, 6):
             ckpt.save(step, small(step)).result()
