@@ -6,10 +6,9 @@ internals (beyond the public API) is visible at a glance.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ... import knobs
 from ..._version import __version__
+from ...checksum import combine
 from ...engine import Engine, Segment, get_engine
 from ...errors import (
     CheckpointError,
@@ -38,17 +37,11 @@ from ...tensors.checkpoint import read_manifest
 from ...tensors.datafile import plan_file
 from ...tensors.plan import StoredTensor
 
-crc32c_combine: Callable[[int, int, int], int] | None
-try:
-    from ..._engine import crc32c_combine
-except ImportError:  # the reference engine only
-    crc32c_combine = None
-
 __all__ = [
     "DISTRIBUTED_SCHEMA_VERSION", "CheckpointError", "CheckpointExistsError",
     "ChecksumMismatchError", "Chunk", "CorruptCheckpointError", "Engine", "FileRecord",
     "GlobalTensor", "Manifest", "ManifestError", "Segment", "Staging", "StagingPool",
     "StoredTensor", "TensorRecord", "TruncatedFileError", "UnsupportedValueError",
-    "__version__", "check_tree", "crc32c_combine", "dtypes", "get_engine", "knobs",
+    "__version__", "check_tree", "combine", "dtypes", "get_engine", "knobs",
     "os_error", "parse_json", "part_file_name", "plan_file", "read_manifest",
 ]

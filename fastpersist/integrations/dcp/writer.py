@@ -333,7 +333,7 @@ def _write_file(engine: _fp.Engine, directory: Path, name: str, items: list[Writ
     out = []
     for s, offset, item_spans in zip(plan.order, lay.offsets, spans, strict=True):
         block_crcs = [next(crcs) for _ in item_spans]
-        whole = _combine(block_crcs, item_spans, s.source)
+        whole = _fp.combine([(c, n) for c, (_, n) in zip(block_crcs, item_spans, strict=True)])
         record = _fp.TensorRecord(name=s.name, file=name, offset=offset, length=s.nbytes,
                                   dtype=s.dtype, shape=s.shape, crc32c=whole)
         info = ItemInfo(s.name, tuple(block_crcs) if len(item_spans) > 1 else ())
@@ -342,16 +342,3 @@ def _write_file(engine: _fp.Engine, directory: Path, name: str, items: list[Writ
                                storage_data=Written(info, record, file)))
     return out
 
-
-def _combine(crcs: list[int], spans: list[tuple[int, int]], source: torch.Tensor) -> int:
-    """The CRC32C of a whole item from those of its blocks."""
-    if len(crcs) == 1:
-        return crcs[0]
-    if _fp.crc32c_combine is None:  # the reference engine: checksum the bytes again
-        import crc32c
-
-        return int(crc32c.crc32c(bytes_of(source)))
-    whole = crcs[0]
-    for crc, (_, n) in zip(crcs[1:], spans[1:], strict=True):
-        whole = _fp.crc32c_combine(whole, crc, n)
-    return whole
