@@ -24,6 +24,7 @@ VOCAB = 50304  # GPT-2 vocabulary padded to a multiple of 64, as nanoGPT does
 CONTEXT = 2048
 BYTES_PER_PARAM = 2 + 4 + 4  # bf16 weight, fp32 exp_avg, fp32 exp_avg_sq
 TRAIN_STEP = 123
+SMALL_TENSOR_BYTES = 4644  # 100,000 of them are the 443 MiB state of issue 14 (many_spec)
 
 PathKey = tuple[str | int, ...]
 

@@ -24,13 +24,11 @@ import time
 from pathlib import Path
 
 import torch
-from _state import build_state, many_spec
+from _state import SMALL_TENSOR_BYTES, build_state, many_spec
 
 import fastpersist
 from fastpersist.engine import get_engine
 from fastpersist.tensors import checkpoint, device_load
-
-SMALL_TENSOR_BYTES = 4644  # as save_load.py: 100,000 of them are 443 MiB
 
 
 def main() -> int:

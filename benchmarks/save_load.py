@@ -29,7 +29,7 @@ from typing import Any
 import _fio
 from _report import Record, Summary, Target, ceiling, memory_target, ratio_lines, summarize, table
 from _scaling import parse_size, scaling_table
-from _state import spec_from
+from _state import SMALL_TENSOR_BYTES, spec_from
 from _system import GIB, drop_page_cache, machine_facts, mount_of, tool_version
 
 HERE = Path(__file__).resolve().parent
@@ -44,7 +44,6 @@ LOAD_GOALS = {"fio read ceiling": 0.8, "torch": 1.0, "safetensors": 1.0, "dcp": 
 # Many small tensors (issue 14): ahead of both peers, saving and loading.
 SMALL_GOALS = {"torch": 1.0, "safetensors": 1.0}
 SMALL_METHODS = "fastpersist,torch,safetensors"
-SMALL_TENSOR_BYTES = 4644  # 100,000 of them are the 443 MiB state of issue 14
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs"}
 
 
