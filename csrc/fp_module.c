@@ -3,9 +3,10 @@
  * Python arguments into fp_engine.h calls, and their results and errors back
  * into Python objects and exceptions; the checks and the I/O are the engine's.
  *
- * Buffers come in through the buffer protocol and are never copied here; the
- * GIL is released for the whole of every I/O call, so other Python threads
- * (a training loop) run while a checkpoint is written.
+ * Buffers come in through the buffer protocol and are never copied here
+ * (gather, a snapshot's batched memcpy, aside); the GIL is released for the
+ * whole of every I/O call, so other Python threads (a training loop) run
+ * while a checkpoint is written.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -336,6 +337,84 @@ static PyObject *py_openat2(PyObject *self, PyObject *args)
     return res;
 }
 
+/* The i-th int of a PySequence_Fast as a size_t (-1 and an exception if it is
+ * not a non-negative int). */
+static int fast_size(PyObject *fast, Py_ssize_t i, size_t *out)
+{
+    PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+    size_t v = PyLong_AsSize_t(item);
+    if (v == (size_t)-1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/*
+ * gather(dst, addresses, offsets, lengths): copy lengths[i] bytes from raw
+ * address addresses[i] to dst[offsets[i]:], for every i, with the GIL
+ * released. A snapshot of many small tensors copies them all in one call
+ * instead of one torch copy_ (and one view) each. Every destination range is
+ * checked against dst before anything is copied; the source addresses are
+ * the caller's promise (live, contiguous CPU memory of at least that length).
+ */
+static PyObject *py_gather(PyObject *self, PyObject *args)
+{
+    Py_buffer dst;
+    PyObject *addresses, *offsets, *lengths;
+    if (!PyArg_ParseTuple(args, "w*OOO:gather", &dst, &addresses, &offsets, &lengths))
+        return NULL;
+    PyObject *fa = PySequence_Fast(addresses, "addresses must be a sequence of ints");
+    PyObject *fo = fa ? PySequence_Fast(offsets, "offsets must be a sequence of ints") : NULL;
+    PyObject *fl = fo ? PySequence_Fast(lengths, "lengths must be a sequence of ints") : NULL;
+    PyObject *res = NULL;
+    size_t *plan = NULL; /* (address, offset, length) triples */
+    if (!fl)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fa);
+    if (PySequence_Fast_GET_SIZE(fo) != n || PySequence_Fast_GET_SIZE(fl) != n) {
+        PyErr_SetString(PyExc_ValueError, "addresses, offsets and lengths differ in length");
+        goto done;
+    }
+    plan = PyMem_Malloc((n ? (size_t)n : 1) * 3 * sizeof(size_t));
+    if (!plan) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t room = (size_t)dst.len;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t *p = plan + 3 * i;
+        if (fast_size(fa, i, &p[0]) < 0 || fast_size(fo, i, &p[1]) < 0 ||
+            fast_size(fl, i, &p[2]) < 0)
+            goto done;
+        if (p[1] > room || p[2] > room - p[1]) {
+            PyErr_Format(PyExc_ValueError,
+                         "gather: bytes [%zu, +%zu) of item %zd lie outside the %zu-byte "
+                         "destination", p[1], p[2], i, room);
+            goto done;
+        }
+        if (p[2] && !p[0]) {
+            PyErr_Format(PyExc_ValueError, "gather: item %zd has a null source address", i);
+            goto done;
+        }
+    }
+    char *base = dst.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const size_t *p = plan + 3 * i;
+        if (p[2])
+            memcpy(base + p[1], (const void *)p[0], p[2]);
+    }
+    Py_END_ALLOW_THREADS
+    res = Py_NewRef(Py_None);
+done:
+    PyMem_Free(plan);
+    Py_XDECREF(fa);
+    Py_XDECREF(fo);
+    Py_XDECREF(fl);
+    PyBuffer_Release(&dst);
+    return res;
+}
+
 static PyObject *py_uring_available(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(fp_uring_probe() == 0);
@@ -368,6 +447,9 @@ static PyMethodDef methods[] = {
     {"openat2", py_openat2, METH_VARARGS,
      "openat2(dir_fd, path, flags, mode, resolve) -> fd: openat2(2), e.g. with\n"
      "RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS. OSError (ENOSYS where it is missing)."},
+    {"gather", py_gather, METH_VARARGS,
+     "gather(dst, addresses, offsets, lengths): copy lengths[i] bytes from raw address\n"
+     "addresses[i] into dst at offsets[i], for every i (GIL released)."},
     {"uring_available", py_uring_available, METH_NOARGS,
      "Whether io_uring works here (BACKEND_AUTO falls back to the thread pool if not)."},
     {"release_buffers", py_release_buffers, METH_NOARGS, "Free the cached bounce buffers."},

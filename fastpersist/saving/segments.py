@@ -86,7 +86,7 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
     buffer (lent from here on), or streamed from the tensors when it was not
     staged."""
     staged.wait_copied()
-    layout = staged.layout or plan_file(staged.tensors)
+    layout = plan_file(staged.tensors)  # the views' header is the one staging laid out
     length = layout.data_bytes
     if staged.buffer is None:
         client.submit_stream(ident, index, layout.layout.header, length, _chunks(layout.order))

@@ -12,13 +12,23 @@ global synchronize.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
 
 import torch
 
 from ..format import dtypes
-from ..tensors.datafile import FileLayout, plan_file
-from ..tensors.plan import StoredTensor
+from ..tensors.datafile import file_order
+from ..tensors.plan import StoredTensor, memory_of
+
+_Gather = Callable[[Any, Sequence[int], Sequence[int], Sequence[int]], None]
+gather: _Gather | None
+try:
+    from .._engine import gather
+except ImportError:  # no C extension: torch copies every tensor
+    gather = None
 
 
 @dataclass(frozen=True)
@@ -77,20 +87,39 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 class StagedFile:
     """One data file's tensors, copied (or being copied) into `buffer`.
 
+    `tensors` are the file's tensors as the writer must write them: views of
+    the buffer, in the caller's order, made when first asked for (on the
+    writer's thread, not in the caller's stall); without a buffer (unstaged),
+    the live tensors themselves. `entries` are the tensors given to stage_file:
+    once staged, their sources are the caller's live tensors, which the writer
+    must never read (they change as training goes on).
+
     The buffer goes back to its pool only through StagingPool.give_back, which
     reads the loan recorded here: lend() before a reader in another process
     (fastpersistd) may see the buffer, returned() once that reader said it is
     done with it. A buffer lent and never returned is quarantined.
     """
 
-    tensors: list[StoredTensor]  # sources point into buffer
+    entries: list[StoredTensor]
     buffer: torch.Tensor | None  # None: unstaged, written from the live tensors
     pinned: bool = False  # the buffer's kind, for returning it to the pool
     events: list[torch.cuda.Event] = field(default_factory=list)
-    layout: FileLayout | None = None  # as staged (its `order` holds the sources, not views)
+    # Where stage_file put the entries: file_order(entries) and each one's start
+    # in the buffer (starts[i] for order[i]), with the data's end last.
+    order: list[StoredTensor] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    _views: list[StoredTensor] | None = field(default=None, init=False, repr=False)
     _lent: bool = field(default=False, init=False, repr=False)
     _returned: bool = field(default=False, init=False, repr=False)
     _given_back: bool = field(default=False, init=False, repr=False)
+
+    @property
+    def tensors(self) -> list[StoredTensor]:
+        if self.buffer is None:
+            return self.entries
+        if self._views is None:
+            self._views = _views_in(self.buffer, self.entries, self.order, self.starts)
+        return self._views
 
     def wait_copied(self) -> None:
         """Block until every device-to-host copy into the buffer has finished."""
@@ -118,42 +147,80 @@ class StagedFile:
         return self.buffer
 
 
+# CPU tensors smaller than this are copied into the buffer by one C call for
+# the whole file (_engine.gather) instead of a view and a copy_ each, which cost
+# ~1.5 us of Python a tensor: most of a snapshot of 100,000 small tensors.
+# Larger ones keep torch's copy_, which spreads a large copy over the intra-op
+# threads.
+GATHER_BELOW = 64 << 10
+
+
 def stage_file(tensors: list[StoredTensor], buffer: torch.Tensor, pinned: bool) -> StagedFile:
-    """Copy `tensors` into `buffer` at their offsets in the file's data section."""
-    layout: FileLayout = plan_file(tensors)
-    data_start = layout.layout.data_start
+    """Copy `tensors` into `buffer` laid out as the file's data section
+    (datafile.plan_file's order and offsets, relative to the data's start)."""
+    order = file_order(tensors)
+    starts = list(accumulate((t.nbytes for t in order), initial=0))
+    if starts[-1] > buffer.numel():
+        raise ValueError(f"{starts[-1]} bytes of tensors do not fit a {buffer.numel()}-byte "
+                         "staging buffer")
+    addresses: list[int] = []  # what gather copies: from, to, how much
+    offsets: list[int] = []
+    lengths: list[int] = []
+    others: list[tuple[StoredTensor, int]] = []  # (tensor, start): copied by torch
+    for t, start, end in zip(order, starts[:-1], starts[1:], strict=True):
+        source = t.source
+        if (gather is not None and end - start < GATHER_BELOW and source.is_cpu
+                and source.is_contiguous()):
+            addresses.append(source.data_ptr())
+            offsets.append(start)
+            lengths.append(end - start)
+        else:
+            others.append((t, start))
+    if addresses:
+        assert gather is not None
+        gather(memory_of(buffer), addresses, offsets, lengths)
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    staged = []
+    for t, start in others:
+        view = _view(buffer, t, start)
+        by_device.setdefault(t.source.device, []).append((view, t.source))
+    events = []
+    for device, pairs in by_device.items():
+        if device.type == "cuda":
+            events.append(_copy_from_cuda(device, pairs))
+        else:  # the CPU, and any other device: a plain synchronous copy
+            for view, source in pairs:
+                view.copy_(source)
+    return StagedFile(tensors, buffer, pinned, events, order, starts)
+
+
+def _view(buffer: torch.Tensor, t: StoredTensor, start: int) -> torch.Tensor:
+    """t's bytes in the buffer (at `start`), as a tensor of t's dtype and shape."""
+    dtype = dtypes.from_name(t.dtype)
+    view = buffer[start : start + t.nbytes].view(dtype)
+    return view if len(t.shape) == 1 else view.view(t.shape)
+
+
+def _views_in(buffer: torch.Tensor, entries: list[StoredTensor], order: list[StoredTensor],
+              starts: list[int]) -> list[StoredTensor]:
+    """StagedFile.tensors: each entry as a view of its bytes in the buffer, in
+    the entries' order."""
     # The buffer seen as each dtype, whole: a tensor's view is then one slice (and
     # a reshape unless it is 1-D), which matters for states of many small tensors.
-    # File order puts larger elements first, so each offset is a multiple of its size.
+    # File order puts larger elements first, so each start is a multiple of its size.
     typed: dict[str, torch.Tensor] = {}
-    for t, offset in zip(layout.order, layout.layout.offsets, strict=True):
+    by_name: dict[str, StoredTensor] = {}
+    for t, start, end in zip(order, starts[:-1], starts[1:], strict=True):
         whole = typed.get(t.dtype)
         if whole is None:
             size = dtypes.itemsize(t.dtype)
             whole = typed[t.dtype] = buffer[: buffer.numel() // size * size].view(
                 dtypes.from_name(t.dtype))
         size = whole.element_size()
-        start = (offset - data_start) // size
-        view = whole[start : start + t.nbytes // size]
+        view = whole[start // size : end // size]
         if len(t.shape) != 1:
             view = view.view(t.shape)
-        by_device.setdefault(t.source.device, []).append((view, t.source))
-        staged.append(StoredTensor(t.name, t.dtype, t.shape, view))
-    events = []
-    for device, pairs in by_device.items():
-        if device.type == "cpu":
-            for view, source in pairs:
-                view.copy_(source)
-        elif device.type == "cuda":
-            events.append(_copy_from_cuda(device, pairs))
-        else:
-            for view, source in pairs:  # other devices: a plain synchronous copy
-                view.copy_(source)
-    # The caller's order (not the file order) keeps manifest order stable.
-    by_name = {s.name: s for s in staged}
-    return StagedFile([by_name[t.name] for t in tensors], buffer, pinned, events, layout)
+        by_name[t.name] = StoredTensor(t.name, t.dtype, t.shape, view)
+    return [by_name[t.name] for t in entries]
 
 
 def _copy_from_cuda(device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]

@@ -44,8 +44,18 @@ class FileLayout:
         return self.layout.size - self.layout.data_start
 
 
+def file_order(tensors: list[StoredTensor]) -> list[StoredTensor]:
+    """The order of `tensors` in their data file: larger elements first, else
+    as given (a stable sort). The data section holds them back to back in it."""
+    return sorted(tensors, key=_larger_elements_first)
+
+
+def _larger_elements_first(t: StoredTensor) -> int:
+    return -dtypes.itemsize(t.dtype)
+
+
 def plan_file(tensors: list[StoredTensor]) -> FileLayout:
-    order = sorted(tensors, key=lambda t: -dtypes.itemsize(t.dtype))  # stable
+    order = file_order(tensors)
     lay = safetensors_file.layout(
         [safetensors_file.HeaderEntry(t.name, t.dtype, t.shape, t.nbytes) for t in order],
         METADATA,

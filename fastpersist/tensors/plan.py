@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,9 +20,11 @@ from ..format import dtypes
 from .state import TensorLeaf
 
 
-@dataclass(frozen=True)
-class StoredTensor:
-    """One tensor of a data file: its header entry and the CPU memory to write."""
+class StoredTensor(NamedTuple):
+    """One tensor of a data file: its header entry and the CPU memory to write.
+
+    A NamedTuple, not a frozen dataclass: a save makes one or two per tensor,
+    and a frozen dataclass's __init__ took 0.7 us (a NamedTuple's 0.25 us)."""
 
     name: str
     dtype: str

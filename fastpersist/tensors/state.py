@@ -54,7 +54,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # exact types; subclasses n
 # 2**14000 has 4215.
 MAX_INT_BITS = 14_000
 
-@dataclass
+@dataclass(slots=True)  # one per tensor: no __dict__ each
 class TensorLeaf:
     """One tensor found in the state, and the tree node the planner completes."""
 
@@ -191,7 +191,10 @@ class _Encoder:
             node["grad"] = t.requires_grad
         elif t.requires_grad:
             node["grad"] = True
-        self.leaves.append(TensorLeaf(path or "<root>", t.detach(), node))
+        # A tensor outside autograd is its own leaf: no detached alias (a new
+        # Python object per tensor) is needed for it.
+        leaf = t if type(t) is torch.Tensor and not t.requires_grad else t.detach()
+        self.leaves.append(TensorLeaf(path or "<root>", leaf, node))
         return node
 
     def _numpy(self, obj: Any, path: str) -> Node:
