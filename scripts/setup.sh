@@ -16,6 +16,13 @@ if ! python -c "import torch, safetensors, crc32c, tqdm, zstandard, numpy, pytes
     pip install -q torch==2.13.0
     pip install -q -e '.[test]'
 fi
+# torchtitan's checkpoint manager, for fastpersist.integrations.torchtitan's tests,
+# with only what its checkpointer imports: torchtitan's training dependencies
+# (datasets, pandas, pyarrow, wandb, tensorboard: hundreds of MB) are left out.
+if ! python -c "import torchtitan.components.checkpointer, torchtitan.components.optimizer" 2>/dev/null; then
+    pip install -q --no-deps torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 \
+        typeguard==4.6.1 spmd_types==0.2.3
+fi
 # Rebuild the extension from the current csrc/ (editable installs do not).
 pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "BuildBackendWarning\|^ *!!\|^ *\*\|Please be careful\|name as your package\|with strategy\|^\s*$" || true
 python -c "import fastpersist._engine" || { echo "setup: the C engine did not build" >&2; exit 1; }

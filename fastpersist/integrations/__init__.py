@@ -4,6 +4,8 @@
     from fastpersist.integrations.pytorch_lightning import FastPersistCheckpointIO
     from fastpersist.integrations.transformers import FastPersistTrainer     # transformers
     from fastpersist.integrations.accelerate import register                 # accelerate
+    from fastpersist.integrations.dcp import FastPersistWriter, FastPersistReader  # DCP
+    from fastpersist.integrations.torchtitan import FastPersistCheckpointManager  # torchtitan
 
 Each adapter is a module of its own that imports fastpersist's public API and
 its framework, and only when it is imported: `import fastpersist` (and this
