@@ -59,14 +59,7 @@ def run_job(tmp_path: Path, scenario: str, nodes: list[str], args: dict[str, Any
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), scenario, str(out), json.dumps(args)], env=e,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"a rank hung: {[q.args for q in procs]}") from None
+    logs = outputs(procs, timeout)
     del store  # the job is over
     reports = []
     for rank in range(len(nodes)):
@@ -75,6 +68,39 @@ def run_job(tmp_path: Path, scenario: str, nodes: list[str], args: dict[str, Any
                        if f.exists() else {
             "rank": rank, "missing": True, "returncode": procs[rank].returncode,
             "log": logs[rank][-3000:]})
+    return reports
+
+
+def outputs(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    """Each rank's output once it exits; all killed if one hangs."""
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a rank hung: {[q.args for q in procs]}") from None
+    return logs
+
+
+def run_ranks(worker: Path, scenario: str, out: Path, world: int, args: dict[str, Any],
+              timeout: float = 180) -> list[dict[str, Any]]:
+    """Run `world` gloo ranks of `worker SCENARIO OUT ARGS_JSON` (a script that
+    writes OUT/rank-R.json); their reports by rank, a missing one as
+    {"error": the rank's last output}."""
+    out.mkdir()
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(worker), scenario, str(out), json.dumps(args)],
+        env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    logs = outputs(procs, timeout)
+    reports = []
+    for r in range(world):
+        f = out / f"rank-{r}.json"
+        reports.append(json.loads(f.read_text()) if f.exists() else {"error": logs[r][-3000:]})
     return reports
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import io
-import json
 import os
 import pickle
 import signal
@@ -27,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_support import free_port
+from dist_support import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -281,27 +280,8 @@ def test_partial_reads_read_and_check_only_their_blocks(tmp_path: Path) -> None:
 
 def run_job(tmp_path: Path, scenario: str, world: int, args: dict[str, Any]
             ) -> list[dict[str, Any]]:
-    out = tmp_path / f"out-{scenario}-{world}"
-    out.mkdir()
-    port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(HELPERS / "dcp_worker.py"), scenario, str(out), json.dumps(args)],
-        env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=180)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung") from None
-    reports = []
-    for r in range(world):
-        f = out / f"rank-{r}.json"
-        reports.append(json.loads(f.read_text()) if f.exists() else {"error": logs[r][-3000:]})
-    return reports
+    return run_ranks(HELPERS / "dcp_worker.py", scenario, tmp_path / f"out-{scenario}-{world}",
+                     world, args)
 
 
 def test_four_ranks_save_two_ranks_and_one_process_load(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ containers (tests/helpers/torchtitan_worker.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 
 pytest.importorskip("torchtitan.components.checkpointer")
 
-from dist_support import free_port
+from dist_support import free_port, run_ranks
 
 import fastpersist
 from fastpersist.cli import main as fpctl
@@ -27,28 +26,8 @@ WORLD = 2
 
 
 def run_job(tmp_path: Path, scenario: str, args: dict[str, Any]) -> list[dict[str, Any]]:
-    out = tmp_path / scenario
-    out.mkdir()
-    port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(HELPERS / "torchtitan_worker.py"), scenario, str(out),
-         json.dumps(args)],
-        env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung") from None
-    reports = []
-    for r in range(WORLD):
-        f = out / f"rank-{r}.json"
-        reports.append(json.loads(f.read_text()) if f.exists() else {"error": logs[r][-3000:]})
-    return reports
+    return run_ranks(HELPERS / "torchtitan_worker.py", scenario, tmp_path / scenario, WORLD,
+                     args, timeout=240)
 
 
 # ("async_with_pinned_mem" uses torchtitan's DefaultStager, which needs CUDA.)

@@ -36,18 +36,8 @@ from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from fastpersist.integrations.torchtitan import FastPersistCheckpointManager
 
-
-class TrainState:
-    """What torchtitan's Trainer keeps as "train_state" (a Stateful)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": torch.tensor(self.step)}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.step = int(sd["step"])
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+from torchtitan_example import TrainState  # the example's Stateful
 
 
 def decay(step: int) -> float:
