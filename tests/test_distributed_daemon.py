@@ -330,7 +330,7 @@ def test_a_job_stays_while_other_daemons_write_into_it(tmp_path: Path) -> None:
 
 def _part(storage: ThroughDaemon, target: Path, job: str, rank: int,
           tensors: dict[str, torch.Tensor]) -> Records:
-    stored = [StoredTensor(k, "F32", tuple(t.shape), t) for k, t in tensors.items()]
+    stored = [StoredTensor(k, "F32", tuple(t.shape), t, t.nbytes) for k, t in tensors.items()]
     nbytes = sum(t.numel() * 4 for t in tensors.values())
     buffer = storage.pool.acquire(nbytes, 0, False)
     return storage.write(target, job, rank, [stage_file(stored, buffer, False)], None)

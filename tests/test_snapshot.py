@@ -37,7 +37,7 @@ def _mixed() -> list[StoredTensor]:
     for name, t in values.items():
         dtype = dtypes.to_name(t.dtype)
         assert dtype is not None
-        out.append(StoredTensor(name, dtype, tuple(t.shape), t))
+        out.append(StoredTensor(name, dtype, tuple(t.shape), t, t.nbytes))
     return out
 
 
@@ -86,14 +86,14 @@ def test_the_writer_reads_the_snapshot_not_the_live_tensors() -> None:
 def test_a_non_contiguous_source_is_copied_by_value() -> None:
     base = torch.arange(24, dtype=torch.float32).view(4, 6)
     column = base[:, 1]  # stride 6: not one span of memory
-    stored = [StoredTensor("col", "F32", (4,), column)]
+    stored = [StoredTensor("col", "F32", (4,), column, 16)]
     buffer = torch.empty(16, dtype=torch.uint8)
     [view] = stage_file(stored, buffer, False).tensors
     assert view.source.tolist() == [1.0, 7.0, 13.0, 19.0]
 
 
 def test_a_buffer_too_small_is_refused_before_anything_is_copied() -> None:
-    stored = [StoredTensor("t", "F32", (8,), torch.ones(8))]
+    stored = [StoredTensor("t", "F32", (8,), torch.ones(8), 32)]
     buffer = torch.zeros(31, dtype=torch.uint8)
     with pytest.raises(ValueError, match="32 bytes of tensors do not fit a 31-byte"):
         stage_file(stored, buffer, False)

@@ -45,7 +45,7 @@ class Pool:
     def staged(self, *events: Copy) -> StagedFile:
         buffer = self.pool.acquire(N, 0, False)
         source = torch.zeros(N // 4)
-        staged = stage_file([StoredTensor("t", "F32", (N // 4,), source)], buffer, False)
+        staged = stage_file([StoredTensor("t", "F32", (N // 4,), source, N)], buffer, False)
         staged.events.extend(events)  # type: ignore[arg-type]
         return staged
 

@@ -250,8 +250,9 @@ class Save(CommitPoint):
             h = by_key[piece.key]
             if not within(piece, h):
                 raise AssertionError(f"{piece.name}: planned from a box this rank does not hold")
-            stored.append(StoredTensor(piece.name, piece.dtype, piece.shape,
-                                       piece_source(h, piece)))
+            source = piece_source(h, piece)
+            stored.append(StoredTensor(piece.name, piece.dtype, piece.shape, source,
+                                       source.nbytes))
         return stored
 
     def finish(self, files: list[StagedFile] | BaseException) -> None:

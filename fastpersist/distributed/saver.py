@@ -80,7 +80,7 @@ class DistributedSaver:
         buffer = None  # taken and not yet copied into
         try:
             pieces = job.my_pieces()
-            pinned = any(t.source.device.type == "cuda" for t in pieces)
+            pinned = any(t.source.is_cuda for t in pieces)
             for file in group_into_files(pieces, 0, current_knobs().file_bytes):
                 buffer = self._pool.acquire(file.nbytes, 0, pinned)
                 staged.append(stage_file(file.tensors, buffer, pinned))

@@ -143,8 +143,7 @@ class RemoteSaver(Saver):
             self._in_flight.append(future)
         self._ensure_thread()
         self._jobs.put(job)
-        pinned = torch.cuda.is_available() and any(t.source.device.type == "cuda"
-                                                   for t in stored)
+        pinned = torch.cuda.is_available() and any(t.source.is_cuda for t in stored)
         # Without a budget nothing waits for a write to free memory, so the
         # hand-over may wait for the end of the copy (see save()).
         deferred: list[tuple[int, StagedFile, None]] | None = (

@@ -130,7 +130,7 @@ class Saver:
         larger snapshot waits for the writes of its earlier files to free room.
         """
         # Pinned staging only where there is something to copy from a GPU.
-        pinned = any(t.source.device.type == "cuda" for t in stored)
+        pinned = any(t.source.is_cuda for t in stored)
         plans = group_into_files(stored, budget, file_bytes)
         sizes = [f.nbytes for f in plans if f.staged]
         whole = not budget or sum(sizes) <= budget

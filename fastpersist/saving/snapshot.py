@@ -219,7 +219,7 @@ def _views_in(buffer: torch.Tensor, entries: list[StoredTensor], order: list[Sto
         view = whole[start // size : end // size]
         if len(t.shape) != 1:
             view = view.view(t.shape)
-        by_name[t.name] = StoredTensor(t.name, t.dtype, t.shape, view)
+        by_name[t.name] = StoredTensor(t.name, t.dtype, t.shape, view, end - start)
     return [by_name[t.name] for t in entries]
 
 

@@ -310,7 +310,7 @@ def _write_file(engine: _fp.Engine, directory: Path, name: str, items: list[Writ
                 raise _fp.UnsupportedValueError(f"{item.index.fqn}: dtype {t.dtype} cannot be "
                                                 "stored")
             dtype = found
-        s = _fp.StoredTensor(rname, dtype, tuple(t.shape), t)
+        s = _fp.StoredTensor(rname, dtype, tuple(t.shape), t, t.nbytes)
         stored.append(s)
         by_name[rname] = item
     plan = _fp.plan_file(stored)
