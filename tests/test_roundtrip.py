@@ -203,6 +203,26 @@ def test_data_file_layout_is_safetensors_with_aligned_data(tmp_path: Path) -> No
                for t in manifest["tensors"])
 
 
+@given(st.lists(st.tuples(
+    st.sampled_from(["F32", "BF16", "I64", "BOOL"]),
+    # a few shapes, so that entries repeat them (header_json caches each one's text)
+    st.sampled_from([(), (0,), (3,), (2, 5), (7, 1, 4)]),
+    st.sampled_from([tuple, list])), max_size=12))
+def test_header_json_is_json_dumps_of_the_header(entries: list[Any]) -> None:
+    from fastpersist.format import safetensors_file
+
+    made = [(f"t{i}.é", dtype, as_seq(shape), 4 * math.prod(shape))
+            for i, (dtype, shape, as_seq) in enumerate(entries)]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    cursor = 0
+    for name, dtype, shape, nbytes in made:
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [cursor, cursor + nbytes]}
+        cursor += nbytes
+    expected = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    assert safetensors_file.header_json(made, {"format": "pt"}) == expected
+
+
 # Random nested states: the two engines must write byte-identical checkpoints.
 tensors = st.builds(
     random_tensor,

@@ -76,10 +76,14 @@ def header_json(entries: Iterable[tuple[str, str, Sequence[int], int]],
     The names must be unique and none "__metadata__" (layout() checks)."""
     parts = ['{"__metadata__":', json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)]
     dtype_json: dict[str, str] = {}
+    dims_json: dict[tuple[int, ...], str] = {}  # states repeat a few shapes many times
     cursor = 0
     for name, dtype, shape, nbytes in entries:
         text = dtype_json.get(dtype) or dtype_json.setdefault(dtype, _string(dtype))
-        dims = ",".join(map(str, map(int, shape)))
+        key = tuple(shape)
+        dims = dims_json.get(key)
+        if dims is None:
+            dims = dims_json[key] = ",".join(map(str, map(int, shape)))
         end = cursor + nbytes
         parts.append(f',{_string(name)}:{{"dtype":{text},"shape":[{dims}],'
                      f'"data_offsets":[{cursor:d},{end:d}]}}')
