@@ -58,6 +58,11 @@ def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
     return by_name, {v: k for k, v in by_name.items()}
 
 
+def names_by_dtype() -> dict[torch.dtype, str]:
+    """torch dtype -> safetensors name, for every storable dtype (to_name's table)."""
+    return _torch_tables()[1]
+
+
 def to_name(dtype: torch.dtype) -> str | None:
     """The safetensors name of a torch dtype, or None if it cannot be stored."""
     return _torch_tables()[1].get(dtype)
