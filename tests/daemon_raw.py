@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
+import os
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -177,9 +178,13 @@ def valid_tree() -> str:
 
 
 def staging_dirs(directory: Path) -> list[str]:
-    if not directory.is_dir():
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        # (Also while we look: an aborted save's daemon removes the parent
+        # directories it made for it, right after its staging directory.)
         return []
-    return sorted(p.name for p in directory.iterdir() if ".fp-tmp" in p.name)
+    return sorted(name for name in names if ".fp-tmp" in name)
 
 
 def staging_dirs_go(directory: Path, timeout: float = 3.0) -> list[str]:
