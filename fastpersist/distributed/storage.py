@@ -216,7 +216,7 @@ class ThroughDaemon:
         frame_bytes: the daemon packs (compresses) the files, in such frames."""
         from ..saving.handover import Handover
 
-        files = [f for f in files if f.tensors]
+        files = [f for f in files if f.entries]  # (the daemon reads the buffers: no views)
         if not files:
             return []
         reserve = sum(f.buffer.numel() for f in files if f.buffer is not None)
@@ -230,7 +230,7 @@ class ThroughDaemon:
         try:
             for index, file in enumerate(files):
                 handover.submit(index, file)
-            handover.commit("null", [t.name for f in files for t in f.tensors])
+            handover.commit("null", [t.name for f in files for t in f.entries])
             status = handover.wait_end()
         except Exception as exc:
             error = handover.outcome_after(exc)

@@ -70,7 +70,7 @@ def committed_steps(folder: str) -> dict[int, Path]:
     for name in names:
         match = _STEP.fullmatch(name)
         path = Path(folder) / name
-        if match and ((path / MANIFEST_NAME).is_file() or (path / ".metadata").is_file()):
+        if match and (is_fastpersist_checkpoint(path) or (path / ".metadata").is_file()):
             out[int(match.group(1))] = path
     return out
 
@@ -97,6 +97,7 @@ class FastPersistCheckpointManager(CheckpointManager):
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
+        self._saving: Path | None = None  # the last save's path, kept while in flight (purge)
         if not self.enable:
             return
         if filesystem.is_remote(self.folder):
@@ -118,7 +119,7 @@ class FastPersistCheckpointManager(CheckpointManager):
             return super().dcp_save(state_dict, checkpoint_id, async_mode,
                                     enable_garbage_collection, to_hf)
         writer = FastPersistWriter(checkpoint_id)
-        self._saving = Path(checkpoint_id)  # counted as kept while in flight (purge)
+        self._saving = Path(checkpoint_id)
         ret: Any = None
         if async_mode == AsyncMode.ASYNC:
             # The writer is DCP's stager too: reused, bounded staging buffers.
@@ -155,8 +156,7 @@ class FastPersistCheckpointManager(CheckpointManager):
         # As torchtitan counts: the newest keep_latest_k steps, the one being
         # saved among them (keep_latest_k >= 2 keeps a committed one too).
         steps = committed_steps(self.folder)
-        saving = getattr(self, "_saving", None)
-        match = _STEP.fullmatch(saving.name) if saving is not None else None
+        match = _STEP.fullmatch(self._saving.name) if self._saving is not None else None
         newest = sorted({*steps, *([int(match.group(1))] if match else [])})
         for step in newest[: -self.keep_latest_k]:
             if step in steps:

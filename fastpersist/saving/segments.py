@@ -86,7 +86,9 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
     buffer (lent from here on), or streamed from the tensors when it was not
     staged."""
     staged.wait_copied()
-    layout = plan_file(staged.tensors)  # the views' header is the one staging laid out
+    # The entries' names, dtypes, shapes and sizes are what staging laid out (no
+    # views of the buffer are needed: the daemon reads it whole).
+    layout = plan_file(staged.entries)
     length = layout.data_bytes
     if staged.buffer is None:
         client.submit_stream(ident, index, layout.layout.header, length, _chunks(layout.order))

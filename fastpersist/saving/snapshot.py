@@ -92,7 +92,9 @@ class StagedFile:
     writer's thread, not in the caller's stall); without a buffer (unstaged),
     the live tensors themselves. `entries` are the tensors given to stage_file:
     once staged, their sources are the caller's live tensors, which the writer
-    must never read (they change as training goes on).
+    must never read (they change as training goes on); their names, dtypes,
+    shapes and sizes are the snapshot's, for whoever needs only those (a
+    daemon, which reads the buffer whole).
 
     The buffer goes back to its pool only through StagingPool.give_back, which
     reads the loan recorded here: lend() before a reader in another process
