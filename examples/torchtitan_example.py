@@ -46,7 +46,8 @@ def cosine(step: int) -> float:
     return 0.5 * (1 + torch.cos(torch.tensor(step / 20 * torch.pi)).item())
 
 
-def build(seed: int, root: Path) -> tuple[Any, ...]:
+def build(seed: int, root: Path, *, interval: int = 2, async_mode: str = "async"
+          ) -> tuple[Any, ...]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -64,7 +65,8 @@ def build(seed: int, root: Path) -> tuple[Any, ...]:
     # The one change from torchtitan's own: FastPersistCheckpointManager.Config
     # where a trainer config has CheckpointManager.Config (the same fields).
     manager = FastPersistCheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=2, keep_latest_k=2, async_mode="async",
+        enable=True, folder="checkpoint", interval=interval, keep_latest_k=2,
+        async_mode=async_mode,
     ).build(dataloader=None, model_parts=[model], optimizers=optimizers,
             lr_schedulers=schedulers, states={"train_state": state}, sd_adapter=None,
             base_folder=str(root))

@@ -104,6 +104,17 @@ def run_ranks(worker: Path, scenario: str, out: Path, world: int, args: dict[str
     return reports
 
 
+def run_example(name: str, argument: Path, ranks: int) -> str:
+    """The output of examples/NAME ARGUMENT: one process, or `ranks` under torchrun."""
+    example = Path(__file__).parent.parent / "examples" / name
+    cmd = [sys.executable, str(example), str(argument)]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+               f"--master-port={free_port()}", str(example), str(argument)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
+
+
 def ok(reports: list[dict[str, Any]]) -> None:
     bad = [r for r in reports if not r.get("ok")]
     assert not bad, json.dumps(bad, indent=1)[:6000]

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_support import run_ranks
+from dist_support import run_example, run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -401,19 +401,6 @@ def test_import_fastpersist_does_not_import_dcp() -> None:
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_example_runs(tmp_path: Path, ranks: int) -> None:
     """README: python examples/dcp_example.py, and under torchrun with 2 ranks."""
-    example = Path(__file__).parent.parent / "examples" / "dcp_example.py"
-    cmd = [sys.executable, str(example), str(tmp_path)]
-    if ranks > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-               f"--master-port={_free_port()}", str(example), str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    out = run_example("dcp_example.py", tmp_path, ranks)
     assert "resumed from step 10 bit-exactly" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-5"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

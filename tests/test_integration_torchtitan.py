@@ -4,9 +4,6 @@ containers (tests/helpers/torchtitan_worker.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +11,7 @@ import pytest
 
 pytest.importorskip("torchtitan.components.checkpointer")
 
-from dist_support import free_port, run_ranks
+from dist_support import run_example, run_ranks
 
 import fastpersist
 from fastpersist.cli import main as fpctl
@@ -58,12 +55,6 @@ def test_train_save_every_step_keep_two_and_resume_bit_exactly(
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_example_runs(tmp_path: Path, ranks: int) -> None:
     """README: python examples/torchtitan_example.py, and under torchrun with 2 ranks."""
-    example = Path(__file__).parent.parent / "examples" / "torchtitan_example.py"
-    cmd = [sys.executable, str(example), str(tmp_path)]
-    if ranks > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-               f"--master-port={free_port()}", str(example), str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
+    out = run_example("torchtitan_example.py", tmp_path, ranks)
     assert "resumed from step 8 bit-exactly; trained to step 10" in out
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-10", "step-8"]

@@ -1,6 +1,7 @@
 """One rank of a gloo job for tests/test_integration_torchtitan.py: torchtitan's
 CheckpointManager as FastPersistCheckpointManager, with torchtitan's own
-optimizer and LR-scheduler containers over an FSDP2 model.
+optimizer and LR-scheduler containers over an FSDP2 model, all built as
+examples/torchtitan_example.py builds them (checkpointing every step here).
 
     python torchtitan_worker.py SCENARIO OUT_DIR ARGS_JSON
 
@@ -28,42 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
-from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-
-from fastpersist.integrations.torchtitan import FastPersistCheckpointManager
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-from torchtitan_example import TrainState  # the example's Stateful
-
-
-def decay(step: int) -> float:
-    return 0.5 ** step
-
-
-def build(mesh: Any, seed: int, base: Path, async_mode: str) -> tuple[Any, ...]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizers = OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
-                                       optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})],
-        implementation="for-loop",
-    ).build(model_parts=[model])
-    schedulers = LRSchedulersContainer(optimizers, decay)
-    train_state = TrainState()
-    manager = FastPersistCheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=1, keep_latest_k=2, async_mode=async_mode,
-    ).build(dataloader=None, model_parts=[model], optimizers=optimizers,
-            lr_schedulers=schedulers, states={"train_state": train_state},
-            sd_adapter=None, base_folder=str(base))
-    return model, optimizers, schedulers, train_state, manager
+from torchtitan_example import build  # the example's model, containers and manager
 
 
 def local(value: Any) -> Any:
@@ -81,15 +50,14 @@ def shards(model: Any, optimizers: Any) -> dict[str, Any]:
 
 def run(scenario: str, out: Path, args: dict[str, Any]) -> dict[str, Any]:
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     base = Path(args["base"])
     expected_file = out.parent / "train" / f"expected-{rank}.pt"
     if scenario == "train":
         model, optimizers, schedulers, train_state, manager = build(
-            mesh, 0, base, args["async_mode"])
+            0, base, interval=1, async_mode=args["async_mode"])
         g = torch.Generator().manual_seed(100 + rank)
         for step in range(1, 5):
-            model(torch.randn(16, 32, generator=g)).square().mean().backward()
+            model(torch.randn(16, 64, generator=g)).square().mean().backward()
             optimizers.step()
             optimizers.zero_grad()
             schedulers.step()
@@ -111,7 +79,7 @@ def run(scenario: str, out: Path, args: dict[str, Any]) -> dict[str, Any]:
             (hidden / "manifest.json").write_text("{}")
         dist.barrier()
         model, optimizers, schedulers, train_state, manager = build(
-            mesh, 1, base, args["async_mode"])
+            1, base, interval=1, async_mode=args["async_mode"])
         loaded = manager.load()
         expected = torch.load(expected_file)
         got = shards(model, optimizers)
