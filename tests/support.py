@@ -305,3 +305,23 @@ class Mounter:
             if _sh("umount", str(d)).returncode != 0:
                 _sh("umount", "-l", str(d))
         self.mounted.clear()
+
+
+def kill_at_hooks(commands: dict[str, list[str]], env: dict[str, str] | None = None) -> None:
+    """Run each command (a Python script and its arguments; key: the hook it
+    stops at, as tests/helpers/dcp_kill_saver.py does), all at once; SIGKILL
+    each as soon as it prints "hook HOOK", failing if it prints anything else
+    at its end."""
+    children = {hook: subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, env=env)
+                for hook, cmd in commands.items()}
+    for hook, child in children.items():
+        assert child.stdout is not None
+        lines = []
+        for line in child.stdout:
+            lines.append(line)
+            if line.startswith("hook "):
+                break
+        assert lines and lines[-1] == f"hook {hook}\n", lines
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)

@@ -16,7 +16,6 @@ import gc
 import io
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_support import run_example, run_ranks
+from support import kill_at_hooks
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -357,24 +357,12 @@ HOOKS = {"before_write": 1, "after_write": 1, "before_manifest": 1, "before_publ
 
 
 def test_sigkill_leaves_the_old_or_the_new_checkpoint(tmp_path: Path) -> None:
-    children = {}
-    for hook in HOOKS:
-        target = tmp_path / hook / "ckpt"
+    targets = {hook: tmp_path / hook / "ckpt" for hook in HOOKS}
+    for target in targets.values():
         target.parent.mkdir()
-        children[hook] = (target, subprocess.Popen(
-            [sys.executable, str(HELPERS / "dcp_kill_saver.py"), str(target), hook],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for hook, (_, child) in children.items():
-        assert child.stdout is not None
-        lines = []
-        for line in child.stdout:
-            lines.append(line)
-            if line.startswith("hook "):
-                break
-        assert lines and lines[-1] == f"hook {hook}\n", lines
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(30)
-    for hook, (target, _) in children.items():
+    kill_at_hooks({hook: [str(HELPERS / "dcp_kill_saver.py"), str(target), hook]
+                   for hook, target in targets.items()})
+    for hook, target in targets.items():
         version = HOOKS[hook]
         out = {"w": torch.zeros(1 << 20), "big": torch.zeros(3 << 20), "meta": {"version": 0}}
         dcp.load(out, storage_reader=FastPersistReader(target))

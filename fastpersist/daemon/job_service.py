@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -123,26 +124,29 @@ class JobService:
         return job
 
     def commit_job(self, job_id: str, manifest: bytes, node: str,
-                   after_commit: AfterCommit | None = None) -> str:
+                   after_commit: AfterCommit | None = None,
+                   files: Mapping[str, bytes] | None = None) -> str:
         """Check the job manifest against the directory, write it, publish, then
         apply a Checkpointer's policy; returns what of it failed ("": nothing).
         The checks and the I/O run outside the lock, as a worker's commit does;
-        meanwhile `committing` keeps parts out and aborts off."""
+        meanwhile `committing` keeps parts out and aborts off. `files` (checked
+        by requests.check_extra_files) are written beside the manifest, before it."""
         job = self._start_commit(job_id, after_commit)
         with held_parent(job.staging, after_commit) as parent:
-            self._publish(job, manifest, node)
+            self._publish(job, manifest, node, files=files or {})
             self.after_commits.committed(job.relpath)
             # Jobs of one root commit in order (a distributed save waits for
             # the previous one), hence no `since`.
             return "" if after_commit is None or parent is None else self.after_commits.apply(
                 parent, job.target, job.relpath, after_commit)
 
-    def prepare_job(self, job_id: str, manifest: bytes, node: str, commit_node: str) -> str:
+    def prepare_job(self, job_id: str, manifest: bytes, node: str, commit_node: str,
+                    files: Mapping[str, bytes] | None = None) -> str:
         """commit_job for a node-local checkpoint's part on a node other than
         rank 0's (`commit_node`): made durable but not published; returns the
         prepared part's name, for ResolvePrepared."""
         job = self._start_commit(job_id, None)
-        return self._publish(job, manifest, node, commit_node)
+        return self._publish(job, manifest, node, commit_node, files or {})
 
     def _start_commit(self, job_id: str, after_commit: AfterCommit | None) -> Job[Checkpoint]:
         """The job, checked and marked `committing`."""
@@ -165,7 +169,7 @@ class JobService:
         return job
 
     def _publish(self, job: Job[Checkpoint], manifest: bytes, node: str,
-                 prepare_for: str = "") -> str:
+                 prepare_for: str = "", files: Mapping[str, bytes] | None = None) -> str:
         """The second half of commit_job (with prepare_for: of prepare_job,
         returning the prepared part's name), without the lock."""
         r = self.registry
@@ -179,6 +183,9 @@ class JobService:
                 raise invalid(f"job {job.id}: {exc}") from None
             try:
                 assert job.staging.fds is not None
+                # (Never a part's name: parts write data-* files only.)
+                for name, data in (files or {}).items():
+                    job.staging.write_file(name, data)
                 os.unlink(MARKER_NAME, dir_fd=job.staging.fds.staging)
                 if prepare_for:
                     prepared = prepare(job.staging, manifest, prepare_for).name

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 import json
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from .. import knobs
@@ -34,6 +36,10 @@ MAX_DIMS = 64
 MAX_DIM = 2**63 - 1
 MAX_NAME_BYTES = 64 << 10  # a tensor's name (its key path in the state)
 MAX_ID_BYTES = 512  # checkpoint and job ids, nodes: what the daemon gave out is shorter
+MAX_EXTRA_FILES = 8  # CommitJob's files: a format's own metadata beside the manifest
+# Plain names, never hidden (the daemon's marker, staging) and never in the data
+# files' namespace; manifest.json is the daemon's to write.
+_EXTRA_FILE_NAME = re.compile(r"^(?!data-)(?!manifest\.json$)[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
 class RequestError(Exception):
@@ -113,6 +119,18 @@ def check_names(names: list[str]) -> None:
         raise invalid(f"tensor_order has more than {MAX_TENSORS} names")
     if any(len(n) > MAX_NAME_BYTES for n in names):
         raise invalid(f"a name in tensor_order is over {MAX_NAME_BYTES} characters")
+
+
+def check_extra_files(files: Mapping[str, bytes]) -> None:
+    """CommitJob's files: few, each a plain new name (their sizes are bounded
+    by the message's)."""
+    if len(files) > MAX_EXTRA_FILES:
+        raise invalid(f"a job commit carries at most {MAX_EXTRA_FILES} files, not {len(files)}")
+    for name in files:
+        if not _EXTRA_FILE_NAME.match(name):
+            raise invalid(f"a job commit cannot write a file named {shown(name)}: a file "
+                          "beside the manifest has a plain name (letters, digits, '_', '.', "
+                          "'-'; not hidden, not data-*, not manifest.json)")
 
 
 def check_id(ident: str, what: str = "checkpoint") -> None:

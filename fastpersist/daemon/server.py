@@ -35,10 +35,19 @@ from ..storage.retention import AfterCommit
 from . import logs
 from .checkpoints import Checkpoint
 from .paths import PathError, parse
-from .requests import MAX_ID_BYTES, RequestError, check_names, code_for, invalid
+from .requests import (
+    MAX_ID_BYTES,
+    RequestError,
+    check_extra_files,
+    check_names,
+    code_for,
+    invalid,
+)
 from .service import Service
 
 MAX_MESSAGE_BYTES = 64 << 20
+# InfoResponse.features: what clients may not assume of every daemon.
+FEATURES = ["commit-files"]
 # A SubmitStream data chunk (the client library sends 1 MiB ones; earlier ones 4 MiB).
 MAX_STREAM_CHUNK = 4 << 20
 # Each open Watch holds a worker thread; beyond this, calls are refused
@@ -106,6 +115,7 @@ class Servicer(pb_grpc.FastPersistServicer):
                 version=__version__, root=str(s.root.path), staging_budget=s.budgets.staging,
                 staging_in_use=reserved, checkpoints_in_flight=in_flight,
                 direct_io=self.direct_io, io_backend=knobs.current().io_backend,
+                features=FEATURES,
             )
             if s.tier is not None:
                 t = s.tier.status()
@@ -240,15 +250,17 @@ class Servicer(pb_grpc.FastPersistServicer):
         def run() -> pb.CommitJobResponse:
             if len(request.node) > MAX_ID_BYTES or len(request.prepare_for) > MAX_ID_BYTES:
                 raise invalid(f"a node is at most {MAX_ID_BYTES} characters")
+            files = dict(request.files)
+            check_extra_files(files)
             if request.prepare_for:
                 if request.HasField("after_commit"):
                     raise invalid("a prepared part is not published: no after_commit with "
                                   "prepare_for")
                 prepared = self.service.jobs.prepare_job(
-                    request.job_id, request.manifest, request.node, request.prepare_for)
+                    request.job_id, request.manifest, request.node, request.prepare_for, files)
                 return pb.CommitJobResponse(prepared=prepared)
             error = self.service.jobs.commit_job(request.job_id, request.manifest, request.node,
-                                            _after_commit(request))
+                                                 _after_commit(request), files)
             return pb.CommitJobResponse(after_commit_error=error)
         return self._guard(context, run)
 

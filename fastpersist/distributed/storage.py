@@ -10,11 +10,13 @@ disk) whose first rank stages and publishes:
     write(target, where, rank, files, node)
                                     each rank: its files, durable, and their
                                     records for the job manifest
-    publish(where, manifest, node, after_commit)
-                                    the domain's first rank: the commit, then
-                                    a Checkpointer's policy if given (rank 0,
-                                    the job's commit point); returns what of
-                                    the policy failed ("": nothing)
+    publish(where, manifest, node, after_commit, files)
+                                    the domain's first rank: `files` (small,
+                                    beside the manifest: DCP's metadata), the
+                                    commit, then a Checkpointer's policy if
+                                    given (rank 0, the job's commit point);
+                                    returns what of the policy failed ("":
+                                    nothing)
     abort(where)                    after a failure
 
 Node-local, the other domains' first ranks publish in two steps around the
@@ -72,7 +74,8 @@ class Storage(Protocol):
               node: str | None, frame_bytes: int = 0) -> Records: ...
 
     def publish(self, where: str, manifest: bytes, node: str | None,
-                after_commit: AfterCommit | None = None) -> str: ...
+                after_commit: AfterCommit | None = None,
+                files: dict[str, bytes] | None = None) -> str: ...
 
     def abort(self, where: str) -> None: ...
 
@@ -135,8 +138,11 @@ class InProcess:
         return out
 
     def publish(self, where: str, manifest: bytes, node: str | None,
-                after_commit: AfterCommit | None = None) -> str:
+                after_commit: AfterCommit | None = None,
+                files: dict[str, bytes] | None = None) -> str:
         staging = self._staging[where]
+        for name, data in (files or {}).items():
+            staging.write_file(name, data)
         staging.commit(manifest)
         del self._staging[where]  # (kept until then for abort())
         if after_commit is None:
@@ -245,8 +251,9 @@ class ThroughDaemon:
         return _part_records(status.part_json, node)
 
     def publish(self, where: str, manifest: bytes, node: str | None,
-                after_commit: AfterCommit | None = None) -> str:
-        return self.client.commit_job(where, manifest, node or "", after_commit)
+                after_commit: AfterCommit | None = None,
+                files: dict[str, bytes] | None = None) -> str:
+        return self.client.commit_job(where, manifest, node or "", after_commit, files)
 
     def abort(self, where: str) -> None:
         with contextlib.suppress(CheckpointError):

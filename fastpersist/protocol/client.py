@@ -135,10 +135,13 @@ class DaemonClient:
 
     # -- calls -------------------------------------------------------------
 
-    def info(self) -> pb.InfoResponse:
-        reply: pb.InfoResponse = self._call("daemon info", lambda: self.stub.Info(
-            pb.InfoRequest(), timeout=CALL_TIMEOUT))
-        return reply
+    def info(self, *, cached: bool = False) -> pb.InfoResponse:
+        """The daemon's Info; cached: asked once (root, version, features do not change)."""
+        info = self._info
+        if not cached or info is None:
+            info = self._info = self._call("daemon info", lambda: self.stub.Info(
+                pb.InfoRequest(), timeout=CALL_TIMEOUT))
+        return info
 
     def health(self, timeout: float = 5.0) -> str:
         """SERVING, NOT_SERVING, ...: the standard health service's answer."""
@@ -151,9 +154,7 @@ class DaemonClient:
 
     @property
     def root(self) -> Path:
-        if self._info is None:
-            self._info = self.info()
-        return Path(self._info.root)
+        return Path(self.info(cached=True).root)
 
     def relative(self, target: Path) -> str:
         """`target` relative to the daemon's root; refused if it lies outside."""
@@ -231,11 +232,13 @@ class DaemonClient:
         return str(reply.job_id)
 
     def commit_job(self, job_id: str, manifest: bytes, node: str,
-                   after_commit: AfterCommit | None = None) -> str:
-        """Commit a job; returns what failed of after_commit ("": nothing)."""
+                   after_commit: AfterCommit | None = None,
+                   files: dict[str, bytes] | None = None) -> str:
+        """Commit a job, `files` written beside the manifest before it; returns
+        what failed of after_commit ("": nothing)."""
         reply = self._call("cannot commit the distributed checkpoint", lambda: self.stub.CommitJob(
             pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node,
-                                after_commit=_after_commit(after_commit)),
+                                after_commit=_after_commit(after_commit), files=files or {}),
             timeout=CALL_TIMEOUT))
         return str(reply.after_commit_error)
 

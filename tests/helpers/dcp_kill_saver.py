@@ -1,7 +1,7 @@
 """A DCP saver that stops at one moment of a save, for the SIGKILL test in
 tests/test_integration_dcp.py.
 
-    python dcp_kill_saver.py TARGET HOOK
+    python dcp_kill_saver.py TARGET HOOK [DAEMON]
 
 Saves version 1 of a small state to TARGET through FastPersistWriter, prints
 "saved 1", then saves version 2 over it, stopping at HOOK: it prints
@@ -11,6 +11,11 @@ Hooks: before_write (the staging directory made, no data yet), after_write
 (every data file written), before_manifest (dcp_metadata.json written),
 before_publish (manifest.json written, not renamed), after_publish (renamed
 into place: the new checkpoint).
+
+Through fastpersistd at DAEMON: before_write and after_write as above (the
+job begun; every part durable in the daemon), mid_part (this rank's files
+handed over, its part not committed), before_commit_job (the manifest built,
+CommitJob not sent), after_commit_job (the daemon committed the job).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fastpersist.integrations.dcp import FastPersistWriter, _fp, writer
+from fastpersist.saving import handover
 
 
 def state(version: int) -> dict[str, Any]:
@@ -74,6 +80,25 @@ def install(hook: str) -> None:
             return replaced
 
         _fp.Staging._publish = publish  # type: ignore[method-assign]
+    elif hook == "mid_part":
+        real_handover_commit = handover.Handover.commit
+
+        def handover_commit(self: Any, *args: Any, **kwargs: Any) -> None:
+            hang(hook)
+            real_handover_commit(self, *args, **kwargs)
+
+        handover.Handover.commit = handover_commit  # type: ignore[method-assign]
+    elif hook in ("before_commit_job", "after_commit_job"):
+        real_commit_job = _fp.ThroughDaemon.publish
+
+        def commit_job(self: Any, *args: Any, **kwargs: Any) -> str:
+            if hook == "before_commit_job":
+                hang(hook)
+            error = real_commit_job(self, *args, **kwargs)
+            hang(hook)
+            return error
+
+        _fp.ThroughDaemon.publish = commit_job  # type: ignore[method-assign]
     else:
         raise ValueError(hook)
 
@@ -81,10 +106,11 @@ def install(hook: str) -> None:
 def main() -> None:
     warnings.simplefilter("ignore")
     target, hook = sys.argv[1], sys.argv[2]
-    dcp.save(state(1), storage_writer=FastPersistWriter(target))
+    daemon = sys.argv[3] if len(sys.argv) > 3 else ""
+    dcp.save(state(1), storage_writer=FastPersistWriter(target, daemon=daemon))
     print("saved 1", flush=True)
     install(hook)
-    dcp.save(state(2), storage_writer=FastPersistWriter(target))
+    dcp.save(state(2), storage_writer=FastPersistWriter(target, daemon=daemon))
     print("saved 2", flush=True)
 
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from ... import knobs
 from ..._version import __version__
-from ...checksum import combine
+from ...checksum import combine, crc32c
+from ...distributed.storage import ThroughDaemon
 from ...engine import Engine, Segment, get_engine
 from ...errors import (
     CheckpointError,
     CheckpointExistsError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    DaemonError,
     ManifestError,
     TruncatedFileError,
     UnsupportedValueError,
@@ -31,6 +33,7 @@ from ...format.manifest import (
 )
 from ...format.names import part_file_name
 from ...format.tree import check_tree
+from ...saving.snapshot import StagedFile, stage_file
 from ...saving.staging import StagingPool
 from ...storage.commit import Staging, os_error
 from ...tensors.checkpoint import read_manifest
@@ -39,9 +42,10 @@ from ...tensors.plan import StoredTensor
 
 __all__ = [
     "DISTRIBUTED_SCHEMA_VERSION", "CheckpointError", "CheckpointExistsError",
-    "ChecksumMismatchError", "Chunk", "CorruptCheckpointError", "Engine", "FileRecord",
-    "GlobalTensor", "Manifest", "ManifestError", "Segment", "Staging", "StagingPool",
-    "StoredTensor", "TensorRecord", "TruncatedFileError", "UnsupportedValueError",
-    "__version__", "check_tree", "combine", "dtypes", "get_engine", "knobs",
-    "os_error", "parse_json", "part_file_name", "plan_file", "read_manifest",
+    "ChecksumMismatchError", "Chunk", "CorruptCheckpointError", "DaemonError", "Engine",
+    "FileRecord", "GlobalTensor", "Manifest", "ManifestError", "Segment", "StagedFile",
+    "Staging", "StagingPool", "StoredTensor", "TensorRecord", "ThroughDaemon",
+    "TruncatedFileError", "UnsupportedValueError", "__version__", "check_tree", "combine",
+    "crc32c", "dtypes", "get_engine", "knobs", "os_error", "parse_json", "part_file_name",
+    "plan_file", "read_manifest", "stage_file",
 ]

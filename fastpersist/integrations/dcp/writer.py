@@ -24,6 +24,10 @@ The save, as DCP drives it:
 A crash at any moment leaves the old checkpoint or the new one. The writer is
 also DCP's AsyncStager (stager.py), so dcp.async_save snapshots into reused
 staging buffers, given back as soon as this rank's files are written.
+
+With a daemon (FASTPERSIST_DAEMON, or daemon=), the ranks hand their items to
+fastpersistd instead and the coordinator commits the job there
+(through_daemon.py); the checkpoint is the same.
 """
 
 from __future__ import annotations
@@ -44,24 +48,37 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
-    WriteItem,
-    WriteItemType,
 )
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _fp, metadata_json
-from .blocks import block_spans, record_name
-from .manifest import Written, build
-from .memory import bytes_of, no_gc
-from .metadata_json import ItemInfo
+from . import _fp, in_process, metadata_json, through_daemon
+from .items import files_of
+from .manifest import build
+from .memory import no_gc
 from .stager import FastPersistStager, Lease
 
 DCP_VERSION = "1.0.0"  # the Metadata.version DCP's FileSystemWriter writes
 
 _token: str | None = None
-_in_flight: set[Path] = set()  # staging directories of this process's saves
+
+
+@dataclasses.dataclass(eq=False)
+class _Claim:
+    """A save of a path begun by this process and not finished: by `thread`
+    (the coordinator's), through the daemon as `job` once begun."""
+
+    key: tuple[str, Path]  # (daemon address or "", target)
+    thread: threading.Thread
+    job: str = ""
+
+
+# (daemon address or "", target) -> the save of it in flight in this process.
+# DCP tells a storage writer nothing when a save fails (finish is not called):
+# a claim whose thread has since begun another save, or has ended, is a failed
+# save's, and the next save of the path clears what it left.
+_in_flight: dict[tuple[str, Path], _Claim] = {}
 _in_flight_lock = threading.Lock()
 
 
@@ -92,22 +109,26 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     fastpersist checkpoint there is replaced atomically (anything else that
     is not an empty directory is refused). `stager` (default: one over the
     process's shared staging pool) snapshots the state for dcp.async_save.
+    daemon: fastpersistd's address ("unix:///PATH"; None: FASTPERSIST_DAEMON,
+    "": write in this process); `path` must then lie under the daemon's --root.
     """
 
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = True,
-                 stager: FastPersistStager | None = None) -> None:
+                 stager: FastPersistStager | None = None, daemon: str | None = None) -> None:
         super().__init__()
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.overwrite = overwrite
+        self.daemon = _fp.knobs.current().daemon if daemon is None else daemon
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = True
         self.rank = 0
         self._stager = stager
         self._lease: Lease | None = None
         self._staging: _fp.Staging | None = None
-        self._where: Path | None = None  # the staging directory's own path
+        self._job: str | None = None  # through a daemon: the job begun, not yet committed
+        self._claim: _Claim | None = None
 
     # --- pickling (dcp.async_save with a process executor) -------------------
 
@@ -119,7 +140,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             self._lease.handed_off = True
             self._stager.release(self._lease)
             self._lease = None
-        state.update(_stager=None, _lease=None, _staging=None, _where=None)
+        state.update(_stager=None, _lease=None, _staging=None, _job=None, _claim=None)
         return state
 
     # --- AsyncStager -----------------------------------------------------------
@@ -183,20 +204,29 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        token = process_token()
-        self._begin(token)
+        if self.daemon:
+            through_daemon.refuse_cached_plans(plans)
+            token = self._begin_job()
+        else:
+            token = process_token()
+            self._begin(token)
         return [dataclasses.replace(p, storage_data=PlanData(token, i))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         data: PlanData = plan.storage_data
-        directory = staging_path(self.path, data.token)
-        engine = _fp.get_engine()
+        files = files_of(plan.items, _fp.knobs.current().file_bytes)
         results: list[WriteResult] = []
         try:
-            for n, items in enumerate(_files_of(plan.items, _fp.knobs.current().file_bytes)):
-                results += _write_file(engine, directory, _fp.part_file_name(data.rank, n),
-                                       items, planner)
+            if self.daemon:
+                results = through_daemon.write(through_daemon.storage_for(self.daemon),
+                                               self.path, data.token, data.rank, files, planner)
+            else:
+                directory = staging_path(self.path, data.token)
+                engine = _fp.get_engine()
+                for n, items in enumerate(files):
+                    name = _fp.part_file_name(data.rank, n)
+                    results += in_process.write_file(engine, directory, name, items, planner)
         finally:
             self._release_lease()  # written (or failed): the snapshot is no longer read
         future: Future[list[WriteResult]] = Future()
@@ -204,8 +234,8 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        staging = self._staging
-        if staging is None:
+        staging, job = self._staging, self._job
+        if staging is None and job is None:
             raise _fp.CheckpointError(f"{self.path}: finish() without prepare_global_plan()")
         try:
             written = {wr.index: wr.storage_data for rank in results for wr in rank}
@@ -215,130 +245,87 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             with no_gc():
                 manifest = build(metadata, written, str(self.path))
                 meta_json = metadata_json.dumps(metadata)
-            staging.write_file(metadata_json.DCP_METADATA_NAME, meta_json)
-            staging.commit(manifest)
+            if job is not None:
+                through_daemon.storage_for(self.daemon).publish(
+                    job, manifest, None, files={metadata_json.DCP_METADATA_NAME: meta_json})
+            else:
+                assert staging is not None
+                staging.write_file(metadata_json.DCP_METADATA_NAME, meta_json)
+                staging.commit(manifest)
         except OSError as exc:
             self._abort_pending()
             raise _fp.os_error(exc, f"cannot commit checkpoint {self.path}") from exc
         except BaseException:
             self._abort_pending()
             raise
-        self._staging = None
-        self._done_with(self._where)
+        self._staging, self._job = None, None
+        self._drop_claim()
 
-    # --- the staging directory (coordinator) ------------------------------------
+    # --- the staging directory or the daemon's job (coordinator) ------------------
+
+    def _begin_job(self) -> str:
+        if not self.overwrite and os.path.lexists(self.path):
+            raise _fp.CheckpointExistsError(errno.EEXIST,
+                                            f"{self.path} exists and overwrite=False")
+        storage = through_daemon.storage_for(self.daemon)
+        failed = self._take_claim()
+        try:
+            if failed is not None and failed.job:
+                storage.abort(failed.job)  # else the daemon refuses a new job of the path
+            job = storage.stage(self.path)
+        except BaseException:
+            self._drop_claim()
+            raise
+        assert self._claim is not None
+        self._claim.job = self._job = job
+        return job
 
     def _begin(self, token: str) -> None:
         target = self.path
         if not self.overwrite and os.path.lexists(target):
             raise _fp.CheckpointExistsError(errno.EEXIST, f"{target} exists and overwrite=False")
         where = staging_path(target, token)
-        with _in_flight_lock:
-            if where in _in_flight:
-                raise _fp.CheckpointError(f"another save to {target} is in progress in this "
-                                          "process")
-            _in_flight.add(where)
+        self._take_claim()
         try:
             # Ours (this process's token) and not in flight: a failed save's.
             shutil.rmtree(where, ignore_errors=True)
             staging = _fp.Staging.create(target)
             os.rename(staging.path, where)
         except BaseException:
-            with _in_flight_lock:
-                _in_flight.discard(where)
+            self._drop_claim()
             raise
         staging.path = where
-        self._staging, self._where = staging, where
+        self._staging = staging
+
+    def _take_claim(self) -> _Claim | None:
+        """Claim the path for this save; returns a failed save's claim it replaced."""
+        key, me = (self.daemon, self.path), threading.current_thread()
+        with _in_flight_lock:
+            held = _in_flight.get(key)
+            if held is not None and held.thread is not me and held.thread.is_alive():
+                raise _fp.CheckpointError(
+                    f"another save to {self.path} is in progress in this process (begun by "
+                    f"thread {held.thread.name!r}, which has not begun a save since)")
+            self._claim = _in_flight[key] = _Claim(key, me)
+        return held
 
     def _abort_pending(self) -> None:
+        """Drop this writer's unfinished save, unless a later save of the path
+        took it over (then what it left is that save's to clear)."""
         staging, self._staging = self._staging, None
-        if staging is not None:
-            staging.abort()
-        self._done_with(self._where)
-
-    def _done_with(self, where: Path | None) -> None:
-        self._where = None
+        job, self._job = self._job, None
+        claim = self._claim
         with _in_flight_lock:
-            if where is not None:
-                _in_flight.discard(where)
+            ours = claim is not None and _in_flight.get(claim.key) is claim
+        if ours:
+            if staging is not None:
+                staging.abort()
+            if job is not None:  # (the daemon also drops a job nobody touches)
+                through_daemon.storage_for(self.daemon).abort(job)
+        self._drop_claim()
 
-
-def _item_bytes(item: WriteItem) -> int:
-    if item.tensor_data is not None:
-        return item.tensor_storage_size() or 0
-    return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
-
-
-def _files_of(items: list[WriteItem], file_bytes: int) -> list[list[WriteItem]]:
-    """Items grouped into files of about file_bytes (device tensors are copied
-    to the host one file at a time)."""
-    files: list[list[WriteItem]] = [[]]
-    size = 0
-    for item in items:
-        n = _item_bytes(item)
-        if files[-1] and size + n > file_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(item)
-        size += n
-    return [f for f in files if f]
-
-
-def _host_bytes(item: WriteItem, data: Any) -> torch.Tensor:
-    """The item's bytes as a contiguous CPU tensor (zero-copy when possible)."""
-    if item.type == WriteItemType.BYTE_IO:
-        raw = bytearray(data.getbuffer())
-        return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0,
-                                                                                dtype=torch.uint8)
-    t: torch.Tensor = data.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return t.contiguous()
-
-
-def _write_file(engine: _fp.Engine, directory: Path, name: str, items: list[WriteItem],
-                planner: SavePlanner) -> list[WriteResult]:
-    stored, by_name = [], {}
-    for item in items:
-        t = _host_bytes(item, planner.resolve_data(item))
-        if item.type == WriteItemType.BYTE_IO:
-            rname, dtype = record_name(item.index.fqn, None), "U8"
-        else:
-            rname = record_name(item.index.fqn, item.index.offset or ())
-            found = _fp.dtypes.to_name(t.dtype)
-            if found is None:
-                raise _fp.UnsupportedValueError(f"{item.index.fqn}: dtype {t.dtype} cannot be "
-                                                "stored")
-            dtype = found
-        s = _fp.StoredTensor(rname, dtype, tuple(t.shape), t, t.nbytes)
-        stored.append(s)
-        by_name[rname] = item
-    plan = _fp.plan_file(stored)
-    lay = plan.layout
-    segments: list[_fp.Segment] = [(lay.header, 0)]
-    spans: list[list[tuple[int, int]]] = []
-    for s, offset in zip(plan.order, lay.offsets, strict=True):
-        memory = bytes_of(s.source)
-        item_spans = block_spans(s.nbytes)
-        spans.append(item_spans)
-        segments += [(memory[a:a + n], offset + a) for a, n in item_spans]
-    try:
-        result = engine.write_file(str(directory / name), segments, lay.size)
-    except OSError as exc:
-        raise _fp.os_error(exc, f"cannot write {name} of checkpoint {directory}") from exc
-    assert result.crcs is not None
-    file = _fp.FileRecord(name=name, size=lay.size, data_start=lay.data_start,
-                          header_crc32c=result.crcs[0])
-    crcs = iter(result.crcs[1:])
-    out = []
-    for s, offset, item_spans in zip(plan.order, lay.offsets, spans, strict=True):
-        block_crcs = [next(crcs) for _ in item_spans]
-        whole = _fp.combine([(c, n) for c, (_, n) in zip(block_crcs, item_spans, strict=True)])
-        record = _fp.TensorRecord(name=s.name, file=name, offset=offset, length=s.nbytes,
-                                  dtype=s.dtype, shape=s.shape, crc32c=whole)
-        info = ItemInfo(s.name, tuple(block_crcs) if len(item_spans) > 1 else ())
-        item = by_name[s.name]
-        out.append(WriteResult(index=item.index, size_in_bytes=s.nbytes,
-                               storage_data=Written(info, record, file)))
-    return out
-
+    def _drop_claim(self) -> None:
+        claim, self._claim = self._claim, None
+        with _in_flight_lock:
+            if claim is not None and _in_flight.get(claim.key) is claim:
+                del _in_flight[claim.key]

@@ -1,0 +1,156 @@
+"""FastPersistWriter's saves through fastpersistd (FASTPERSIST_DAEMON, or
+FastPersistWriter(daemon=...)): each rank hands its items to its node's daemon
+as one part of a job, and the coordinator commits the job there, as a
+distributed fastpersist.save through the daemon does (distributed/storage.py,
+ThroughDaemon):
+
+    prepare_global_plan     the coordinator begins the job (BeginJob); its id
+                            goes to every rank in the plan's storage_data
+    write_data              every rank: its items copied into shared-memory
+                            staging, the CRC32C of each 4 MiB block of the
+                            items larger than one (the daemon reports one per
+                            item; resharding loads check blocks), then the
+                            part handed over and written by the daemon
+    finish                  the coordinator: CommitJob with the manifest and
+                            dcp_metadata.json, which the daemon writes beside
+                            it, before it
+
+The checkpoint on disk is the same as an in-process save's. A trainer killed
+before the commit leaves the old checkpoint: the daemon drops the job (its
+parts' streams break, or nobody touches it for --idle-timeout). Plan caching
+(DefaultSavePlanner(enable_plan_caching=True)) is refused: a cached plan would
+carry an earlier save's job id.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import _fp
+from .blocks import CRC_BLOCK, block_spans
+from .items import stored_item
+from .manifest import Written
+from .memory import bytes_of
+from .metadata_json import ItemInfo
+
+_storages: dict[str, _fp.ThroughDaemon] = {}
+_storages_lock = threading.Lock()
+
+
+def storage_for(address: str) -> _fp.ThroughDaemon:
+    """The process's connection and shared-memory staging pool for `address`
+    (kept across saves: the pool's segments are reused)."""
+    with _storages_lock:
+        storage = _storages.get(address)
+        if storage is None:
+            storage = _fp.ThroughDaemon(address)
+            info = storage.client.info(cached=True)
+            if "commit-files" not in info.features:
+                version = info.version
+                storage.close()
+                # It would commit the job without dcp_metadata.json.
+                raise _fp.DaemonError(
+                    f"fastpersistd at {address} (fastpersist {version}) cannot write a DCP "
+                    "checkpoint's metadata (CommitJob.files): DCP saves through it need a "
+                    f"daemon of fastpersist {_fp.__version__} or later", "FAILED_PRECONDITION")
+            _storages[address] = storage
+        return storage
+
+
+@atexit.register
+def _close_all() -> None:
+    """Shared-memory segments outlive a process that does not unlink them."""
+    with _storages_lock:
+        storages = list(_storages.values())
+        _storages.clear()
+    for storage in storages:
+        with contextlib.suppress(Exception):
+            storage.close()
+
+
+def forget(address: str) -> None:
+    """Close and drop the process's storage for `address` (tests; a daemon restarted)."""
+    with _storages_lock:
+        storage = _storages.pop(address, None)
+    if storage is not None:
+        storage.close()
+
+
+def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
+          files: list[list[WriteItem]], planner: SavePlanner) -> list[WriteResult]:
+    """This rank's part of the job: staged, handed over, durable."""
+    pool = storage.pool
+    staged: list[_fp.StagedFile] = []
+    by_name: dict[str, WriteItem] = {}
+    try:
+        for items in files:
+            stored = []
+            for item in items:
+                s = stored_item(item, planner.resolve_data(item), host=False)
+                stored.append(s)
+                by_name[s.name] = item
+            pinned = any(s.source.is_cuda for s in stored)
+            buffer = pool.acquire(sum(s.nbytes for s in stored), 0, pinned)
+            try:
+                staged.append(_fp.stage_file(stored, buffer, pinned))
+            except BaseException:
+                pool.discard(buffer, pinned)
+                raise
+        blocks: dict[str, list[int]] = {}
+        for file in staged:
+            file.wait_copied()
+            blocks.update(_block_crcs(file))
+        records = storage.write(target, job_id, rank, staged, None)
+    finally:
+        for file in staged:
+            pool.give_back(file)  # reused, or quarantined if the daemon may still read it
+    results = []
+    for file_record, tensors in records:
+        for record in tensors:
+            item_blocks = blocks.get(record.name)
+            if item_blocks is not None:
+                spans = block_spans(record.length)
+                if _fp.combine(list(zip(item_blocks, (n for _, n in spans), strict=True))
+                               ) != record.crc32c:
+                    raise _fp.CorruptCheckpointError(
+                        f"{record.name}: fastpersistd's CRC32C of the item differs from this "
+                        "process's of the same staged bytes")
+            info = ItemInfo(record.name, tuple(item_blocks or ()))
+            item = by_name.pop(record.name)
+            results.append(WriteResult(index=item.index, size_in_bytes=record.length,
+                                       storage_data=Written(info, record, file_record)))
+    if by_name:
+        raise _fp.DaemonError(f"fastpersistd reported no record of {sorted(by_name)[:3]}",
+                              "INTERNAL")
+    return results
+
+
+def _block_crcs(file: _fp.StagedFile) -> dict[str, list[int]]:
+    """The CRC32C of each block of the file's items larger than one block,
+    from the staged copy (what the daemon reads)."""
+    assert file.buffer is not None
+    out: dict[str, list[int]] = {}
+    memory: memoryview | None = None
+    for t, start in zip(file.order, file.starts, strict=False):
+        if t.nbytes <= CRC_BLOCK:
+            continue
+        if memory is None:
+            memory = bytes_of(file.buffer)
+        out[t.name] = [_fp.crc32c(memory[start + a:start + a + n])
+                       for a, n in block_spans(t.nbytes)]
+    return out
+
+
+def refuse_cached_plans(plans: list[Any]) -> None:
+    if any(not getattr(p, "usable", True) for p in plans):
+        raise _fp.CheckpointError(
+            "FastPersistWriter through fastpersistd cannot use cached plans "
+            "(DefaultSavePlanner(enable_plan_caching=True)): each save is a new job of the "
+            "daemon, whose id a cached plan would not carry")

@@ -1,0 +1,256 @@
+"""FastPersistWriter through fastpersistd (FASTPERSIST_DAEMON or daemon=): each
+rank hands its items to the daemon, the coordinator commits the job there
+with dcp_metadata.json beside the manifest (CommitJob's files), and the
+checkpoint is the one an in-process save writes. Real daemons, real gloo
+ranks; SIGKILL of the trainer at each moment of a save leaves the old
+checkpoint or the new one, and the daemon clears what a killed save left.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from daemon_support import Daemon
+from dist_support import run_ranks
+from support import kill_at_hooks
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
+
+import fastpersist
+from fastpersist.cli import main as fpctl
+from fastpersist.errors import DaemonError
+from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter, through_daemon
+from fastpersist.integrations.dcp.blocks import CRC_BLOCK
+from fastpersist.integrations.dcp.metadata_json import DCP_METADATA_NAME
+from fastpersist.tensors.checkpoint import read_manifest
+
+HELPERS = Path(__file__).parent / "helpers"
+
+
+@pytest.fixture
+def through(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The daemon, as FASTPERSIST_DAEMON: every FastPersistWriter's default."""
+    monkeypatch.setenv("FASTPERSIST_DAEMON", daemon.address)
+    yield daemon
+    through_daemon.forget(daemon.address)
+
+
+def sample(version: float = 0.0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "big": torch.randn(3 * CRC_BLOCK // 4 + 123, generator=g) + version,  # 4 CRC blocks
+        "w": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "steps": torch.arange(10) + int(version),
+        "empty": torch.empty(0, 3),
+        "meta": {"epoch": int(version), "note": "hi"},
+    }
+
+
+def blank() -> dict[str, Any]:
+    return {"big": torch.zeros(3 * CRC_BLOCK // 4 + 123), "w": torch.zeros(64, 32,
+                                                                          dtype=torch.bfloat16),
+            "steps": torch.zeros(10, dtype=torch.long), "empty": torch.zeros(0, 3),
+            "meta": {"epoch": -1, "note": ""}}
+
+
+def assert_loads_as(path: Path, want: dict[str, Any]) -> None:
+    got = blank()
+    dcp.load(got, storage_reader=FastPersistReader(path))
+    for k, v in want.items():
+        assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+
+
+def hidden(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def wait_until(check: Any, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_save_through_the_daemon_is_the_checkpoint_an_in_process_save_writes(
+        through: Daemon, tmp_path: Path) -> None:
+    sd = sample()
+    ours, local = through.root / "ckpt", through.root / "local"
+    dcp.save(sd, storage_writer=FastPersistWriter(ours))
+    dcp.save(sd, storage_writer=FastPersistWriter(local, daemon=""))
+    assert [e["path"] for e in through.events("committed-job")] == ["ckpt"]  # the daemon's
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(local)) == [
+        "data-r00000-000.safetensors", DCP_METADATA_NAME, "manifest.json"]
+    # The same records and the same per-block CRC32Cs (computed here from the
+    # staged bytes, checked against the daemon's CRC32C of the whole item).
+    fields = sorted((t.name, t.file, t.offset, t.length, t.crc32c)
+                    for t in read_manifest(ours).tensors)
+    assert fields == sorted((t.name, t.file, t.offset, t.length, t.crc32c)
+                            for t in read_manifest(local).tensors)
+    info = FastPersistReader(ours).read_metadata().storage_data
+    assert info == FastPersistReader(local).read_metadata().storage_data
+    assert len(info[next(i for i in info if i.fqn == "big")].block_crcs) == 4
+    assert_loads_as(ours, sd)
+    loaded = fastpersist.load(ours)
+    assert torch.equal(loaded["big"], sd["big"]) and torch.equal(loaded["w"], sd["w"])
+    assert fpctl(["verify", str(ours)]) == 0
+    assert hidden(through.root) == []
+
+
+def test_async_saves_reuse_the_shared_memory_and_leave_nothing(through: Daemon) -> None:
+    target = through.root / "ckpt"
+    writer = FastPersistWriter(target)
+    for version in range(3):
+        dcp.async_save(sample(version), storage_writer=writer).result()
+        assert_loads_as(target, sample(version))
+    pool = through_daemon.storage_for(through.address).pool
+    assert pool.allocations == 1 and pool.quarantined == 0  # one segment, reused
+    assert len(through.events("committed-job")) == 3
+    through_daemon.forget(through.address)
+    assert wait_until(lambda: not list(through.shm_dir.iterdir()))
+    assert wait_until(lambda: hidden(through.root) == [])
+
+
+def test_four_ranks_save_through_the_daemon_and_two_load(through: Daemon,
+                                                         tmp_path: Path) -> None:
+    path, ref = through.root / "ckpt", tmp_path / "reference.pt"
+    args = {"path": str(path), "reference": str(ref), "async": True}
+    for report in run_ranks(HELPERS / "dcp_worker.py", "save", tmp_path / "save", 4, args):
+        assert report.get("ok"), report
+    assert len(through.events("part-written")) == 4  # every rank's part, by the daemon
+    assert [e["path"] for e in through.events("committed-job")] == ["ckpt"]
+    for report in run_ranks(HELPERS / "dcp_worker.py", "load", tmp_path / "load", 2, args):
+        assert report.get("ok"), report
+        assert report["bytes_read"] < 0.6 * 8192 * 1024 * 4  # resharded: blocks, not items
+    assert fpctl(["verify", str(path)]) == 0
+    assert wait_until(lambda: hidden(through.root) == [])
+
+
+def test_refusals_are_clear_and_leave_nothing(through: Daemon, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere" / "ckpt"
+    with pytest.raises(CheckpointException, match="outside fastpersistd's root"):
+        dcp.save(sample(), storage_writer=FastPersistWriter(outside))
+    assert not outside.parent.exists()
+
+    target = through.root / "ckpt"
+    dcp.save(sample(1), storage_writer=FastPersistWriter(target))
+    with pytest.raises(CheckpointException, match="overwrite=False"):
+        dcp.save(sample(2), storage_writer=FastPersistWriter(target, overwrite=False))
+
+    # A cached plan would carry the first save's job id: the second save is refused.
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    other = through.root / "cached"
+    dcp.save(sample(1), storage_writer=FastPersistWriter(other), planner=planner)
+    with pytest.raises(CheckpointException, match="cannot use cached plans"):
+        dcp.save(sample(2), storage_writer=FastPersistWriter(other), planner=planner)
+    assert_loads_as(target, sample(1))
+    assert_loads_as(other, sample(1))
+    assert hidden(through.root) == []
+
+
+class _FailingPlanner(DefaultSavePlanner):
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        if write_item.index.fqn == "w":
+            raise RuntimeError("the state cannot be read")
+        return super().resolve_data(write_item)
+
+
+@pytest.mark.parametrize("daemon_mode", [True, False], ids=["daemon", "in-process"])
+def test_after_a_failed_save_the_next_one_of_the_path_works(
+        daemon: Daemon, daemon_mode: bool) -> None:
+    """DCP calls nothing on the writer when a save fails; a new writer of the
+    same path clears what the failed one left (the daemon's job, or the
+    staging directory) instead of refusing the path for the life of the process."""
+    address = daemon.address if daemon_mode else ""
+    target = daemon.root / "ckpt"
+    try:
+        dcp.save(sample(1), storage_writer=FastPersistWriter(target, daemon=address))
+        with pytest.raises(CheckpointException, match="the state cannot be read"):
+            dcp.save(sample(2), storage_writer=FastPersistWriter(target, daemon=address),
+                     planner=_FailingPlanner())
+        assert len(hidden(daemon.root)) == 1  # the failed save's job or staging directory
+        dcp.save(sample(3), storage_writer=FastPersistWriter(target, daemon=address))
+        assert_loads_as(target, sample(3))
+        assert wait_until(lambda: hidden(daemon.root) == [])
+    finally:
+        through_daemon.forget(daemon.address)
+
+
+def test_a_job_commit_refuses_files_it_must_not_write(daemon: Daemon) -> None:
+    storage = through_daemon.storage_for(daemon.address)
+    try:
+        job = storage.stage(daemon.root / "other")
+        for files, message in [({"../escape": b"x"}, "cannot write a file named"),
+                               ({".hidden": b"x"}, "cannot write a file named"),
+                               ({"manifest.json": b"{}"}, "cannot write a file named"),
+                               ({"data-r00000-000.safetensors": b""}, "named"),
+                               ({f"f{i}": b"" for i in range(9)}, "at most 8 files")]:
+            with pytest.raises(DaemonError, match=message) as caught:
+                storage.publish(job, b"{}", None, files=files)
+            assert caught.value.code == "INVALID_ARGUMENT"
+        storage.abort(job)
+        assert not (daemon.root / "other").exists()
+        assert hidden(daemon.root) == []
+    finally:
+        through_daemon.forget(daemon.address)
+
+
+# A daemon from before CommitJob's files: it would commit without dcp_metadata.json.
+_NO_COMMIT_FILES = "import fastpersist.daemon.server as s\ns.FEATURES = []\n"
+
+
+def test_a_daemon_that_cannot_write_the_metadata_is_refused(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    d = Daemon(tmp_path, prelude=_NO_COMMIT_FILES).start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    try:
+        with pytest.raises(CheckpointException, match="cannot write a DCP checkpoint's metadata"):
+            dcp.save(sample(), storage_writer=FastPersistWriter(d.root / "ckpt", daemon=d.address))
+        assert list(d.root.iterdir()) == []
+        assert not d.events("begin-job")
+    finally:
+        through_daemon.forget(d.address)
+        d.cleanup()
+
+
+# --- SIGKILL of the trainer ---------------------------------------------------------------
+
+# hook -> the version the target holds after the kill
+KILLS = {"before_write": 1, "mid_part": 1, "after_write": 1, "before_commit_job": 1,
+         "after_commit_job": 2}
+
+
+def test_sigkill_of_the_trainer_leaves_the_old_or_the_new_checkpoint(tmp_path: Path) -> None:
+    d = Daemon(tmp_path / "daemon", "--idle-timeout", "1").start()
+    try:
+        targets = {hook: d.root / hook / "ckpt" for hook in KILLS}
+        for target in targets.values():
+            target.parent.mkdir()
+        kill_at_hooks({hook: [str(HELPERS / "dcp_kill_saver.py"), str(target), hook, d.address]
+                       for hook, target in targets.items()},
+                      env=dict(os.environ, FASTPERSIST_SHM_DIR=str(d.shm_dir)))
+        for hook, target in targets.items():
+            version = KILLS[hook]
+            out = {"w": torch.zeros(1 << 20), "big": torch.zeros(3 << 20),
+                   "meta": {"version": 0}}
+            dcp.load(out, storage_reader=FastPersistReader(target))
+            assert out["meta"]["version"] == version, hook
+            assert bool((out["w"] == version).all()) and bool((out["big"] == version).all())
+            assert fpctl(["verify", str(target)]) == 0
+            # The daemon drops the killed save's job (its part's stream broke, or
+            # nobody touched it for --idle-timeout): nothing is left beside it.
+            assert wait_until(lambda t=target: [p.name for p in t.parent.iterdir()] == [
+                "ckpt"]), (hook, list(target.parent.iterdir()))
+        assert wait_until(lambda: not list(d.shm_dir.iterdir()))  # the dead's segments too
+        assert d.events("idle-abort-job"), d.log[-2000:]
+    finally:
+        d.cleanup()
