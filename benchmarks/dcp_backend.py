@@ -3,6 +3,7 @@
     python benchmarks/dcp_backend.py               # 1 GiB, 1 process and 4 ranks, 5 repeats
     python benchmarks/dcp_backend.py --size-gib 0.25 --world 1 --repeats 5
     python benchmarks/dcp_backend.py --json out.json --dir /mnt/nvme/bench
+    python benchmarks/dcp_backend.py --daemon      # also FastPersistWriter through fastpersistd
 
 The same DCP calls, only the storage differs:
 
@@ -28,6 +29,10 @@ With one process, each repeat also measures, interleaved with the saves, a plain
 fastpersist.save of the same state (no DCP) and the disk's write ceiling: the
 best fio O_DIRECT write shape (_fio.WRITE_SHAPES, end_fsync) of the same bytes.
 The report then says what "3x FileSystemWriter" would need against that ceiling.
+
+With --daemon, a fastpersistd (root: the work directory) runs beside the job
+and FastPersistWriter(daemon=...) is a third save and async method ("through
+fastpersistd"; its checkpoints are the same files, so loads are not repeated).
 
 Methods alternate within each repeat (order rotated each repeat); the report
 gives median, min and max over repeats and the FileSystem/FastPersist ratio.
@@ -56,8 +61,9 @@ sys.path.insert(0, str(HERE))
 
 import _fio  # noqa: E402  (from HERE)
 
-METHODS = ("fs", "fp")
-NAMES = {"fs": "FileSystemWriter/Reader", "fp": "FastPersistWriter/Reader"}
+METHODS = ("fs", "fp")  # the loads' methods; saves add "fpd" with --daemon
+NAMES = {"fs": "FileSystemWriter/Reader", "fp": "FastPersistWriter/Reader",
+         "fpd": "FastPersistWriter, fastpersistd"}
 
 
 def shard_state(state: Any, mesh: Any, rank: int, world: int) -> Any:
@@ -123,13 +129,17 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
             fsync_path(path)
             fsync_path(path.parent)
 
+    daemon = os.environ.get("FP_BENCH_DAEMON", "")
     writers = {"fs": lambda p: dcp.FileSystemWriter(p, sync_files=True),
-               "fp": lambda p: FastPersistWriter(p)}
+               "fp": lambda p: FastPersistWriter(p, daemon=""),
+               "fpd": lambda p: FastPersistWriter(p, daemon=daemon)}
     readers = {"fs": dcp.FileSystemReader, "fp": FastPersistReader}
-    saves = {"fs": fs_save,
-             "fp": lambda p: dcp.save(state, storage_writer=FastPersistWriter(p))}
-    samples: dict[str, list[float]] = {f"{k}:{m}": [] for k in ("save", "load", "stall",
-                                                              "async_total") for m in METHODS}
+    saves = {"fs": fs_save, **{m: lambda p, m=m: dcp.save(state, storage_writer=writers[m](p))
+                               for m in ("fp", "fpd")}}
+    methods = (*METHODS, "fpd") if daemon else METHODS
+    samples: dict[str, list[float]] = {f"{k}:{m}": [] for k in ("save", "stall", "async_total")
+                                       for m in methods}
+    samples.update({f"load:{m}": [] for m in METHODS})
     samples["stall:copy"] = []
     tensors = local_tensors(state)
     floor_buffer = torch.zeros(sum(t.numel() * t.element_size() for t in tensors),
@@ -140,15 +150,15 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
         samples["save:fio"] = []  # the best fio write shape of this repeat
     cache = ""
     for r in range(repeats):
-        order = METHODS if r % 2 == 0 else METHODS[::-1]
-        paths = {m: work / f"{m}-{r}" for m in METHODS}
+        order = methods if r % 2 == 0 else methods[::-1]
+        paths = {m: work / f"{m}-{r}" for m in methods}
         if ceiling and r % 2:
             _ceiling(work, state, spec.nbytes, samples)
         for m in order:
             samples[f"save:{m}"].append(timed(lambda p=paths[m], m=m: saves[m](p)))
         if ceiling and not r % 2:
             _ceiling(work, state, spec.nbytes, samples)
-        for m in order:
+        for m in (m for m in order if m in METHODS):
             barrier()
             if rank == 0:
                 cache = drop_page_cache([paths[m]])
@@ -236,9 +246,10 @@ def summarize(job: dict[str, Any], world: int) -> list[str]:
     lines = [f"{world} process{'es' if world > 1 else ''}: {nbytes / 2**30:.2f} GiB, "
              f"{job['tensors']} tensors, medians of {len(job['samples']['save:fp'])} "
              f"(min-max); page cache dropped by {job['cache']}"]
+    methods = [m for m in NAMES if f"save:{m}" in med]
     for kind, what in (("save", "durable save"), ("load", "cold load"),
                        ("stall", "async_save stall"), ("async_total", "async_save until durable")):
-        for m in METHODS:
+        for m in (m for m in methods if f"{kind}:{m}" in med):
             v = job["samples"][f"{kind}:{m}"]
             rate = f"{nbytes / med[f'{kind}:{m}'] / 1e9:6.2f} GB/s" if kind in (
                 "save", "load") else ""
@@ -246,13 +257,16 @@ def summarize(job: dict[str, Any], world: int) -> list[str]:
                          f"({min(v):.3f}-{max(v):.3f}) {rate}")
         lines.append(f"  {'':26s} {'FileSystem / FastPersist':26s} "
                      f"{med[f'{kind}:fs'] / med[f'{kind}:fp']:6.2f}x")
+        if f"{kind}:fpd" in med:
+            lines.append(f"  {'':26s} {'fastpersistd / in-process':26s} "
+                         f"{med[f'{kind}:fpd'] / med[f'{kind}:fp']:6.2f}x")
     v = job["samples"].get("stall:copy")
     if v:  # results written before the floor was measured have none
         lines.append(f"  {'async_save stall':26s} {'copy floor':26s} {med['stall:copy']:7.3f} s "
                      f"({min(v):.3f}-{max(v):.3f})")
         lines.append(f"  {'':26s} {'stall / copy floor':26s} "
                      + "  ".join(f"{m} {med[f'stall:{m}'] / med['stall:copy']:.2f}x"
-                                 for m in METHODS))
+                                 for m in methods))
     if "save:fio" in med:
         for key, what in (("plain", "fastpersist.save (no DCP)"), ("fio", "fio write ceiling")):
             v, m = job["samples"][f"save:{key}"], med[f"save:{key}"]
@@ -272,6 +286,8 @@ def main() -> int:
     p.add_argument("--world", type=int, nargs="+", default=[1, 4])
     p.add_argument("--dir", type=Path, default=Path("/var/tmp"))
     p.add_argument("--json", type=Path)
+    p.add_argument("--daemon", action="store_true",
+                   help="also save through a fastpersistd started for the run")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # WORK RESULT WORLD
     args = p.parse_args()
     nbytes = int(args.size_gib * 2**30)
@@ -285,10 +301,22 @@ def main() -> int:
     print(json.dumps(report["machine"]))
     for world in args.world:
         work = Path(tempfile.mkdtemp(prefix="fp-dcp-bench-", dir=args.dir))
+        shm_dir = Path(tempfile.mkdtemp(prefix="fp-dcp-bench-", dir="/dev/shm"))
+        daemon = None
         try:
+            if args.daemon:
+                from daemon_save import DaemonProcess
+
+                daemon = DaemonProcess(work, shm_dir, work)
+                os.environ.update(FP_BENCH_DAEMON=daemon.address,
+                                  FASTPERSIST_SHM_DIR=str(shm_dir))
             job = run_job(work, nbytes, args.repeats, world)
         finally:
+            if daemon is not None:
+                daemon.proc.terminate()
+                daemon.proc.wait()
             shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(shm_dir, ignore_errors=True)
         report["jobs"][str(world)] = job
         print("\n".join(summarize(job, world)), flush=True)
     if args.json:
