@@ -254,3 +254,20 @@ def test_sigkill_of_the_trainer_leaves_the_old_or_the_new_checkpoint(tmp_path: P
         assert d.events("idle-abort-job"), d.log[-2000:]
     finally:
         d.cleanup()
+
+
+def test_async_save_with_the_process_executor_through_the_daemon(through: Daemon,
+                                                                   tmp_path: Path) -> None:
+    """DCP's save process begins, writes and commits the job itself (the pickled
+    writer keeps the daemon's address); each save replaces the last."""
+    path, ref = through.root / "ckpt", tmp_path / "reference.pt"
+    args = {"path": str(path), "reference": str(ref), "executor": "process", "saves": 2}
+    for report in run_ranks(HELPERS / "dcp_worker.py", "save", tmp_path / "save", 2, args):
+        assert report.get("ok"), report
+    assert [e["path"] for e in through.events("committed-job")] == ["ckpt", "ckpt"]
+    loaded, reference = fastpersist.load(path), torch.load(ref, weights_only=False)
+    for k, v in reference.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(loaded[k], v), k
+    assert wait_until(lambda: hidden(through.root) == [])
+    assert wait_until(lambda: not list(through.shm_dir.iterdir()))  # the save processes' too
