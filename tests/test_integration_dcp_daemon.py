@@ -67,6 +67,19 @@ def assert_loads_as(path: Path, want: dict[str, Any]) -> None:
         assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
 
 
+def assert_same_checkpoint(ours: Path, local: Path) -> None:
+    """The same files, records and per-block CRC32Cs (computed in the trainer
+    from what the daemon reads, checked against its CRC32C of each item)."""
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(local))
+    fields = sorted((t.name, t.file, t.offset, t.length, t.crc32c)
+                    for t in read_manifest(ours).tensors)
+    assert fields == sorted((t.name, t.file, t.offset, t.length, t.crc32c)
+                            for t in read_manifest(local).tensors)
+    info = FastPersistReader(ours).read_metadata().storage_data
+    assert info == FastPersistReader(local).read_metadata().storage_data
+    assert len(info[next(i for i in info if i.fqn == "big")].block_crcs) == 4
+
+
 def hidden(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
@@ -87,22 +100,35 @@ def test_a_save_through_the_daemon_is_the_checkpoint_an_in_process_save_writes(
     dcp.save(sd, storage_writer=FastPersistWriter(ours))
     dcp.save(sd, storage_writer=FastPersistWriter(local, daemon=""))
     assert [e["path"] for e in through.events("committed-job")] == ["ckpt"]  # the daemon's
-    assert sorted(os.listdir(ours)) == sorted(os.listdir(local)) == [
+    assert sorted(os.listdir(ours)) == [
         "data-r00000-000.safetensors", DCP_METADATA_NAME, "manifest.json"]
-    # The same records and the same per-block CRC32Cs (computed here from the
-    # staged bytes, checked against the daemon's CRC32C of the whole item).
-    fields = sorted((t.name, t.file, t.offset, t.length, t.crc32c)
-                    for t in read_manifest(ours).tensors)
-    assert fields == sorted((t.name, t.file, t.offset, t.length, t.crc32c)
-                            for t in read_manifest(local).tensors)
-    info = FastPersistReader(ours).read_metadata().storage_data
-    assert info == FastPersistReader(local).read_metadata().storage_data
-    assert len(info[next(i for i in info if i.fqn == "big")].block_crcs) == 4
+    assert_same_checkpoint(ours, local)
     assert_loads_as(ours, sd)
     loaded = fastpersist.load(ours)
     assert torch.equal(loaded["big"], sd["big"]) and torch.equal(loaded["w"], sd["w"])
     assert fpctl(["verify", str(ours)]) == 0
     assert hidden(through.root) == []
+
+
+def test_files_over_the_staging_limit_are_streamed(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's items beyond what the daemon lets one client stage (here 8 MiB
+    of a 12 MiB file and a small one) go to it over SubmitStream instead of
+    being refused; the checkpoint is the same."""
+    d = Daemon(tmp_path, "--client-budget", "8M").start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(4 << 20))
+    try:
+        sd = sample()
+        dcp.save(sd, storage_writer=FastPersistWriter(d.root / "ckpt", daemon=d.address))
+        dcp.save(sd, storage_writer=FastPersistWriter(d.root / "local", daemon=""))
+        assert 0 < through_daemon.storage_for(d.address).pool.allocated_bytes <= 8 << 20
+        assert len([n for n in os.listdir(d.root / "ckpt") if n.startswith("data-")]) == 2
+        assert_same_checkpoint(d.root / "ckpt", d.root / "local")
+        assert_loads_as(d.root / "ckpt", sd)
+    finally:
+        through_daemon.forget(d.address)
+        d.cleanup()
 
 
 def test_async_saves_reuse_the_shared_memory_and_leave_nothing(through: Daemon) -> None:

@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend", "tier_url", "tier_pending", "tier_failing", "tier_uploaded", "tier_failures", "tier_last_error", "features")
+    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend", "tier_url", "tier_pending", "tier_failing", "tier_uploaded", "tier_failures", "tier_last_error", "features", "client_budget")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     STAGING_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class InfoResponse(_message.Message):
     TIER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     TIER_LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_BUDGET_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     staging_budget: int
@@ -41,7 +42,8 @@ class InfoResponse(_message.Message):
     tier_failures: int
     tier_last_error: str
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    client_budget: int
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., client_budget: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
     __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank", "compression", "frame_bytes")

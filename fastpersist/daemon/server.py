@@ -115,7 +115,7 @@ class Servicer(pb_grpc.FastPersistServicer):
                 version=__version__, root=str(s.root.path), staging_budget=s.budgets.staging,
                 staging_in_use=reserved, checkpoints_in_flight=in_flight,
                 direct_io=self.direct_io, io_backend=knobs.current().io_backend,
-                features=FEATURES,
+                features=FEATURES, client_budget=s.budgets.client,
             )
             if s.tier is not None:
                 t = s.tier.status()

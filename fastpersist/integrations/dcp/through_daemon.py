@@ -7,7 +7,9 @@ ThroughDaemon):
     prepare_global_plan     the coordinator begins the job (BeginJob); its id
                             goes to every rank in the plan's storage_data
     write_data              every rank: its items copied into shared-memory
-                            staging, the CRC32C of each 4 MiB block of the
+                            staging (as much as the daemon lets one client
+                            hold; the rest streamed to it over gRPC from the
+                            tensors), the CRC32C of each 4 MiB block of the
                             items larger than one (the daemon reports one per
                             item; resharding loads check blocks), then the
                             part handed over and written by the daemon
@@ -85,9 +87,14 @@ def forget(address: str) -> None:
 
 def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
           files: list[list[WriteItem]], planner: SavePlanner) -> list[WriteResult]:
-    """This rank's part of the job: staged, handed over, durable."""
+    """This rank's part of the job, durable. Files are staged in shared memory
+    up to the staging limit (_staging_limit); the rest are streamed to the
+    daemon from the tensors, which do not change meanwhile (the caller waits
+    for dcp.save; dcp.async_save's are its snapshot)."""
     pool = storage.pool
+    limit = _staging_limit(storage)
     staged: list[_fp.StagedFile] = []
+    held = 0  # bytes of the pool's buffers this part holds
     by_name: dict[str, WriteItem] = {}
     try:
         for items in files:
@@ -96,8 +103,17 @@ def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
                 s = stored_item(item, planner.resolve_data(item), host=False)
                 stored.append(s)
                 by_name[s.name] = item
+            nbytes = sum(s.nbytes for s in stored)
             pinned = any(s.source.is_cuda for s in stored)
-            buffer = pool.acquire(sum(s.nbytes for s in stored), 0, pinned)
+            buffer = pool.acquire(nbytes, 0, pinned) if not limit or held + nbytes <= limit \
+                else None
+            if buffer is not None and limit and held + buffer.numel() > limit:
+                pool.give_back_unused([buffer], pinned)  # a free buffer larger than asked
+                buffer = None
+            if buffer is None:
+                staged.append(_fp.StagedFile([_on_host(s) for s in stored], None))
+                continue
+            held += buffer.numel()
             try:
                 staged.append(_fp.stage_file(stored, buffer, pinned))
             except BaseException:
@@ -132,20 +148,34 @@ def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
     return results
 
 
+def _staging_limit(storage: _fp.ThroughDaemon) -> int:
+    """The shared memory a part may hold (0: no limit): FASTPERSIST_STAGING_BUDGET
+    and the daemon's budgets, whichever is least. A part over the daemon's would
+    be refused (RESOURCE_EXHAUSTED)."""
+    info = storage.client.info(cached=True)
+    limits = [b for b in (_fp.knobs.current().staging_budget, info.client_budget,
+                          info.staging_budget) if b]
+    return min(limits, default=0)
+
+
+def _on_host(s: _fp.StoredTensor) -> _fp.StoredTensor:
+    """s with a contiguous CPU source (what a streamed file is read from)."""
+    t = s.source
+    return s if t.is_cpu and t.is_contiguous() else s._replace(source=t.to("cpu").contiguous())
+
+
 def _block_crcs(file: _fp.StagedFile) -> dict[str, list[int]]:
     """The CRC32C of each block of the file's items larger than one block,
-    from the staged copy (what the daemon reads)."""
-    assert file.buffer is not None
-    out: dict[str, list[int]] = {}
-    memory: memoryview | None = None
-    for t, start in zip(file.order, file.starts, strict=False):
-        if t.nbytes <= CRC_BLOCK:
-            continue
-        if memory is None:
-            memory = bytes_of(file.buffer)
-        out[t.name] = [_fp.crc32c(memory[start + a:start + a + n])
-                       for a, n in block_spans(t.nbytes)]
-    return out
+    from what the daemon reads: the staged copy, or a streamed file's tensors."""
+    if file.buffer is None:
+        pieces = [(t, bytes_of(t.source)) for t in file.entries if t.nbytes > CRC_BLOCK]
+    else:
+        memory = bytes_of(file.buffer)
+        pieces = [(t, memory[start:start + t.nbytes])
+                  for t, start in zip(file.order, file.starts, strict=False)
+                  if t.nbytes > CRC_BLOCK]
+    return {t.name: [_fp.crc32c(m[a:a + n]) for a, n in block_spans(t.nbytes)]
+            for t, m in pieces}
 
 
 def refuse_cached_plans(plans: list[Any]) -> None:
