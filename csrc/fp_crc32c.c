@@ -3,14 +3,19 @@
  *
  * On x86-64 with SSE4.2 the crc32 instruction runs three independent streams
  * at once (it has a latency of 3 cycles and a throughput of 1), and the three
- * partial CRCs are joined with the GF(2) shift below. Elsewhere a
- * slicing-by-8 table does the work. fp_crc32c_combine() joins the CRCs of
+ * partial CRCs are joined with the GF(2) shift below. Where the CPU has
+ * AVX-512 carry-less multiplication (VPCLMULQDQ), buffers of 1 KiB and more
+ * are folded 256 bytes at a time instead (four 512-bit lanes, 3x the crc32
+ * instruction's speed: that is read bandwidth here), and the crc32
+ * instruction reduces what is left. Elsewhere a slicing-by-8 table does the
+ * work. fp_crc32c_combine() joins the CRCs of
  * consecutive pieces, which is what lets several threads checksum one
  * tensor's blocks independently.
  */
 #include "fp_engine.h"
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define POLY 0x82f63b78u /* CRC32C, reflected */
@@ -18,6 +23,7 @@
 static uint32_t table[8][256];
 static uint32_t x2n_table[32];
 static int have_sse42;
+static int have_vpclmul;
 
 /* a * b modulo the CRC polynomial, both reflected (bit 31 is x^0). */
 static uint32_t multmodp(uint32_t a, uint32_t b)
@@ -120,6 +126,96 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uns
         c0 = _mm_crc32_u8((uint32_t)c0, *p++);
     return (uint32_t)c0;
 }
+
+/*
+ * Folding. A 16-byte block A of the message, as a polynomial with its first
+ * bit the highest term (the reflected order: bit j of the little-endian
+ * 128-bit value is x^(127-j)), is A = H x^64 + L with H its low quadword and L
+ * its high one. D bits later in the message it counts as A x^D, congruent
+ * (mod P) to H (x^(D+32) mod P) x^32 + L (x^(D-32) mod P) x^32: two carry-less
+ * products of a quadword by a 33-bit constant, which land, shifted by the
+ * x^32, exactly on the 128 bits of the block D bits later, and are XORed into
+ * it. The constants are the reflected residues shifted left once (bit i of
+ * the constant is x^(32-i)), computed at start-up from x2nmodp: fold[d][0]
+ * multiplies low quadwords, fold[d][1] high ones.
+ */
+enum { FOLD_256, FOLD_64, FOLD_16 };
+static uint64_t fold[3][2];
+
+static void fold_constants(int which, uint64_t bits)
+{
+    fold[which][0] = (uint64_t)x2nmodp(bits + 32, 0) << 1;
+    fold[which][1] = (uint64_t)x2nmodp(bits - 32, 0) << 1;
+}
+
+#include <immintrin.h>
+
+#define VPCLMUL_TARGET "avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"
+
+__attribute__((target(VPCLMUL_TARGET))) static inline __m512i fold512(__m512i x, __m512i k,
+                                                                       __m512i next)
+{
+    __m512i lo = _mm512_clmulepi64_epi128(x, k, 0x00);
+    __m512i hi = _mm512_clmulepi64_epi128(x, k, 0x11);
+    return _mm512_ternarylogic_epi64(lo, hi, next, 0x96); /* lo ^ hi ^ next */
+}
+
+__attribute__((target(VPCLMUL_TARGET))) static inline __m128i fold128(__m128i x, __m128i k,
+                                                                      __m128i next)
+{
+    __m128i lo = _mm_clmulepi64_si128(x, k, 0x00);
+    __m128i hi = _mm_clmulepi64_si128(x, k, 0x11);
+    return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
+}
+
+/* Raw register update of n >= 256 bytes. */
+__attribute__((target(VPCLMUL_TARGET))) static uint32_t crc_vpclmul(uint32_t crc,
+                                                                     const unsigned char *p,
+                                                                     size_t n)
+{
+    const __m512i k256 = _mm512_set_epi64(
+        (long long)fold[FOLD_256][1], (long long)fold[FOLD_256][0],
+        (long long)fold[FOLD_256][1], (long long)fold[FOLD_256][0],
+        (long long)fold[FOLD_256][1], (long long)fold[FOLD_256][0],
+        (long long)fold[FOLD_256][1], (long long)fold[FOLD_256][0]);
+    const __m512i k64 = _mm512_set_epi64(
+        (long long)fold[FOLD_64][1], (long long)fold[FOLD_64][0],
+        (long long)fold[FOLD_64][1], (long long)fold[FOLD_64][0],
+        (long long)fold[FOLD_64][1], (long long)fold[FOLD_64][0],
+        (long long)fold[FOLD_64][1], (long long)fold[FOLD_64][0]);
+    const __m128i k16 = _mm_set_epi64x((long long)fold[FOLD_16][1],
+                                       (long long)fold[FOLD_16][0]);
+    /* The register's value enters as the XOR of the first four bytes. */
+    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p),
+                                  _mm512_castsi128_si512(_mm_cvtsi32_si128((int)crc)));
+    __m512i x1 = _mm512_loadu_si512(p + 64);
+    __m512i x2 = _mm512_loadu_si512(p + 128);
+    __m512i x3 = _mm512_loadu_si512(p + 192);
+    p += 256;
+    n -= 256;
+    while (n >= 256) {
+        x0 = fold512(x0, k256, _mm512_loadu_si512(p));
+        x1 = fold512(x1, k256, _mm512_loadu_si512(p + 64));
+        x2 = fold512(x2, k256, _mm512_loadu_si512(p + 128));
+        x3 = fold512(x3, k256, _mm512_loadu_si512(p + 192));
+        p += 256;
+        n -= 256;
+    }
+    x1 = fold512(x0, k64, x1);
+    x2 = fold512(x1, k64, x2);
+    x3 = fold512(x2, k64, x3);
+    __m128i a = _mm512_extracti32x4_epi32(x3, 0);
+    a = fold128(a, k16, _mm512_extracti32x4_epi32(x3, 1));
+    a = fold128(a, k16, _mm512_extracti32x4_epi32(x3, 2));
+    a = fold128(a, k16, _mm512_extracti32x4_epi32(x3, 3));
+    /* The 16 bytes left stand for all that came before: the crc32
+     * instruction, from 0, reduces them; the tail continues from there. */
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(a));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(a, 1));
+    return crc_hw((uint32_t)c, p, n);
+}
+
+#define VPCLMUL_MIN 1024 /* below this the set-up costs more than it saves */
 #endif
 
 void fp_crc32c_init(void)
@@ -142,18 +238,27 @@ void fp_crc32c_init(void)
     shift_2stripes = x2nmodp(2 * STRIPE, 3);
     __builtin_cpu_init();
     have_sse42 = __builtin_cpu_supports("sse4.2");
+    fold_constants(FOLD_256, 256 * 8);
+    fold_constants(FOLD_64, 64 * 8);
+    fold_constants(FOLD_16, 16 * 8);
+    have_vpclmul = have_sse42 && __builtin_cpu_supports("avx512f") &&
+                   __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") &&
+                   getenv("FASTPERSIST_CRC32C_NO_VPCLMUL") == NULL;
 #endif
 }
 
 const char *fp_crc32c_impl(void)
 {
-    return have_sse42 ? "sse4.2" : "slice-by-8";
+    return have_vpclmul ? "avx512-vpclmulqdq" : have_sse42 ? "sse4.2" : "slice-by-8";
 }
 
 uint32_t fp_crc32c(uint32_t crc, const void *buf, size_t len)
 {
     uint32_t c = ~crc;
 #if defined(__x86_64__)
+    if (have_vpclmul && len >= VPCLMUL_MIN)
+        return ~crc_vpclmul(c, buf, len);
     if (have_sse42)
         return ~crc_hw(c, buf, len);
 #endif

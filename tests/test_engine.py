@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import platform
+import random
 import resource
 import signal
 import subprocess
@@ -54,6 +55,44 @@ def test_crc32c_matches_reference_library(size: int) -> None:
     for start in range(4):  # every alignment of the start pointer
         chunk = data[start:start + size]
         assert _engine.crc32c(chunk) == crc32c.crc32c(chunk)
+
+
+def test_crc32c_at_every_length_alignment_and_start_value() -> None:
+    """Every length across the AVX-512 path's threshold (1 KiB) and a few folds
+    of 256 bytes past it, from every 64-byte alignment, continuing a random
+    register: the same value as the crc32c package's."""
+    rng = random.Random(5)
+    data = memoryview(os.urandom(8192))
+    for n in range(0, 3000):
+        start, value = rng.randrange(64), rng.getrandbits(32)
+        chunk = data[start:start + n]
+        assert _engine.crc32c(chunk, value) == crc32c.crc32c(bytes(chunk), value), (n, start)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags")
+            for f in line.split(":", 1)[1].split()}
+
+
+def test_crc32c_folds_with_vpclmulqdq_where_the_cpu_has_it() -> None:
+    """Where the CPU has it, the AVX-512 path is the one used (so the test
+    above exercises it), and with FASTPERSIST_CRC32C_NO_VPCLMUL the crc32
+    instruction alone gives the same values."""
+    if not {"avx512f", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= _cpu_flags():
+        pytest.skip("no AVX-512 VPCLMULQDQ on this CPU")
+    assert _engine.CRC32C_IMPL == "avx512-vpclmulqdq"
+    code = ("import sys; from fastpersist import _engine\n"
+            "data = bytes(range(256)) * 40 + b'tail'\n"
+            "print(_engine.CRC32C_IMPL, _engine.crc32c(data, 12345))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, FASTPERSIST_CRC32C_NO_VPCLMUL="1"))
+    impl, value = out.stdout.split()
+    assert impl == "sse4.2"
+    assert int(value) == _engine.crc32c(bytes(range(256)) * 40 + b"tail", 12345)
 
 
 def test_crc32c_known_answer() -> None:
