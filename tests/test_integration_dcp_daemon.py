@@ -8,7 +8,9 @@ checkpoint or the new one, and the daemon clears what a killed save left.
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,12 @@ from torch.distributed.checkpoint.planner import WriteItem
 import fastpersist
 from fastpersist.cli import main as fpctl
 from fastpersist.errors import DaemonError
-from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter, through_daemon
+from fastpersist.integrations.dcp import (
+    FastPersistReader,
+    FastPersistWriter,
+    _fp,
+    through_daemon,
+)
 from fastpersist.integrations.dcp.blocks import CRC_BLOCK
 from fastpersist.integrations.dcp.metadata_json import DCP_METADATA_NAME
 from fastpersist.tensors.checkpoint import read_manifest
@@ -131,6 +138,47 @@ def test_files_over_the_staging_limit_are_streamed(tmp_path: Path,
         d.cleanup()
 
 
+def test_a_part_the_node_has_no_room_for_is_streamed(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other clients hold most of the node's staging budget: the daemon refuses
+    the part's staged files at Open (RESOURCE_EXHAUSTED), and the rank streams
+    them instead."""
+    d = Daemon(tmp_path, "--staging-budget", "16M", "--client-budget", "12M").start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(4 << 20))
+    other = _fp.ThroughDaemon(d.address)
+    try:
+        _, held = other.client.open("held", 8 << 20, 1)  # 8 of the node's 16 MiB
+        sd = {f"t{i}": torch.full((3 << 18,), float(i)) for i in range(3)}  # 3 x 3 MiB
+        dcp.save(sd, storage_writer=FastPersistWriter(d.root / "ckpt", daemon=d.address))
+        assert through_daemon.storage_for(d.address).pool.allocated_bytes >= 9 << 20  # staged
+        got = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(got, storage_reader=FastPersistReader(d.root / "ckpt"))
+        assert all(torch.equal(got[k], v) for k, v in sd.items())
+        held.cancel()
+    finally:
+        other.close()
+        through_daemon.forget(d.address)
+        d.cleanup()
+
+
+def test_items_that_change_during_the_save_fail_it(through: Daemon,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRC32Cs a rank computes of its large items are checked against the
+    daemon's: a difference (here made up) fails the save, which commits nothing."""
+    target = through.root / "ckpt"
+    dcp.save(sample(1), storage_writer=FastPersistWriter(target))
+    real = through_daemon._block_crcs
+
+    def skewed(file: Any) -> dict[str, list[int]]:
+        return {name: [c ^ 1 for c in crcs] for name, crcs in real(file).items()}
+
+    monkeypatch.setattr(through_daemon, "_block_crcs", skewed)
+    with pytest.raises(CheckpointException, match="differs from this process's"):
+        dcp.save(sample(2), storage_writer=FastPersistWriter(target))
+    assert_loads_as(target, sample(1))
+
+
 def test_async_saves_reuse_the_shared_memory_and_leave_nothing(through: Daemon) -> None:
     target = through.root / "ckpt"
     writer = FastPersistWriter(target)
@@ -189,25 +237,81 @@ class _FailingPlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
+def _save_that_fails(target: Path, address: str) -> None:
+    try:
+        dcp.save(sample(2), storage_writer=FastPersistWriter(target, daemon=address),
+                 planner=_FailingPlanner())
+    except CheckpointException as exc:
+        assert "the state cannot be read" in str(exc)
+    else:
+        pytest.fail("the save did not fail")
+    gc.collect()  # (the failed writer is gone, as a caller's usually is)
+
+
 @pytest.mark.parametrize("daemon_mode", [True, False], ids=["daemon", "in-process"])
 def test_after_a_failed_save_the_next_one_of_the_path_works(
         daemon: Daemon, daemon_mode: bool) -> None:
     """DCP calls nothing on the writer when a save fails; a new writer of the
     same path clears what the failed one left (the daemon's job, or the
-    staging directory) instead of refusing the path for the life of the process."""
+    staging directory) instead of refusing the path for the life of the
+    process: from the same thread, and from another (dcp.async_save's) while
+    the failed save's thread goes on."""
     address = daemon.address if daemon_mode else ""
     target = daemon.root / "ckpt"
     try:
         dcp.save(sample(1), storage_writer=FastPersistWriter(target, daemon=address))
-        with pytest.raises(CheckpointException, match="the state cannot be read"):
-            dcp.save(sample(2), storage_writer=FastPersistWriter(target, daemon=address),
-                     planner=_FailingPlanner())
+        _save_that_fails(target, address)
         assert len(hidden(daemon.root)) == 1  # the failed save's job or staging directory
         dcp.save(sample(3), storage_writer=FastPersistWriter(target, daemon=address))
         assert_loads_as(target, sample(3))
+        _save_that_fails(target, address)
+        dcp.async_save(sample(4), storage_writer=FastPersistWriter(target, daemon=address)
+                       ).result()
+        assert_loads_as(target, sample(4))
         assert wait_until(lambda: hidden(daemon.root) == [])
     finally:
         through_daemon.forget(daemon.address)
+
+
+class _GatedPlanner(DefaultSavePlanner):
+    """Holds the save in write_data until `go` is set."""
+
+    def __init__(self, writing: threading.Event, go: threading.Event) -> None:
+        super().__init__()
+        self.writing, self.go = writing, go
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        self.writing.set()
+        self.go.wait(60)
+        return super().resolve_data(write_item)
+
+
+def test_a_save_in_progress_keeps_its_path(daemon: Daemon) -> None:
+    """While a save of a path runs on another thread, another save of it in
+    this process is refused, and the running one is not disturbed."""
+    target = daemon.root / "ckpt"
+    writing, go = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            dcp.save(sample(1), storage_writer=FastPersistWriter(target, daemon=""),
+                     planner=_GatedPlanner(writing, go))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert writing.wait(60)
+        with pytest.raises(CheckpointException, match="is in progress in this process"):
+            dcp.save(sample(2), storage_writer=FastPersistWriter(target, daemon=""))
+    finally:
+        go.set()
+        thread.join(60)
+    assert not errors, errors
+    assert_loads_as(target, sample(1))
+    assert hidden(daemon.root) == []
 
 
 def test_a_job_commit_refuses_files_it_must_not_write(daemon: Daemon) -> None:
@@ -217,7 +321,10 @@ def test_a_job_commit_refuses_files_it_must_not_write(daemon: Daemon) -> None:
         for files, message in [({"../escape": b"x"}, "cannot write a file named"),
                                ({".hidden": b"x"}, "cannot write a file named"),
                                ({"manifest.json": b"{}"}, "cannot write a file named"),
-                               ({"data-r00000-000.safetensors": b""}, "named"),
+                               ({"MANIFEST.JSON": b"{}"}, "cannot write a file named"),
+                               ({"dcp_metadata.json\n": b"{}"}, "cannot write a file named"),
+                               ({"data-r00000-000.safetensors": b""},
+                                "cannot write a file named"),
                                ({f"f{i}": b"" for i in range(9)}, "at most 8 files")]:
             with pytest.raises(DaemonError, match=message) as caught:
                 storage.publish(job, b"{}", None, files=files)

@@ -38,8 +38,9 @@ MAX_NAME_BYTES = 64 << 10  # a tensor's name (its key path in the state)
 MAX_ID_BYTES = 512  # checkpoint and job ids, nodes: what the daemon gave out is shorter
 MAX_EXTRA_FILES = 8  # CommitJob's files: a format's own metadata beside the manifest
 # Plain names, never hidden (the daemon's marker, staging) and never in the data
-# files' namespace; manifest.json is the daemon's to write.
-_EXTRA_FILE_NAME = re.compile(r"^(?!data-)(?!manifest\.json$)[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+# files' namespace; manifest.json is the daemon's to write. Matched whole and
+# case-folded (a case-insensitive file system would take MANIFEST.JSON for it).
+_EXTRA_FILE_NAME = re.compile(r"(?!data-)(?!manifest\.json\Z)[a-z0-9_][a-z0-9_.-]{0,127}")
 
 
 class RequestError(Exception):
@@ -127,7 +128,7 @@ def check_extra_files(files: Mapping[str, bytes]) -> None:
     if len(files) > MAX_EXTRA_FILES:
         raise invalid(f"a job commit carries at most {MAX_EXTRA_FILES} files, not {len(files)}")
     for name in files:
-        if not _EXTRA_FILE_NAME.match(name):
+        if not _EXTRA_FILE_NAME.fullmatch(name.casefold()):
             raise invalid(f"a job commit cannot write a file named {shown(name)}: a file "
                           "beside the manifest has a plain name (letters, digits, '_', '.', "
                           "'-'; not hidden, not data-*, not manifest.json)")

@@ -103,6 +103,11 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
 
 
 def _chunks(order: list[StoredTensor]) -> Iterator[memoryview]:
+    """Each tensor's bytes as the stream reaches it: a device or non-contiguous
+    tensor is copied to the host then, one at a time, not all up front."""
     for t in order:
-        source = t.source if t.source.device.type == "cpu" else t.source.cpu()
-        yield memoryview(memory_of(source)).cast("B")
+        yield memoryview(memory_of(_host(t.source))).cast("B")
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_cpu and t.is_contiguous() else t.to("cpu").contiguous()

@@ -52,18 +52,38 @@ def storage_for(address: str) -> _fp.ThroughDaemon:
     with _storages_lock:
         storage = _storages.get(address)
         if storage is None:
-            storage = _fp.ThroughDaemon(address)
-            info = storage.client.info(cached=True)
-            if "commit-files" not in info.features:
-                version = info.version
-                storage.close()
-                # It would commit the job without dcp_metadata.json.
-                raise _fp.DaemonError(
-                    f"fastpersistd at {address} (fastpersist {version}) cannot write a DCP "
-                    "checkpoint's metadata (CommitJob.files): DCP saves through it need a "
-                    f"daemon of fastpersist {_fp.__version__} or later", "FAILED_PRECONDITION")
-            _storages[address] = storage
+            storage = _storages[address] = _fp.ThroughDaemon(address)
         return storage
+
+
+def begin(storage: _fp.ThroughDaemon, target: Path) -> str:
+    """Begin the job of a save of `target`; its id. Asks the daemon what it can
+    do each time: one restarted at another version since the last save would
+    otherwise commit the job without dcp_metadata.json."""
+    info = storage.client.info()
+    if "commit-files" not in info.features:
+        raise _fp.DaemonError(
+            f"fastpersistd at {storage.client.address} (fastpersist {info.version}) cannot "
+            "write a DCP checkpoint's metadata (CommitJob.files): DCP saves through it need a "
+            f"daemon of fastpersist {_fp.__version__} or later", "FAILED_PRECONDITION")
+    return storage.stage(target)
+
+
+# The daemon takes messages of up to 64 MiB (daemon/server.py); the commit's
+# other fields are small.
+MAX_COMMIT_BYTES = 60 << 20
+
+
+def commit(storage: _fp.ThroughDaemon, job_id: str, manifest: bytes,
+           files: dict[str, bytes]) -> None:
+    """CommitJob with the manifest and `files` beside it."""
+    size = len(manifest) + sum(len(d) for d in files.values())
+    if size > MAX_COMMIT_BYTES:
+        raise _fp.CheckpointError(
+            f"the checkpoint's manifest and DCP metadata are {size} bytes together, more than "
+            f"fastpersistd takes in one commit ({MAX_COMMIT_BYTES}): save this state in-process "
+            "(FastPersistWriter(path, daemon=\"\")), or with fewer, larger items")
+    storage.publish(job_id, manifest, None, files=files)
 
 
 @atexit.register
@@ -88,42 +108,37 @@ def forget(address: str) -> None:
 def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
           files: list[list[WriteItem]], planner: SavePlanner) -> list[WriteResult]:
     """This rank's part of the job, durable. Files are staged in shared memory
-    up to the staging limit (_staging_limit); the rest are streamed to the
-    daemon from the tensors, which do not change meanwhile (the caller waits
-    for dcp.save; dcp.async_save's are its snapshot)."""
+    up to the staging limit (_staging_limit); the rest, and all of them if the
+    daemon has no room for the staged ones when the part opens (other ranks of
+    the node hold its budget), are streamed to it from the tensors, which do
+    not change meanwhile (the caller waits for dcp.save; dcp.async_save's are
+    its snapshot); a device tensor is copied to the host as the stream reaches it."""
     pool = storage.pool
-    limit = _staging_limit(storage)
-    staged: list[_fp.StagedFile] = []
-    held = 0  # bytes of the pool's buffers this part holds
     by_name: dict[str, WriteItem] = {}
+    stored_files = []
+    for items in files:
+        stored = []
+        for item in items:
+            s = stored_item(item, planner.resolve_data(item), host=False)
+            stored.append(s)
+            by_name[s.name] = item
+        stored_files.append(stored)
+    staged = _stage(pool, stored_files, _staging_limit(storage))
     try:
-        for items in files:
-            stored = []
-            for item in items:
-                s = stored_item(item, planner.resolve_data(item), host=False)
-                stored.append(s)
-                by_name[s.name] = item
-            nbytes = sum(s.nbytes for s in stored)
-            pinned = any(s.source.is_cuda for s in stored)
-            buffer = pool.acquire(nbytes, 0, pinned) if not limit or held + nbytes <= limit \
-                else None
-            if buffer is not None and limit and held + buffer.numel() > limit:
-                pool.give_back_unused([buffer], pinned)  # a free buffer larger than asked
-                buffer = None
-            if buffer is None:
-                staged.append(_fp.StagedFile([_on_host(s) for s in stored], None))
-                continue
-            held += buffer.numel()
-            try:
-                staged.append(_fp.stage_file(stored, buffer, pinned))
-            except BaseException:
-                pool.discard(buffer, pinned)
-                raise
         blocks: dict[str, list[int]] = {}
         for file in staged:
             file.wait_copied()
             blocks.update(_block_crcs(file))
-        records = storage.write(target, job_id, rank, staged, None)
+        try:
+            records = storage.write(target, job_id, rank, staged, None)
+        except _fp.DaemonError as exc:
+            if exc.code != "RESOURCE_EXHAUSTED" or all(f.buffer is None for f in staged):
+                raise
+            # Refused at Open, before anything was lent: stream every file.
+            for file in staged:
+                pool.give_back(file)
+            staged = [_fp.StagedFile(stored, None) for stored in stored_files]
+            records = storage.write(target, job_id, rank, staged, None)
     finally:
         for file in staged:
             pool.give_back(file)  # reused, or quarantined if the daemon may still read it
@@ -137,7 +152,7 @@ def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
                                ) != record.crc32c:
                     raise _fp.CorruptCheckpointError(
                         f"{record.name}: fastpersistd's CRC32C of the item differs from this "
-                        "process's of the same staged bytes")
+                        "process's of the same bytes: they changed during the save")
             info = ItemInfo(record.name, tuple(item_blocks or ()))
             item = by_name.pop(record.name)
             results.append(WriteResult(index=item.index, size_in_bytes=record.length,
@@ -146,6 +161,41 @@ def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
         raise _fp.DaemonError(f"fastpersistd reported no record of {sorted(by_name)[:3]}",
                               "INTERNAL")
     return results
+
+
+def _stage(pool: _fp.StagingPool, stored_files: list[list[_fp.StoredTensor]],
+           limit: int) -> list[_fp.StagedFile]:
+    """Each file staged in a buffer of the pool while they fit `limit` (0: no
+    limit) and shared memory has room; unstaged (streamed) after that."""
+    staged: list[_fp.StagedFile] = []
+    held = 0  # bytes of the pool's buffers these files hold
+    try:
+        for stored in stored_files:
+            nbytes = sum(s.nbytes for s in stored)
+            pinned = any(s.source.is_cuda for s in stored)
+            buffer = None
+            if not limit or held + nbytes <= limit:
+                try:
+                    buffer = pool.acquire(nbytes, 0, pinned)
+                except (OSError, _fp.CheckpointError):
+                    buffer = None  # shared memory is full (ENOSPC): stream it
+            if buffer is not None and limit and held + buffer.numel() > limit:
+                pool.give_back_unused([buffer], pinned)  # a free buffer larger than asked
+                buffer = None
+            if buffer is None:
+                staged.append(_fp.StagedFile(stored, None))
+                continue
+            held += buffer.numel()
+            try:
+                staged.append(_fp.stage_file(stored, buffer, pinned))
+            except BaseException:
+                pool.discard(buffer, pinned)
+                raise
+    except BaseException:
+        for file in staged:
+            pool.give_back(file)
+        raise
+    return staged
 
 
 def _staging_limit(storage: _fp.ThroughDaemon) -> int:
@@ -158,24 +208,27 @@ def _staging_limit(storage: _fp.ThroughDaemon) -> int:
     return min(limits, default=0)
 
 
-def _on_host(s: _fp.StoredTensor) -> _fp.StoredTensor:
-    """s with a contiguous CPU source (what a streamed file is read from)."""
-    t = s.source
-    return s if t.is_cpu and t.is_contiguous() else s._replace(source=t.to("cpu").contiguous())
-
-
 def _block_crcs(file: _fp.StagedFile) -> dict[str, list[int]]:
     """The CRC32C of each block of the file's items larger than one block,
-    from what the daemon reads: the staged copy, or a streamed file's tensors."""
+    from what the daemon reads: the staged copy, or a streamed file's tensors
+    (a device or non-contiguous one copied to the host, one at a time)."""
+    out: dict[str, list[int]] = {}
     if file.buffer is None:
-        pieces = [(t, bytes_of(t.source)) for t in file.entries if t.nbytes > CRC_BLOCK]
-    else:
-        memory = bytes_of(file.buffer)
-        pieces = [(t, memory[start:start + t.nbytes])
-                  for t, start in zip(file.order, file.starts, strict=False)
-                  if t.nbytes > CRC_BLOCK]
-    return {t.name: [_fp.crc32c(m[a:a + n]) for a, n in block_spans(t.nbytes)]
-            for t, m in pieces}
+        for t in file.entries:
+            if t.nbytes > CRC_BLOCK:
+                src = t.source if t.source.is_cpu and t.source.is_contiguous() else \
+                    t.source.to("cpu").contiguous()
+                out[t.name] = _crcs(bytes_of(src), t.nbytes)
+        return out
+    memory = bytes_of(file.buffer)
+    for t, start in zip(file.order, file.starts, strict=False):
+        if t.nbytes > CRC_BLOCK:
+            out[t.name] = _crcs(memory[start:start + t.nbytes], t.nbytes)
+    return out
+
+
+def _crcs(memory: memoryview, nbytes: int) -> list[int]:
+    return [_fp.crc32c(memory[a:a + n]) for a, n in block_spans(nbytes)]
 
 
 def refuse_cached_plans(plans: list[Any]) -> None:

@@ -40,6 +40,7 @@ import shutil
 import socket
 import threading
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -67,17 +68,24 @@ _token: str | None = None
 @dataclasses.dataclass(eq=False)
 class _Claim:
     """A save of a path begun by this process and not finished: by `thread`
-    (the coordinator's), through the daemon as `job` once begun."""
+    (the coordinator's) with `writer`, through the daemon as `job` once begun."""
 
     key: tuple[str, Path]  # (daemon address or "", target)
     thread: threading.Thread
+    writer: weakref.ref[FastPersistWriter]
     job: str = ""
 
+    def in_progress(self) -> bool:
+        """DCP tells a storage writer nothing when a save fails (finish is not
+        called). A save may still be running only while its writer exists and
+        its thread is alive and is not the caller's (a thread runs one save at
+        a time); otherwise this is a failed save's claim."""
+        return self.thread is not threading.current_thread() and self.thread.is_alive() \
+            and self.writer() is not None
 
-# (daemon address or "", target) -> the save of it in flight in this process.
-# DCP tells a storage writer nothing when a save fails (finish is not called):
-# a claim whose thread has since begun another save, or has ended, is a failed
-# save's, and the next save of the path clears what it left.
+
+# (daemon address or "", target) -> the save of it in flight in this process;
+# the next save of the path clears what a failed one left.
 _in_flight: dict[tuple[str, Path], _Claim] = {}
 _in_flight_lock = threading.Lock()
 
@@ -246,8 +254,8 @@ class FastPersistWriter(StorageWriter, AsyncStager):
                 manifest = build(metadata, written, str(self.path))
                 meta_json = metadata_json.dumps(metadata)
             if job is not None:
-                through_daemon.storage_for(self.daemon).publish(
-                    job, manifest, None, files={metadata_json.DCP_METADATA_NAME: meta_json})
+                through_daemon.commit(through_daemon.storage_for(self.daemon), job, manifest,
+                                      {metadata_json.DCP_METADATA_NAME: meta_json})
             else:
                 assert staging is not None
                 staging.write_file(metadata_json.DCP_METADATA_NAME, meta_json)
@@ -272,7 +280,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         try:
             if failed is not None and failed.job:
                 storage.abort(failed.job)  # else the daemon refuses a new job of the path
-            job = storage.stage(self.path)
+            job = through_daemon.begin(storage, self.path)
         except BaseException:
             self._drop_claim()
             raise
@@ -299,14 +307,15 @@ class FastPersistWriter(StorageWriter, AsyncStager):
 
     def _take_claim(self) -> _Claim | None:
         """Claim the path for this save; returns a failed save's claim it replaced."""
-        key, me = (self.daemon, self.path), threading.current_thread()
+        key = (self.daemon, self.path)
         with _in_flight_lock:
             held = _in_flight.get(key)
-            if held is not None and held.thread is not me and held.thread.is_alive():
+            if held is not None and held.in_progress():
                 raise _fp.CheckpointError(
                     f"another save to {self.path} is in progress in this process (begun by "
-                    f"thread {held.thread.name!r}, which has not begun a save since)")
-            self._claim = _in_flight[key] = _Claim(key, me)
+                    f"thread {held.thread.name!r}, whose writer is still in use)")
+            self._claim = _in_flight[key] = _Claim(key, threading.current_thread(),
+                                                   weakref.ref(self))
         return held
 
     def _abort_pending(self) -> None:
@@ -314,15 +323,19 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         took it over (then what it left is that save's to clear)."""
         staging, self._staging = self._staging, None
         job, self._job = self._job, None
-        claim = self._claim
+        claim, self._claim = self._claim, None
+        # Under the lock: a save taking the path over meanwhile would make its
+        # staging directory under the same name (the token is per process).
         with _in_flight_lock:
-            ours = claim is not None and _in_flight.get(claim.key) is claim
-        if ours:
-            if staging is not None:
-                staging.abort()
-            if job is not None:  # (the daemon also drops a job nobody touches)
-                through_daemon.storage_for(self.daemon).abort(job)
-        self._drop_claim()
+            if claim is None or _in_flight.get(claim.key) is not claim:
+                return
+            try:
+                if staging is not None:
+                    staging.abort()
+                if job is not None:  # (the daemon also drops a job nobody touches)
+                    through_daemon.storage_for(self.daemon).abort(job)
+            finally:
+                del _in_flight[claim.key]
 
     def _drop_claim(self) -> None:
         claim, self._claim = self._claim, None
