@@ -92,6 +92,25 @@ def test_dp4_through_the_daemon_writes_parts_and_commits_once(daemon: Daemon,
     assert fpctl(["verify", str(ckpt)]) == 0
 
 
+def test_parts_the_daemon_has_no_staging_room_for_are_streamed(tmp_path: Path) -> None:
+    """Each rank's part is over what the daemon lets one client stage: Open
+    refuses it (RESOURCE_EXHAUSTED) and the rank streams the same bytes from
+    its staging buffers instead of failing the job."""
+    d = _daemon(tmp_path / "daemon", "--client-budget", "64K")
+    try:
+        ckpt = d.root / "ckpt"
+        reports = run_job(tmp_path, "save", ["n0", "n0"], {"path": str(ckpt)},
+                          env={"FASTPERSIST_DAEMON": d.address,
+                               "FASTPERSIST_SHM_DIR": str(d.shm_dir)})
+        ok(reports)
+        assert sorted(e["rank"] for e in d.events("part-written")) == [0, 1]
+        check_loaded(describe_here(fastpersist.load(ckpt)), tp=False)
+        assert fpctl(["verify", str(ckpt)]) == 0
+        assert _segments(d) == [], "the ranks left shared-memory segments"
+    finally:
+        d.cleanup()
+
+
 def test_a_compressed_job_is_packed_by_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
     ckpt = daemon.root / "shared" / "ckpt"
     ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],

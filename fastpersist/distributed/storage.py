@@ -44,7 +44,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..engine import get_engine
 from ..errors import CheckpointError, DaemonError, ManifestError, PostCommitError
@@ -226,16 +226,30 @@ class ThroughDaemon:
         if not files:
             return []
         reserve = sum(f.buffer.numel() for f in files if f.buffer is not None)
-        ident, stream = self.client.open(self.client.relative(target), reserve, len(files),
-                                         job_id=where, rank=rank,
-                                         compression="zstd" if frame_bytes else "",
-                                         frame_bytes=frame_bytes)
+        relative = self.client.relative(target)
+
+        def open_part(staging_bytes: int) -> tuple[str, Any]:
+            return self.client.open(relative, staging_bytes, len(files), job_id=where,
+                                    rank=rank, compression="zstd" if frame_bytes else "",
+                                    frame_bytes=frame_bytes)
+
+        by_stream = False
+        try:
+            ident, stream = open_part(reserve)
+        except DaemonError as exc:
+            # No room for the buffers (other ranks of the node hold the daemon's
+            # staging budget, or the part is over one client's): the daemon
+            # takes the same bytes streamed, from the buffers, never lent.
+            if exc.code != "RESOURCE_EXHAUSTED" or not reserve:
+                raise
+            by_stream = True
+            ident, stream = open_part(0)
         # Open's stream is our liveness lease until the hand-over.
         handover = Handover(self.client, self._segments, ident,
                             f"the part of rank {rank} of {target}", stream)
         try:
             for index, file in enumerate(files):
-                handover.submit(index, file)
+                handover.submit(index, file, stream=by_stream)
             handover.commit("null", [t.name for f in files for t in f.entries])
             status = handover.wait_end()
         except Exception as exc:

@@ -120,9 +120,10 @@ class Handover:
         self._commit: tuple[str, list[str], AfterCommit | None] | None = None
         self.progress = Progress(client, ident, stream)
 
-    def submit(self, index: int, staged: StagedFile) -> None:
+    def submit(self, index: int, staged: StagedFile, *, stream: bool = False) -> None:
+        """stream=True: send the file's bytes instead of lending its buffer."""
         self._lent.append((index, staged))  # lent (or not) by submit_staged
-        submit_staged(self.client, self.segments, self.ident, index, staged)
+        submit_staged(self.client, self.segments, self.ident, index, staged, stream=stream)
 
     def wait_written(self, files: int) -> None:
         """Until the first `files` files are durable (their buffers are returned)."""

@@ -81,10 +81,10 @@ def socket_group(address: str) -> int | None:
 
 
 def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, index: int,
-                  staged: StagedFile) -> None:
+                  staged: StagedFile, *, stream: bool = False) -> None:
     """Hand one data file to the daemon: by reference to its shared-memory
-    buffer (lent from here on), or streamed from the tensors when it was not
-    staged."""
+    buffer (lent from here on), or streamed: from the tensors when it was not
+    staged, or (stream=True) from its buffer, which is then never lent."""
     staged.wait_copied()
     # The entries' names, dtypes, shapes and sizes are what staging laid out (no
     # views of the buffer are needed: the daemon reads it whole).
@@ -92,6 +92,10 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
     length = layout.data_bytes
     if staged.buffer is None:
         client.submit_stream(ident, index, layout.layout.header, length, _chunks(layout.order))
+        return
+    if stream:  # the buffer is laid out as the data section (sent in 1 MiB messages)
+        client.submit_stream(ident, index, layout.layout.header, length,
+                             [memory_of(staged.buffer)[:length]])
         return
     segment = segments.segment_of(staged.buffer)
     # Before the request leaves: if its reply is lost, the daemon may have

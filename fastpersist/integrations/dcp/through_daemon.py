@@ -108,11 +108,12 @@ def forget(address: str) -> None:
 def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
           files: list[list[WriteItem]], planner: SavePlanner) -> list[WriteResult]:
     """This rank's part of the job, durable. Files are staged in shared memory
-    up to the staging limit (_staging_limit); the rest, and all of them if the
-    daemon has no room for the staged ones when the part opens (other ranks of
-    the node hold its budget), are streamed to it from the tensors, which do
-    not change meanwhile (the caller waits for dcp.save; dcp.async_save's are
-    its snapshot); a device tensor is copied to the host as the stream reaches it."""
+    up to the staging limit (_staging_limit); the rest are streamed to the
+    daemon from the tensors, which do not change meanwhile (the caller waits
+    for dcp.save; dcp.async_save's are its snapshot; a device tensor is copied
+    to the host as the stream reaches it). If the daemon has no room for the
+    staged ones when the part opens (other ranks of the node hold its budget),
+    ThroughDaemon.write streams them from their buffers."""
     pool = storage.pool
     by_name: dict[str, WriteItem] = {}
     stored_files = []
@@ -129,16 +130,7 @@ def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
         for file in staged:
             file.wait_copied()
             blocks.update(_block_crcs(file))
-        try:
-            records = storage.write(target, job_id, rank, staged, None)
-        except _fp.DaemonError as exc:
-            if exc.code != "RESOURCE_EXHAUSTED" or all(f.buffer is None for f in staged):
-                raise
-            # Refused at Open, before anything was lent: stream every file.
-            for file in staged:
-                pool.give_back(file)
-            staged = [_fp.StagedFile(stored, None) for stored in stored_files]
-            records = storage.write(target, job_id, rank, staged, None)
+        records = storage.write(target, job_id, rank, staged, None)
     finally:
         for file in staged:
             pool.give_back(file)  # reused, or quarantined if the daemon may still read it
