@@ -8,6 +8,7 @@ checkpoint or the new one, and the daemon clears what a killed save left.
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import threading
@@ -160,6 +161,29 @@ def test_a_part_the_node_has_no_room_for_is_streamed(tmp_path: Path,
         other.close()
         through_daemon.forget(d.address)
         d.cleanup()
+
+
+def test_files_shared_memory_has_no_room_for_are_streamed(through: Daemon,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A full shared-memory file system (ENOSPC making a segment) streams the
+    file instead of failing the save."""
+    pool = through_daemon.storage_for(through.address).pool
+
+    def full(nbytes: int, budget: int, pinned: bool, timeout: float | None = None) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pool, "acquire", full)
+    target = through.root / "ckpt"
+    dcp.save(sample(), storage_writer=FastPersistWriter(target))
+    assert pool.allocated_bytes == 0
+    assert_loads_as(target, sample())
+    assert_same_checkpoint(target, _local_copy(through.root / "local"))
+
+
+def _local_copy(path: Path) -> Path:
+    dcp.save(sample(), storage_writer=FastPersistWriter(path, daemon=""))
+    return path
 
 
 def test_items_that_change_during_the_save_fail_it(through: Daemon,
