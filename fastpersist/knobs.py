@@ -41,6 +41,10 @@
     FASTPERSIST_BACKGROUND_NICE  nice value of background threads (async  10
                                persist, tier uploads, codec), 0..19; 0: off
                                (background.py)
+    FASTPERSIST_HUGE_PAGES     transparent huge pages for loaded tensors: auto
+                               on, off, or auto (on, unless the machine is
+                               a VM that hands free memory back to its host:
+                               anonmem.py)
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
 thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for
@@ -126,6 +130,12 @@ class Knobs:
         """Queue depth per io_uring thread that fits the budget with uring_threads."""
         per_thread = self.buffer_budget // (self.block_size * self.uring_threads)
         return max(1, min(self.queue_depth, per_thread))
+
+
+def huge_pages() -> str:
+    """FASTPERSIST_HUGE_PAGES (read on its own: anonmem asks for every mapping
+    it makes, and current() also asks the system for CPUs and the host name)."""
+    return _choice_env("FASTPERSIST_HUGE_PAGES", "auto", ("auto", "on", "off"))
 
 
 def current() -> Knobs:
