@@ -301,6 +301,68 @@ def test_restore_safetensors_views_and_dropped_values(
     assert "2 values have no JSON form" in err and "dtype" in err and "blob" in err
 
 
+def test_restore_safetensors_reads_back_as_safetensors_own_file_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], engine_name: str
+) -> None:
+    """The engine's safetensors file holds what safetensors.save_file would: every
+    dtype, 0-d and empty tensors, one larger than the engine's blocks."""
+    g = torch.Generator().manual_seed(3)
+    st: dict[str, Any] = {
+        "big": torch.randn(5 << 20, generator=g),  # 20 MiB: several 8 MiB blocks
+        "bf16": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+        "half": torch.randn(5, generator=g).half(),
+        "i8": torch.randint(-128, 127, (9,), dtype=torch.int8, generator=g),
+        "u8": torch.arange(11, dtype=torch.uint8),
+        "i64": torch.arange(3, dtype=torch.int64),
+        "flags": torch.tensor([True, False, True]),
+        "f8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+        "nested": {"t": torch.randn(2, 2, generator=g).t()},  # a transposed view
+        "step": 12,
+    }
+    fastpersist.save(st, tmp_path / "ck")
+    ours = tmp_path / "ours.safetensors"
+    rc, _, err = run(capsys, "restore", str(tmp_path / "ck"), "--to", str(ours),
+                     "--format", "safetensors")
+    assert rc == 0, err
+    flat = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+    flat["nested.t"] = st["nested"]["t"].contiguous()
+    theirs = tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file(flat, str(theirs), metadata={"step": "12"})
+    got, want = safetensors.torch.load_file(str(ours)), safetensors.torch.load_file(str(theirs))
+    assert set(got) == set(want) == set(flat)
+    for key in want:
+        assert same_bits(got[key], want[key]), key
+    with safetensors.safe_open(str(ours), "pt") as f:
+        assert f.metadata() == {"format": "pt", "step": "12"}
+    # Data from a 4 KiB boundary (the header padded with spaces), no holes after it.
+    header_len = int.from_bytes(ours.read_bytes()[:8], "little")
+    assert (8 + header_len) % 4096 == 0
+    assert ours.stat().st_size == 8 + header_len + sum(t.nbytes for t in flat.values())
+
+
+def test_restore_onto_a_full_disk_keeps_the_old_file_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from support import Mounter
+
+    mounter = Mounter([])
+    try:
+        mnt = mounter.ext4(tmp_path / "mnt", tmp_path / "fs.img", 24)
+        fastpersist.save({"w": torch.randn(10 << 20)}, tmp_path / "ck")  # 40 MiB
+        target = mnt / "out.safetensors"
+        target.write_bytes(b"the old file")
+        rc, _, err = run(capsys, "restore", str(tmp_path / "ck"), "--to", str(target),
+                         "--format", "safetensors", "--force")
+        assert rc == 2
+        assert "no space" in err.lower() and str(target) in err, err
+        assert target.read_bytes() == b"the old file"
+        assert sorted(p.name for p in mnt.iterdir()) == ["lost+found", "out.safetensors"]
+    finally:
+        mounter.unmount_all()
+
+
 def test_restore_refuses_to_overwrite_without_force(
     ckpt: Path, state: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

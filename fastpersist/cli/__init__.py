@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                        parents=[tier_parent],
                        description="Load a checkpoint on the CPU and write it as one file, "
                        "atomically (FILE.tmp, fsync, rename). --format safetensors "
-                       "flattens nested keys with dots (optimizer.state.0.exp_avg), copies "
-                       "tensors that share memory (tied weights are stored twice), and "
+                       "flattens nested keys with dots (optimizer.state.0.exp_avg), writes "
+                       "tensors that share memory in full (tied weights are stored twice), and "
                        "keeps non-tensor values as JSON strings in the metadata under their "
                        "dotted key; values JSON cannot hold (bytes, torch dtypes and "
                        "devices, pickled objects) are dropped with a warning, and tuples "

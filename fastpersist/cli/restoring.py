@@ -18,15 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import safetensors
-import safetensors.torch
 import torch
 from tqdm import tqdm
 
 from ..api import load
+from ..engine import get_engine
 from ..errors import CheckpointError, CheckpointExistsError
+from ..format import dtypes
 from ..storage.commit import fsync_dir, fsync_file, leftover_name, os_error
+from ..tensors import datafile
 from ..tensors.checkpoint import read_manifest
+from ..tensors.plan import StoredTensor
 from ..tier.url import is_tier_url
 from ._output import EXIT_OK, human_size, warn
 
@@ -87,23 +89,11 @@ def _walk(obj: Any, key: str, flat: Flat) -> None:
         flat.dropped.append(name)
 
 
-def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor detached, contiguous, and with a storage of its own.
-
-    safetensors refuses tensors that share memory (tied weights, views of one
-    storage); the second and later users of a storage get a copy.
-    """
-    seen: set[tuple[str, int]] = set()
-    result = {}
-    for key, t in tensors.items():
-        t = t.detach()
-        storage = (str(t.device), t.untyped_storage().data_ptr())
-        if not t.is_contiguous() or (storage[1] != 0 and storage in seen):
-            t = t.clone(memory_format=torch.contiguous_format)
-        else:
-            seen.add(storage)
-        result[key] = t
-    return result
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor detached and contiguous: a safetensors entry is its bytes in
+    order. Tensors that share memory (tied weights, views of one storage) are
+    each written in full, with no copy made here (write_safetensors)."""
+    return {key: t.detach().contiguous() for key, t in tensors.items()}
 
 
 def flatten(obj: Any) -> Flat:
@@ -114,7 +104,7 @@ def flatten(obj: Any) -> Flat:
     """
     flat = Flat()
     _walk(obj, "", flat)
-    flat.tensors = _unshare(flat.tensors)
+    flat.tensors = _contiguous(flat.tensors)
     return flat
 
 
@@ -127,6 +117,24 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors_in(v)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str]) -> None:
+    """A new safetensors file at `path` holding `tensors` (contiguous, on the
+    CPU) and `metadata`, durable on return. Written by the engine, with
+    parallel O_DIRECT writes (safetensors.torch.save_file writes through the
+    page cache on one thread: 3.1 s of a 1 GiB restore's 3.9 here); the header
+    is padded with spaces to 4 KiB, which every safetensors reader accepts, as
+    for a checkpoint's data files."""
+    stored = []
+    for name, t in tensors.items():
+        dtype = dtypes.to_name(t.dtype)
+        if dtype is None:
+            raise CheckpointError(f"cannot write {path}: {name!r} has dtype {t.dtype}, which "
+                                  "safetensors cannot hold")
+        stored.append(StoredTensor(name, dtype, tuple(t.shape), t, t.nbytes))
+    datafile.write(get_engine(), str(path.parent), path.name, stored, metadata)
 
 
 def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
@@ -177,12 +185,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
             flat = flatten(obj)
             count = len(flat.tensors)
             metadata = {"format": "pt", **flat.metadata}
-            write_atomically(target, lambda tmp: safetensors.torch.save_file(
-                flat.tensors, str(tmp), metadata=metadata))
+            write_atomically(target, lambda tmp: write_safetensors(
+                tmp, flat.tensors, metadata))
     except OSError as exc:
         raise os_error(exc, f"cannot write {target}") from exc
-    except safetensors.SafetensorError as exc:
-        raise CheckpointError(f"cannot write {target}: {exc}") from exc
     seconds = time.perf_counter() - start
     if args.format == "safetensors" and flat.dropped:
         warn(f"{len(flat.dropped)} values have no JSON form and were not written: "

@@ -54,20 +54,22 @@ def _larger_elements_first(t: StoredTensor) -> int:
     return -dtypes.itemsize(t.dtype)
 
 
-def plan_file(tensors: list[StoredTensor]) -> FileLayout:
+def plan_file(tensors: list[StoredTensor], metadata: dict[str, str] = METADATA) -> FileLayout:
     order = file_order(tensors)
     lay = safetensors_file.layout(
         [safetensors_file.HeaderEntry(t.name, t.dtype, t.shape, t.nbytes) for t in order],
-        METADATA,
+        metadata,
     )
     return FileLayout(order, lay)
 
 
-def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTensor]
-          ) -> tuple[FileRecord, list[TensorRecord]]:
-    """Write tensors to directory/file_name; durable (fsynced) on return."""
+def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTensor],
+          metadata: dict[str, str] = METADATA) -> tuple[FileRecord, list[TensorRecord]]:
+    """Write tensors to directory/file_name, a new file; durable (fsynced) on
+    return. metadata: the header's "__metadata__" (a checkpoint's data files
+    have METADATA; fpctl restore writes its own)."""
     with gcpause.paused():  # bookkeeping of many small objects (not the I/O below)
-        plan = plan_file(tensors)
+        plan = plan_file(tensors, metadata)
         lay = plan.layout
         # Device tensors are copied to the host here, one file at a time; async
         # saves stage them into pinned memory beforehand instead.
@@ -267,7 +269,7 @@ def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
     """
     with_header = verify and header
     header_bytes = file.data_start if with_header else 0
-    span = _region_span(records, header_bytes)
+    span = region_span(records, header_bytes)
     region: Segment | None = None
     if span is None:
         tensors, views = empties_for_read(records)
@@ -286,7 +288,7 @@ def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
 _REGION_MIN_FILL = 0.5
 
 
-def _region_span(records: list[TensorRecord], header_bytes: int) -> tuple[int, int] | None:
+def region_span(records: list[TensorRecord], header_bytes: int) -> tuple[int, int] | None:
     """The page-aligned file span [lo, hi) of start_read's mapping, or None."""
     if not records:
         return None
@@ -349,18 +351,25 @@ def finish_read(pending: PendingRead, result: IOResult
                 ) -> tuple[list[torch.Tensor], list[Mismatch]]:
     pending.segments = []  # (a memoryview of an arena would keep it from being unmapped)
     pending.region = None
-    file, mismatches = pending.file, []
-    if pending.verify:
-        assert result.crcs is not None
-        crcs = result.crcs
-        if pending.with_header:
-            if crcs[0] != file.header_crc32c:
-                mismatches.append(Mismatch(file.name, "<header>", file.header_crc32c, crcs[0]))
-            crcs = crcs[1:]
-        for r, crc in zip(pending.records, crcs, strict=True):
-            if crc != r.crc32c:
-                mismatches.append(Mismatch(file.name, r.name, r.crc32c, crc))
-    return pending.tensors, mismatches
+    if not pending.verify:
+        return pending.tensors, []
+    assert result.crcs is not None
+    return pending.tensors, mismatches_of(pending.file, pending.records, pending.with_header,
+                                          result.crcs)
+
+
+def mismatches_of(file: FileRecord, records: list[TensorRecord], with_header: bool,
+                  crcs: list[int]) -> list[Mismatch]:
+    """The records (after the header's, with_header) whose CRC32C is not theirs."""
+    mismatches = []
+    if with_header:
+        if crcs[0] != file.header_crc32c:
+            mismatches.append(Mismatch(file.name, "<header>", file.header_crc32c, crcs[0]))
+        crcs = crcs[1:]
+    for r, crc in zip(records, crcs, strict=True):
+        if crc != r.crc32c:
+            mismatches.append(Mismatch(file.name, r.name, r.crc32c, crc))
+    return mismatches
 
 
 def raise_for(mismatches: list[Mismatch], where: str) -> None:
