@@ -82,6 +82,40 @@ def shard_state(state: Any, mesh: Any, rank: int, world: int) -> Any:
     return state
 
 
+class StorageClock:
+    """Seconds spent inside the storage layer's methods (DCP's StorageWriter and
+    StorageReader calls, a returned future waited for), on this rank, since the
+    last reset: the rest of a save's or load's wall time is DCP's own
+    (planning, collectives, pickling plans and metadata), which every storage pays."""
+
+    WRITER = ("set_up_storage_writer", "prepare_local_plan", "prepare_global_plan",
+              "write_data", "finish")
+    READER = ("set_up_storage_reader", "read_metadata", "prepare_local_plan",
+              "prepare_global_plan", "read_data")
+
+    def __init__(self, classes: dict[type, tuple[str, ...]]) -> None:
+        self.seconds = 0.0
+        for cls, names in classes.items():
+            for name in names:
+                setattr(cls, name, self._timed(getattr(cls, name)))
+
+    def _timed(self, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                result = method(*args, **kwargs)
+                if hasattr(result, "wait"):  # write_data/read_data: a torch Future
+                    result.wait()
+                return result
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -116,12 +150,28 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
         if world > 1:
             dist.barrier()
 
-    def timed(fn: Any) -> float:
+    clock = StorageClock({dcp.FileSystemWriter: StorageClock.WRITER,
+                          FastPersistWriter: StorageClock.WRITER,
+                          dcp.FileSystemReader: StorageClock.READER,
+                          FastPersistReader: StorageClock.READER})
+
+    def slowest(value: float) -> float:
+        if world == 1:
+            return value
+        values = [0.0] * world
+        dist.all_gather_object(values, value)
+        return max(values)
+
+    def timed(fn: Any, kind: str, method: str) -> float:
         barrier()
+        clock.take()
         start = time.perf_counter()
         fn()
         barrier()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        # In the storage, on the rank that spent longest there.
+        samples[f"storage_{kind}:{method}"].append(slowest(clock.take()))
+        return seconds
 
     def fs_save(path: Path) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
@@ -140,6 +190,8 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
     samples: dict[str, list[float]] = {f"{k}:{m}": [] for k in ("save", "stall", "async_total")
                                        for m in methods}
     samples.update({f"load:{m}": [] for m in METHODS})
+    samples.update({f"storage_save:{m}": [] for m in methods})
+    samples.update({f"storage_load:{m}": [] for m in METHODS})
     samples["stall:copy"] = []
     tensors = local_tensors(state)
     floor_buffer = torch.zeros(sum(t.numel() * t.element_size() for t in tensors),
@@ -155,7 +207,7 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
         if ceiling and r % 2:
             _ceiling(work, state, spec.nbytes, samples)
         for m in order:
-            samples[f"save:{m}"].append(timed(lambda p=paths[m], m=m: saves[m](p)))
+            samples[f"save:{m}"].append(timed(lambda p=paths[m], m=m: saves[m](p), "save", m))
         if ceiling and not r % 2:
             _ceiling(work, state, spec.nbytes, samples)
         for m in (m for m in order if m in METHODS):
@@ -163,7 +215,7 @@ def worker(work: Path, nbytes: int, repeats: int, world: int, out: Path | None) 
             if rank == 0:
                 cache = drop_page_cache([paths[m]])
             samples[f"load:{m}"].append(timed(lambda p=paths[m], m=m: dcp.load(
-                skeleton, storage_reader=readers[m](p))))
+                skeleton, storage_reader=readers[m](p)), "load", m))
             if world == 1 and r == 0:
                 verify_nested(skeleton, spec)
         barrier()
@@ -257,6 +309,8 @@ def summarize(job: dict[str, Any], world: int) -> list[str]:
                          f"({min(v):.3f}-{max(v):.3f}) {rate}")
         lines.append(f"  {'':26s} {'FileSystem / FastPersist':26s} "
                      f"{med[f'{kind}:fs'] / med[f'{kind}:fp']:6.2f}x")
+        if f"storage_{kind}:fp" in med:
+            lines += _split(job["samples"], kind, methods)
         if f"{kind}:fpd" in med:
             lines.append(f"  {'':26s} {'fastpersistd / in-process':26s} "
                          f"{med[f'{kind}:fpd'] / med[f'{kind}:fp']:6.2f}x")
@@ -275,6 +329,25 @@ def summarize(job: dict[str, Any], world: int) -> list[str]:
         fs, fp, fio = med["save:fs"], med["save:fp"], med["save:fio"]
         lines.append(f"  FastPersistWriter = {fio / fp:.2f}x the ceiling; 3x FileSystemWriter "
                      f"would be {fs / 3:.3f} s = {fio / (fs / 3):.2f}x the ceiling")
+    return lines
+
+
+def _split(samples: dict[str, list[float]], kind: str, methods: list[str]) -> list[str]:
+    """Each method's time in the storage (its slowest rank) and the rest (DCP's
+    own), per repeat, as medians; and what the storage's ratio target leaves."""
+    lines = []
+    rest: dict[str, float] = {}
+    for m in (m for m in methods if samples.get(f"storage_{kind}:{m}")):
+        inside = samples[f"storage_{kind}:{m}"]
+        others = [total - s for total, s in zip(samples[f"{kind}:{m}"], inside, strict=True)]
+        rest[m] = statistics.median(others)
+        lines.append(f"  {'':26s} {NAMES[m] + ': storage':26s} {statistics.median(inside):7.3f} s"
+                     f"  DCP's own {rest[m]:.3f} s ({min(others):.3f}-{max(others):.3f})")
+    goal = {"save": 3.0, "load": 1.5}.get(kind)
+    if goal and "fs" in rest and "fp" in rest:
+        budget = statistics.median(samples[f"{kind}:fs"]) / goal
+        lines.append(f"  {'':26s} {goal:g}x FileSystem would be {budget:.3f} s in all; DCP's own "
+                     f"part of a FastPersist {kind} alone is {rest['fp']:.3f} s")
     return lines
 
 
