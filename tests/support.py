@@ -71,6 +71,16 @@ class WriteLog:
         return timer
 
 
+def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
+    """Corrupt one bit of a file in place, durably (as a failing disk would)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+        os.fsync(f.fileno())
+
+
 def inject_enospc(monkeypatch: pytest.MonkeyPatch, target_name: str,
                   gate: threading.Event | None = None) -> None:
     """Data-file writes of checkpoint `target_name` fail with ENOSPC after writing

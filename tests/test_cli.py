@@ -18,6 +18,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+from support import Mounter, flip_bit
 
 import fastpersist
 from fastpersist.cli import main
@@ -184,20 +185,11 @@ def test_verify_ok(ckpt: Path, engine_name: str, capsys: pytest.CaptureFixture[s
     assert report["bytes_checked"] == read_manifest(ckpt).tensor_bytes
 
 
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([byte[0] ^ 0x10]))
-        os.fsync(fh.fileno())
-
-
 def test_verify_bit_flip_names_file_and_tensor(
     ckpt: Path, engine_name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     record = next(t for t in read_manifest(ckpt).tensors if t.name == "optimizer.state.1.exp_avg")
-    flip_byte(ckpt / DATA, record.offset + record.length // 2)
+    flip_bit(ckpt / DATA, record.offset + record.length // 2, 4)
     rc, out, _ = run(capsys, "verify", str(ckpt))
     assert rc == 1
     problems = [line.strip() for line in out.splitlines()[1:]]
@@ -345,8 +337,6 @@ def test_restore_safetensors_reads_back_as_safetensors_own_file_would(
 def test_restore_onto_a_full_disk_keeps_the_old_file_and_leaves_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from support import Mounter
-
     mounter = Mounter([])
     try:
         mnt = mounter.ext4(tmp_path / "mnt", tmp_path / "fs.img", 24)
@@ -441,7 +431,7 @@ def test_console_script_reports_corruption(ckpt: Path) -> None:
     fpctl = shutil.which("fpctl", path=os.path.dirname(sys.executable)) or shutil.which("fpctl")
     assert fpctl is not None, "the fpctl console script is not installed"
     record = read_manifest(ckpt).tensors[0]
-    flip_byte(ckpt / DATA, record.offset)
+    flip_bit(ckpt / DATA, record.offset, 4)
     proc = subprocess.run([fpctl, "verify", str(ckpt)], capture_output=True, text=True)
     assert proc.returncode == 1, proc.stderr
     assert f"{DATA}: tensor {record.name!r}: CRC32C" in proc.stdout

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import Mounter
+from support import Mounter, flip_bit
 
 import fastpersist
 from fastpersist import (
@@ -326,14 +326,6 @@ def ckpt(engine: str, tmp_path: Path) -> Path:
     p = tmp_path / "ck"
     fastpersist.save(STATE, p)
     return p
-
-
-def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ (1 << bit)]))
 
 
 def record(p: Path, name: str) -> Any:

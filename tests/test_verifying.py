@@ -3,11 +3,11 @@ what it finds must not depend on what an earlier file left in that memory."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from support import flip_bit
 
 import fastpersist
 from fastpersist.engine import get_engine
@@ -26,15 +26,6 @@ def many_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     fastpersist.save(state, tmp_path / "c")
     assert len(read_manifest(tmp_path / "c").files) >= 6
     return tmp_path / "c"
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([byte[0] ^ 0x01]))
-        os.fsync(fh.fileno())
 
 
 def test_verify_reuses_a_few_scratch_buffers_and_makes_no_tensors(
@@ -64,7 +55,7 @@ def test_a_flipped_byte_in_any_file_is_found_after_the_scratch_held_good_bytes(
     manifest = read_manifest(many_files)
     big = [t for t in manifest.tensors if t.name.startswith("w")]
     victim = big[0] if which == "first" else big[-1]
-    flip(many_files / victim.file, victim.offset + victim.length - 1)
+    flip_bit(many_files / victim.file, victim.offset + victim.length - 1)
     report = verifying.verify(many_files, get_engine())
     assert len(report.problems) == 1, report.problems
     assert report.problems[0].startswith(f"{victim.file}: tensor '{victim.name}': CRC32C")
@@ -72,7 +63,7 @@ def test_a_flipped_byte_in_any_file_is_found_after_the_scratch_held_good_bytes(
 
 def test_a_flipped_header_byte_is_found(many_files: Path, engine_name: str) -> None:
     f = read_manifest(many_files).files[-1]
-    flip(many_files / f.name, 20)  # inside the header's JSON
+    flip_bit(many_files / f.name, 20)  # inside the header's JSON
     report = verifying.verify(many_files, get_engine())
     assert any(p.startswith(f"{f.name}: ") and "header" in p for p in report.problems), \
         report.problems
