@@ -41,9 +41,9 @@
     FASTPERSIST_BACKGROUND_NICE  nice value of background threads (async  10
                                persist, tier uploads, codec), 0..19; 0: off
                                (background.py)
-    FASTPERSIST_HUGE_PAGES     transparent huge pages for loaded tensors: auto
-                               on, off, or auto (on, unless the machine is
-                               a VM that hands free memory back to its host:
+    FASTPERSIST_HUGE_PAGES     huge pages for loaded tensors: on, off,   auto
+                               or auto (on, unless the machine is a VM
+                               that hands free memory back to its host:
                                anonmem.py)
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
