@@ -139,12 +139,13 @@ def run(args: argparse.Namespace, root: Path, address: str) -> int:
     reference = [train_step(model, opt, s, args.batch) for s in after]
 
     # ...and a fresh process restores the latest checkpoint and does the same.
+    model2, opt2 = make_model(args)
     t0 = time.perf_counter()
-    restored = fastpersist.load(latest)
+    # into=: the weights land in model2's own tensors (no second copy, no
+    # load_state_dict); the fresh optimizer has no state yet, so its comes back new.
+    restored = fastpersist.load(latest, into={"model": model2.state_dict()})
     dt = time.perf_counter() - t0
     print(f"restored {latest.name} in {dt:.2f} s (every tensor's CRC32C checked)")
-    model2, opt2 = make_model(args)
-    model2.load_state_dict(restored["model"])
     opt2.load_state_dict(restored["optimizer"])
     torch.set_rng_state(restored["rng"])
     for s in range(last_saved + 1, args.steps + 1):  # steps done after the last checkpoint

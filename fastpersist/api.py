@@ -17,12 +17,14 @@ import torch
 
 from . import gcpause
 from .engine import get_engine
+from .format.manifest import Manifest
 from .knobs import current as current_knobs
 from .saving.futures import SaveFuture
 from .saving.persist import CheckpointWriter
 from .saving.saver import Saver, default_saver
 from .saving.snapshot import group_into_files
-from .tensors import checkpoint, device_load, packed, plan, state
+from .tensors import checkpoint, device_load, packed, plan, read_into, state
+from .tensors import into as into_state
 from .tensors.factory import MapLocation, TensorFactory, target_device
 from .tier.url import is_tier_url
 
@@ -113,6 +115,7 @@ def load(
     verify: bool | None = None,
     progress: Callable[[int], None] | None = None,
     like: Any = None,
+    into: Any = None,
 ) -> Any:
     """Load the checkpoint at `path` and return an object equal to what was saved.
 
@@ -128,18 +131,39 @@ def load(
     (the tier: Checkpointer(tier=...), fastpersistd --tier): the tensors are
     read by parallel ranged GETs straight into their memory, with the same
     checks (see load_from_tier).
+
+    `into`, a state the caller already has (model.state_dict(), or a dict of
+    several): each of its tensors receives the checkpoint's tensor at the same
+    place, in its own memory (shapes must match; dtypes and devices are
+    converted), and the returned object holds those tensor objects there:
+    no second copy of the state in memory. A contiguous CPU tensor is read
+    straight into (into.py); StateMismatchError, before anything is read, if
+    a shape differs or `into` has a tensor the checkpoint does not. If the load
+    raises, those tensors may hold part of the checkpoint's values.
     """
+    if into is not None and like is not None:
+        raise TypeError("pass into= (tensors to load into) or like= (a layout to load "
+                        "as), not both")
     if is_tier_url(path):
         return load_from_tier(str(path), map_location, allow_pickle=allow_pickle,
-                              verify=verify, progress=progress, like=like)
+                              verify=verify, progress=progress, like=like, into=into)
     target_device(map_location, "cpu")  # a bad map_location fails before any I/O
     with gcpause.paused():  # a manifest of many tensors makes many objects, no cycles
         return _load(Path(os.path.abspath(os.fspath(path))), map_location, allow_pickle, verify,
-                     progress, like)
+                     progress, like, into)
+
+
+def _placement(manifest: Manifest, into: Any, where: str
+               ) -> into_state.Placement | None:
+    if into is None:
+        return None
+    shapes = ([g.shape for g in manifest.globals] if manifest.globals is not None
+              else [r.shape for r in manifest.tensors])
+    return into_state.match(manifest.tree, into, shapes, where)
 
 
 def _load(p: Path, map_location: MapLocation, allow_pickle: bool, verify: bool | None,
-          progress: Callable[[int], None] | None, like: Any) -> Any:
+          progress: Callable[[int], None] | None, like: Any, into: Any) -> Any:
     manifest = checkpoint.read_manifest(p)
     if verify is None:
         verify = current_knobs().verify_load
@@ -147,31 +171,40 @@ def _load(p: Path, map_location: MapLocation, allow_pickle: bool, verify: bool |
     if pickled and not allow_pickle:
         # Fail before reading gigabytes of tensors.
         state.decode(manifest.tree, lambda node: torch.empty(0), where=str(p))
+    placement = _placement(manifest, into, str(p))
     if manifest.globals is not None:
         from .distributed import restore
 
         return restore.load(p, manifest, map_location, like, allow_pickle=allow_pickle,
-                            verify=verify, progress=progress)
+                            verify=verify, progress=progress,
+                            place=placement.factory if placement else None)
     ring_bytes = current_knobs().load_ring_bytes
-    ring = device_load.enabled(map_location, manifest, ring_bytes)
+    # (into= reads into the caller's tensors; the ring would make new ones.)
+    ring = device_load.enabled(map_location, manifest, ring_bytes) if into is None else None
     if ring is not None:  # straight to the accelerator, through bounded host memory
         entries = device_load.read_to_device(p, manifest, get_engine(), ring, verify=verify,
                                              ring_bytes=ring_bytes)
         if progress:
             progress(sum(r.length for r in manifest.tensors))
     else:
+        direct = placement.choose_direct(manifest.tensors) if placement else {}
+        if direct:
+            read_into.read_into(p, manifest, get_engine(), direct, verify=verify,
+                                progress=progress)
         entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify,
-                                          progress=progress)
+                                          progress=progress, skip=direct)
+        for i, t in direct.items():
+            entries[i] = t
     factory = TensorFactory(entries, map_location, str(p))
     # Without pickle nodes allow_pickle changes nothing; True spares decode its own
     # search of the tree for them (contains_pickle looks wherever decode would).
-    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle or not pickled,
-                        where=str(p))
+    return state.decode(manifest.tree, placement.factory(factory) if placement else factory,
+                        allow_pickle=allow_pickle or not pickled, where=str(p))
 
 
 def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: bool = False,
                    verify: bool | None = None, progress: Callable[[int], None] | None = None,
-                   endpoint_url: str | None = None, like: Any = None) -> Any:
+                   endpoint_url: str | None = None, like: Any = None, into: Any = None) -> Any:
     """load() of the checkpoint at `url` (s3://BUCKET/PREFIX/NAME) in an object
     store; endpoint_url overrides the standard AWS configuration's endpoint.
     Every tensor's CRC32C is checked as for a local load (ChecksumMismatchError
@@ -180,7 +213,8 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
     whose manifest is not in the store (an upload not finished) is
     CheckpointNotFoundError. A distributed checkpoint is loaded as locally
     (like= included): only the chunks, or the frames of them, each rank
-    needs are fetched."""
+    needs are fetched. into= as for load (the tensors are fetched as for a
+    load without it, then copied into place)."""
     from .tensors import tier_read
     from .tier.client import client_for
     from .tier.remote import read_manifest
@@ -193,15 +227,18 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
         verify = current_knobs().verify_load
     if state.contains_pickle(manifest.tree) and not allow_pickle:
         state.decode(manifest.tree, lambda node: torch.empty(0), where=url)
+    placement = _placement(manifest, into, url)
     if manifest.globals is not None:
         from .distributed import restore
 
         return restore.load(url, manifest, map_location, like, allow_pickle=allow_pickle,
                             verify=verify, progress=progress,
-                            read=tier_read.reader(s3, where))
+                            read=tier_read.reader(s3, where),
+                            place=placement.factory if placement else None)
     entries = tier_read.read_tensors(s3, where, manifest, verify=verify, progress=progress)
     factory = TensorFactory(entries, map_location, url)
-    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=url)
+    return state.decode(manifest.tree, placement.factory(factory) if placement else factory,
+                        allow_pickle=allow_pickle, where=url)
 
 
 # -- the one place that chooses a saver: in-process, through the daemon, distributed --

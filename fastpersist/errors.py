@@ -62,6 +62,12 @@ class UnsupportedValueError(CheckpointError, TypeError):
     """A value cannot be stored without pickle and pickle was not allowed."""
 
 
+class StateMismatchError(CheckpointError, ValueError):
+    """The state passed to load(into=...) does not fit the checkpoint: a tensor
+    of another shape, or a tensor the checkpoint does not have. Raised before
+    anything is read or written."""
+
+
 class CheckpointAbortedError(CheckpointError):
     """An asynchronous save was aborted (close(abort=True)) before it committed."""
 

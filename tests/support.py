@@ -71,6 +71,55 @@ class WriteLog:
         return timer
 
 
+def zeros_like_state(obj: Any) -> Any:
+    """The state's containers and plain values with a new zero tensor for each
+    tensor (ties untied): an `into=` for load."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj.detach())
+    if isinstance(obj, dict):
+        return {k: zeros_like_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(zeros_like_state(v) for v in obj)
+    return obj
+
+
+def assert_same_state(a: Any, b: Any) -> None:
+    """Two states are equal: the same containers, plain values, and tensors of
+    the same dtype and values."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same_state(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_state(x, y)
+    else:
+        assert a == b
+
+
+def assert_loaded_into(expected: Any, loaded: Any, into: Any) -> None:
+    """Wherever `into` has a tensor, `loaded` (a load with into=) holds that
+    object, with the values `expected` (a load without it) has there."""
+    import torch
+
+    if isinstance(into, torch.Tensor):
+        assert loaded is into
+        assert torch.equal(into, expected.to(into.device, into.dtype))
+    elif isinstance(into, dict):
+        for k in into:
+            assert_loaded_into(expected[k], loaded[k], into[k])
+    elif isinstance(into, (list, tuple)):
+        for e, lo, i in zip(expected, loaded, into, strict=True):
+            assert_loaded_into(e, lo, i)
+
+
 def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
     """Corrupt one bit of a file in place, durably (as a failing disk would)."""
     with open(path, "r+b") as f:

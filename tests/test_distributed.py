@@ -26,6 +26,7 @@ from dist_support import (
     run_job,
     unique_bytes,
 )
+from support import assert_loaded_into, zeros_like_state
 
 import fastpersist
 from fastpersist.cli import main as fpctl
@@ -63,6 +64,8 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
     # Restore: one process (full tensors), and jobs of 2 and 4 ranks.
     loaded = fastpersist.load(ckpt)
     check_loaded(describe_here(loaded), tp=False)
+    into = zeros_like_state(loaded)  # into=: the same values, in the caller's tensors
+    assert_loaded_into(loaded, fastpersist.load(ckpt, into=into), into)
     for world in (2, 4):
         for report in run_job(tmp_path, "load", ["n0"] * world, {"path": str(ckpt)}):
             check_loaded(report, tp=False)

@@ -12,7 +12,7 @@ PUBLIC = {
     "CheckpointNotFoundError", "CheckpointPermissionError", "Checkpointer",
     "ChecksumMismatchError", "CorruptCheckpointError", "DiskFullError",
     "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "PostCommitError",
-    "SaveFuture", "TierError",
+    "SaveFuture", "StateMismatchError", "TierError",
     "TruncatedFileError", "UnsupportedValueError",
     "__version__", "async_save", "load", "save",
 }

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import assert_loaded_into, assert_same_state, zeros_like_state
 
 import fastpersist
 from fastpersist.cli import main as fpctl
@@ -37,21 +38,6 @@ def _state() -> dict[str, Any]:
         "flags": torch.tensor([True, False]), "empty": torch.zeros(0, 3),
         "step": 7, "name": "run", "nested": [1.5, None, {"x": torch.ones(2, 2)}],
     }
-
-
-def _assert_same(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, list):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_same(x, y)
-    else:
-        assert a == b
 
 
 @pytest.fixture(params=["none"])
@@ -83,10 +69,12 @@ def test_load_from_the_store(s3: Any, uploaded: tuple[str, Any]) -> None:
     url, state = uploaded
     seen = []
     loaded = fastpersist.load(url, progress=seen.append)
-    _assert_same(state, loaded)
+    assert_same_state(state, loaded)
     assert loaded["tied"]["a"] is loaded["tied"]["b"]  # ties and views come back
     assert (loaded["view"].untyped_storage().data_ptr()
             == loaded["big"].untyped_storage().data_ptr())
+    into = zeros_like_state(state)  # load(into=): the same values, in the caller's tensors
+    assert_loaded_into(loaded, fastpersist.load(url, into=into), into)
     manifest = Manifest.from_json(_object(s3, url, "manifest.json"), url)
     assert sum(seen) == manifest.tensor_bytes
     # zstd (the default): uploaded compressed, the local copy raw.
@@ -173,7 +161,7 @@ def test_fpctl_ls_inspect_restore_gc(s3: Any, uploaded: tuple[str, Any], tmp_pat
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     target = tmp_path / "out.pt"
     assert fpctl(["restore", url, "--to", str(target), "--endpoint-url", endpoint]) == 0
-    _assert_same(state, torch.load(target, weights_only=True))
+    assert_same_state(state, torch.load(target, weights_only=True))
     assert fpctl(["gc", s3.url, "--older-than", "3600", "--endpoint-url", endpoint]) == 0
     assert "nothing to clean" in capsys.readouterr().out
     assert fpctl(["gc", s3.url, "--older-than", "0", "--endpoint-url", endpoint]) == 0
@@ -232,7 +220,7 @@ def test_a_compressed_checkpoint_round_trips_and_a_corrupt_frame_is_named(
     record = next(t for t in manifest.tensors if t.name == "w")
     assert record.file.endswith(".fpz") and record.frames and len(record.frames) == 32
     seen: list[int] = []
-    _assert_same(state, fastpersist.load(url, progress=seen.append))
+    assert_same_state(state, fastpersist.load(url, progress=seen.append))
     assert sum(seen) == manifest.tensor_bytes
     assert fpctl(["verify", url]) == 0
     assert capsys.readouterr().out.startswith(f"OK {url}")

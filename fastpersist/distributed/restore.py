@@ -35,6 +35,7 @@ from ..tensors import checkpoint, state
 from ..tensors.factory import TensorFactory
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
+Factory = Callable[[dict[str, Any]], torch.Tensor]
 # (the manifest cut to the records wanted, record -> raw byte span wanted,
 # verify, progress) -> those records' tensors, in order.
 Reader = Callable[[Manifest, Mapping[int, tuple[int, int]], bool, Callable[[int], None] | None],
@@ -164,7 +165,11 @@ def _check_files_here(path: Path, manifest: Manifest) -> None:
 
 def load(path: Path | str, manifest: Manifest, map_location: Any, like: Any, *,
          allow_pickle: bool, verify: bool, progress: Callable[[int], None] | None,
-         read: Reader | None = None) -> Any:
+         read: Reader | None = None,
+         place: Callable[[Factory], Factory] | None = None) -> Any:
+    """The state of the distributed checkpoint at `path` (see the module's
+    docstring); place(factory), if given, wraps the factory of every tensor
+    node (load's into=)."""
 
     assert manifest.globals is not None
     globals_ = manifest.globals
@@ -201,7 +206,8 @@ def load(path: Path | str, manifest: Manifest, map_location: Any, like: Any, *,
                                              stride=_contiguous_stride(g.shape))
         return made[index]
 
-    return state.decode(manifest.tree, factory, allow_pickle=allow_pickle, where=str(path))
+    return state.decode(manifest.tree, place(factory) if place else factory,
+                        allow_pickle=allow_pickle, where=str(path))
 
 
 def _check_same(g: GlobalTensor, target: _Target, path: Path | str) -> None:

@@ -4,7 +4,7 @@ verifying.py; the data files' own headers: headers.py)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,12 +73,20 @@ BATCH_BYTES = 256 << 20
 FILES_IN_FLIGHT = 2
 
 
-def records_by_file(manifest: Manifest) -> Iterator[tuple[FileRecord, list[int]]]:
+def records_by_file(manifest: Manifest, skip: Container[int] = ()
+                    ) -> Iterator[tuple[FileRecord, list[int]]]:
+    """Each data file with the indices of its records, less those in `skip` (a
+    file all of whose records are skipped is left out)."""
     by_file: dict[str, list[int]] = {f.name: [] for f in manifest.files}
+    skipped: set[str] = set()
     for i, t in enumerate(manifest.tensors):
-        by_file[t.file].append(i)
+        if i in skip:
+            skipped.add(t.file)
+        else:
+            by_file[t.file].append(i)
     for f in manifest.files:
-        yield f, by_file[f.name]
+        if by_file[f.name] or f.name not in skipped:
+            yield f, by_file[f.name]
 
 
 def check_size(path: Path, f: FileRecord) -> None:
@@ -99,7 +107,8 @@ def check_size(path: Path, f: FileRecord) -> None:
 
 def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool,
                  progress: Callable[[int], None] | None = None,
-                 spans: Mapping[int, packed.Span] | None = None) -> list[torch.Tensor]:
+                 spans: Mapping[int, packed.Span] | None = None,
+                 skip: Container[int] = ()) -> list[torch.Tensor]:
     """Every stored tensor, on the CPU, in manifest order; raises on corruption.
 
     Each file's records must agree with the file's own header (names, dtypes,
@@ -110,12 +119,14 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
     compressed record is then decoded only where its frames overlap the span
     (the rest is zeros, and each frame's stored CRC32C is what is checked).
     Raw records are read whole, so that their CRC32C is checked.
+    skip: records not to read (their places hold None; load's into= has read
+    them, read_into.py).
     """
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     if len(manifest.files) > 1 and all(r.frames is None for r in manifest.tensors):
-        _read_overlapped(path, manifest, engine, verify, result, progress)
+        _read_overlapped(path, manifest, engine, verify, result, progress, skip)
         return result  # type: ignore[return-value]  # every record belongs to one file
-    for f, indices in records_by_file(manifest):
+    for f, indices in records_by_file(manifest, skip):
         check_size(path, f)
         records = [manifest.tensors[i] for i in indices]
         check_against_header(path, f, records, verify=verify)
@@ -127,13 +138,14 @@ def read_tensors(path: Path, manifest: Manifest, engine: Engine, *, verify: bool
                 result[i] = t
             if progress:
                 progress(sum(r.length for r in batch_records))
-    assert all(t is not None for t in result)  # every record belongs to one listed file
+    # Every record belongs to one listed file.
+    assert all(t is not None or i in skip for i, t in enumerate(result))
     return result  # type: ignore[return-value]
 
 
 def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: bool,
                      result: list[torch.Tensor | None],
-                     progress: Callable[[int], None] | None) -> None:
+                     progress: Callable[[int], None] | None, skip: Container[int]) -> None:
     """read_tensors of raw records, several files: the engine reads up to
     FILES_IN_FLIGHT files on reader threads (the GIL released) while this
     thread checks and allocates the next. Errors come in file order, and
@@ -142,7 +154,7 @@ def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: boo
     with ThreadPoolExecutor(FILES_IN_FLIGHT, thread_name_prefix="fastpersist-read") as readers:
         # (Leaving the block waits for reads still running: nothing frees their memory.)
         try:
-            for f, indices in records_by_file(manifest):
+            for f, indices in records_by_file(manifest, skip):
                 check_size(path, f)
                 records = [manifest.tensors[i] for i in indices]
                 check_against_header(path, f, records, verify=verify)
