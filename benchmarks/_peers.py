@@ -102,6 +102,68 @@ class FastPersist(Method):
         return self._fp.load(str(path))
 
 
+class FastPersistInto(FastPersist):
+    """fastpersist.load(path, into=state): into a state already in memory, as a
+    trainer resuming has its model built (its pages touched) before it loads. Its
+    save is fastpersist.save again (a second sample of that row)."""
+
+    name = "into"
+    label = "fastpersist.load(into=state in memory)"
+
+    def prepare_load(self, spec: StateSpec) -> None:
+        self.setup()
+        self._dest = build_skeleton(spec)
+        _touch(self._dest)
+
+    def load(self, path: Path, spec: StateSpec) -> object:
+        return self._fp.load(str(path), into=self._dest)
+
+
+class FastPersistThenCopy(FastPersistInto):
+    """What a resume does without into=: fastpersist.load, then each tensor
+    copied into the state in memory (as Module.load_state_dict copies)."""
+
+    name = "loadcopy"
+    label = "fastpersist.load + copy_ into state in memory"
+
+    def load(self, path: Path, spec: StateSpec) -> object:
+        loaded = self._fp.load(str(path))
+        _copy_into(self._dest, loaded)
+        return self._dest
+
+
+def _copy_into(dest: object, source: object) -> None:
+    if isinstance(dest, torch.Tensor):
+        with torch.no_grad():
+            dest.copy_(source)  # type: ignore[arg-type]
+    elif isinstance(dest, dict):
+        assert isinstance(source, dict)
+        for key, value in dest.items():
+            if isinstance(value, (torch.Tensor, dict, list, tuple)):
+                _copy_into(value, source[key])
+            else:
+                dest[key] = source[key]
+    elif isinstance(dest, (list, tuple)):
+        assert isinstance(source, (list, tuple))
+        for i, (d, src) in enumerate(zip(dest, source, strict=True)):
+            if isinstance(d, (torch.Tensor, dict, list, tuple)):
+                _copy_into(d, src)
+            elif isinstance(dest, list):
+                dest[i] = src
+
+
+def _touch(obj: object) -> None:
+    """Write every tensor of a state, as a model's initialisation does."""
+    if isinstance(obj, torch.Tensor):
+        obj.zero_()
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _touch(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _touch(value)
+
+
 class Baseline(FastPersist):
     """Another fastpersist (save_load.py --baseline DIR, which the worker puts first on
     sys.path): the same calls, for before/after comparisons in one interleaved run."""
@@ -374,6 +436,6 @@ class DeepSpeedFastWriter(Method):
 
 METHODS: dict[str, Method] = {
     m.name: m
-    for m in (FastPersist(), Baseline(), TorchSave(), SafeTensors(), Dcp(), TorchCheckpointing(),
-              DeepSpeedFastWriter())
+    for m in (FastPersist(), FastPersistInto(), FastPersistThenCopy(), Baseline(), TorchSave(),
+              SafeTensors(), Dcp(), TorchCheckpointing(), DeepSpeedFastWriter())
 }

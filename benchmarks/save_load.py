@@ -35,9 +35,10 @@ from _system import GIB, drop_page_cache, machine_facts, mount_of, tool_version
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_worker.py"
 # "baseline" (another fastpersist, --baseline DIR) is measured only when asked for.
-ALL_METHODS = ("fastpersist", "baseline", "torch", "safetensors", "dcp", "torchckpt", "deepspeed",
-               "fio")
-LOADERS = ("fastpersist", "baseline", "torch", "safetensors", "dcp", "torchckpt")
+ALL_METHODS = ("fastpersist", "into", "loadcopy", "baseline", "torch", "safetensors", "dcp",
+               "torchckpt", "deepspeed", "fio")
+LOADERS = ("fastpersist", "into", "loadcopy", "baseline", "torch", "safetensors", "dcp",
+           "torchckpt")
 SAVE_GOALS = {"fio write ceiling": 0.85, "torch": 8.0, "deepspeed": 1.5, "torchckpt": 1.0}
 LOAD_GOALS = {"fio read ceiling": 0.8, "torch": 1.0, "safetensors": 1.0, "dcp": 1.0,
               "torchckpt": 1.0}
