@@ -155,6 +155,16 @@ def test_a_shape_mismatch_is_refused_before_anything_is_written(tmp_path: Path) 
     assert not into["a"].any() and not into["b"].any()
 
 
+def test_a_meta_or_sparse_destination_is_refused(tmp_path: Path) -> None:
+    """A model built on the meta device has no memory: nothing would land."""
+    fastpersist.save({"a": torch.ones(2, 3), "b": torch.ones(3)}, tmp_path / "c")
+    with pytest.raises(fastpersist.StateMismatchError, match=r"a in `into` is a torch\.strided "
+                       r"tensor on meta, which has no memory"):
+        fastpersist.load(tmp_path / "c", into={"a": torch.empty(2, 3, device="meta")})
+    with pytest.raises(fastpersist.StateMismatchError, match=r"b in `into` is a torch\.sparse_coo"):
+        fastpersist.load(tmp_path / "c", into={"b": torch.zeros(3).to_sparse()})
+
+
 def test_a_tensor_the_checkpoint_lacks_is_refused(tmp_path: Path) -> None:
     fastpersist.save({"model": {"w": torch.ones(3)}, "step": 1}, tmp_path / "c")
     into: dict[str, Any] = {"model": {"w": torch.zeros(3), "extra": torch.zeros(2)},

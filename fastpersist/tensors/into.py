@@ -5,8 +5,9 @@ torch.distributed.checkpoint loads, instead of into new memory.
 Each tensor of the checkpoint's tree is paired with the tensor at the same
 place in `into` (same dict keys, same list positions). Pairs must have the same
 shape (the dtype and the device may differ: the values are converted, as
-Module.load_state_dict converts them), and every tensor of `into` must have a
-pair; otherwise StateMismatchError, before anything is read. Tensors of the
+Module.load_state_dict converts them), every tensor of `into` must have a
+pair, and memory to load into (not on the meta device, strided); otherwise
+StateMismatchError, before anything is read. Tensors of the
 checkpoint without a pair load as usual; plain values of `into` are ignored
 (the loaded object holds the checkpoint's).
 
@@ -119,7 +120,10 @@ def match(tree: state.Node, into: Any, entry_shapes: list[tuple[int, ...]],
                 missing.append(path or "<root>")
                 continue
             shape = _node_shape(node, entry_shapes)
-            if shape is not None and shape != tuple(obj.shape):
+            if obj.device.type == "meta" or obj.layout != torch.strided:
+                wrong.append(f"{path or '<root>'} in `into` is a {obj.layout} tensor on "
+                             f"{obj.device}, which has no memory to load into")
+            elif shape is not None and shape != tuple(obj.shape):
                 wrong.append(f"{path or '<root>'} is {list(shape)} in the checkpoint, "
                              f"{list(obj.shape)} in `into`")
                 continue
