@@ -179,15 +179,16 @@ def _load(p: Path, map_location: MapLocation, allow_pickle: bool, verify: bool |
                             verify=verify, progress=progress,
                             place=placement.factory if placement else None)
     ring_bytes = current_knobs().load_ring_bytes
-    # (into= reads into the caller's tensors; the ring would make new ones.)
-    ring = device_load.enabled(map_location, manifest, ring_bytes) if into is None else None
+    ring = device_load.enabled(map_location, manifest, ring_bytes)
     if ring is not None:  # straight to the accelerator, through bounded host memory
-        entries = device_load.read_to_device(p, manifest, get_engine(), ring, verify=verify,
-                                             ring_bytes=ring_bytes)
+        entries = device_load.read_to_device(
+            p, manifest, get_engine(), ring, verify=verify, ring_bytes=ring_bytes,
+            dests=placement.choose_direct(manifest.tensors, ring) if placement else None)
         if progress:
             progress(sum(r.length for r in manifest.tensors))
     else:
-        direct = placement.choose_direct(manifest.tensors) if placement else {}
+        direct = (placement.choose_direct(manifest.tensors, torch.device("cpu"))
+                  if placement else {})
         if direct:
             read_into.read_into(p, manifest, get_engine(), direct, verify=verify,
                                 progress=progress)

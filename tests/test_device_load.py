@@ -172,6 +172,50 @@ def test_load_takes_the_ring_for_an_accelerator(saved: Path,
         assert (torch.equal(loaded[k], v) if isinstance(v, torch.Tensor) else loaded[k] == v), k
 
 
+@pytest.mark.parametrize("ring_bytes", [64, 4096 * 3 + 8, 64 << 20])
+def test_the_ring_copies_into_given_tensors(saved: Path, ring_bytes: int) -> None:
+    """load(into=) through the ring: a record with a destination lands in it
+    (in pieces when larger than a slot), never in a shared run; the rest as usual."""
+    manifest = checkpoint.read_manifest(saved)
+    expected = checkpoint.read_tensors(saved, manifest, get_engine(), verify=True)
+    dests = {i: torch.full_like(t, 7) for i, t in enumerate(expected) if i % 2 == 0}
+    got = device_load.read_to_device(saved, manifest, get_engine(), CPU, verify=True,
+                                     ring_bytes=ring_bytes, dests=dests)
+    for i, (r, a, b) in enumerate(zip(manifest.tensors, got, expected, strict=True)):
+        assert torch.equal(a, b), r.name
+        if i in dests:
+            assert a is dests[i], r.name
+        else:  # a small neighbour of a destination may share a run, never with it
+            assert all(a.untyped_storage().data_ptr() != d.untyped_storage().data_ptr()
+                       for d in dests.values() if d.numel()), r.name
+
+
+def test_load_into_takes_the_ring_for_an_accelerator(saved: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """load(into=...) with the CPU standing in for the accelerator: the caller's
+    tensors are the ring's destinations (none allocated and copied)."""
+    seen: list[list[int]] = []
+    real = device_load.read_to_device
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(sorted(kwargs["dests"] or {}))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(device_load, "enabled", lambda *a: CPU)
+    monkeypatch.setattr(device_load, "read_to_device", spy)
+    state = _state()
+    into = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    loaded = fastpersist.load(saved, into=into)
+    manifest = checkpoint.read_manifest(saved)
+    # Every non-empty record but big's storage, which "big" and "view" are views of
+    # (those get their values by copy_).
+    assert seen[0] == [i for i, r in enumerate(manifest.tensors)
+                       if r.length and not r.name.endswith(".__storage__")]
+    for k, v in into.items():
+        assert loaded[k] is v and torch.equal(v, state[k]), k
+    assert loaded["step"] == 7
+
+
 def test_when_the_ring_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fastpersist.save({"a": torch.ones(4096)}, tmp_path / "raw")
     fastpersist.save({"a": torch.ones(4096)}, tmp_path / "zstd", compression="zstd")
@@ -227,6 +271,20 @@ def test_a_load_to_the_gpu_streams_through_the_ring(saved: Path,
         if isinstance(v, torch.Tensor):
             assert loaded[k].device.type == "cuda", k
             assert torch.equal(loaded[k].cpu(), v), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_a_load_into_gpu_tensors_streams_through_the_ring(saved: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTPERSIST_LOAD_RING_BYTES", str(64 << 10))
+    state = _state()
+    into = {k: torch.zeros_like(v, device="cuda:0") for k, v in state.items()
+            if isinstance(v, torch.Tensor)}
+    addresses = {k: v.data_ptr() for k, v in into.items()}
+    loaded = fastpersist.load(saved, map_location="cuda:0", into=into)
+    for k, v in into.items():
+        assert loaded[k] is v and v.data_ptr() == addresses[k], k
+        assert torch.equal(v.cpu(), state[k]), k
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")

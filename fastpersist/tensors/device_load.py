@@ -9,7 +9,8 @@ device tensors, asynchronously, while the next chunk is read; a slot is read
 into again only after its copy has finished. Host memory: the ring
 (FASTPERSIST_LOAD_RING_BYTES), whatever the size of the state. A tensor
 larger than a slot is read in several chunks; its CRC32C is combined from
-its pieces' and checked once its last piece is in.
+its pieces' and checked once its last piece is in. With load's into=, a
+tensor of the caller's on the device takes the place of a new one.
 
 Only raw (safetensors) data files are read this way; api.py reads compressed
 checkpoints, and distributed ones, the usual way. On the CPU the same code
@@ -19,7 +20,7 @@ it without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,13 @@ class _Ring:
 
 
 def read_to_device(path: Path, manifest: Manifest, engine: Engine, device: torch.device, *,
-                   verify: bool, ring_bytes: int) -> list[torch.Tensor]:
+                   verify: bool, ring_bytes: int,
+                   dests: Mapping[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Every stored tensor, on `device`, in manifest order, through a ring of
-    ring_bytes of host memory; raises as checkpoint.read_tensors does."""
+    ring_bytes of host memory; raises as checkpoint.read_tensors does.
+    dests: record -> a contiguous tensor on `device` of its dtype and shape
+    (load's into=) that the record is copied into instead of a new one."""
+    dests = dests or {}
     slot = max(1, ring_bytes // SLOTS)
     ring = _Ring(device, slot)
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
@@ -121,7 +126,7 @@ def read_to_device(path: Path, manifest: Manifest, engine: Engine, device: torch
             records = [manifest.tensors[i] for i in indices]
             check_against_header(path, f, records, verify=verify)
             _read_file(path, f, list(zip(indices, records, strict=True)), engine, ring, device,
-                       verify, result)
+                       verify, result, dests)
     finally:
         ring.drain()  # no copy may still read a buffer that is freed
     assert all(t is not None for t in result)  # every record belongs to one listed file
@@ -130,11 +135,13 @@ def read_to_device(path: Path, manifest: Manifest, engine: Engine, device: torch
 
 def _read_file(path: Path, f: FileRecord, records: list[tuple[int, TensorRecord]],
                engine: Engine, ring: _Ring, device: torch.device, verify: bool,
-               result: list[torch.Tensor | None]) -> None:
+               result: list[torch.Tensor | None], dests: Mapping[int, torch.Tensor]) -> None:
     by_index = dict(records)
     flat: dict[int, torch.Tensor] = {}  # a tensor of its own, as bytes, by record
     for i, r in records:
-        if not r.length:  # nothing to read
+        if i in dests:
+            result[i], flat[i] = dests[i], dests[i].reshape(-1).view(torch.uint8)
+        elif not r.length:  # nothing to read
             result[i] = torch.empty(r.shape, dtype=dtypes.from_name(r.dtype), device=device)
     crcs: dict[int, list[tuple[int, int]]] = {i: [] for i, _ in records}
     for chunk in _chunks(records, len(ring.views[0])):
@@ -147,7 +154,7 @@ def _read_file(path: Path, f: FileRecord, records: list[tuple[int, TensorRecord]
             out = engine.read_file(str(path / f.name), segments, checksum=verify,
                                    region=(view[:size], start))
         host = ring.buffers[k]
-        for run in _runs(chunk, by_index):
+        for run in _runs(chunk, by_index, dests):
             if len(run) > 1:
                 _copy_shared(run, by_index, host, start, device, result)
                 continue
@@ -170,14 +177,16 @@ def _read_file(path: Path, f: FileRecord, records: list[tuple[int, TensorRecord]
                             for i, r in records if actual[i] != r.crc32c], str(path))
 
 
-def _runs(chunk: list[_Piece], by_index: dict[int, TensorRecord]) -> Iterator[list[_Piece]]:
+def _runs(chunk: list[_Piece], by_index: dict[int, TensorRecord],
+          dests: Mapping[int, torch.Tensor]) -> Iterator[list[_Piece]]:
     """The chunk's pieces in order: runs of consecutive small whole tensors
-    (which can share a device allocation), every other piece alone."""
+    (which can share a device allocation), every other piece (and every piece
+    of a tensor with a destination of its own) alone."""
     run: list[_Piece] = []
     for p in chunk:
         r = by_index[p.index]
         # (a view at its file offset must be aligned to its element size)
-        if p.length == r.length < SHARED_BELOW and \
+        if p.length == r.length < SHARED_BELOW and p.index not in dests and \
                 not p.file_offset % dtypes.from_name(r.dtype).itemsize:
             run.append(p)
             continue

@@ -11,10 +11,11 @@ StateMismatchError, before anything is read. Tensors of the
 checkpoint without a pair load as usual; plain values of `into` are ignored
 (the loaded object holds the checkpoint's).
 
-Where a pair allows it, the engine reads the checkpoint's bytes for it and
-copies them straight into the caller's memory (read_into.py): a contiguous CPU
-tensor of the record's dtype, a raw record, not a view, no other tensor sharing
-its bytes. Other pairs get the loaded tensor's values by copy_. Either way the
+Where a pair allows it, the checkpoint's bytes go straight into the caller's
+memory: a contiguous tensor of the record's dtype, a raw record, not a view, no
+other tensor sharing its bytes, on the CPU (the engine reads into it,
+read_into.py) or on the device a load streams to (device_load.py copies each
+chunk of the ring into it). Other pairs get the loaded tensor's values by copy_. Either way the
 loaded object holds the caller's tensor object at that place.
 """
 
@@ -62,9 +63,11 @@ class Placement:
 
         return place
 
-    def choose_direct(self, records: Sequence[TensorRecord]) -> dict[int, torch.Tensor]:
+    def choose_direct(self, records: Sequence[TensorRecord], device: torch.device
+                      ) -> dict[int, torch.Tensor]:
         """The entries (of a plain checkpoint's records) to read straight into
-        their pair's memory; sets and returns self.direct."""
+        their pair's memory on `device` (the CPU, or a load's ring's device);
+        sets and returns self.direct."""
         by_entry: dict[int, list[dict[str, Any]]] = {}
         for node in self.nodes:
             e = node.get("e")
@@ -74,15 +77,16 @@ class Placement:
         for e, nodes in by_entry.items():
             dest = self.dests[id(nodes[0])]
             if all(self.dests[id(n)] is dest and "view" not in n for n in nodes) and \
-                    _fits_in_place(records[e], dest):
+                    _fits_in_place(records[e], dest, device):
                 chosen[e] = dest
         self.direct = _without_overlaps(chosen)
         return self.direct
 
 
-def _fits_in_place(record: TensorRecord, dest: torch.Tensor) -> bool:
+def _fits_in_place(record: TensorRecord, dest: torch.Tensor, device: torch.device) -> bool:
+    on_device = dest.device == device if device.type != "cpu" else dest.device.type == "cpu"
     return (record.frames is None and record.length > 0 and type(dest) in (
-        torch.Tensor, torch.nn.Parameter) and dest.device.type == "cpu"
+        torch.Tensor, torch.nn.Parameter) and on_device
         and dest.layout == torch.strided and dest.is_contiguous()
         and dest.dtype == dtypes.from_name(record.dtype) and dest.nbytes == record.length
         and tuple(dest.shape) == record.shape)
