@@ -147,6 +147,14 @@ def main() -> int:
         ringed = fastpersist.load(root / "sync", map_location="cuda:0")
         check(f"load with map_location='cuda:0' through a {ring}-byte pinned ring",
               same(state, ringed) and ringed["model"]["w"].is_cuda, failures)
+        into = clone(state)  # the caller's CUDA tensors, other values
+        for t in (into["model"]["w"], into["optim"]["exp_avg"]):  # type: ignore[index]
+            t.zero_()
+        kept = into["model"]["w"].data_ptr()  # type: ignore[index]
+        loaded = fastpersist.load(root / "sync", map_location="cuda:0", into=into)
+        check(f"load(into=CUDA tensors) through a {ring}-byte pinned ring",
+              same(state, loaded) and loaded["model"]["w"] is into["model"]["w"]  # type: ignore[index]
+              and into["model"]["w"].data_ptr() == kept, failures)  # type: ignore[index]
     del os.environ["FASTPERSIST_LOAD_RING_BYTES"]
 
     before = clone(state)
