@@ -137,13 +137,12 @@ def load(
     place, in its own memory (shapes must match; dtypes and devices are
     converted), and the returned object holds those tensor objects there:
     no second copy of the state in memory. A contiguous CPU tensor is read
-    straight into (into.py); StateMismatchError, before anything is read, if
-    a shape differs or `into` has a tensor the checkpoint does not. If the load
+    straight into, as is a GPU tensor on the device a load streams to
+    (into.py); StateMismatchError, before anything is read, if a shape
+    differs or `into` has a tensor the checkpoint does not. If the load
     raises, those tensors may hold part of the checkpoint's values.
     """
-    if into is not None and like is not None:
-        raise TypeError("pass into= (tensors to load into) or like= (a layout to load "
-                        "as), not both")
+    _into_or_like(into, like)
     if is_tier_url(path):
         return load_from_tier(str(path), map_location, allow_pickle=allow_pickle,
                               verify=verify, progress=progress, like=like, into=into)
@@ -151,6 +150,12 @@ def load(
     with gcpause.paused():  # a manifest of many tensors makes many objects, no cycles
         return _load(Path(os.path.abspath(os.fspath(path))), map_location, allow_pickle, verify,
                      progress, like, into)
+
+
+def _into_or_like(into: Any, like: Any) -> None:
+    if into is not None and like is not None:
+        raise TypeError("pass into= (tensors to load into) or like= (a layout to load "
+                        "as), not both")
 
 
 def _placement(manifest: Manifest, into: Any, where: str
@@ -221,6 +226,7 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
     from .tier.remote import read_manifest
     from .tier.url import TierURL
 
+    _into_or_like(into, like)
     target_device(map_location, "cpu")
     s3, where = client_for(endpoint_url), TierURL.parse(url)
     manifest, _ = read_manifest(s3, where)
