@@ -32,10 +32,9 @@ from ..errors import CheckpointNotFoundError, ManifestError
 from ..format import dtypes
 from ..format.manifest import GlobalTensor, Manifest
 from ..tensors import checkpoint, state
-from ..tensors.factory import TensorFactory
+from ..tensors.factory import Factory, TensorFactory
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
-Factory = Callable[[dict[str, Any]], torch.Tensor]
 # (the manifest cut to the records wanted, record -> raw byte span wanted,
 # verify, progress) -> those records' tensors, in order.
 Reader = Callable[[Manifest, Mapping[int, tuple[int, int]], bool, Callable[[int], None] | None],

@@ -6,7 +6,7 @@ Shared by fastpersist.load (api.py) and distributed loads (distributed/restore.p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +15,8 @@ from ..errors import CheckpointError, ManifestError
 from ..format import dtypes
 
 MapLocation = None | str | torch.device | Mapping[str, str]
+# What decode calls for each tensor node (a TensorFactory, or a wrapper of one).
+Factory = Callable[[dict[str, Any]], torch.Tensor]
 
 
 def target_device(map_location: MapLocation, saved: str) -> str:

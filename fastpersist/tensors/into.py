@@ -21,7 +21,7 @@ loaded object holds the caller's tensor object at that place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,8 @@ from ..errors import StateMismatchError
 from ..format import dtypes
 from ..format.manifest import TensorRecord
 from . import state
+from .factory import Factory
 
-Factory = Callable[[dict[str, Any]], torch.Tensor]
 _ABSENT = object()
 _MAX_LISTED = 5
 
@@ -127,7 +127,8 @@ def match(tree: state.Node, into: Any, entry_shapes: list[tuple[int, ...]],
             if obj.device.type == "meta" or obj.layout != torch.strided:
                 wrong.append(f"{path or '<root>'} in `into` is a {obj.layout} tensor on "
                              f"{obj.device}, which has no memory to load into")
-            elif shape is not None and shape != tuple(obj.shape):
+                continue
+            if shape is not None and shape != tuple(obj.shape):
                 wrong.append(f"{path or '<root>'} is {list(shape)} in the checkpoint, "
                              f"{list(obj.shape)} in `into`")
                 continue
