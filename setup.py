@@ -13,6 +13,7 @@ SOURCES = ["fp_crc32c.c", "fp_util.c", "fp_fault.c", "fp_piece.c", "fp_ring.c", 
            "fp_read_job.c", "fp_pool.c", "fp_uring.c", "fp_write.c", "fp_read.c", "fp_dir.c",
            "fp_module.c"]
 CODEC_SOURCES = ["fpc_planes.c", "fpc_zstd_literals.c", "fpc_module.c"]
+FORMAT_SOURCES = ["fpf_records.c", "fpf_header.c", "fpf_module.c"]
 
 # FASTPERSIST_SANITIZE=1 builds with ASan/UBSan for the sanitizer CI job.
 extra_compile = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
@@ -38,6 +39,14 @@ setup(
             sources=[os.path.join("csrc", "codec", s) for s in CODEC_SOURCES],
             depends=[os.path.join("csrc", "codec", "fpc.h")],
             extra_compile_args=[*extra_compile, "-O3"],
+            extra_link_args=extra_link,
+        ),
+        # The format's per-tensor loops (csrc/format/fpf.h): manifest records, headers.
+        Extension(
+            "fastpersist._format",
+            sources=[os.path.join("csrc", "format", s) for s in FORMAT_SOURCES],
+            depends=[os.path.join("csrc", "format", "fpf.h")],
+            extra_compile_args=extra_compile,
             extra_link_args=extra_link,
         ),
     ]

@@ -25,7 +25,7 @@ if ! python -c "import torchtitan.components.checkpointer, torchtitan.components
 fi
 # Rebuild the extension from the current csrc/ (editable installs do not).
 pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "BuildBackendWarning\|^ *!!\|^ *\*\|Please be careful\|name as your package\|with strategy\|^\s*$" || true
-python -c "import fastpersist._engine" || { echo "setup: the C engine did not build" >&2; exit 1; }
+python -c "import fastpersist._engine, fastpersist._codec, fastpersist._format" || { echo "setup: the C extensions did not build" >&2; exit 1; }
 
 # The ENOSPC tests mount small ext4 images (mkfs.ext4); the deploy/ tests run
 # systemd-analyze and systemd-sysusers on the unit. Install them where we may.

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fastpersist"
 MAX_LINES = 400
 GENERATED = ("fastpersist._proto",)
 # Modules that exist but not as .py files here (the C engine, generated stubs).
-NATIVE = {"fastpersist._engine", "fastpersist._codec"}
+NATIVE = {"fastpersist._engine", "fastpersist._codec", "fastpersist._format"}
 
 # Each module's room: the longest prefix that names it.
 ROOMS = {
@@ -31,6 +31,7 @@ ROOMS = {
     "fastpersist.anonmem": "base", "fastpersist.background": "base",
     "fastpersist.checksum": "base",
     "fastpersist.format": "format",
+    "fastpersist._format": "format",  # the format's loops in C
     "fastpersist.codec": "codec", "fastpersist._codec": "codec",  # the codec's C core
     "fastpersist.engine": "engine",
     "fastpersist.storage": "storage",

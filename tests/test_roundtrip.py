@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import fastpersist
+from fastpersist import _format
 from fastpersist.format import dtypes
 
 ALL_DTYPES = sorted(dtypes.SUPPORTED_NAMES)
@@ -207,12 +208,14 @@ def test_data_file_layout_is_safetensors_with_aligned_data(tmp_path: Path) -> No
     st.sampled_from(["F32", "BF16", "I64", "BOOL"]),
     # a few shapes, so that entries repeat them (header_json caches each one's text)
     st.sampled_from([(), (0,), (3,), (2, 5), (7, 1, 4)]),
-    st.sampled_from([tuple, list])), max_size=12))
+    st.sampled_from([tuple, list]),
+    # names the C writer takes (plain ASCII) and ones it leaves to Python (escapes)
+    st.sampled_from(["", ".é", '."q', ".b\\s", ".\t", ".\x7f", ".\x00", ". ~"])), max_size=12))
 def test_header_json_is_json_dumps_of_the_header(entries: list[Any]) -> None:
     from fastpersist.format import safetensors_file
 
-    made = [(f"t{i}.é", dtype, as_seq(shape), 4 * math.prod(shape))
-            for i, (dtype, shape, as_seq) in enumerate(entries)]
+    made = [(f"t{i}{suffix}", dtype, as_seq(shape), 4 * math.prod(shape))
+            for i, (dtype, shape, as_seq, suffix) in enumerate(entries)]
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     cursor = 0
     for name, dtype, shape, nbytes in made:
@@ -221,6 +224,25 @@ def test_header_json_is_json_dumps_of_the_header(entries: list[Any]) -> None:
         cursor += nbytes
     expected = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     assert safetensors_file.header_json(made, {"format": "pt"}) == expected
+    assert safetensors_file.header_json(iter(made), {"format": "pt"}) == expected
+    plain = all(n.isascii() and n.isprintable() and '"' not in n and "\\" not in n
+                for n, *_ in made)
+    from_c = _format.header_json(made, b'{"__metadata__":{"format":"pt"}')
+    assert from_c == (expected if plain else None)
+
+
+def test_header_json_leaves_numbers_past_64_bits_to_python() -> None:
+    from fastpersist.format import safetensors_file
+
+    for entry in [("a", "F32", (2**63,), 4), ("a", "F32", (1,), 2**63), ("a", "F32", (-1,), 4)]:
+        expected = json.dumps({"__metadata__": {}, "a": {
+            "dtype": "F32", "shape": list(entry[2]), "data_offsets": [0, entry[3]]}},
+            separators=(",", ":"), ensure_ascii=False).encode()
+        assert safetensors_file.header_json([entry], {}) == expected
+    assert _format.header_json([("a", "F32", (2**63,), 4)], b"{") is None
+    assert _format.header_json([("a", "F32", (True,), 4)], b"{") is None
+    assert _format.header_json([("a", "F32", (-1,), 4)], b"{") == (
+        b'{,"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}')
 
 
 # Random nested states: the two engines must write byte-identical checkpoints.

@@ -32,6 +32,8 @@ MAX_DIMS = 64
 MAX_ELEMENTS = 1 << 60
 __all__ = ["MAX_FRAME_BYTES"]  # re-exported: the knob's limit is the format's
 
+# A CRC32C.
+CRC_MAX = (1 << 32) - 1
 # Any file offset or size in a manifest.
 MAX_FILE_BYTES = 1 << 62
 # The manifest file itself: a million tensors take about 300 MB.

@@ -37,6 +37,7 @@ _DTYPES: dict[str, tuple[int, str]] = {
 }
 
 SUPPORTED_NAMES = frozenset(_DTYPES)
+ITEMSIZES: dict[str, int] = {name: size for name, (size, _) in _DTYPES.items()}
 
 
 def itemsize(name: str) -> int:

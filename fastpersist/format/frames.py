@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .bounds import (
+    CRC_MAX,
     MAX_FILE_BYTES,
     MAX_FRAME_BYTES,
     MAX_FRAME_OVERHEAD,
@@ -32,7 +33,6 @@ from .bounds import (
 RAW = "raw"
 ZSTD_BYTEGROUP = "zstd-bytegroup-v1"
 ENCODINGS = frozenset({RAW, ZSTD_BYTEGROUP})
-_CRC_MAX = (1 << 32) - 1
 # Tensors smaller than this are stored raw in a packed file: a frame index
 # costs more than compressing them saves.
 MIN_ENCODED_BYTES = 4096
@@ -63,7 +63,7 @@ def parse_frames(raw: Any, length: int, stored_length: int, itemsize: int, where
     raw_at = stored_at = 0
     for i, f in enumerate(raw):
         if not (isinstance(f, list) and len(f) == 5 and all(is_int(v) for v in f[:4])
-                and is_int(f[4], 0, _CRC_MAX)):
+                and is_int(f[4], 0, CRC_MAX)):
             raise malformed(where, f"{ctx}: frames[{i}] must be five integers >= 0 "
                             f"(raw offset, raw length, stored offset, stored length, "
                             f"CRC32C), not {short(f)}")

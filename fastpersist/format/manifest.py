@@ -51,6 +51,7 @@ from ..errors import ManifestError
 from . import dtypes
 from .bounds import MAX_MANIFEST_BYTES, is_int, malformed, numel, short
 from .chunks import Chunk, GlobalTensor, parse_globals
+from .record_scan import Scan
 from .records import (
     ENCODINGS,
     MANIFEST_NAME,
@@ -114,6 +115,16 @@ class Manifest:
     @staticmethod
     def from_json(data: bytes, where: str) -> Manifest:
         """Parse and validate; ManifestError names `where` and the first problem."""
+        scan = Scan.of(data) if len(data) <= MAX_MANIFEST_BYTES else None
+        if scan is not None:
+            # The usual spelling's shortcut (record_scan.py). Whatever it does not
+            # accept, the general parse below decides, and words the error.
+            try:
+                manifest = _build(parse_json(scan.rest, where), where, scan)
+            except ManifestError:
+                manifest = None
+            if manifest is not None:
+                return manifest
         return _validate(parse_json(data, where), where)
 
 
@@ -189,6 +200,14 @@ def records_from_json(doc: Any, where: str, schema_version: int = SCHEMA_VERSION
 
 
 def _validate(doc: Any, where: str) -> Manifest:
+    manifest = _build(doc, where, None)
+    assert manifest is not None  # (only a scan's records may be declined)
+    return manifest
+
+
+def _build(doc: Any, where: str, scan: Scan | None) -> Manifest | None:
+    """The manifest `doc` describes; with `scan`, a doc whose "tensors" array was
+    cut out of the text: None where the scan declines its records."""
     if not isinstance(doc, dict):
         raise malformed(where, "top level is not an object")
     if doc.get("format") != FORMAT_NAME:
@@ -203,7 +222,13 @@ def _validate(doc: Any, where: str) -> Manifest:
             f"({SCHEMA_VERSION}); upgrade fastpersist to read it"
         )
     files = parse_files(doc.get("files"), version, where)
-    tensors = parse_tensors(doc.get("tensors"), files, where)
+    if scan is None:
+        tensors = parse_tensors(doc.get("tensors"), files, where)
+    else:
+        scanned = scan.records(files) if doc.get("tensors") == scan.marker else None
+        if scanned is None:
+            return None
+        tensors = scanned
     created = doc.get("created_unix")
     if not isinstance(created, int | float) or isinstance(created, bool) or not (
             0 <= created <= _LATEST_TIME):

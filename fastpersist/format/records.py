@@ -20,6 +20,7 @@ from typing import Any
 
 from . import dtypes
 from .bounds import (
+    CRC_MAX,
     MAX_DIMS,
     MAX_ELEMENTS,
     MAX_FILE_BYTES,
@@ -44,7 +45,6 @@ __all__ = ["ENCODINGS", "Frame"]  # re-exported for the manifest's readers
 # Data file names are plain names inside the checkpoint directory: a manifest
 # can never send a reader outside it.
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
-_CRC_MAX = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def parse_files(raw: Any, version: int, where: str) -> dict[str, FileRecord]:
             size=_int(f, "size", where, ctx),
             # The header is read whole: bounded as safetensors bounds it.
             data_start=_int(f, "data_start", where, ctx, lo=8, hi=8 + MAX_HEADER_BYTES),
-            header_crc32c=_int(f, "header_crc32c", where, ctx, hi=_CRC_MAX),
+            header_crc32c=_int(f, "header_crc32c", where, ctx, hi=CRC_MAX),
             node=node,
         )
         if rec.data_start > rec.size:
@@ -175,7 +175,7 @@ def _plain_tensor(t: dict[str, Any], name: str, files: Mapping[str, FileRecord]
     if not (type(file) is str and type(offset) is int and type(length) is int
             and type(crc) is int and type(shape) is list and len(shape) <= MAX_DIMS
             and 0 <= offset <= MAX_FILE_BYTES and 0 <= length <= MAX_FILE_BYTES
-            and 0 <= crc <= _CRC_MAX and type(dtype) is str and dtype in dtypes.SUPPORTED_NAMES
+            and 0 <= crc <= CRC_MAX and type(dtype) is str and dtype in dtypes.SUPPORTED_NAMES
             and encoding == RAW and "frames" not in t and "stored_length" not in t):
         return None  # (a compressed record: _tensor checks its frames)
     numel = span = 1
@@ -217,7 +217,7 @@ def _tensor(t: dict[str, Any], i: int, name: str, files: Mapping[str, FileRecord
         length=_int(t, "length", where, ctx),
         dtype=_str(t, "dtype", where, ctx),
         shape=tuple(shape),  # type: ignore[arg-type]  # checked by shape_problem
-        crc32c=_int(t, "crc32c", where, ctx, hi=_CRC_MAX),
+        crc32c=_int(t, "crc32c", where, ctx, hi=CRC_MAX),
         encoding=_str(t, "encoding", where, ctx),
     )
     if rec.dtype not in dtypes.SUPPORTED_NAMES:

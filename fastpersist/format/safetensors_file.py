@@ -19,6 +19,11 @@ from typing import NamedTuple
 from ..knobs import ALIGNMENT
 from . import dtypes
 
+try:
+    from .. import _format
+except ImportError:  # no C extension: the headers are written in Python
+    _format = None  # type: ignore[assignment]
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 # The "__metadata__" of every data file fastpersist writes, raw or packed.
 DATA_FILE_METADATA = {"format": "pt", "producer": "fastpersist"}
@@ -74,7 +79,14 @@ def header_json(entries: Iterable[tuple[str, str, Sequence[int], int]],
     back in the order given: json.dumps(header, separators=(",", ":"),
     ensure_ascii=False) of layout()'s dict, byte for byte, without building it.
     The names must be unique and none "__metadata__" (layout() checks)."""
-    parts = ['{"__metadata__":', json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)]
+    prefix = '{"__metadata__":' + json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)
+    if _format is not None:  # the same bytes, from C, where names need no escapes
+        if not isinstance(entries, list | tuple):
+            entries = list(entries)
+        text = _format.header_json(entries, prefix.encode())
+        if text is not None:
+            return text
+    parts = [prefix]
     dtype_json: dict[str, str] = {}
     dims_json: dict[tuple[int, ...], str] = {}  # states repeat a few shapes many times
     cursor = 0
