@@ -83,9 +83,9 @@ def header_json(entries: Iterable[tuple[str, str, Sequence[int], int]],
     if _format is not None:  # the same bytes, from C, where names need no escapes
         if not isinstance(entries, list | tuple):
             entries = list(entries)
-        text = _format.header_json(entries, prefix.encode())
-        if text is not None:
-            return text
+        made = _format.header_json(entries, prefix.encode())
+        if made is not None:
+            return made
     parts = [prefix]
     dtype_json: dict[str, str] = {}
     dims_json: dict[tuple[int, ...], str] = {}  # states repeat a few shapes many times
