@@ -106,10 +106,25 @@ def _group_by_storage(leaves: Iterable[TensorLeaf]) -> list[list[TensorLeaf]]:
 def plan_tensors(leaves: list[TensorLeaf]) -> list[StoredTensor]:
     """The tensors to store; fills each leaf's node with its entry (and view)."""
     names = _Names()
+    used = names.used
+    name_of = dtypes.names_by_dtype()  # (state.encode admits only storable dtypes)
     stored: list[StoredTensor] = []
     for group in _group_by_storage(leaves):
         index = len(stored)
-        if len(group) == 1 or len({_view_key(leaf.tensor) for leaf in group}) == 1:
+        if len(group) == 1:  # the common case, inlined: a state may hold 100,000
+            leaf = group[0]
+            t = leaf.tensor
+            name = leaf.path
+            if name in used:
+                name = names.unique(name)
+            else:
+                used.add(name)
+            if not t.is_contiguous():
+                t = t.contiguous()
+            stored.append(StoredTensor(name, name_of[t.dtype], tuple(t.shape), t, t.nbytes))
+            leaf.node["e"] = index
+            continue
+        if len({_view_key(leaf.tensor) for leaf in group}) == 1:
             t = group[0].tensor
             dtype = dtypes.to_name(t.dtype)
             assert dtype is not None  # state.encode admits only storable dtypes
