@@ -311,3 +311,20 @@ def test_cuda_checkpoint_on_a_machine_without_cuda(tmp_path: Path) -> None:
     assert fastpersist.load(tmp_path / "ckpt", map_location="cpu")["w"].device.type == "cpu"
     out = fastpersist.load(tmp_path / "ckpt", map_location={"cuda:0": "cpu"})
     assert torch.equal(out["w"], torch.ones(3))
+
+
+def test_tensors_whose_paths_collide_get_names_of_their_own(tmp_path: Path) -> None:
+    # "a.b" the key and a -> b the nesting name the same path: the second stored
+    # tensor is named apart in the data file (and a third after it).
+    state = {"a.b": torch.ones(2), "a": {"b": torch.zeros(3)}, "x": [torch.arange(4)],
+             "x.0": torch.full((5,), 7.0), "x.0~1": torch.full((6,), 9.0)}
+    fastpersist.save(state, tmp_path / "ckpt")
+    names = [t["name"] for t in json.loads((tmp_path / "ckpt" / "manifest.json").read_bytes())
+             ["tensors"]]
+    assert len(set(names)) == len(names) == 5
+    assert {"a.b", "a.b~1", "x.0", "x.0~1"} <= set(names)
+    loaded = fastpersist.load(tmp_path / "ckpt")
+    assert torch.equal(loaded["a"]["b"], state["a"]["b"])
+    assert torch.equal(loaded["x"][0], state["x"][0])
+    for key in ("a.b", "x.0", "x.0~1"):
+        assert torch.equal(loaded[key], state[key])
