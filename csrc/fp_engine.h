@@ -123,8 +123,10 @@ uint32_t fp_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 void fp_crc32c_init(void);
 const char *fp_crc32c_impl(void);
 
-/* Bounce buffers: aligned, cached across calls up to a budget. */
+/* Bounce buffers: 2 MiB-aligned mappings (huge pages unless turned off),
+ * cached across calls up to a budget. */
 void *fp_bounce_get(size_t size);
+void fp_bounce_set_huge(int on);
 void fp_bounce_put(void *buf, size_t size);
 void fp_bounce_release_all(void);
 size_t fp_bounce_cached_bytes(void);

@@ -426,6 +426,15 @@ static PyObject *py_release_buffers(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_huge_buffers(PyObject *self, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    fp_bounce_set_huge(on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_cached_buffer_bytes(PyObject *self, PyObject *unused)
 {
     return PyLong_FromSize_t(fp_bounce_cached_bytes());
@@ -453,6 +462,9 @@ static PyMethodDef methods[] = {
     {"uring_available", py_uring_available, METH_NOARGS,
      "Whether io_uring works here (BACKEND_AUTO falls back to the thread pool if not)."},
     {"release_buffers", py_release_buffers, METH_NOARGS, "Free the cached bounce buffers."},
+    {"set_huge_buffers", py_set_huge_buffers, METH_O,
+     "set_huge_buffers(on): whether bounce buffers allocated from now on ask for\n"
+     "transparent huge pages (the default; cached ones keep what they have)."},
     {"cached_buffer_bytes", py_cached_buffer_bytes, METH_NOARGS,
      "Bytes of bounce buffers kept for the next call."},
     {NULL, NULL, 0, NULL},

@@ -44,7 +44,8 @@
     FASTPERSIST_HUGE_PAGES     huge pages for loaded tensors: on, off,   auto
                                or auto (on, unless the machine is a VM
                                that hands free memory back to its host:
-                               anonmem.py)
+                               anonmem.py); the engine's bounce buffers
+                               ask for them unless it is off
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
 thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for

@@ -393,6 +393,49 @@ def test_bounce_buffers_are_reused_across_calls(tmp_path: Path) -> None:
     assert _engine.cached_buffer_bytes() == 0
 
 
+def _huge_page_mappings() -> set[tuple[int, int]]:
+    """(start, end) of this process's mappings that asked for huge pages
+    (MADV_HUGEPAGE: "hg" among their VmFlags)."""
+    found, current = set(), None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(" ", 1)[0]
+            if "-" in first and ":" not in first:
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                current = (lo, hi)
+            elif first == "VmFlags:" and " hg" in line:
+                found.add(current)
+    return found
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_bounce_buffers_ask_for_huge_pages_unless_told_not_to(tmp_path: Path, huge: bool) -> None:
+    # A bounce buffer's pages are the runs of physical memory an O_DIRECT
+    # request is cut at; huge pages keep requests large (csrc/fp_util.c).
+    block = 2 << 20
+    payload = os.urandom(3 * block + 123)  # the unaligned tail goes through a bounce buffer
+    _engine.release_buffers()
+    before = _huge_page_mappings()
+    _engine.set_huge_buffers(huge)
+    try:
+        native_write(tmp_path / "f", [(payload, 0)], len(payload), block_size=block, threads=1)
+        out = bytearray(len(payload) - 5)
+        native_read(tmp_path / "f", [(memoryview(out), 5)], block_size=block, threads=1)
+        new = _huge_page_mappings() - before
+    finally:
+        _engine.set_huge_buffers(True)
+        _engine.release_buffers()
+    assert out == payload[5:]
+    if huge:
+        # The write's buffer (one block) and the read's (a block and two pages),
+        # each at a 2 MiB boundary, unless the kernel merged them with a neighbour.
+        assert new, "no bounce buffer asked for huge pages"
+        assert all(lo % block == 0 or hi % block == 0 for lo, hi in new)
+        assert sum(hi - lo for lo, hi in new) >= block
+    else:
+        assert not new
+
+
 def test_gil_is_released_during_io(tmp_path: Path) -> None:
     payload = bytes(256 << 20)
     ticks = 0

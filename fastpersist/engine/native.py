@@ -45,6 +45,9 @@ class NativeEngine:
         # AUTO falls back to the pool with all of io_threads; io_uring caps them at the CPUs.
         self._backend = _BACKENDS[k.io_backend]
         self._queue_depth = k.io_queue_depth
+        # Huge pages make each bounce buffer a few physically contiguous runs,
+        # which O_DIRECT requests need to stay large (csrc/fp_util.c).
+        _engine.set_huge_buffers(knobs.huge_pages() != "off")
 
     def write_file(
         self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True,
