@@ -29,9 +29,10 @@ from hostile_support import (
     same,
     single_state,
 )
+from support import flip_bit
 
 import fastpersist
-from fastpersist import ManifestError, UnsupportedValueError
+from fastpersist import ChecksumMismatchError, ManifestError, UnsupportedValueError
 from fastpersist.cli import main
 from fastpersist.tensors import checkpoint
 
@@ -292,6 +293,58 @@ def test_a_data_start_that_is_not_the_headers_end_is_refused(tmp_path: Path,
     edit(ckpt, lambda d: d["files"][0].update(data_start=data_start))
     with pytest.raises(ManifestError, match="header ends at 4096, manifest says"):
         fastpersist.load(ckpt, verify=False)
+
+
+def _two_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """a and b in data-00000 and c alone in data-00001: a load of several
+    files reads each file's header with its tensors (checkpoint._read_overlapped)."""
+    monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(8 << 10))
+    ckpt = tmp_path / "two"
+    fastpersist.save({"a": distinct(4), "b": distinct(4, start=50),
+                      "c": distinct(4096, start=100)}, ckpt)
+    assert len(read_doc(ckpt)["files"]) == 2
+    return ckpt
+
+
+@pytest.mark.parametrize("into", [False, True])
+@pytest.mark.parametrize("verify", [True, False])
+def test_records_must_match_the_header_read_with_the_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool, into: bool) -> None:
+    ckpt = _two_files(tmp_path, monkeypatch)
+
+    def swap(d: Doc) -> None:
+        a, b = (r for r in d["tensors"] if r["name"] in ("a", "b"))
+        a["offset"], b["offset"] = b["offset"], a["offset"]
+        a["crc32c"], b["crc32c"] = b["crc32c"], a["crc32c"]
+
+    edit(ckpt, swap)
+    target = {"a": torch.zeros(4), "b": torch.zeros(4), "c": torch.zeros(4096)}
+    with pytest.raises(ManifestError, match=r"tensor 'a' .*data-00000.safetensors.*header"):
+        fastpersist.load(ckpt, verify=verify, into=target if into else None)
+
+
+def test_a_data_start_short_of_the_header_read_with_the_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header's own length reaches past data_start: its end is read from the file."""
+    ckpt = _two_files(tmp_path, monkeypatch)
+    edit(ckpt, lambda d: d["files"][1].update(data_start=8))
+    with pytest.raises(ManifestError, match=r"data-00001\.safetensors: header ends at 4096, "
+                                            r"manifest says 8"):
+        fastpersist.load(ckpt, verify=False)
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_corrupt_header_read_with_the_data_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: bool) -> None:
+    """A flipped bit in the second file's header (in its JSON, which then no
+    longer parses): the CRC32C mismatch names the header, before any parse."""
+    ckpt = _two_files(tmp_path, monkeypatch)
+    flip_bit(ckpt / "data-00001.safetensors", 20)
+    target = {"a": torch.zeros(4), "b": torch.zeros(4), "c": torch.zeros(4096)}
+    with pytest.raises(ChecksumMismatchError,
+                       match=r"safetensors header in data-00001\.safetensors is corrupt") as info:
+        fastpersist.load(ckpt, into=target if into else None)
+    assert (info.value.file, info.value.tensor) == ("data-00001.safetensors", "<header>")
 
 
 def test_records_sharing_bytes_are_refused(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ..storage.commit import find_leftovers, os_error, parse_leftover
 from . import datafile, packed
-from .headers import check_against_header
+from .headers import check_against_header, check_header_bytes
 
 
 def _not_found(path: Path) -> CheckpointNotFoundError:
@@ -148,8 +148,11 @@ def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: boo
                      progress: Callable[[int], None] | None, skip: Container[int]) -> None:
     """read_tensors of raw records, several files: the engine reads up to
     FILES_IN_FLIGHT files on reader threads (the GIL released) while this
-    thread checks and allocates the next. Errors come in file order, and
-    progress a file at a time, on this thread."""
+    thread allocates the next. Each file's header is read with its tensors
+    and checked against the records before any of them is returned (a
+    separate read of it first waited behind the other file's reads, on this
+    thread). Errors come in file order, and progress a file at a time, on
+    this thread."""
     in_flight: list[tuple[list[int], datafile.PendingRead, Future[IOResult]]] = []
     with ThreadPoolExecutor(FILES_IN_FLIGHT, thread_name_prefix="fastpersist-read") as readers:
         # (Leaving the block waits for reads still running: nothing frees their memory.)
@@ -157,11 +160,9 @@ def _read_overlapped(path: Path, manifest: Manifest, engine: Engine, verify: boo
             for f, indices in records_by_file(manifest, skip):
                 check_size(path, f)
                 records = [manifest.tensors[i] for i in indices]
-                check_against_header(path, f, records, verify=verify)
                 if len(in_flight) >= FILES_IN_FLIGHT:
                     _finish_read(path, *in_flight.pop(0), result, progress)
-                pending = datafile.start_read(str(path), f, records, verify=verify,
-                                              header=False)
+                pending = datafile.start_read(str(path), f, records, verify=verify)
                 in_flight.append((indices, pending,
                                   readers.submit(datafile.run_read, engine, pending)))
         except BaseException:
@@ -176,12 +177,28 @@ def _finish_read(path: Path, indices: list[int], pending: datafile.PendingRead,
                  future: Future[IOResult], result: list[torch.Tensor | None],
                  progress: Callable[[int], None] | None) -> None:
     with read_errors(path, pending.file):
-        tensors, mismatches = datafile.finish_read(pending, future.result())
-    datafile.raise_for(mismatches, str(path))
+        done = future.result()
+    tensors = finish_with_header(path, pending, done)
     for i, t in zip(indices, tensors, strict=True):
         result[i] = t
     if progress:
         progress(sum(r.length for r in pending.records))
+
+
+def finish_with_header(path: Path, pending: datafile.PendingRead, result: IOResult,
+                       file_records: list[TensorRecord] | None = None) -> list[torch.Tensor]:
+    """finish_read of a read that took the file's header (start_read's header):
+    a corrupt header, then a header that disagrees with the records (all of
+    the file's, `file_records`, where the read took only some), then the
+    tensors' CRC32C mismatches raise, in that order."""
+    header = pending.take_header()
+    tensors, mismatches = datafile.finish_read(pending, result)
+    if mismatches and mismatches[0].tensor == "<header>":
+        datafile.raise_for(mismatches[:1], str(path))
+    check_header_bytes(path, pending.file, file_records or pending.records, header,
+                       verify=pending.verify)
+    datafile.raise_for(mismatches, str(path))
+    return tensors
 
 
 def _read_batch(path: Path, f: FileRecord, batch: list[tuple[int, TensorRecord]],

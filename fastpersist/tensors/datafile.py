@@ -250,14 +250,22 @@ class PendingRead:
     tensors: list[torch.Tensor]
     segments: list[Segment]
     verify: bool
-    with_header: bool
+    with_header: bool  # segments[0] is the file's header (its CRC32C checked if verify)
     region: Segment | None = None  # the engine's region hint (see start_read)
+
+    def take_header(self) -> bytes:
+        """The header bytes read with the file (before finish_read). A region
+        gives back the pages that held them: no tensor lies before data_start."""
+        data = bytes(self.segments[0][0])
+        if self.region is not None:
+            self.region[0].madvise(mmap.MADV_DONTNEED, 0, len(data) // ALIGNMENT * ALIGNMENT)
+        return data
 
 
 def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
                verify: bool, header: bool = True) -> PendingRead:
     """Allocate the tensors for a read of `records` of `file` and make the
-    engine's segments.
+    engine's segments (the header's first, if `header`).
 
     A read of most of a file's bytes (a load) puts the file into one mapping
     laid out as the file, each tensor a view of it, and hands the mapping to
@@ -267,7 +275,7 @@ def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
     of the file is freed; a tensor of at least _GIVE_BACK_MIN bytes gives its
     own pages back to the OS when it is freed (see _owner).
     """
-    with_header = verify and header
+    with_header = header
     header_bytes = file.data_start if with_header else 0
     span = region_span(records, header_bytes)
     region: Segment | None = None

@@ -27,6 +27,18 @@ def read_header_prefix(fh: BinaryIO) -> bytes:
     return magic + head + fh.read(min(n, safetensors_file.MAX_HEADER_BYTES))
 
 
+def _prefix_within(covered: bytes) -> bytes | None:
+    """read_header_prefix of bytes already read, or None where the header's
+    own length reaches past them."""
+    head, at = covered[:8], 8
+    magic = b""
+    if packed_file.is_packed(head):
+        magic, head, at = head, covered[8:16], 16
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    end = at + min(n, safetensors_file.MAX_HEADER_BYTES)
+    return magic + head + covered[at:end] if end <= len(covered) else None
+
+
 def parse_header(prefix: bytes) -> tuple[int, dict[str, safetensors_file.ParsedEntry],
                                          dict[str, str]]:
     """Either kind of data file's header (HeaderError if malformed)."""
@@ -50,8 +62,26 @@ def check_against_header(path: Path, f: FileRecord, records: list[TensorRecord],
         if actual != f.header_crc32c:
             datafile.raise_for([datafile.Mismatch(f.name, "<header>", f.header_crc32c, actual)],
                                str(path))
+    check_header_bytes(path, f, records, covered, verify=verify, prefix=prefix)
+
+
+def check_header_bytes(path: Path, f: FileRecord, records: list[TensorRecord],
+                       covered: bytes, *, verify: bool,
+                       prefix: bytes | None = None) -> None:
+    """check_against_header of a header already read: `covered` is the file's
+    first data_start bytes, whose CRC32C the caller has checked when verifying.
+    (prefix: the header as its own length says; read from the file only where
+    that reaches past data_start, which no header that matches does.)"""
     if not packed_file.is_packed(covered[:8]) and datafile.is_header_of(covered, f, records):
         return  # the header write() makes for these records, byte for byte: nothing to parse
+    if prefix is None:
+        prefix = _prefix_within(covered)
+    if prefix is None:
+        try:
+            with open(path / f.name, "rb") as fh:
+                prefix = read_header_prefix(fh)
+        except OSError as exc:
+            raise os_error(exc, f"cannot read {path / f.name}") from exc
     try:
         data_start, entries, _ = parse_header(prefix)
     except safetensors_file.HeaderError as exc:

@@ -28,10 +28,15 @@ from pathlib import Path
 import torch
 
 from ..engine import Engine, IOResult, Segment
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, TensorRecord
 from . import datafile
-from .checkpoint import FILES_IN_FLIGHT, check_size, read_errors, records_by_file
-from .headers import check_against_header
+from .checkpoint import (
+    FILES_IN_FLIGHT,
+    check_size,
+    finish_with_header,
+    read_errors,
+    records_by_file,
+)
 from .plan import memory_of
 
 
@@ -40,7 +45,7 @@ def read_into(path: Path, manifest: Manifest, engine: Engine, dests: Mapping[int
     """Read each record i in `dests` (raw; dests[i] a contiguous CPU tensor of
     its dtype and size) into dests[i]; raises as checkpoint.read_tensors does
     (errors in file order)."""
-    in_flight: list[tuple[datafile.PendingRead, Future[IOResult]]] = []
+    in_flight: list[tuple[datafile.PendingRead, list[TensorRecord], Future[IOResult]]] = []
     readers = ThreadPoolExecutor(FILES_IN_FLIGHT, thread_name_prefix="fastpersist-read")
     try:
         for f, indices in records_by_file(manifest):
@@ -48,26 +53,27 @@ def read_into(path: Path, manifest: Manifest, engine: Engine, dests: Mapping[int
             if not mine:
                 continue
             check_size(path, f)
-            check_against_header(path, f, [manifest.tensors[i] for i in indices], verify=verify)
             records = [manifest.tensors[i] for i in mine]
             tensors = [dests[i] for i in mine]
-            segments: list[Segment] = [(memory_of(t), r.offset)
-                                       for t, r in zip(tensors, records, strict=True)]
+            # The header is read with the tensors and checked before the call returns.
+            segments: list[Segment] = [(bytearray(f.data_start), 0)]
+            segments += [(memory_of(t), r.offset) for t, r in zip(tensors, records, strict=True)]
             pending = datafile.PendingRead(os.path.join(path, f.name), f, records, tensors,
-                                           segments, verify, with_header=False)
+                                           segments, verify, with_header=True)
             if len(in_flight) >= FILES_IN_FLIGHT:
                 _finish(path, *in_flight.pop(0), progress)
-            in_flight.append((pending, readers.submit(datafile.run_read, engine, pending)))
+            in_flight.append((pending, [manifest.tensors[i] for i in indices],
+                              readers.submit(datafile.run_read, engine, pending)))
         while in_flight:
             _finish(path, *in_flight.pop(0), progress)
     finally:  # an error reads no further file; the running ones are waited for
         readers.shutdown(wait=True, cancel_futures=True)
 
 
-def _finish(path: Path, pending: datafile.PendingRead, future: Future[IOResult],
-            progress: Callable[[int], None] | None) -> None:
+def _finish(path: Path, pending: datafile.PendingRead, file_records: list[TensorRecord],
+            future: Future[IOResult], progress: Callable[[int], None] | None) -> None:
     with read_errors(path, pending.file):
-        _, mismatches = datafile.finish_read(pending, future.result())
-    datafile.raise_for(mismatches, str(path))
+        done = future.result()
+    finish_with_header(path, pending, done, file_records)
     if progress:
         progress(sum(r.length for r in pending.records))
