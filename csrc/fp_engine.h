@@ -30,7 +30,7 @@ typedef struct {
 } fp_wseg;
 
 typedef struct {
-    void *buf;
+    void *buf; /* NULL: the bytes are read and checksummed, not kept (a verify) */
     uint64_t off;
     uint64_t len;
 } fp_rseg;

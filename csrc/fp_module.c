@@ -43,7 +43,8 @@ static void release_segments(seg_list *sl)
     *sl = (seg_list){0};
 }
 
-/* Acquire every (buffer, offset) pair of `seq`, writable ones for a read. */
+/* Acquire every (buffer, offset) pair of `seq`, writable ones for a read. A
+ * read's segment may also be (None, offset, length): checksummed, not kept. */
 static int acquire_segments(PyObject *seq, int writable, seg_list *sl)
 {
     PyObject *fast = PySequence_Fast(seq, "segments must be a sequence of (buffer, offset)");
@@ -62,10 +63,19 @@ static int acquire_segments(PyObject *seq, int writable, seg_list *sl)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
         PyObject *obj;
-        unsigned long long off;
-        if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "OK", &obj, &off)) {
-            PyErr_Format(PyExc_TypeError, "segment %zd must be a (buffer, offset) tuple", i);
+        unsigned long long off, len = 0;
+        int unkept = writable && PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 3 &&
+                     PyTuple_GET_ITEM(item, 0) == Py_None;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 + unkept ||
+            !PyArg_ParseTuple(item, "OK|K", &obj, &off, &len)) {
+            PyErr_Format(PyExc_TypeError, "segment %zd must be a (buffer, offset) tuple%s", i,
+                         writable ? " or (None, offset, length)" : "");
             goto fail;
+        }
+        if (unkept) { /* the view stays empty: release_segments skips it */
+            sl->n = i + 1;
+            ((fp_rseg *)sl->segs)[i] = (fp_rseg){NULL, off, (uint64_t)len};
+            continue;
         }
         Py_buffer *v = &sl->views[i];
         if (PyObject_GetBuffer(obj, v, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
@@ -92,6 +102,11 @@ static int acquire_region(PyObject *region, seg_list *sl)
         return -1;
     int rc = acquire_segments(one, 1, sl);
     Py_DECREF(one);
+    if (rc == 0 && !((fp_rseg *)sl->segs)[0].buf) { /* (None, offset, length) */
+        release_segments(sl);
+        PyErr_SetString(PyExc_TypeError, "region must be a (buffer, offset) tuple or None");
+        return -1;
+    }
     if (rc < 0 && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear();
         PyErr_SetString(PyExc_TypeError, "region must be a (buffer, offset) tuple or None");
@@ -217,7 +232,9 @@ PyDoc_STRVAR(read_file_doc,
              "O_DIRECT was used). Raises EOFError if the file is too short. backend and\n"
              "queue_depth as for write_file. region: a writable (buffer, offset) laid\n"
              "out as the file from offset; segments that are views of it at their own\n"
-             "offsets are read with large I/Os straight into it (bytes between them too).");
+             "offsets are read with large I/Os straight into it (bytes between them too).\n"
+             "A segment (None, offset, length) is read through bounce buffers for its\n"
+             "CRC32C only (a verify): no memory of the caller's holds its bytes.");
 
 static PyObject *py_read_file(PyObject *self, PyObject *args, PyObject *kw)
 {

@@ -91,16 +91,23 @@ static void read_stream(fp_read_job *job, size_t first, size_t last)
     }
     uint64_t lo = job->ios[first].off, hi = job->ios[last - 1].off + job->ios[last - 1].len;
     posix_fadvise(fd, (off_t)lo, (off_t)(hi - lo), POSIX_FADV_SEQUENTIAL);
+    char *bounce = NULL; /* for checksum-only ios, the only ones without memory here */
     for (size_t k = first; k < last && !fp_failed(&job->st); k++) {
         const fp_read_io *io = &job->ios[k];
-        int64_t n = fp_pread_full(fd, io->mem, io->len, io->off);
+        char *dst = io->mem;
+        if (!dst && !(dst = bounce) && !(dst = bounce = fp_bounce_get(job->bounce_size))) {
+            fp_fail(&job->st, ENOMEM, "allocating a bounce buffer");
+            break;
+        }
+        int64_t n = fp_pread_full(fd, dst, io->len, io->off);
         if (n < 0)
             fp_fail(&job->st, (int)-n, "read of %llu bytes at offset %llu: %s",
                     (unsigned long long)io->len, (unsigned long long)io->off,
                     strerror((int)-n));
         else
-            fp_read_io_done(job, io, io->mem, (uint64_t)n);
+            fp_read_io_done(job, io, dst, (uint64_t)n);
     }
+    fp_bounce_put(bounce, job->bounce_size);
     /* The bytes now live in the caller's memory; a second copy in the page
      * cache would only crowd out the trainer's. */
     posix_fadvise(fd, (off_t)lo, (off_t)(hi - lo), POSIX_FADV_DONTNEED);

@@ -18,6 +18,9 @@
  * Buffered reads (no O_DIRECT) read every piece in place; for the thread pool
  * the ios are also split into one contiguous span (stream) per thread, which
  * fp_pool.c reads in order through its own descriptor.
+ *
+ * A segment without memory (buf NULL) is only checksummed: its bytes go
+ * through bounce buffers, direct or not, and are dropped after their CRC.
  */
 #include "fp_internal.h"
 
@@ -75,8 +78,8 @@ static void add_range(planner *pl, const fp_rseg *seg, size_t s, uint64_t off, u
 {
     while (off < end) {
         uint64_t n = end - off < pl->block_size ? end - off : pl->block_size;
-        fp_piece piece = {.mem = (char *)seg->buf + (off - seg->off), .off = off, .len = n,
-                          .seg = s};
+        fp_piece piece = {.mem = seg->buf ? (char *)seg->buf + (off - seg->off) : NULL,
+                          .off = off, .len = n, .seg = s};
         if (in_place)
             add_direct(pl, piece);
         else
@@ -88,6 +91,10 @@ static void add_range(planner *pl, const fp_rseg *seg, size_t s, uint64_t off, u
 static void plan_segment(planner *pl, const fp_rseg *seg, size_t s)
 {
     uint64_t off = seg->off, end = seg->off + seg->len;
+    if (!seg->buf) {
+        add_range(pl, seg, s, off, end, 0);
+        return;
+    }
     if (!pl->direct) {
         add_range(pl, seg, s, off, end, 1); /* buffered: pread straight into place */
         return;
@@ -309,6 +316,8 @@ void fp_read_io_done(fp_read_job *job, const fp_read_io *io, const char *buf, ui
         }
         if (io->kind == FP_IO_REGION) /* already in place: buf + rel is p->mem */
             p->crc = job->checksum ? fp_crc32c(0, p->mem, p->len) : 0;
+        else if (!p->mem) /* checksum only */
+            p->crc = job->checksum ? fp_crc32c(0, buf + rel, p->len) : 0;
         else
             p->crc = fp_copy_with_crc(p->mem, buf + rel, p->len, job->checksum);
     }

@@ -23,7 +23,8 @@ def write_file(
     dir_fd: int = ...,
 ) -> tuple[list[int], bool]: ...
 def read_file(
-    path: str, segments: Sequence[tuple[Any, int]], block_size: int, threads: int, direct: int,
+    path: str, segments: Sequence[tuple[Any, int] | tuple[None, int, int]], block_size: int,
+    threads: int, direct: int,
     checksum: bool = ..., *, backend: int = ..., queue_depth: int = ...,
     region: tuple[Any, int] | None = ...,
 ) -> tuple[list[int] | None, bool]: ...

@@ -159,20 +159,24 @@ def test_native_reads_any_segment_list(tmp_path_factory, backend, direct, layout
     content = path.read_bytes()
     # Random ranges, overlapping and unordered, into buffers at random
     # alignments (an offset into a larger bytearray), so both the in-place
-    # O_DIRECT path and the bounce path run.
-    reads = []
+    # O_DIRECT path and the bounce path run; some only checksummed (unkept).
+    reads: list = []
     for _ in range(data.draw(st.integers(0, 10))):
         start = data.draw(st.integers(0, size))
         length = data.draw(st.integers(0, size - start))
+        if data.draw(st.booleans()):
+            reads.append((None, start, length))
+            continue
         pad = data.draw(st.sampled_from([0, 1, 64, 4095]))
         backing = bytearray(length + pad)
         reads.append((memoryview(backing)[pad:], start))
     crcs, _ = native_read(path, reads, block_size, threads, direct=direct, backend=backend,
                           queue_depth=queue_depth)
-    for (view, start), crc in zip(reads, crcs, strict=True):
-        expected = content[start:start + len(view)]
-        assert bytes(view) == expected
+    for (view, start, *unkept), crc in zip(reads, crcs, strict=True):
+        expected = content[start:start + (unkept[0] if view is None else len(view))]
+        assert view is None or bytes(view) == expected
         assert crc == crc32c.crc32c(expected)
+    assert ReferenceEngine().read_file(str(path), reads).crcs == crcs
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -231,6 +235,19 @@ def test_read_past_end_raises_eof(tmp_path: Path, backend) -> None:
     native_write(path, [(b"x" * 5000, 0)], 5000, backend=backend)
     with pytest.raises(EOFError, match="truncated"):
         native_read(path, [(bytearray(10), 4995)], backend=backend)
+    with pytest.raises(EOFError, match="truncated"):
+        native_read(path, [(None, 4995, 10)], backend=backend)
+
+
+def test_unkept_segments_are_for_reads_only(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    native_write(path, [(b"x" * 5000, 0)], 5000)
+    with pytest.raises(TypeError, match=r"must be a \(buffer, offset\) tuple$"):
+        native_write(tmp_path / "g", [(None, 0, 10)], 10)
+    with pytest.raises(TypeError, match="region must be"):
+        native_read(path, [(None, 0, 10)], region=(None, 0, 10))
+    with pytest.raises(TypeError, match=r"or \(None, offset, length\)"):
+        native_read(path, [(bytearray(4), 0, 4)])
 
 
 @needs_uring

@@ -1,5 +1,6 @@
-"""verify() reads every data file into reused scratch memory, never into tensors:
-what it finds must not depend on what an earlier file left in that memory."""
+"""verify() checksums every data file through the engine's reused bounce
+buffers (unkept segments), never into tensors: what it finds must not depend
+on what an earlier file left in those buffers."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 from support import flip_bit
 
 import fastpersist
+from fastpersist import anonmem
 from fastpersist.engine import get_engine
 from fastpersist.tensors import verifying
-from fastpersist.tensors.checkpoint import FILES_IN_FLIGHT, read_manifest
+from fastpersist.tensors.checkpoint import read_manifest
 
 
 @pytest.fixture
@@ -28,25 +30,29 @@ def many_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "c"
 
 
-def test_verify_reuses_a_few_scratch_buffers_and_makes_no_tensors(
+def test_verify_keeps_no_bytes_and_makes_no_tensors(
         many_files: Path, monkeypatch: pytest.MonkeyPatch, engine_name: str) -> None:
-    mapped: list[int] = []
-    real = verifying.anonymous
+    """Every byte is checked through the engine's unkept segments: verify maps
+    no memory for what it reads and makes no tensor."""
+    engine = get_engine()
+    segments: list[tuple[object, ...]] = []
+    real = engine.read_file
 
-    def counting(nbytes: int, *, huge: bool = False):  # type: ignore[no-untyped-def]
-        mapped.append(nbytes)
-        return real(nbytes, huge=huge)
+    def spy(path: str, segs, **kw):  # type: ignore[no-untyped-def]
+        segments.extend(segs)
+        return real(path, segs, **kw)
 
-    monkeypatch.setattr(verifying, "anonymous", counting)
+    monkeypatch.setattr(engine, "read_file", spy)
+    monkeypatch.setattr(anonmem.mmap, "mmap", None)  # a verify that mapped memory would fail
     monkeypatch.setattr(torch, "frombuffer", None)  # a verify that made tensors would fail
-    report = verifying.verify(many_files, get_engine())
+    report = verifying.verify(many_files, engine)
     assert report.ok, report.problems
     manifest = read_manifest(many_files)
     assert report.tensors == len(manifest.tensors)
     assert report.bytes_checked == sum(t.length for t in manifest.tensors)
-    # Each scratch grows at most once per file, and there are FILES_IN_FLIGHT of them.
-    assert 0 < len(mapped) <= FILES_IN_FLIGHT * len(manifest.files)
-    assert len(mapped) < len(manifest.files)  # reused, not one per file
+    assert segments and all(s[0] is None for s in segments)
+    checked = sum(s[2] for s in segments)  # type: ignore[misc]
+    assert checked == report.bytes_checked + sum(f.data_start for f in manifest.files)
 
 
 @pytest.mark.parametrize("which", ["first", "last"])

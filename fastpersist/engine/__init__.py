@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 
 from .. import knobs
-from .types import Engine, IOResult, Segment
+from .types import Engine, IOResult, Segment, Unkept
 
 _warned_fallback = False
 
@@ -41,4 +41,4 @@ def get_engine(name: str | None = None) -> Engine:
     return ReferenceEngine()
 
 
-__all__ = ["Engine", "IOResult", "Segment", "get_engine"]
+__all__ = ["Engine", "IOResult", "Segment", "Unkept", "get_engine"]

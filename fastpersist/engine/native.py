@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 from .. import _engine, knobs
-from .types import IOResult, Segment
+from .types import IOResult, Segment, Unkept
 
 _DIRECT_MODES = {"auto": _engine.DIRECT_AUTO, "on": _engine.DIRECT_ON, "off": _engine.DIRECT_OFF}
 _BACKENDS = {
@@ -63,7 +63,7 @@ class NativeEngine:
         return IOResult(crcs=crcs, direct=direct)
 
     def read_file(
-        self, path: str, segments: Sequence[Segment], *, checksum: bool = True,
+        self, path: str, segments: Sequence[Segment | Unkept], *, checksum: bool = True,
         region: Segment | None = None,
     ) -> IOResult:
         crcs, direct = _engine.read_file(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import crc32c as _crc32c
 
-from .types import IOResult, Segment
+from .types import IOResult, Segment, Unkept
 
 _ZEROS = bytes(1 << 20)
 
@@ -71,15 +71,16 @@ class ReferenceEngine:
         return IOResult(crcs=crcs, direct=False)
 
     def read_file(
-        self, path: str, segments: Sequence[Segment], *, checksum: bool = True,
+        self, path: str, segments: Sequence[Segment | Unkept], *, checksum: bool = True,
         region: Segment | None = None,
     ) -> IOResult:
         del region  # a hint for speed: segment by segment reads the same bytes
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             crcs = []
-            for buf, offset in segments:
-                view = memoryview(buf).cast("B")
+            for buf, offset, *length in segments:
+                # (An unkept segment is read into memory dropped after its CRC.)
+                view = memoryview(bytearray(length[0]) if buf is None else buf).cast("B")
                 done = 0
                 while done < view.nbytes:
                     n = os.preadv(fd, [view[done:]], offset + done)

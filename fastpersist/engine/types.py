@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 Segment = tuple[Any, int]  # (object with the buffer protocol, file offset)
+# A read's segment whose bytes are checksummed and not kept: (None, offset, length).
+Unkept = tuple[None, int, int]
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,13 @@ class Engine(Protocol):
         ...
 
     def read_file(
-        self, path: str, segments: Sequence[Segment], *, checksum: bool = True,
+        self, path: str, segments: Sequence[Segment | Unkept], *, checksum: bool = True,
         region: Segment | None = None,
     ) -> IOResult:
-        """Fill each writable segment from the file. Raises EOFError when the
-        file is shorter than a segment needs, OSError otherwise.
+        """Fill each writable segment from the file; an Unkept one is only read
+        for its CRC32C (a verify needs no memory for the bytes it checks).
+        Raises EOFError when the file is shorter than a segment needs, OSError
+        otherwise.
 
         region, a hint: a writable buffer laid out as the file from its offset,
         of which (some) segments are views at their own offsets; an engine may

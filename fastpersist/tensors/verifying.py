@@ -3,16 +3,13 @@ checksums, every problem found rather than the first."""
 
 from __future__ import annotations
 
-import mmap
 import os
-import queue
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..anonmem import anonymous
-from ..engine import Engine, Segment
+from ..engine import Engine, Unkept
 from ..errors import CorruptCheckpointError
 from ..format import safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
@@ -66,13 +63,9 @@ def verify(path: str | os.PathLike[str], engine: Engine,
     p = Path(path)
     manifest = read_manifest(p)
     report = VerifyReport(p)
-    # Problems in file order; batches read on reader threads, as a load's files,
-    # each into one of FILES_IN_FLIGHT scratch buffers.
+    # Problems in file order; batches read on reader threads, as a load's files.
     found: list[list[str] | tuple[list[TensorRecord], Future[list[str]]]] = []
     readers = ThreadPoolExecutor(FILES_IN_FLIGHT, thread_name_prefix="fastpersist-verify")
-    scratches: queue.SimpleQueue[Scratch] = queue.SimpleQueue()
-    for _ in range(FILES_IN_FLIGHT):
-        scratches.put(Scratch())
     try:
         for f, indices in records_by_file(manifest):
             report.files += 1
@@ -86,8 +79,7 @@ def verify(path: str | os.PathLike[str], engine: Engine,
             for n, items in enumerate(batches(list(enumerate(records)), BATCH_BYTES)):
                 batch = [r for _, r in items]
                 found.append((batch, readers.submit(_verify_batch, p, f, batch, engine,
-                                                    header=n == 0, decode=decode,
-                                                    scratches=scratches)))
+                                                    header=n == 0, decode=decode)))
         for item in found:
             if isinstance(item, list):
                 report.problems += item
@@ -104,56 +96,30 @@ def verify(path: str | os.PathLike[str], engine: Engine,
     return report
 
 
-class Scratch:
-    """Memory that reads whose bytes are only checked, never kept, reuse: one
-    mapping, grown when a read needs more. Its pages stay in from one read to
-    the next, so only the first read of a verify faults them in (new memory
-    is what a load pays most for here: anonmem.py), and no tensor is made."""
-
-    def __init__(self) -> None:
-        self._mapping: mmap.mmap | None = None
-
-    def take(self, nbytes: int) -> memoryview:
-        if self._mapping is None or len(self._mapping) < nbytes:
-            self._mapping = None  # unmapped once the last view of it goes
-            self._mapping = anonymous(max(nbytes, 1))
-        return memoryview(self._mapping)[:nbytes]
-
-
 def checksum_mismatches(engine: Engine, path: Path, f: FileRecord,
-                        records: list[TensorRecord], *, header: bool,
-                        scratch: Scratch) -> list[datafile.Mismatch]:
+                        records: list[TensorRecord], *, header: bool
+                        ) -> list[datafile.Mismatch]:
     """The raw records (and the header, if asked) of file `f` whose bytes do
-    not have their CRC32C, read as a load reads them (one region, O_DIRECT)
-    into `scratch`."""
-    header_bytes = f.data_start if header else 0
-    span = datafile.region_span(records, header_bytes)
-    if span is None:  # sparse records (not a batch of verify's): tensors of their own
-        return datafile.read(engine, str(path), f, records, verify=True, header=header)[1]
-    lo, hi = span
-    region = scratch.take(hi - lo)
-    segments: list[Segment] = [(region[:header_bytes], 0)] if header else []
-    segments += [(region[r.offset - lo:r.offset - lo + r.length], r.offset) for r in records]
-    result = engine.read_file(str(path / f.name), segments, checksum=True, region=(region, lo))
+    not have their CRC32C. The bytes are only checksummed (unkept segments):
+    the engine reads them through its bounce buffers, which are reused and
+    physically contiguous (huge pages), and no memory the size of the file is
+    allocated or faulted in."""
+    segments: list[Unkept] = [(None, 0, f.data_start)] if header else []
+    segments += [(None, r.offset, r.length) for r in records]
+    result = engine.read_file(str(path / f.name), segments, checksum=True)
     assert result.crcs is not None
     return datafile.mismatches_of(f, records, header, result.crcs)
 
 
 def _verify_batch(path: Path, f: FileRecord, batch: list[TensorRecord], engine: Engine,
-                  *, header: bool, decode: bool, scratches: queue.SimpleQueue[Scratch]
-                  ) -> list[str]:
+                  *, header: bool, decode: bool) -> list[str]:
     raw = [r for r in batch if r.frames is None]
     encoded = [r for r in batch if r.frames is not None]
     mismatches: list[datafile.Mismatch] = []
     problems = []
     try:
         if raw or header:
-            scratch = scratches.get()
-            try:
-                mismatches += checksum_mismatches(engine, path, f, raw, header=header,
-                                                  scratch=scratch)
-            finally:
-                scratches.put(scratch)
+            mismatches += checksum_mismatches(engine, path, f, raw, header=header)
         if encoded:
             _, outcome = packed.read(packed.local_reader(engine, str(path), f), f, encoded,
                                      verify=True, decode=decode)
