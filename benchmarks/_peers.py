@@ -172,6 +172,13 @@ class Baseline(FastPersist):
     label = "fastpersist baseline (--baseline)"
 
 
+class BaselineInto(FastPersistInto):
+    """The --baseline package's load(into=) (its save as Baseline's)."""
+
+    name = "baseline_into"
+    label = "baseline load(into=) (--baseline)"
+
+
 class TorchSave(Method):
     name = "torch"
     label = "torch.save/load"
@@ -436,6 +443,7 @@ class DeepSpeedFastWriter(Method):
 
 METHODS: dict[str, Method] = {
     m.name: m
-    for m in (FastPersist(), FastPersistInto(), FastPersistThenCopy(), Baseline(), TorchSave(),
-              SafeTensors(), Dcp(), TorchCheckpointing(), DeepSpeedFastWriter())
+    for m in (FastPersist(), FastPersistInto(), FastPersistThenCopy(), Baseline(),
+              BaselineInto(), TorchSave(), SafeTensors(), Dcp(), TorchCheckpointing(),
+              DeepSpeedFastWriter())
 }

@@ -34,10 +34,12 @@ from _system import GIB, drop_page_cache, machine_facts, mount_of, tool_version
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_worker.py"
-# "baseline" (another fastpersist, --baseline DIR) is measured only when asked for.
-ALL_METHODS = ("fastpersist", "into", "loadcopy", "baseline", "torch", "safetensors", "dcp",
+# "baseline" (another fastpersist, --baseline DIR) is measured only when asked for;
+# "baseline_into" (its load(into=)) when listed in --methods with --baseline.
+BASELINES = ("baseline", "baseline_into")
+ALL_METHODS = ("fastpersist", "into", "loadcopy", *BASELINES, "torch", "safetensors", "dcp",
                "torchckpt", "deepspeed", "fio")
-LOADERS = ("fastpersist", "into", "loadcopy", "baseline", "torch", "safetensors", "dcp",
+LOADERS = ("fastpersist", "into", "loadcopy", *BASELINES, "torch", "safetensors", "dcp",
            "torchckpt")
 SAVE_GOALS = {"fio write ceiling": 0.85, "torch": 8.0, "deepspeed": 1.5, "torchckpt": 1.0}
 LOAD_GOALS = {"fio read ceiling": 0.8, "torch": 1.0, "safetensors": 1.0, "dcp": 1.0,
@@ -97,12 +99,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.methods is None:
         small = args.tensors is not None or args.sizes
         args.methods = SMALL_METHODS if small else ",".join(
-            m for m in ALL_METHODS if m != "baseline")
+            m for m in ALL_METHODS if m not in BASELINES)
     if args.baseline is not None:
         if not (args.baseline / "fastpersist" / "__init__.py").is_file():
             parser.error(f"--baseline {args.baseline}: no fastpersist package there")
         args.baseline = args.baseline.resolve()
-        args.methods += ",baseline"
+        if "baseline" not in args.methods.split(","):
+            args.methods += ",baseline"
+    elif "baseline_into" in args.methods.split(","):
+        parser.error("method baseline_into needs --baseline DIR")
     try:
         args.sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
     except ValueError as exc:
@@ -144,7 +149,7 @@ class Bench:
         )
         result_file.unlink(missing_ok=True)
         job = {"op": op, "method": method, "path": str(path), "state": self.state}
-        if method == "baseline":
+        if method in BASELINES:
             job["baseline"] = str(self.args.baseline)
         job |= {"seed": self.args.seed, "result": str(result_file)}
         job_file.write_text(json.dumps(job))
