@@ -75,8 +75,10 @@ def child(args: argparse.Namespace) -> None:
         stall = time.perf_counter() - start
         faults = thread_minor_faults() - before_faults
         future.result()
+        durable = time.perf_counter() - start
         floor = min(floor, copy_floor())  # the better of the copies just before and after
-        rows.append({"save": k, "stall": stall, "floor": floor, "faults": faults,
+        rows.append({"save": k, "stall": stall, "durable": durable, "floor": floor,
+                     "faults": faults,
                      "allocations": allocations[0] - before_alloc})
         shutil.rmtree(Path(args.dir) / f"ckpt-{k}")
     print(json.dumps({"rows": rows, "staging": saver.staging_bytes,
