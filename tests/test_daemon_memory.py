@@ -48,7 +48,7 @@ Status = pb.CheckpointStatus
 
 # How far the daemon's resident memory may rise above its idle RSS while it
 # receives one stream of any length, in chunks of `chunk` bytes:
-#   - its slot's two blocks of FASTPERSIST_BLOCK_SIZE (8 MiB), made on first use;
+#   - its slot's two blocks of FASTPERSIST_BLOCK_SIZE (2 MiB), made on first use;
 #   - the chunks that gRPC and protobuf hold (the transport's window, the
 #     message arriving, its parsed copy, the bytes being copied): 12 of them
 #     covers what was measured;
@@ -334,11 +334,12 @@ def test_default_budgets_refuse_a_begin_that_cannot_fit(daemon: Daemon) -> None:
 
 def test_own_memory_with_the_defaults_fits_the_daemonset_limit() -> None:
     """The bound the CLI help and deploy/README.md state: 64 MiB idle, 2 writers
-    x 64 MiB of bounce buffers, 4 streams x (2 x 8 MiB blocks + 12 x 1 MiB
-    chunks) = 304 MiB, under the DaemonSet's 512 MiB."""
+    x 32 MiB of bounce buffers (io_uring's 2 threads x 8 x 2 MiB blocks), 4
+    streams x (2 x 2 MiB blocks + 12 x 1 MiB chunks) = 192 MiB, under the
+    DaemonSet's 512 MiB."""
     parts = own_memory(2, DEFAULT_STREAMS)
-    assert parts == {"idle": 64 * MIB, "writers": 128 * MIB, "streams": 4 * 28 * MIB}
-    assert sum(parts.values()) == 304 * MIB < 512 * MIB
+    assert parts == {"idle": 64 * MIB, "writers": 64 * MIB, "streams": 4 * 16 * MIB}
+    assert sum(parts.values()) == 192 * MIB < 512 * MIB
 
 
 @pytest.mark.parametrize(("lines", "files", "want"), [

@@ -102,15 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics over HTTP here")
     p.add_argument("--write-concurrency", type=int, default=2,
                    help="data files written at once from shared memory, over all clients; each "
-                        "holds up to FASTPERSIST_BUFFER_BUDGET (64 MiB) of the engine's bounce "
-                        "buffers (default 2)")
+                        "holds up to FASTPERSIST_BUFFER_BUDGET (64 MiB; 32 MiB with the default "
+                        "block size) of the engine's bounce buffers (default 2)")
     p.add_argument("--max-streams", type=int, default=DEFAULT_STREAMS,
                    help="data files streamed over gRPC at once (tensors over a client's "
                         "staging budget); each is written to disk as it arrives through two "
-                        "FASTPERSIST_BLOCK_SIZE (8 MiB) blocks, and a further stream waits for "
+                        "FASTPERSIST_BLOCK_SIZE (2 MiB) blocks, and a further stream waits for "
                         f"one (default {DEFAULT_STREAMS}). With the defaults the daemon's own "
-                        "memory stays under 64 MiB (idle) + 2 x 64 MiB (writers) + 4 x 28 MiB "
-                        "(streams) = 304 MiB, in the DaemonSet's 512 MiB limit; logged at "
+                        "memory stays under 64 MiB (idle) + 2 x 32 MiB (writers) + 4 x 16 MiB "
+                        "(streams) = 192 MiB, in the DaemonSet's 512 MiB limit; logged at "
                         "start as memory_bound, with a warning if the cgroup allows less")
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="abort an unwatched checkpoint not handed over after this many seconds")

@@ -54,8 +54,8 @@ class Writers:
         """Once no file has been written for `idle` seconds (and at most that
         often), free the C engine's cached bounce buffers and have malloc give
         back what it holds free. The engine keeps its buffers for the next
-        write: io_threads x block_size per file being written (8 x 8 MiB by
-        default; with --write-concurrency 2, up to 128 MiB of RSS). And big
+        write: io_threads x block_size per file being written (8 x 2 MiB by
+        default; with --write-concurrency 2, up to 32 MiB of RSS). And big
         requests parsed on many threads at once leave memory free but held by
         malloc's arenas (measured: 440 MiB of RSS after 32 clients sent 3 MB
         headers and 7 MB trees at once; deploy/README.md). A daemon idle
