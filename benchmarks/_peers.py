@@ -91,6 +91,10 @@ class FastPersist(Method):
 
     def setup(self) -> None:
         self._fp = _import_fastpersist()
+        # fastpersist imports its API (and torch) on first use; a program
+        # imports it before it saves, as it imports torch or safetensors.torch,
+        # whose imports are not timed either.
+        self._fp.save, self._fp.load  # noqa: B018
 
     def prepare_load(self, spec: StateSpec) -> None:
         self.setup()
