@@ -103,6 +103,7 @@ void *fp_bounce_get(size_t size)
 {
     void *buf = NULL;
     pthread_mutex_lock(&bounce_lock);
+    int huge = bounce_huge;
     for (int i = 0; i < bounce_count; i++) {
         if (bounce_sizes[i] == size) {
             buf = bounce_bufs[i];
@@ -115,9 +116,6 @@ void *fp_bounce_get(size_t size)
     pthread_mutex_unlock(&bounce_lock);
     if (buf)
         return buf;
-    pthread_mutex_lock(&bounce_lock);
-    int huge = bounce_huge;
-    pthread_mutex_unlock(&bounce_lock);
     return bounce_map(fp_round_up(size, FP_ALIGN), huge);
 }
 

@@ -256,6 +256,7 @@ class PendingRead:
     def take_header(self) -> bytes:
         """The header bytes read with the file (before finish_read). A region
         gives back the pages that held them: no tensor lies before data_start."""
+        assert self.with_header
         data = bytes(self.segments[0][0])
         if self.region is not None:
             self.region[0].madvise(mmap.MADV_DONTNEED, 0, len(data) // ALIGNMENT * ALIGNMENT)

@@ -15,28 +15,29 @@ from ..storage.commit import os_error
 from . import datafile
 
 
-def read_header_prefix(fh: BinaryIO) -> bytes:
-    """A data file's header, as its own length says (whatever the manifest
-    says): a safetensors header or a packed one (format/packed_file.py)."""
-    fh.seek(0)
-    head = fh.read(8)
-    magic = b""
-    if packed_file.is_packed(head):
-        magic, head = head, fh.read(8)
+def _header_end(first: bytes) -> int:
+    """Where a data file's header ends, as its own length says (whatever the
+    manifest says), from the file's first 16 bytes: a safetensors header, or
+    a packed one after its magic (format/packed_file.py)."""
+    at = 16 if packed_file.is_packed(first[:8]) else 8
+    head = first[at - 8:at]
     n = int.from_bytes(head, "little") if len(head) == 8 else 0
-    return magic + head + fh.read(min(n, safetensors_file.MAX_HEADER_BYTES))
+    return at + min(n, safetensors_file.MAX_HEADER_BYTES)
+
+
+def read_header_prefix(fh: BinaryIO) -> bytes:
+    """A data file's header, as its own length says."""
+    fh.seek(0)
+    end = _header_end(fh.read(16))
+    fh.seek(0)
+    return fh.read(end)
 
 
 def _prefix_within(covered: bytes) -> bytes | None:
     """read_header_prefix of bytes already read, or None where the header's
     own length reaches past them."""
-    head, at = covered[:8], 8
-    magic = b""
-    if packed_file.is_packed(head):
-        magic, head, at = head, covered[8:16], 16
-    n = int.from_bytes(head, "little") if len(head) == 8 else 0
-    end = at + min(n, safetensors_file.MAX_HEADER_BYTES)
-    return magic + head + covered[at:end] if end <= len(covered) else None
+    end = _header_end(covered[:16])
+    return covered[:end] if end <= len(covered) else None
 
 
 def parse_header(prefix: bytes) -> tuple[int, dict[str, safetensors_file.ParsedEntry],
