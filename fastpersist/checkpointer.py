@@ -52,7 +52,7 @@ from .saving.futures import SaveFuture
 from .saving.saver import Saver
 from .storage.retention import LATEST, AfterCommit, apply_at, step_of
 from .tensors import packed
-from .tensors.checkpoint import read_manifest
+from .tensors.committed import read_manifest
 from .tensors.factory import MapLocation
 
 if TYPE_CHECKING:

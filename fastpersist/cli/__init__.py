@@ -13,7 +13,7 @@ ls, inspect, verify, restore and gc also take s3:// URLs: checkpoints in an
 object store (the tier), reached the standard AWS way or at --endpoint-url.
 
 Exit status: 0 success, 1 corruption found by verify, 2 any other error.
-Everything goes through fastpersist's own reader (checkpoint.read_manifest,
+Everything goes through fastpersist's own reader (committed.read_manifest,
 verifying.verify, load); fpctl never parses the format itself.
 """
 
@@ -31,8 +31,9 @@ from ..storage.commit import os_error
 from ..tier.url import is_tier_url
 from ._output import EXIT_ERROR, warn
 
-# Commands are imported when run: most need torch, `daemon status` must not
-# (it is the health probe of a torch-free daemon image).
+# Commands are imported when run, and only restore and gather import torch:
+# ls, inspect and verify read no tensor (tests/test_cli_torch_free.py), and
+# `daemon status` is the health probe of a torch-free daemon image.
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from ..format import dtypes
 from ..format.manifest import Manifest
 from ..format.tree import Path as TreePath
 from ..format.tree import path_text
-from ..tensors.checkpoint import read_manifest
+from ..tensors.committed import read_manifest
 from ..tensors.verifying import VerifyReport, verify
 from ._output import (
     EXIT_CORRUPT,

@@ -15,7 +15,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format.manifest import MANIFEST_NAME
 from ..storage.commit import Leftover, collect, find_leftovers, os_error, restores, walk_leftovers
 from ..storage.prepared import read_prepared
-from ..tensors.checkpoint import read_manifest
+from ..tensors.committed import read_manifest
 from ._output import EXIT_ERROR, EXIT_OK, human_size, local_time, print_json, print_table, warn
 
 

@@ -27,7 +27,7 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..format import dtypes
 from ..storage.commit import fsync_dir, fsync_file, leftover_name, os_error
 from ..tensors import datafile
-from ..tensors.checkpoint import read_manifest
+from ..tensors.committed import read_manifest
 from ..tensors.plan import StoredTensor
 from ..tier.url import is_tier_url
 from ._output import EXIT_OK, human_size, warn

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..storage.commit import Staging, fsync_file, os_error
-from ..tensors.checkpoint import read_manifest
+from ..tensors.committed import read_manifest
 
 
 def gather(sources: list[Path], to: Path) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import operator
 import os
 import weakref
 from dataclasses import dataclass
@@ -21,14 +20,13 @@ import torch
 from .. import gcpause
 from ..anonmem import anonymous
 from ..engine import Engine, IOResult, Segment
-from ..errors import ChecksumMismatchError
 from ..format import dtypes, safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
 from ..knobs import ALIGNMENT
+from .mismatch import Mismatch, mismatches_of
 from .plan import StoredTensor, memory_of
 
 METADATA = safetensors_file.DATA_FILE_METADATA
-_offset = operator.attrgetter("offset")
 
 
 @dataclass(frozen=True)
@@ -89,43 +87,6 @@ def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTe
                                  header_crc32c=result.crcs[0])
         # Manifest order follows the state, not the file, so inspect reads naturally.
         return file_record, [records[t.name] for t in tensors]
-
-
-def is_header_of(covered: bytes, file: FileRecord, records: list[TensorRecord]) -> bool:
-    """Whether `covered` (the file's first data_start bytes) is exactly the header
-    that write() makes for `records` and nothing else: then the file's header
-    says what the records say, byte for byte, without parsing it. (False says
-    nothing: another writer's metadata, another order, a tensor the records do
-    not name; the caller then parses the header and compares.)"""
-    order = sorted(records, key=_offset)
-    cursor = file.data_start
-    for r in order:  # back to back from data_start
-        if r.offset != cursor:
-            return False
-        cursor += r.length
-    entries = [(r.name, r.dtype, r.shape, r.length) for r in order]
-    if any(r.name == "__metadata__" for r in order):  # layout()'s dict decides that header
-        blob = safetensors_file.layout([safetensors_file.HeaderEntry(*e) for e in entries],
-                                       METADATA).header
-    else:  # (a manifest's names are unique)
-        blob = safetensors_file.padded(safetensors_file.header_json(entries, METADATA))
-    return len(blob) == file.data_start and blob == covered
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    file: str
-    tensor: str  # "<header>" for the safetensors header
-    expected: int
-    actual: int
-    frame: int | None = None  # a compressed tensor's frame, whose stored bytes are wrong
-
-    def what(self) -> str:
-        if self.tensor == "<header>":
-            return "the safetensors header" if self.file.endswith(".safetensors") else (
-                "the packed header")
-        return f"tensor {self.tensor!r}" + (
-            f" (stored frame {self.frame})" if self.frame is not None else "")
 
 
 def phase_aligned(nbytes: int, offset: int) -> memoryview:
@@ -365,30 +326,3 @@ def finish_read(pending: PendingRead, result: IOResult
     assert result.crcs is not None
     return pending.tensors, mismatches_of(pending.file, pending.records, pending.with_header,
                                           result.crcs)
-
-
-def mismatches_of(file: FileRecord, records: list[TensorRecord], with_header: bool,
-                  crcs: list[int]) -> list[Mismatch]:
-    """The records (after the header's, with_header) whose CRC32C is not theirs."""
-    mismatches = []
-    if with_header:
-        if crcs[0] != file.header_crc32c:
-            mismatches.append(Mismatch(file.name, "<header>", file.header_crc32c, crcs[0]))
-        crcs = crcs[1:]
-    for r, crc in zip(records, crcs, strict=True):
-        if crc != r.crc32c:
-            mismatches.append(Mismatch(file.name, r.name, r.crc32c, crc))
-    return mismatches
-
-
-def raise_for(mismatches: list[Mismatch], where: str) -> None:
-    if not mismatches:
-        return
-    m = mismatches[0]
-    more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
-    raise ChecksumMismatchError(
-        f"{where}: {m.what()} in {m.file} is corrupt: CRC32C {m.actual:#010x}, expected "
-        f"{m.expected:#010x}{more}",
-        file=m.file,
-        tensor=m.tensor,
-    )

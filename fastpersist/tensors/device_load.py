@@ -31,10 +31,10 @@ from ..checksum import combine
 from ..engine import Engine
 from ..format import dtypes
 from ..format.manifest import FileRecord, Manifest, TensorRecord
-from . import datafile, state
-from .checkpoint import check_size, read_errors, records_by_file
-from .datafile import Mismatch
+from . import state
+from .committed import check_size, read_errors, records_by_file
 from .headers import check_against_header
+from .mismatch import Mismatch, raise_for
 from .plan import memory_of
 
 SLOTS = 4  # ring slots: one read while the others' copies drain
@@ -173,7 +173,7 @@ def _read_file(path: Path, f: FileRecord, records: list[tuple[int, TensorRecord]
         ring.copied(k)
     if verify:
         actual = {i: combine(crcs[i]) for i, _ in records}  # an empty tensor's: 0
-        datafile.raise_for([Mismatch(f.name, r.name, r.crc32c, actual[i])
+        raise_for([Mismatch(f.name, r.name, r.crc32c, actual[i])
                             for i, r in records if actual[i] != r.crc32c], str(path))
 
 

@@ -3,6 +3,7 @@ data file), parsing it, and naming where the two disagree."""
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -12,7 +13,7 @@ from ..errors import CorruptCheckpointError, ManifestError
 from ..format import packed_file, safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
 from ..storage.commit import os_error
-from . import datafile
+from .mismatch import Mismatch, raise_for
 
 
 def _header_end(first: bytes) -> int:
@@ -48,6 +49,28 @@ def parse_header(prefix: bytes) -> tuple[int, dict[str, safetensors_file.ParsedE
     return safetensors_file.parse_header(prefix)
 
 
+def is_header_of(covered: bytes, file: FileRecord, records: list[TensorRecord]) -> bool:
+    """Whether `covered` (the file's first data_start bytes) is exactly the header
+    that datafile.write() makes for `records` and nothing else: then the file's header
+    says what the records say, byte for byte, without parsing it. (False says
+    nothing: another writer's metadata, another order, a tensor the records do
+    not name; the caller then parses the header and compares.)"""
+    order = sorted(records, key=operator.attrgetter("offset"))
+    cursor = file.data_start
+    for r in order:  # back to back from data_start
+        if r.offset != cursor:
+            return False
+        cursor += r.length
+    entries = [(r.name, r.dtype, r.shape, r.length) for r in order]
+    if any(r.name == "__metadata__" for r in order):  # layout()'s dict decides that header
+        blob = safetensors_file.layout([safetensors_file.HeaderEntry(*e) for e in entries],
+                                       safetensors_file.DATA_FILE_METADATA).header
+    else:  # (a manifest's names are unique)
+        blob = safetensors_file.padded(
+            safetensors_file.header_json(entries, safetensors_file.DATA_FILE_METADATA))
+    return len(blob) == file.data_start and blob == covered
+
+
 def check_against_header(path: Path, f: FileRecord, records: list[TensorRecord], *,
                           verify: bool) -> None:
     """Raise unless the records match the data file's header (checked against
@@ -61,7 +84,7 @@ def check_against_header(path: Path, f: FileRecord, records: list[TensorRecord],
     if verify:
         actual = crc32c.crc32c(covered)
         if actual != f.header_crc32c:
-            datafile.raise_for([datafile.Mismatch(f.name, "<header>", f.header_crc32c, actual)],
+            raise_for([Mismatch(f.name, "<header>", f.header_crc32c, actual)],
                                str(path))
     check_header_bytes(path, f, records, covered, verify=verify, prefix=prefix)
 
@@ -73,7 +96,7 @@ def check_header_bytes(path: Path, f: FileRecord, records: list[TensorRecord],
     first data_start bytes, whose CRC32C the caller has checked when verifying.
     (prefix: the header as its own length says; read from the file only where
     that reaches past data_start, which no header that matches does.)"""
-    if not packed_file.is_packed(covered[:8]) and datafile.is_header_of(covered, f, records):
+    if not packed_file.is_packed(covered[:8]) and is_header_of(covered, f, records):
         return  # the header write() makes for these records, byte for byte: nothing to parse
     if prefix is None:
         prefix = _prefix_within(covered)

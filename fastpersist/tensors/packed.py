@@ -28,7 +28,8 @@ import torch
 from ..engine import Engine, Segment
 from ..format import dtypes
 from ..format.manifest import FileRecord, TensorRecord
-from .datafile import Mismatch, phase_aligned
+from .datafile import phase_aligned
+from .mismatch import Mismatch
 from .plan import StoredTensor, memory_of
 
 Span = tuple[int, int]  # raw bytes start..end of a record

@@ -30,13 +30,8 @@ import torch
 from ..engine import Engine, IOResult, Segment
 from ..format.manifest import Manifest, TensorRecord
 from . import datafile
-from .checkpoint import (
-    FILES_IN_FLIGHT,
-    check_size,
-    finish_with_header,
-    read_errors,
-    records_by_file,
-)
+from .checkpoint import finish_with_header
+from .committed import FILES_IN_FLIGHT, check_size, read_errors, records_by_file
 from .plan import memory_of
 
 

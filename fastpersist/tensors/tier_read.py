@@ -28,9 +28,10 @@ from ..format.manifest import FileRecord, Manifest, TensorRecord
 from ..tier.client import S3
 from ..tier.remote import Fetch, fetch_all, object_sizes, read_manifest
 from ..tier.url import TierURL
-from . import datafile, packed
-from .checkpoint import BATCH_BYTES, batches
+from . import packed
+from .committed import BATCH_BYTES, batches
 from .headers import header_problems, parse_header
+from .mismatch import Mismatch, raise_for
 from .plan import memory_of
 from .verifying import VerifyReport, problems_of
 
@@ -50,7 +51,7 @@ def _size_problem(url: TierURL, f: FileRecord, sizes: dict[str, int]
 
 
 def _check_header(s3: S3, url: TierURL, f: FileRecord, records: list[TensorRecord],
-                  *, verify: bool) -> tuple[datafile.Mismatch | None, list[str]]:
+                  *, verify: bool) -> tuple[Mismatch | None, list[str]]:
     """The data file's header (safetensors or packed), fetched: (its CRC32C
     mismatch, when verifying), or what is wrong with it against the records."""
     covered = bytearray(f.data_start)
@@ -61,7 +62,7 @@ def _check_header(s3: S3, url: TierURL, f: FileRecord, records: list[TensorRecor
     if verify:
         actual = crc32c.crc32c(covered)
         if actual != f.header_crc32c:
-            mismatch = datafile.Mismatch(f.name, "<header>", f.header_crc32c, actual)
+            mismatch = Mismatch(f.name, "<header>", f.header_crc32c, actual)
             return mismatch, problems_of([mismatch])
     try:
         data_start, entries, _ = parse_header(bytes(covered))
@@ -105,7 +106,7 @@ def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
         records = [manifest.tensors[i] for i in by_file[f.name]]
         mismatch, problems = _check_header(s3, url, f, records, verify=verify)
         if mismatch is not None:
-            datafile.raise_for([mismatch], str(url))
+            raise_for([mismatch], str(url))
         if problems:
             raise ManifestError(f"{url}: {problems[0]}")
         raw = [i for i in by_file[f.name] if manifest.tensors[i].frames is None]
@@ -121,7 +122,7 @@ def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
         fetch_all(s3, [fetch for _, _, fetch in fetches], progress)
         if verify:
             for f, records, fetch in fetches:
-                datafile.raise_for([datafile.Mismatch(f.name, r.name, r.crc32c, crc)
+                raise_for([Mismatch(f.name, r.name, r.crc32c, crc)
                                     for r, crc in zip(records, fetch.crcs(), strict=True)
                                     if crc != r.crc32c], str(url))
         # Compressed records, a file at a time (its stored bytes in memory at
@@ -130,7 +131,7 @@ def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
             records = [manifest.tensors[i] for i in indices]
             tensors, outcome = packed.read(_reader(s3, url, f.name), f, records, verify=verify,
                                            spans=[(spans or {}).get(i) for i in indices])
-            datafile.raise_for(outcome.mismatches, str(url))
+            raise_for(outcome.mismatches, str(url))
             if outcome.undecodable:
                 raise CorruptCheckpointError(f"{url}: {outcome.undecodable[0]}")
             for i, t in zip(indices, tensors, strict=True):
@@ -197,7 +198,7 @@ def _verify_batch(s3: S3, url: TierURL, f: FileRecord, batch: list[TensorRecord]
     fetch = Fetch(s3, url, f.name, [(b, r.offset) for b, r in zip(buffers, raw, strict=True)],
                   checksum=True)
     fetch_all(s3, [fetch])
-    mismatches = [datafile.Mismatch(f.name, r.name, r.crc32c, crc)
+    mismatches = [Mismatch(f.name, r.name, r.crc32c, crc)
                   for r, crc in zip(raw, fetch.crcs(), strict=True) if crc != r.crc32c]
     undecodable: list[str] = []
     if encoded:

@@ -1,5 +1,6 @@
 """fpctl verify's reading: every byte of a checkpoint against its manifest and
-checksums, every problem found rather than the first."""
+checksums, every problem found rather than the first. Torch-free unless the
+checkpoint has compressed files (see committed.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from ..engine import Engine, Unkept
 from ..errors import CorruptCheckpointError
 from ..format import safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
-from . import datafile, packed
-from .checkpoint import (
+from .committed import (
     BATCH_BYTES,
     FILES_IN_FLIGHT,
     batches,
@@ -23,6 +23,7 @@ from .checkpoint import (
     records_by_file,
 )
 from .headers import header_kind, header_problems, parse_header
+from .mismatch import Mismatch, mismatches_of
 
 
 @dataclass
@@ -98,7 +99,7 @@ def verify(path: str | os.PathLike[str], engine: Engine,
 
 def checksum_mismatches(engine: Engine, path: Path, f: FileRecord,
                         records: list[TensorRecord], *, header: bool
-                        ) -> list[datafile.Mismatch]:
+                        ) -> list[Mismatch]:
     """The raw records (and the header, if asked) of file `f` whose bytes do
     not have their CRC32C. The bytes are only checksummed (unkept segments):
     the engine reads them through its bounce buffers, which are reused and
@@ -108,19 +109,23 @@ def checksum_mismatches(engine: Engine, path: Path, f: FileRecord,
     segments += [(None, r.offset, r.length) for r in records]
     result = engine.read_file(str(path / f.name), segments, checksum=True)
     assert result.crcs is not None
-    return datafile.mismatches_of(f, records, header, result.crcs)
+    return mismatches_of(f, records, header, result.crcs)
 
 
 def _verify_batch(path: Path, f: FileRecord, batch: list[TensorRecord], engine: Engine,
                   *, header: bool, decode: bool) -> list[str]:
     raw = [r for r in batch if r.frames is None]
     encoded = [r for r in batch if r.frames is not None]
-    mismatches: list[datafile.Mismatch] = []
+    mismatches: list[Mismatch] = []
     problems = []
     try:
         if raw or header:
             mismatches += checksum_mismatches(engine, path, f, raw, header=header)
         if encoded:
+            # Only here: decoding builds tensors, and a checkpoint without
+            # compressed files is verified without importing torch.
+            from . import packed
+
             _, outcome = packed.read(packed.local_reader(engine, str(path), f), f, encoded,
                                      verify=True, decode=decode)
             mismatches += outcome.mismatches
@@ -132,7 +137,7 @@ def _verify_batch(path: Path, f: FileRecord, batch: list[TensorRecord], engine: 
     return problems_of(mismatches) + problems
 
 
-def problems_of(mismatches: list[datafile.Mismatch]) -> list[str]:
+def problems_of(mismatches: list[Mismatch]) -> list[str]:
     """verify()'s lines for CRC32C mismatches."""
     return [f"{m.file}: {m.what().removeprefix('the ')}: CRC32C {m.actual:#010x}, expected "
             f"{m.expected:#010x}" for m in mismatches]

@@ -36,7 +36,7 @@ from ...format.tree import check_tree
 from ...saving.snapshot import StagedFile, stage_file
 from ...saving.staging import StagingPool
 from ...storage.commit import Staging, os_error
-from ...tensors.checkpoint import read_manifest
+from ...tensors.committed import read_manifest
 from ...tensors.datafile import plan_file
 from ...tensors.plan import StoredTensor
 
