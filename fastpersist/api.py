@@ -77,7 +77,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
             from .distributed.saver import saver_for
 
             saver_for(group, node_local, address).save(
-                obj, path, allow_pickle=allow_pickle, compression=compression).result()
+                obj, path, allow_pickle=allow_pickle, compression=compression,
+                overlap_writes=True).result()
             return
         from .distributed import coordinator
 

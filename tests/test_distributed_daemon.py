@@ -33,6 +33,7 @@ from dist_support import (
 import fastpersist
 from fastpersist._version import __version__
 from fastpersist.cli import main as fpctl
+from fastpersist.distributed.part_files import PartFiles
 from fastpersist.distributed.storage import Records, ThroughDaemon
 from fastpersist.errors import CheckpointNotFoundError, DaemonError
 from fastpersist.format.manifest import (
@@ -352,7 +353,8 @@ def _part(storage: ThroughDaemon, target: Path, job: str, rank: int,
     stored = [StoredTensor(k, "F32", tuple(t.shape), t, t.nbytes) for k, t in tensors.items()]
     nbytes = sum(t.numel() * 4 for t in tensors.values())
     buffer = storage.pool.acquire(nbytes, 0, False)
-    return storage.write(target, job, rank, [stage_file(stored, buffer, False)], None)
+    return storage.write(target, job, rank,
+                         PartFiles.copied([stage_file(stored, buffer, False)]), None)
 
 
 def _manifest(records: Records, full: torch.Tensor, rows: list[tuple[str, int]]) -> Manifest:

@@ -68,6 +68,7 @@ from .layout import (
     within,
 )
 from .outcome import Ballot, SaveStore, forget, job_store, post_mortem, this_process
+from .part_files import PartFiles
 from .phases import Coordinator, Failure, Phase, RanksLost, coordinator_for, failure
 from .planner import Item, Plan, RankInfo, layout_digest, make_plan
 from .settling import has_prepared, settle_with
@@ -90,9 +91,9 @@ def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None
                allow_pickle=allow_pickle, compression=compression)
     job.prepare()
     try:
-        files: list[StagedFile] | BaseException = [
+        files: PartFiles | BaseException = PartFiles.copied([
             StagedFile(f.tensors, None)
-            for f in group_into_files(job.my_pieces(), 0, current_knobs().file_bytes)]
+            for f in group_into_files(job.my_pieces(), 0, current_knobs().file_bytes)])
     except Exception as exc:
         files = exc  # reported in the write phase, so that every rank fails together
     job.finish(files)
@@ -255,7 +256,7 @@ class Save(CommitPoint):
                                        source.nbytes))
         return stored
 
-    def finish(self, files: list[StagedFile] | BaseException) -> None:
+    def finish(self, files: PartFiles | BaseException) -> None:
         """Write this rank's files (or report why it has none) and commit."""
         try:
             self._finish(files)
@@ -264,7 +265,7 @@ class Save(CommitPoint):
             return
         self.check_in("save")
 
-    def _finish(self, files: list[StagedFile] | BaseException) -> None:
+    def _finish(self, files: PartFiles | BaseException) -> None:
         co, phase = self.co, self.phase
         self.held = []
         # 4 write this rank's pieces

@@ -26,15 +26,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointAbortedError, CheckpointError, DistributedCheckpointError
 from ..knobs import current as current_knobs
 from ..saving.futures import SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
-from ..saving.snapshot import StagedFile, group_into_files, stage_file
+from ..saving.snapshot import FilePlan, StagedFile, group_into_files, stage_file
 from ..storage.retention import AfterCommit
 from .coordinator import Save, coordinator_for
+from .part_files import PartFiles
 from .storage import storage_for
+
+# Through a daemon a rank's part is cut into files of at most this much (or
+# FASTPERSIST_FILE_BYTES, if less): a blocking save hands each file over as
+# soon as it is copied, and files this small let the daemon begin writing
+# early and leave a short last copy (with 256 MiB files a rank's quarter of a
+# 1 GiB state was written only once all of it was copied). Async saves through
+# the daemon are cut the same way, so that both kinds reuse one set of
+# shared-memory buffers (a different cut would map new segments at each switch).
+DAEMON_FILE_BYTES = 64 << 20
 
 
 class DistributedSaver:
@@ -45,6 +56,7 @@ class DistributedSaver:
         self.co = coordinator_for(group)
         self.node_local = node_local
         self.storage = storage_for(daemon)
+        self.through_daemon = bool(daemon)
         self._pool = self.storage.pool
         _live_savers.add(self)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-dist-writer")
@@ -61,11 +73,16 @@ class DistributedSaver:
              wait_for_snapshot: bool = True,
              on_commit: Callable[[Path], None] | None = None,
              after_commit: AfterCommit | None = None,
-             compression: str | None = None) -> SaveFuture:
+             compression: str | None = None, overlap_writes: bool = False) -> SaveFuture:
         """See async_save. on_commit(path) runs on rank 0 after the commit;
         after_commit (a Checkpointer's policy) is applied by whoever commits
         the job (rank 0, or its daemon) right after the commit. Either failing
-        fails the save on every rank (phase "after commit"), committed."""
+        fails the save on every rank (phase "after commit"), committed.
+        overlap_writes (a blocking save, whose caller waits for the writes
+        anyway): each file goes to the storage as soon as it is copied, so that
+        a daemon writes one while the next is copied (DAEMON_FILE_BYTES).
+        Otherwise the writes begin once the whole copy is done, and do not
+        compete with it for the caller's cores."""
         if self._closed:
             raise CheckpointError("this saver is closed")
         self.raise_unobserved_failure()
@@ -75,17 +92,52 @@ class DistributedSaver:
                    after_commit=after_commit, compression=compression)
         future = SaveFuture(job.target)
         job.prepare()  # raises the same error on every rank
-        staged: list[StagedFile] = []
-        files: list[StagedFile] | BaseException
-        buffer = None  # taken and not yet copied into
+        files: PartFiles | BaseException
         try:
             pieces = job.my_pieces()
+            cap = current_knobs().file_bytes
+            if self.through_daemon:
+                cap = min(cap, DAEMON_FILE_BYTES)
+            plans = [f for f in group_into_files(pieces, 0, cap) if f.tensors]
+        except Exception as exc:
+            files = exc  # reported in the write phase, so that every rank fails together
+        else:
             pinned = any(t.source.is_cuda for t in pieces)
-            for file in group_into_files(pieces, 0, current_knobs().file_bytes):
+            if overlap_writes:
+                buffers = [self._pool.acquire(f.nbytes, 0, pinned) for f in plans]
+                files = PartFiles(len(plans), sum(b.numel() for b in buffers))
+                self._start_finish(job, files, future, on_commit)
+                self._copy(plans, buffers, pinned, files, future)
+            else:
+                files = self._copied(plans, pinned, future)
+        if not overlap_writes or isinstance(files, BaseException):
+            self._start_finish(job, files, future, on_commit)
+        future._snapshot_done.set()
+        if isinstance(files, BaseException) or files.failed:
+            future._observed = True
+            future._future.exception()  # the job's error, raised on every rank, names it
+            future.result()
+        if wait_for_snapshot:
+            future.wait_snapshot()
+        future.snapshot_seconds = time.perf_counter() - future._started
+        return future
+
+    def _start_finish(self, job: Save, files: PartFiles | BaseException, future: SaveFuture,
+                      on_commit: Callable[[Path], None] | None) -> None:
+        with self._lock:
+            self._futures.append(future)
+        self._writer.submit(self._finish, job, files, future, on_commit)
+
+    def _copied(self, plans: list[FilePlan], pinned: bool, future: SaveFuture
+                ) -> PartFiles | BaseException:
+        """Every file copied into staging, before any is written."""
+        staged: list[StagedFile] = []
+        buffer = None  # taken and not yet copied into
+        try:
+            for file in plans:
                 buffer = self._pool.acquire(file.nbytes, 0, pinned)
                 staged.append(stage_file(file.tensors, buffer, pinned))
                 buffer = None
-            files = staged
         except Exception as exc:
             # The other ranks go on to write: this rank reports there, so that
             # every rank fails the save together. Nothing was lent to a daemon
@@ -96,29 +148,40 @@ class DistributedSaver:
                 self._pool.discard(buffer, pinned)
             for f in staged:
                 self._pool.give_back(f)
-            staged = []
-            files = exc
+            return exc
         future._staged = staged
-        future._snapshot_done.set()
-        with self._lock:
-            self._futures.append(future)
-        self._writer.submit(self._finish, job, files, future, on_commit)
-        if isinstance(files, BaseException):
-            future._observed = True
-            future._future.exception()  # the job's error, raised on every rank, names it
-            future.result()
-        if wait_for_snapshot:
-            future.wait_snapshot()
-        future.snapshot_seconds = time.perf_counter() - future._started
-        return future
+        return PartFiles.copied(staged)
 
-    def _finish(self, job: Save, files: list[StagedFile] | BaseException, future: SaveFuture,
+    def _copy(self, plans: list[FilePlan], buffers: list[torch.Tensor], pinned: bool,
+              files: PartFiles, future: SaveFuture) -> None:
+        """Copy file after file into its buffer, each handed to the writer as
+        soon as it is copied. A failed copy fails the part (the writer reports
+        it in the write phase, on every rank); the buffer it was copying into
+        leaves the pool, the ones not reached go back to it, and the files
+        already handed over go back through the writer (_finish)."""
+        unused = list(reversed(buffers))
+        try:
+            for file in plans:
+                buffer = unused.pop()
+                try:
+                    staged = stage_file(file.tensors, buffer, pinned)
+                except BaseException:
+                    self._pool.discard(buffer, pinned)
+                    raise
+                future._staged.append(staged)
+                files.put(staged)
+        except BaseException as exc:
+            self._pool.give_back_unused(unused, pinned)
+            files.fail(exc)
+            if not isinstance(exc, Exception):
+                raise  # (an interrupt: the writer has failed the part)
+            return
+        files.close()
+
+    def _finish(self, job: Save, files: PartFiles | BaseException, future: SaveFuture,
                 on_commit: Callable[[Path], None] | None) -> None:
         future._persist_started = time.perf_counter()
         try:
-            if isinstance(files, list):
-                for f in files:
-                    f.wait_copied()
             job.finish(files)
             if on_commit is not None or job.after_commit_policy is not None:
                 # `latest` and retention are done; every rank returns after.
@@ -136,8 +199,8 @@ class DistributedSaver:
         else:
             future._future.set_result(None)
         finally:
-            if isinstance(files, list):
-                for f in files:
+            if isinstance(files, PartFiles):
+                for f in files.taken():  # (once the caller has put its last)
                     # Reused, or quarantined if the daemon may still read it.
                     self._pool.give_back(f)
             future.persist_seconds = time.perf_counter() - future._persist_started

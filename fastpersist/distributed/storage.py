@@ -55,12 +55,12 @@ from ..format.manifest import (
     records_from_json,
 )
 from ..format.names import part_file_name
-from ..saving.snapshot import StagedFile
 from ..saving.staging import StagingPool
 from ..storage.commit import Staging, leftover_name, os_error
 from ..storage.prepared import discard_prepared, prepare, publish_prepared
 from ..storage.retention import AfterCommit, apply_at
 from ..tensors import datafile, packed
+from .part_files import PartFiles
 
 Records = list[tuple[FileRecord, list[TensorRecord]]]
 
@@ -70,7 +70,7 @@ class Storage(Protocol):
 
     def stage(self, target: Path) -> str: ...
 
-    def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
+    def write(self, target: Path, where: str, rank: int, files: PartFiles,
               node: str | None, frame_bytes: int = 0) -> Records: ...
 
     def publish(self, where: str, manifest: bytes, node: str | None,
@@ -118,7 +118,7 @@ class InProcess:
         self._staging[str(staging.path)] = staging
         return str(staging.path)
 
-    def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
+    def write(self, target: Path, where: str, rank: int, files: PartFiles,
               node: str | None, frame_bytes: int = 0) -> Records:
         """frame_bytes: pack (compress) the files in frames of this many bytes."""
         engine = get_engine()
@@ -213,23 +213,23 @@ class ThroughDaemon:
     def stage(self, target: Path) -> str:
         return self.client.begin_job(self.client.relative(target))
 
-    def write(self, target: Path, where: str, rank: int, files: list[StagedFile],
+    def write(self, target: Path, where: str, rank: int, files: PartFiles,
               node: str | None, frame_bytes: int = 0) -> Records:
-        """The part's files, durable in the job's directory. Each buffer is lent
+        """The part's files, durable in the job's directory, each handed to
+        the daemon as soon as it is copied (PartFiles). Each buffer is lent
         to the daemon and marked returned only by its report (handover.py), so
         the caller's StagingPool.give_back quarantines what the daemon may
         still read. A lost reply after Commit is settled by asking the daemon.
         frame_bytes: the daemon packs (compresses) the files, in such frames."""
         from ..saving.handover import Handover
 
-        files = [f for f in files if f.entries]  # (the daemon reads the buffers: no views)
-        if not files:
+        if not files.count:
             return []
-        reserve = sum(f.buffer.numel() for f in files if f.buffer is not None)
+        reserve = files.reserve
         relative = self.client.relative(target)
 
         def open_part(staging_bytes: int) -> tuple[str, Any]:
-            return self.client.open(relative, staging_bytes, len(files), job_id=where,
+            return self.client.open(relative, staging_bytes, files.count, job_id=where,
                                     rank=rank, compression="zstd" if frame_bytes else "",
                                     frame_bytes=frame_bytes)
 
@@ -248,9 +248,11 @@ class ThroughDaemon:
         handover = Handover(self.client, self._segments, ident,
                             f"the part of rank {rank} of {target}", stream)
         try:
+            sent = []
             for index, file in enumerate(files):
                 handover.submit(index, file, stream=by_stream)
-            handover.commit("null", [t.name for f in files for t in f.entries])
+                sent.append(file)
+            handover.commit("null", [t.name for f in sent for t in f.entries])
             status = handover.wait_end()
         except Exception as exc:
             error = handover.outcome_after(exc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ... import knobs
 from ..._version import __version__
 from ...checksum import combine, crc32c
+from ...distributed.part_files import PartFiles
 from ...distributed.storage import ThroughDaemon
 from ...engine import Engine, Segment, get_engine
 from ...errors import (
@@ -43,8 +44,8 @@ from ...tensors.plan import StoredTensor
 __all__ = [
     "DISTRIBUTED_SCHEMA_VERSION", "CheckpointError", "CheckpointExistsError",
     "ChecksumMismatchError", "Chunk", "CorruptCheckpointError", "DaemonError", "Engine",
-    "FileRecord", "GlobalTensor", "Manifest", "ManifestError", "Segment", "StagedFile",
-    "Staging", "StagingPool", "StoredTensor", "TensorRecord", "ThroughDaemon",
+    "FileRecord", "GlobalTensor", "Manifest", "ManifestError", "PartFiles", "Segment",
+    "StagedFile", "Staging", "StagingPool", "StoredTensor", "TensorRecord", "ThroughDaemon",
     "TruncatedFileError", "UnsupportedValueError", "__version__", "check_tree", "combine",
     "crc32c", "dtypes", "get_engine", "knobs", "os_error", "parse_json", "part_file_name",
     "plan_file", "read_manifest", "stage_file",
