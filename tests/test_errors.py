@@ -466,6 +466,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[], Any], str]] = {
     "lambda": (lambda: {"opt": {"fn": lambda x: x}}, "opt.fn"),
     "complex128": (lambda: {"w": {"z": torch.zeros(3, dtype=torch.complex128)}}, "w.z"),
     "set-in-list": (lambda: {"cfg": [1, 2, {"tags": {"a"}}]}, "cfg.2.tags"),
+    # No data to copy: torch's own copy would fail mid-save with NotImplementedError.
+    "meta-tensor": (lambda: {"model": {"w": torch.empty(3, 4, device="meta")}}, "model.w"),
 }
 
 
@@ -480,6 +482,17 @@ def test_unsupported_value(tmp_path: Path, case: str) -> None:
     assert str(info.value).startswith(f"{key_path}:"), str(info.value)
     assert "allow_pickle=True" in str(info.value)
     assert list(tmp_path.iterdir()) == []  # not even the parent directory
+
+
+def test_a_meta_tensor_is_pickled_with_allow_pickle_as_torch_save_does(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedValueError, match=r"^model\.w: a tensor on the meta device"):
+        fastpersist.save({"model": {"w": torch.empty(3, 4, device="meta")}}, tmp_path / "a")
+    state = {"model": {"w": torch.empty(3, 4, device="meta"), "b": torch.ones(2)}}
+    fastpersist.save(state, tmp_path / "ck", allow_pickle=True)
+    loaded = fastpersist.load(tmp_path / "ck", allow_pickle=True)
+    w = loaded["model"]["w"]
+    assert w.is_meta and w.shape == (3, 4) and w.dtype == torch.float32
+    assert torch.equal(loaded["model"]["b"], torch.ones(2))
 
 
 def test_unsupported_value_keeps_the_old_checkpoint(tmp_path: Path) -> None:

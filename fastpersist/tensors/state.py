@@ -189,6 +189,8 @@ class _Encoder:
             return self._pickled(t, path, f"a tensor of {t.dim()} dimensions (over {MAX_DIMS})")
         node: dict[str, Any] = {"t": "tensor"}
         if not t.is_cpu:
+            if t.is_meta:  # (torch.save pickles it; a copy of it would fail in torch)
+                return self._pickled(t, path, "a tensor on the meta device (it has no data)")
             node["device"] = str(t.device)
         grad = t.requires_grad
         if kind is torch.nn.Parameter:  # (isinstance asks Parameter's metaclass: slow)
