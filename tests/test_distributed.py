@@ -219,7 +219,7 @@ def test_a_rank_killed_mid_save_fails_the_others_naming_it(tmp_path: Path) -> No
     for r in survivors:
         assert r["ok"] is False and r["error_type"] == "DistributedCheckpointError", r
         assert "rank 1 died" in r["error"] and "nothing was committed" in r["error"], r
-        assert list(r["failures"]) == ["1"], r
+        assert list(r["failures"]) == ["1"], r["failures"]
     assert len({r["error"] for r in survivors}) == 1, survivors
     assert not ckpt.exists()
     assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"

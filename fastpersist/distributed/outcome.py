@@ -217,7 +217,34 @@ def check_in(store: SaveStore, stage: str, rank: int) -> None:
 
 def post_mortem(store: SaveStore, stage: str, rank: int, size: int, phase: str, cause: str,
                 processes: list[ProcessId] | None, grace: float, timeout: float) -> Verdict:
-    """Which ranks are gone (module docstring, 2). The first survivor here
+    """Which ranks are gone (module docstring, 2): _find's verdict, which
+    every survivor has before rank 0 returns (_wait_heard)."""
+    verdict = _find(store, stage, rank, size, phase, cause, processes, grace, timeout)
+    _wait_heard(store, stage, rank, size, verdict, grace)
+    return verdict
+
+
+def _wait_heard(store: SaveStore, stage: str, rank: int, size: int, verdict: Verdict,
+                grace: float) -> None:
+    """Rank 0 waits (at most `grace` s) until every survivor has read the
+    verdict. Its process hosts the job's store (torch's TCPStore, under
+    torchrun): a survivor still polling for the verdict when rank 0 returned
+    and exited found the store gone, judged alone, and named rank 0 among the
+    dead (seen under load in test_a_rank_killed_mid_save_fails_the_others_naming_it)."""
+    if verdict.store_gone:
+        return
+    heard = store.add(f"{stage}/heard", 1)
+    survivors = size - len(verdict.lost)
+    deadline = time.monotonic() + grace
+    while (rank == 0 and heard is not None and heard < survivors
+           and time.monotonic() < deadline):
+        time.sleep(POLL_SECONDS)
+        heard = store.add(f"{stage}/heard", 0)
+
+
+def _find(store: SaveStore, stage: str, rank: int, size: int, phase: str, cause: str,
+          processes: list[ProcessId] | None, grace: float, timeout: float) -> Verdict:
+    """Which ranks are gone. The first survivor here
     names them, once for all, when every rank has checked in or is known:
     dead, or alive (a survivor on its machine sees its process: a rank
     waiting in an exchange that others left may not notice before
@@ -314,7 +341,8 @@ def forget(store: SaveStore, stages: list[str], rank: int, size: int) -> None:
     own, rank 0 the shared ones, so that a month of saves leaves nothing."""
     names = [f"{s}/alive/{rank}" for s in stages]
     if rank == 0:
-        names += ["ballot"] + [f"{s}/{n}" for s in stages for n in ("reporter", "verdict")]
+        names += ["ballot"] + [f"{s}/{n}" for s in stages
+                               for n in ("reporter", "verdict", "heard")]
     store.delete(names)
 
 
