@@ -36,7 +36,7 @@ from ..saving.snapshot import FilePlan, StagedFile, group_into_files, stage_file
 from ..storage.retention import AfterCommit
 from .coordinator import Save, coordinator_for
 from .part_files import PartFiles
-from .storage import storage_for
+from .storage import ThroughDaemon, storage_for
 
 # Through a daemon a rank's part is cut into files of at most this much (or
 # FASTPERSIST_FILE_BYTES, if less): a blocking save hands each file over as
@@ -56,7 +56,6 @@ class DistributedSaver:
         self.co = coordinator_for(group)
         self.node_local = node_local
         self.storage = storage_for(daemon)
-        self.through_daemon = bool(daemon)
         self._pool = self.storage.pool
         _live_savers.add(self)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-dist-writer")
@@ -96,7 +95,7 @@ class DistributedSaver:
         try:
             pieces = job.my_pieces()
             cap = current_knobs().file_bytes
-            if self.through_daemon:
+            if isinstance(self.storage, ThroughDaemon):
                 cap = min(cap, DAEMON_FILE_BYTES)
             plans = [f for f in group_into_files(pieces, 0, cap) if f.tensors]
         except Exception as exc:

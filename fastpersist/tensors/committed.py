@@ -129,7 +129,5 @@ def batches(items: list[tuple[int, TensorRecord]], limit: int
     yield batch
 
 
-
-
 __all__ = ["BATCH_BYTES", "FILES_IN_FLIGHT", "batches", "check_size", "read_errors",
            "read_manifest", "records_by_file"]

@@ -174,7 +174,7 @@ def _read_file(path: Path, f: FileRecord, records: list[tuple[int, TensorRecord]
     if verify:
         actual = {i: combine(crcs[i]) for i, _ in records}  # an empty tensor's: 0
         raise_for([Mismatch(f.name, r.name, r.crc32c, actual[i])
-                            for i, r in records if actual[i] != r.crc32c], str(path))
+                   for i, r in records if actual[i] != r.crc32c], str(path))
 
 
 def _runs(chunk: list[_Piece], by_index: dict[int, TensorRecord],

@@ -84,8 +84,7 @@ def check_against_header(path: Path, f: FileRecord, records: list[TensorRecord],
     if verify:
         actual = crc32c.crc32c(covered)
         if actual != f.header_crc32c:
-            raise_for([Mismatch(f.name, "<header>", f.header_crc32c, actual)],
-                               str(path))
+            raise_for([Mismatch(f.name, "<header>", f.header_crc32c, actual)], str(path))
     check_header_bytes(path, f, records, covered, verify=verify, prefix=prefix)
 
 

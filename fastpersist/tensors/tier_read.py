@@ -123,8 +123,8 @@ def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
         if verify:
             for f, records, fetch in fetches:
                 raise_for([Mismatch(f.name, r.name, r.crc32c, crc)
-                                    for r, crc in zip(records, fetch.crcs(), strict=True)
-                                    if crc != r.crc32c], str(url))
+                           for r, crc in zip(records, fetch.crcs(), strict=True)
+                           if crc != r.crc32c], str(url))
         # Compressed records, a file at a time (its stored bytes in memory at
         # once): ranged GETs of the frames, then decoded on the codec's threads.
         for f, indices in compressed:
