@@ -2,6 +2,12 @@
 
     python benchmarks/distributed_save.py                    # 1 GiB state, 4 ranks, 5 repeats
     python benchmarks/distributed_save.py --size-gib 2 --json out.json
+    python benchmarks/distributed_save.py --methods fastpersist,fastpersist_daemon
+
+Each rank runs with OMP_NUM_THREADS = the machine's cores / ranks (at least 1),
+as torchrun sets it for several processes per node, unless the environment
+sets it: four ranks each spinning two OpenMP threads on two cores measure the
+oversubscription, not the save.
 
 Every rank holds the same state (pure data parallelism, the benchmark state of
 save_load.py). Within each repeat, interleaved, each method saves it durably
@@ -42,6 +48,20 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORLD = 4
+# (report key, slower method, faster method, line printed): each where both were measured.
+RATIOS = (
+    ("dcp_over_fastpersist", "dcp", "fastpersist",
+     "fastpersist vs DCP          {:.2f}x faster (target >= 2)"),
+    ("dcp_over_fastpersist_daemon", "dcp", "fastpersist_daemon",
+     "through the daemon vs DCP   {:.2f}x faster"),
+    ("fastpersist_daemon_over_in_process", "fastpersist_daemon", "fastpersist",
+     "through the daemon vs in-process  {:.2f}x the time (target <= 1.15)"),
+    ("rank0_over_fastpersist", "rank0_torch_save", "fastpersist",
+     "fastpersist vs rank-0 save  {:.2f}x faster"),
+    ("fio_over_fastpersist", "fio_direct", "fastpersist", "fastpersist vs fio ceiling  {:.2f}x"),
+)
+METHODS = ("fastpersist", "fastpersist_daemon", "fastpersist_async", "fastpersist_daemon_async",
+           "dcp", "rank0_torch_save")
 
 
 def planning_seconds(ranks: int = 1024, tensors: int = 2000, repeats: int = 5) -> dict[str, Any]:
@@ -70,7 +90,7 @@ def _dir_bytes(path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in path.rglob("*") if p.is_file()}
 
 
-def worker(work: Path, nbytes: int, repeats: int, out: Path) -> None:
+def worker(work: Path, nbytes: int, repeats: int, out: Path, chosen: list[str]) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -113,6 +133,7 @@ def worker(work: Path, nbytes: int, repeats: int, out: Path) -> None:
                "fastpersist_daemon_async": fp_async("fastpersist_daemon_async",
                                                     os.environ["FP_BENCH_DAEMON"]),
                "dcp": dcp_save, "rank0_torch_save": rank0}
+    methods = {name: methods[name] for name in chosen}
     times: dict[str, list[float]] = {k: [] for k in methods}
     written: dict[str, dict[str, int]] = {}
     for r in range(repeats):
@@ -161,11 +182,17 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", type=Path, default=Path("/var/tmp"))
     p.add_argument("--json", type=Path)
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # WORK_DIR RESULT_FILE
     args = p.parse_args()
+    chosen = [m for m in METHODS if m in args.methods.split(",")]
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown or not chosen:
+        p.error(f"--methods: choose from {', '.join(METHODS)} (got {args.methods!r})")
     nbytes = int(args.size_gib * 2**30)
     if args.worker:
-        worker(Path(args.worker[0]), nbytes, args.repeats, Path(args.worker[1]))
+        worker(Path(args.worker[0]), nbytes, args.repeats, Path(args.worker[1]), chosen)
         return 0
 
     sys.path.insert(0, str(HERE))
@@ -182,14 +209,17 @@ def main() -> int:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         procs = []
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // WORLD))
         for rank in range(WORLD):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), FASTPERSIST_NODE=f"node{rank // 2}",
+            env = dict(os.environ, OMP_NUM_THREADS=threads, RANK=str(rank),
+                       WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       FASTPERSIST_NODE=f"node{rank // 2}",
                        FP_BENCH_DAEMON=daemon.address, FASTPERSIST_SHM_DIR=str(shm_dir),
                        PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--size-gib", str(args.size_gib), "--repeats",
-                 str(args.repeats), "--worker", str(work), str(result_file)], env=env))
+                 str(args.repeats), "--methods", ",".join(chosen), "--worker", str(work),
+                 str(result_file)], env=env))
         for proc in procs:
             if proc.wait() != 0:
                 raise SystemExit(f"a rank exited with {proc.returncode}")
@@ -209,44 +239,38 @@ def main() -> int:
     if fio_s:
         med["fio_direct"] = statistics.median(fio_s)
     ranks = {k: per_rank_bytes(k, files) for k, files in job["written"].items()}
-    fp_ranks = list(ranks["fastpersist"].values())
-    stall = {k: statistics.median(v) for k, v in job["stalls"].items()}
+    stall = {k: statistics.median(v) for k, v in job["stalls"].items() if v}
     planning = planning_seconds()
+    ratios = {key: med[slow] / med[fast] for key, slow, fast, _ in RATIOS
+              if slow in med and fast in med}
+    if "fastpersist" in ranks:
+        fp_ranks = list(ranks["fastpersist"].values())
+        ratios["fastpersist_rank_max_over_mean"] = max(fp_ranks) / (sum(fp_ranks) / len(fp_ranks))
     report = {
         "state_bytes": nbytes, "world": WORLD, "repeats": args.repeats,
-        "machine": machine_facts(args.dir), "medians_s": med, "samples_s": job["times"],
-        "fio_samples_s": fio_s, "bytes_per_rank": ranks, "async_stall_medians_s": stall,
-        "async_stall_samples_s": job["stalls"],
-        "ratios": {
-            "dcp_over_fastpersist": med["dcp"] / med["fastpersist"],
-            "dcp_over_fastpersist_daemon": med["dcp"] / med["fastpersist_daemon"],
-            "fastpersist_daemon_over_in_process": med["fastpersist_daemon"] / med["fastpersist"],
-            "rank0_over_fastpersist": med["rank0_torch_save"] / med["fastpersist"],
-            **({"fio_over_fastpersist": med["fio_direct"] / med["fastpersist"]} if fio_s else {}),
-            "fastpersist_rank_max_over_mean": max(fp_ranks) / (sum(fp_ranks) / len(fp_ranks)),
-        },
-        "planning": planning,
+        "omp_num_threads": int(threads), "machine": machine_facts(args.dir), "medians_s": med,
+        "samples_s": job["times"], "fio_samples_s": fio_s, "bytes_per_rank": ranks,
+        "async_stall_medians_s": stall, "async_stall_samples_s": job["stalls"],
+        "ratios": ratios, "planning": planning,
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    r = report["ratios"]
-    print(f"state {nbytes / 2**30:.2f} GiB, {WORLD} ranks (2 nodes x 2), {args.repeats} repeats, "
-          "medians")
+    print(f"state {nbytes / 2**30:.2f} GiB, {WORLD} ranks (2 nodes x 2, OMP_NUM_THREADS "
+          f"{threads}), {args.repeats} repeats, medians [min-max]")
     for k, v in med.items():
-        print(f"  {k:18s} {v:6.3f} s  {nbytes / v / 1e9:5.2f} GB/s")
+        samples = job["times"].get(k, fio_s)
+        print(f"  {k:24s} {v:6.3f} s [{min(samples):.3f}-{max(samples):.3f}]  "
+              f"{nbytes / v / 1e9:5.2f} GB/s")
     for k, v in stall.items():
         print(f"  {k:26s} caller stall {v:6.3f} s (rank 0)")
-    print(f"  fastpersist vs DCP          {r['dcp_over_fastpersist']:.2f}x faster (target >= 2)")
-    print(f"  through the daemon vs DCP   {r['dcp_over_fastpersist_daemon']:.2f}x faster")
-    print(f"  through the daemon vs in-process  {r['fastpersist_daemon_over_in_process']:.2f}x "
-          "the time")
-    print(f"  fastpersist vs rank-0 save  {r['rank0_over_fastpersist']:.2f}x faster")
-    if "fio_over_fastpersist" in r:
-        print(f"  fastpersist vs fio ceiling  {r['fio_over_fastpersist']:.2f}x")
+    for key, _, _, label in RATIOS:
+        if key in ratios:
+            print(f"  {label.format(ratios[key])}")
     for k, v in ranks.items():
         print(f"  bytes per rank, {k:16s} {v}")
-    print(f"  fastpersist busiest rank vs mean  {r['fastpersist_rank_max_over_mean']:.3f} "
-          "(target <= 1.05)")
+    if "fastpersist_rank_max_over_mean" in ratios:
+        print(f"  fastpersist busiest rank vs mean  {ratios['fastpersist_rank_max_over_mean']:.3f}"
+              " (target <= 1.05)")
     print(f"  planning {planning['ranks']} ranks x {planning['tensors']} tensors: "
           f"{planning['seconds_median'] * 1e3:.0f} ms (target < 1 s), "
           f"{planning['pieces']} pieces, "
