@@ -52,6 +52,7 @@ typedef struct {
     fp_direct_mode direct;
     int fsync;            /* fsync the file before returning (writes) */
     int checksum;         /* compute per-segment CRC32C (reads; writes always do) */
+    int bounce;           /* reads, direct: every byte through bounce buffers, none in place */
     fp_backend backend;
     unsigned queue_depth; /* io_uring: I/Os in flight per thread, each with a bounce buffer */
 } fp_opts;

@@ -249,11 +249,14 @@ typedef struct {
  * offsets are read with whole blocks of it in place, as if they were one
  * segment, and the rest as above. It must be phase-aligned (address - offset a
  * multiple of FP_ALIGN) for direct reads and cover its segments' aligned
- * span, or it is not used. The plan points into the caller's buffers. 0 or
- * -ENOMEM (message set); fp_read_plan_free frees either way.
+ * span, or it is not used. bounce (direct only): nothing is read in place;
+ * the region's blocks and every segment go through bounce buffers and are
+ * copied into place as they are checksummed. The plan points into the
+ * caller's buffers. 0 or -ENOMEM (message set); fp_read_plan_free frees
+ * either way.
  */
 int fp_read_plan(fp_read_job *job, const fp_rseg *segs, size_t nsegs, const fp_rseg *region,
-                 uint64_t block_size, int direct);
+                 uint64_t block_size, int direct, int bounce);
 /* Buffered reads on the pool only: split the (in-place, file-ordered) ios into
  * `threads` streams of about equal bytes. 0 or -ENOMEM (message set). */
 int fp_read_plan_streams(fp_read_job *job, unsigned threads);

@@ -225,7 +225,7 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw)
 
 PyDoc_STRVAR(read_file_doc,
              "read_file(path, segments, block_size, threads, direct, checksum=True, *,\n"
-             "          backend=BACKEND_POOL, queue_depth=8, region=None)\n"
+             "          backend=BACKEND_POOL, queue_depth=8, region=None, bounce=False)\n"
              "--\n\n"
              "Fill each writable (buffer, offset) segment with the file's bytes at that\n"
              "offset, in parallel. Returns (crc32c of each segment or None, whether\n"
@@ -234,21 +234,23 @@ PyDoc_STRVAR(read_file_doc,
              "out as the file from offset; segments that are views of it at their own\n"
              "offsets are read with large I/Os straight into it (bytes between them too).\n"
              "A segment (None, offset, length) is read through bounce buffers for its\n"
-             "CRC32C only (a verify): no memory of the caller's holds its bytes.");
+             "CRC32C only (a verify): no memory of the caller's holds its bytes.\n"
+             "bounce: with O_DIRECT, read nothing in place (the region included): every\n"
+             "block lands in a bounce buffer and is copied into place as it is checksummed.");
 
 static PyObject *py_read_file(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"path", "segments", "block_size", "threads", "direct", "checksum",
-                             "backend", "queue_depth", "region", NULL};
+                             "backend", "queue_depth", "region", "bounce", NULL};
     PyObject *path = NULL, *seq, *region_arg = Py_None;
     Py_ssize_t block_size;
-    int threads, direct, checksum = 1, backend = DEFAULT_BACKEND;
+    int threads, direct, checksum = 1, backend = DEFAULT_BACKEND, bounce = 0;
     int queue_depth = DEFAULT_QUEUE_DEPTH;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Onii|p$iiO", kwlist, PyUnicode_FSConverter,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Onii|p$iiOp", kwlist, PyUnicode_FSConverter,
                                      &path, &seq, &block_size, &threads, &direct, &checksum,
-                                     &backend, &queue_depth, &region_arg))
+                                     &backend, &queue_depth, &region_arg, &bounce))
         return NULL;
-    fp_opts opts = {.checksum = checksum};
+    fp_opts opts = {.checksum = checksum, .bounce = bounce};
     seg_list sl = {0}, region = {0};
     PyObject *result = NULL;
     if (parse_opts(&opts, block_size, threads, direct, backend, queue_depth) == 0 &&

@@ -24,7 +24,8 @@ static int read_once(const char *path, const fp_rseg *segs, size_t nsegs, const 
     fp_read_job job = {.fd = fd, .checksum = opts->checksum,
                     .bounce_size = opts->block_size + 2 * FP_ALIGN, .path = path};
     pthread_mutex_init(&job.st.lock, NULL);
-    int rc = fp_read_plan(&job, segs, nsegs, region, opts->block_size, *used_direct);
+    int rc = fp_read_plan(&job, segs, nsegs, region, opts->block_size, *used_direct,
+                          *used_direct && opts->bounce);
     unsigned threads = (unsigned)fp_min(opts->threads ? opts->threads : 1,
                                         job.nios ? job.nios : 1);
     if (rc == 0 && !*used_direct && !ring)

@@ -35,6 +35,7 @@
 typedef struct {
     fp_read_job *job;
     int direct;
+    int bounce; /* nothing in place: every io through a bounce buffer */
     uint64_t block_size;
     fp_read_io *group; /* bounce group being filled, or NULL */
     uint64_t group_end;
@@ -101,7 +102,7 @@ static void plan_segment(planner *pl, const fp_rseg *seg, size_t s)
     }
     uint64_t head = fp_round_up(off, FP_ALIGN), tail = fp_round_down(end, FP_ALIGN);
     int same_phase = (uintptr_t)seg->buf % FP_ALIGN == off % FP_ALIGN;
-    if (!same_phase || seg->len < DIRECT_MIN || head >= tail) {
+    if (pl->bounce || !same_phase || seg->len < DIRECT_MIN || head >= tail) {
         add_range(pl, seg, s, off, end, 0);
         return;
     }
@@ -185,9 +186,12 @@ static int plan_region(planner *pl, const fp_rseg *r, const fp_rseg *segs, const
     size_t at = job->ngroup;
     for (size_t k = 0; k < nblocks; k++) {
         uint64_t off = lo + k * block, len = hi - off < block ? hi - off : block;
-        job->ios[job->nios++] = (fp_read_io){.kind = FP_IO_REGION,
-                                             .mem = (char *)r->buf + (off - r->off),
-                                             .off = off, .len = len, .first = at};
+        /* Bounced, the block lands in a bounce buffer (block_size fits one) and
+         * its pieces are copied into the region as they are checksummed. */
+        job->ios[job->nios++] = pl->bounce
+            ? (fp_read_io){.kind = FP_IO_BOUNCE, .off = off, .len = len, .first = at}
+            : (fp_read_io){.kind = FP_IO_REGION, .mem = (char *)r->buf + (off - r->off),
+                           .off = off, .len = len, .first = at};
         at += fill[k];
     }
     job->ngroup = at;
@@ -219,7 +223,7 @@ static int by_io_offset(const void *a, const void *b)
 }
 
 int fp_read_plan(fp_read_job *job, const fp_rseg *segs, size_t nsegs, const fp_rseg *region,
-                 uint64_t block_size, int direct)
+                 uint64_t block_size, int direct, int bounce)
 {
     uint64_t lo = 0, hi = 0;
     if (region && !region_span(region, segs, nsegs, direct, &lo, &hi))
@@ -239,7 +243,7 @@ int fp_read_plan(fp_read_job *job, const fp_rseg *segs, size_t nsegs, const fp_r
     for (size_t i = 0; i < nsegs; i++)
         order[i] = (seg_order){.off = segs[i].off, .seg = i};
     qsort(order, nsegs, sizeof *order, by_offset);
-    planner pl = {.job = job, .direct = direct, .block_size = block_size};
+    planner pl = {.job = job, .direct = direct, .bounce = bounce, .block_size = block_size};
     int rc = region ? plan_region(&pl, region, segs, order, nsegs, lo, hi) : 0;
     for (size_t i = 0; rc == 0 && i < nsegs; i++) {
         if (!region || !in_region(region, &segs[order[i].seg]))

@@ -46,6 +46,11 @@
                                that hands free memory back to its host:
                                anonmem.py); the engine's bounce buffers
                                ask for them unless it is off
+    FASTPERSIST_LOAD_BOUNCE    loads read into new tensors through the   auto
+                               engine's bounce buffers, not straight in
+                               with O_DIRECT: on, off, or auto (on where
+                               the new memory has 4 KiB pages, i.e. huge
+                               pages are off: anonmem.py)
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
 thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for
@@ -137,6 +142,11 @@ def huge_pages() -> str:
     """FASTPERSIST_HUGE_PAGES (read on its own: anonmem asks for every mapping
     it makes, and current() also asks the system for CPUs and the host name)."""
     return _choice_env("FASTPERSIST_HUGE_PAGES", "auto", ("auto", "on", "off"))
+
+
+def load_bounce() -> str:
+    """FASTPERSIST_LOAD_BOUNCE (read on its own, as huge_pages is)."""
+    return _choice_env("FASTPERSIST_LOAD_BOUNCE", "auto", ("auto", "on", "off"))
 
 
 def current() -> Knobs:

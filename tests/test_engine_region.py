@@ -28,6 +28,8 @@ BACKENDS = [
 ]
 DIRECT = [pytest.param(_engine.DIRECT_AUTO, id="direct"),
           pytest.param(_engine.DIRECT_OFF, id="buffered")]
+# bounce=True: nothing read in place, a region's blocks through bounce buffers too.
+BOUNCE = [pytest.param(False, id="in-place"), pytest.param(True, id="bounce")]
 
 
 def read(path: Path, segments, region, *, block_size=64 * KIB, threads=3,
@@ -44,10 +46,11 @@ def write_random(path: Path, size: int) -> bytes:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direct", DIRECT)
+@pytest.mark.parametrize("bounce", BOUNCE)
 @given(data=st.data(), block_size=st.sampled_from([4 * KIB, 12 * KIB, 64 * KIB, 1 << 20]),
        threads=st.integers(1, 5))
-def test_members_and_other_segments_read_the_file(tmp_path_factory, backend, direct, data,
-                                                 block_size, threads) -> None:
+def test_members_and_other_segments_read_the_file(tmp_path_factory, backend, direct, bounce,
+                                                 data, block_size, threads) -> None:
     size = data.draw(st.integers(1, 300_000))
     path = tmp_path_factory.mktemp("region") / "f"
     content = write_random(path, size)
@@ -66,7 +69,7 @@ def test_members_and_other_segments_read_the_file(tmp_path_factory, backend, dir
             pad = data.draw(st.sampled_from([0, 1, 4095]))
             segments.append((memoryview(bytearray(length + pad))[pad:], start))
     crcs, _ = read(path, segments, (backing, lo), block_size=block_size, threads=threads,
-                   direct=direct, backend=backend)
+                   direct=direct, backend=backend, bounce=bounce)
     for (view, start), crc in zip(segments, crcs, strict=True):
         expected = content[start:start + len(view)]
         assert bytes(view) == expected
@@ -93,7 +96,8 @@ def test_a_region_out_of_phase_or_too_short_is_not_used(tmp_path: Path, direct) 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direct", DIRECT)
-def test_a_truncated_file_fails_a_region_read(tmp_path: Path, backend, direct) -> None:
+@pytest.mark.parametrize("bounce", BOUNCE)
+def test_a_truncated_file_fails_a_region_read(tmp_path: Path, backend, direct, bounce) -> None:
     write_random(tmp_path / "f", 3 * (1 << 20))
     backing = mmap.mmap(-1, 3 * (1 << 20))
     whole = memoryview(backing)
@@ -101,7 +105,7 @@ def test_a_truncated_file_fails_a_region_read(tmp_path: Path, backend, direct) -
     os.truncate(tmp_path / "f", 2 * (1 << 20) + 5)
     with pytest.raises(EOFError, match="truncated"):
         read(tmp_path / "f", members, (backing, 0), block_size=1 << 20, direct=direct,
-             backend=backend)
+             backend=backend, bounce=bounce)
 
 
 def test_a_malformed_region_is_a_type_error(tmp_path: Path) -> None:

@@ -64,10 +64,10 @@ class NativeEngine:
 
     def read_file(
         self, path: str, segments: Sequence[Segment | Unkept], *, checksum: bool = True,
-        region: Segment | None = None,
+        region: Segment | None = None, bounce: bool = False,
     ) -> IOResult:
         crcs, direct = _engine.read_file(
             path, segments, self._block_size, self._threads, _DIRECT_MODES[self._mode], checksum,
-            backend=self._backend, queue_depth=self._queue_depth, region=region,
+            backend=self._backend, queue_depth=self._queue_depth, region=region, bounce=bounce,
         )
         return IOResult(crcs=crcs, direct=direct)

@@ -72,9 +72,9 @@ class ReferenceEngine:
 
     def read_file(
         self, path: str, segments: Sequence[Segment | Unkept], *, checksum: bool = True,
-        region: Segment | None = None,
+        region: Segment | None = None, bounce: bool = False,
     ) -> IOResult:
-        del region  # a hint for speed: segment by segment reads the same bytes
+        del region, bounce  # hints for speed: buffered reads in place give the same bytes
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             crcs = []

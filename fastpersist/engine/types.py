@@ -41,7 +41,7 @@ class Engine(Protocol):
 
     def read_file(
         self, path: str, segments: Sequence[Segment | Unkept], *, checksum: bool = True,
-        region: Segment | None = None,
+        region: Segment | None = None, bounce: bool = False,
     ) -> IOResult:
         """Fill each writable segment from the file; an Unkept one is only read
         for its CRC32C (a verify needs no memory for the bytes it checks).
@@ -51,5 +51,9 @@ class Engine(Protocol):
         region, a hint: a writable buffer laid out as the file from its offset,
         of which (some) segments are views at their own offsets; an engine may
         then read the whole span into it with large I/Os (the bytes between
-        those segments included) instead of segment by segment."""
+        those segments included) instead of segment by segment.
+
+        bounce, a hint: read nothing straight into the segments' memory with
+        O_DIRECT (the region included); every block lands in the engine's
+        bounce buffers and is copied into place as it is checksummed."""
         ...

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gcpause
-from ..anonmem import anonymous
+from ..anonmem import anonymous, loads_bounce
 from ..engine import Engine, IOResult, Segment
 from ..format import dtypes, safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
@@ -195,7 +195,7 @@ def read(engine: Engine, directory: str, file: FileRecord, records: list[TensorR
 def run_read(engine: Engine, pending: PendingRead) -> IOResult:
     """The engine's read of a started read (any thread; releases the GIL)."""
     return engine.read_file(pending.path, pending.segments, checksum=pending.verify,
-                            region=pending.region)
+                            region=pending.region, bounce=pending.bounce)
 
 
 @dataclass
@@ -213,6 +213,7 @@ class PendingRead:
     verify: bool
     with_header: bool  # segments[0] is the file's header (its CRC32C checked if verify)
     region: Segment | None = None  # the engine's region hint (see start_read)
+    bounce: bool = False  # the engine's bounce hint (see start_read)
 
     def take_header(self) -> bytes:
         """The header bytes read with the file (before finish_read). A region
@@ -236,6 +237,9 @@ def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
     reads at tensor boundaries. The mapping is unmapped when the last tensor
     of the file is freed; a tensor of at least _GIVE_BACK_MIN bytes gives its
     own pages back to the OS when it is freed (see _owner).
+
+    Where anonmem.loads_bounce(), the engine reads all of it through its
+    bounce buffers and copies the bytes into the new memory (bounce hint).
     """
     with_header = header
     header_bytes = file.data_start if with_header else 0
@@ -250,7 +254,7 @@ def start_read(directory: str, file: FileRecord, records: list[TensorRecord], *,
         segments = [(memoryview(mapping)[:header_bytes], 0)] if with_header else []
     segments += [(v, r.offset) for v, r in zip(views, records, strict=True)]
     return PendingRead(os.path.join(directory, file.name), file, records, tensors, segments,
-                       verify, with_header, region)
+                       verify, with_header, region, loads_bounce())
 
 
 # A read whose bytes fill at least this share of their span reads the span
