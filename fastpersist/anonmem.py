@@ -79,10 +79,11 @@ def loads_bounce() -> bool:
     (FASTPERSIST_LOAD_BOUNCE).
 
     auto: bounce where that memory comes in 4 KiB pages (huge_pages_help() is
-    false). Measured here (a Firecracker VM, 4 KiB pages; 1 GiB, fresh
-    processes, page cache dropped, 9 interleaved rounds): 0.50 s through the
-    bounce buffers against 0.69 s straight in, though the bounce path copies
-    every byte once more. Probably why: the bounce buffers are huge pages
+    false) and the engine's backend is the thread pool (the default). Measured
+    here (a Firecracker VM, 4 KiB pages; 1 GiB, fresh processes, page cache
+    dropped, 9 interleaved rounds): 0.50 s through the bounce buffers against
+    0.69 s straight in, though the bounce path copies every byte once more.
+    Probably why: the bounce buffers are huge pages
     reused from read to read, so each request the disk sees is one large
     contiguous run (an O_DIRECT request into 4 KiB pages is cut at 254 runs of
     contiguous memory), and the new pages are faulted in by the copy after
@@ -90,11 +91,15 @@ def loads_bounce() -> bool:
     Faulting them in ahead of in-place reads on another thread did not help
     (0.694 vs 0.702 s), so the requests' size is likely most of it. Huge pages
     have neither problem and O_DIRECT in place saves the copy, so auto keeps
-    that where they are on (not measured here: this VM turns them off).
+    that where they are on (not measured here: this VM turns them off). With
+    io_uring (FASTPERSIST_IO_BACKEND=uring or auto) bouncing was slower here
+    (0.968 vs 0.685 s, 5 rounds): its threads, one per CPU, do every copy and
+    fault themselves, where the pool spreads them over 8 threads a file whose
+    reads overlap them; auto reads in place there.
     """
     choice = knobs.load_bounce()
     if choice == "auto":
-        return not huge_pages_help()
+        return not huge_pages_help() and knobs.io_backend() == "pool"
     return choice == "on"
 
 

@@ -50,7 +50,8 @@
                                engine's bounce buffers, not straight in
                                with O_DIRECT: on, off, or auto (on where
                                the new memory has 4 KiB pages, i.e. huge
-                               pages are off: anonmem.py)
+                               pages are off, and the I/O backend is the
+                               thread pool: anonmem.py)
 
 The thread pool keeps one blocking I/O in flight per thread. io_uring runs one
 thread per CPU (at most FASTPERSIST_THREADS), each copying and checksumming for
@@ -144,6 +145,11 @@ def huge_pages() -> str:
     return _choice_env("FASTPERSIST_HUGE_PAGES", "auto", ("auto", "on", "off"))
 
 
+def io_backend() -> str:
+    """FASTPERSIST_IO_BACKEND (read on its own too: anonmem.loads_bounce asks)."""
+    return _choice_env("FASTPERSIST_IO_BACKEND", "pool", ("pool", "uring", "auto"))
+
+
 def load_bounce() -> str:
     """FASTPERSIST_LOAD_BOUNCE (read on its own, as huge_pages is)."""
     return _choice_env("FASTPERSIST_LOAD_BOUNCE", "auto", ("auto", "on", "off"))
@@ -180,7 +186,7 @@ def current() -> Knobs:
         verify_load=_choice_env("FASTPERSIST_VERIFY_LOAD", "1", ("0", "1")) == "1",
         staging_budget=_int_env("FASTPERSIST_STAGING_BUDGET", 0, minimum=0),
         max_in_flight=_int_env("FASTPERSIST_MAX_IN_FLIGHT", 1),
-        io_backend=_choice_env("FASTPERSIST_IO_BACKEND", "pool", ("pool", "uring", "auto")),
+        io_backend=io_backend(),
         daemon=os.environ.get("FASTPERSIST_DAEMON", "").strip(),
         file_bytes=_int_env("FASTPERSIST_FILE_BYTES", 256 * _MIB),
         node=os.environ.get("FASTPERSIST_NODE", "").strip() or socket.gethostname(),

@@ -1,6 +1,6 @@
 """Loads read through the engine's bounce buffers (FASTPERSIST_LOAD_BOUNCE):
-the same tensors, every CRC32C still checked, and the choice made as the knob
-and the memory's page size say."""
+the same tensors, every CRC32C still checked, and the choice made as the knob,
+the memory's page size and the I/O backend say."""
 
 from __future__ import annotations
 
@@ -48,16 +48,19 @@ def test_a_flipped_bit_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         fastpersist.load(tmp_path / "c")
 
 
-@pytest.mark.parametrize(("knob", "huge_pages", "bounces"), [
-    ("on", "on", True), ("off", "off", False),
-    ("auto", "off", True),  # 4 KiB pages: through the bounce buffers
-    ("auto", "on", False),  # huge pages: straight in
+@pytest.mark.parametrize(("knob", "huge_pages", "backend", "bounces"), [
+    ("on", "on", "uring", True), ("off", "off", "pool", False),
+    ("auto", "off", "pool", True),  # 4 KiB pages, the pool: through the bounce buffers
+    ("auto", "on", "pool", False),  # huge pages: straight in
+    ("auto", "off", "uring", False),  # io_uring's threads would do every copy
+    ("auto", "off", "auto", False),
 ])
-def test_the_choice_follows_the_knob_and_the_page_size(
+def test_the_choice_follows_the_knob_the_page_size_and_the_backend(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, knob: str, huge_pages: str,
-        bounces: bool) -> None:
+        backend: str, bounces: bool) -> None:
     monkeypatch.setenv("FASTPERSIST_LOAD_BOUNCE", knob)
     monkeypatch.setenv("FASTPERSIST_HUGE_PAGES", huge_pages)
+    monkeypatch.setenv("FASTPERSIST_IO_BACKEND", backend)
     assert anonmem.loads_bounce() is bounces
     fastpersist.save({"t": torch.randn(1 << 20)}, tmp_path / "c")
     manifest = checkpoint.read_manifest(tmp_path / "c")
