@@ -83,11 +83,11 @@ def loads_bounce() -> bool:
     here (a Firecracker VM, 4 KiB pages; 1 GiB, fresh processes, page cache
     dropped, 9 interleaved rounds): 0.50 s through the bounce buffers against
     0.69 s straight in, though the bounce path copies every byte once more.
-    Probably why: the bounce buffers are huge pages
-    reused from read to read, so each request the disk sees is one large
-    contiguous run (an O_DIRECT request into 4 KiB pages is cut at 254 runs of
-    contiguous memory), and the new pages are faulted in by the copy after
-    each read lands (CRC32C in the same pass), not while the read is issued.
+    Probably why: the bounce buffers are huge pages reused from read to read,
+    so each request the disk sees is one large contiguous run (an O_DIRECT
+    request into 4 KiB pages is cut at 254 runs of contiguous memory), and the
+    new pages are faulted in by the copy after each read lands (CRC32C in the
+    same pass), not while the read is issued.
     Faulting them in ahead of in-place reads on another thread did not help
     (0.694 vs 0.702 s), so the requests' size is likely most of it. Huge pages
     have neither problem and O_DIRECT in place saves the copy, so auto keeps
