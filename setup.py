@@ -11,7 +11,7 @@ from setuptools import Extension, setup
 # In layer order, lowest first (csrc/fp_internal.h; tests/test_c_layout.py).
 SOURCES = ["fp_crc32c.c", "fp_util.c", "fp_fault.c", "fp_piece.c", "fp_ring.c", "fp_write_job.c",
            "fp_read_job.c", "fp_pool.c", "fp_uring.c", "fp_write.c", "fp_read.c", "fp_dir.c",
-           "fp_module.c"]
+           "fp_gather.c", "fp_module.c"]
 CODEC_SOURCES = ["fpc_planes.c", "fpc_zstd_literals.c", "fpc_module.c"]
 FORMAT_SOURCES = ["fpf_records.c", "fpf_header.c", "fpf_module.c"]
 

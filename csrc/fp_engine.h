@@ -117,6 +117,22 @@ int fp_rename_exchange_at(int a_dir, const char *a, int b_dir, const char *b);
  */
 int fp_openat2(int dir_fd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve);
 
+/* One copy of fp_gather: len bytes from src to the destination at dst_off. */
+typedef struct {
+    const void *src;
+    size_t dst_off;
+    size_t len;
+} fp_gather_item;
+
+/*
+ * Copy every item into dst (dst_len bytes), on up to `threads` threads (the
+ * calling thread included; one where the batch is small). Every item is
+ * checked against dst before anything is copied: -FP_EBADARG for an item that
+ * would land outside it or that has a null source. The sources are the
+ * caller's promise (live memory of at least len bytes, not overlapping dst).
+ */
+int fp_gather(void *dst, size_t dst_len, const fp_gather_item *items, size_t n, unsigned threads);
+
 /* CRC32C of buf, continuing from crc (0 to start). */
 uint32_t fp_crc32c(uint32_t crc, const void *buf, size_t len);
 /* CRC32C of A||B from crc(A), crc(B) and len(B). */

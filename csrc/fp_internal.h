@@ -7,6 +7,7 @@
  *   binding        fp_module.c                   Python objects <-> fp_engine.h
  *   entry points   fp_write.c     fp_read.c      check, open, plan, pick a backend, fsync
  *                  fp_dir.c                      directory fsync, exchange, openat2
+ *                  fp_gather.c                   a snapshot's batched memcpy
  *   backends       fp_pool.c      fp_uring.c     keep I/Os in flight: threads or io_uring
  *   jobs           fp_write_job.c fp_read_job.c  plans; fill a block, finish a read (CRCs)
  *   shared         fp_util.c  fp_fault.c  fp_piece.c  fp_ring.c

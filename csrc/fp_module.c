@@ -369,64 +369,56 @@ static int fast_size(PyObject *fast, Py_ssize_t i, size_t *out)
 }
 
 /*
- * gather(dst, addresses, offsets, lengths): copy lengths[i] bytes from raw
- * address addresses[i] to dst[offsets[i]:], for every i, with the GIL
- * released. A snapshot of many small tensors copies them all in one call
- * instead of one torch copy_ (and one view) each. Every destination range is
- * checked against dst before anything is copied; the source addresses are
- * the caller's promise (live, contiguous CPU memory of at least that length).
+ * gather(dst, addresses, offsets, lengths, threads=1): fp_gather of
+ * (addresses[i], offsets[i], lengths[i]) for every i, with the GIL released.
+ * A snapshot of many small tensors copies them all in one call instead of one
+ * torch copy_ (and one view) each. The source addresses are the caller's
+ * promise (live, contiguous CPU memory of at least that length).
  */
-static PyObject *py_gather(PyObject *self, PyObject *args)
+static PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {"dst", "addresses", "offsets", "lengths", "threads", NULL};
     Py_buffer dst;
     PyObject *addresses, *offsets, *lengths;
-    if (!PyArg_ParseTuple(args, "w*OOO:gather", &dst, &addresses, &offsets, &lengths))
+    int threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "w*OOO|i:gather", kwlist, &dst, &addresses,
+                                     &offsets, &lengths, &threads))
         return NULL;
     PyObject *fa = PySequence_Fast(addresses, "addresses must be a sequence of ints");
     PyObject *fo = fa ? PySequence_Fast(offsets, "offsets must be a sequence of ints") : NULL;
     PyObject *fl = fo ? PySequence_Fast(lengths, "lengths must be a sequence of ints") : NULL;
     PyObject *res = NULL;
-    size_t *plan = NULL; /* (address, offset, length) triples */
+    fp_gather_item *items = NULL;
     if (!fl)
         goto done;
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "gather: threads must be at least 1, not %d", threads);
+        goto done;
+    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fa);
     if (PySequence_Fast_GET_SIZE(fo) != n || PySequence_Fast_GET_SIZE(fl) != n) {
         PyErr_SetString(PyExc_ValueError, "addresses, offsets and lengths differ in length");
         goto done;
     }
-    plan = PyMem_Malloc((n ? (size_t)n : 1) * 3 * sizeof(size_t));
-    if (!plan) {
+    items = PyMem_Malloc((n ? (size_t)n : 1) * sizeof *items);
+    if (!items) {
         PyErr_NoMemory();
         goto done;
     }
-    size_t room = (size_t)dst.len;
     for (Py_ssize_t i = 0; i < n; i++) {
-        size_t *p = plan + 3 * i;
-        if (fast_size(fa, i, &p[0]) < 0 || fast_size(fo, i, &p[1]) < 0 ||
-            fast_size(fl, i, &p[2]) < 0)
+        size_t src;
+        if (fast_size(fa, i, &src) < 0 || fast_size(fo, i, &items[i].dst_off) < 0 ||
+            fast_size(fl, i, &items[i].len) < 0)
             goto done;
-        if (p[1] > room || p[2] > room - p[1]) {
-            PyErr_Format(PyExc_ValueError,
-                         "gather: bytes [%zu, +%zu) of item %zd lie outside the %zu-byte "
-                         "destination", p[1], p[2], i, room);
-            goto done;
-        }
-        if (p[2] && !p[0]) {
-            PyErr_Format(PyExc_ValueError, "gather: item %zd has a null source address", i);
-            goto done;
-        }
+        items[i].src = (const void *)src;
     }
-    char *base = dst.buf;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const size_t *p = plan + 3 * i;
-        if (p[2])
-            memcpy(base + p[1], (const void *)p[0], p[2]);
-    }
+    rc = fp_gather(dst.buf, (size_t)dst.len, items, (size_t)n, (unsigned)threads);
     Py_END_ALLOW_THREADS
-    res = Py_NewRef(Py_None);
+    res = rc < 0 ? raise_engine_error(rc, Py_None) : Py_NewRef(Py_None);
 done:
-    PyMem_Free(plan);
+    PyMem_Free(items);
     Py_XDECREF(fa);
     Py_XDECREF(fo);
     Py_XDECREF(fl);
@@ -475,9 +467,10 @@ static PyMethodDef methods[] = {
     {"openat2", py_openat2, METH_VARARGS,
      "openat2(dir_fd, path, flags, mode, resolve) -> fd: openat2(2), e.g. with\n"
      "RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS. OSError (ENOSYS where it is missing)."},
-    {"gather", py_gather, METH_VARARGS,
-     "gather(dst, addresses, offsets, lengths): copy lengths[i] bytes from raw address\n"
-     "addresses[i] into dst at offsets[i], for every i (GIL released)."},
+    {"gather", (PyCFunction)(void (*)(void))py_gather, METH_VARARGS | METH_KEYWORDS,
+     "gather(dst, addresses, offsets, lengths, threads=1): copy lengths[i] bytes from raw\n"
+     "address addresses[i] into dst at offsets[i], for every i (GIL released), on up to\n"
+     "`threads` threads (one for a batch of a few MiB)."},
     {"uring_available", py_uring_available, METH_NOARGS,
      "Whether io_uring works here (BACKEND_AUTO falls back to the thread pool if not)."},
     {"release_buffers", py_release_buffers, METH_NOARGS, "Free the cached bounce buffers."},

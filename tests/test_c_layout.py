@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("shared", ("fp_util.c", "fp_fault.c", "fp_piece.c", "fp_ring.c")),
     ("jobs", ("fp_write_job.c", "fp_read_job.c")),
     ("backends", ("fp_pool.c", "fp_uring.c")),
-    ("entry points", ("fp_write.c", "fp_read.c", "fp_dir.c")),
+    ("entry points", ("fp_write.c", "fp_read.c", "fp_dir.c", "fp_gather.c")),
     ("binding", ("fp_module.c",)),
 ]
 LAYER_OF = {name: rank for rank, (_, files) in enumerate(LAYERS) for name in files}

@@ -116,3 +116,35 @@ def test_gather_checks_every_destination_before_copying() -> None:
         _engine.gather(bytes(16), [], [], [])  # the destination must be writable
     _engine.gather(dst, [src.data_ptr(), 0], [4, 16], [8, 0])  # an empty item anywhere
     assert bytes(dst[4:12]) == bytes(memory_of(src))[:8]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4, 64, 1000])
+def test_gather_on_threads_copies_every_item_and_nothing_else(threads: int) -> None:
+    # 20,000 items of 0-4,000 bytes (~40 MiB: runs of 4 MiB for several threads),
+    # laid out in the destination in a shuffled order with gaps between them.
+    gen = torch.Generator().manual_seed(threads)
+    lengths = torch.randint(0, 4000, (20_000,), generator=gen).tolist()
+    lengths[7] = 0
+    source = torch.randint(0, 256, (sum(lengths),), dtype=torch.uint8, generator=gen)
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    order = torch.randperm(len(lengths), generator=gen).tolist()
+    offsets = [0] * len(lengths)
+    cursor = 0
+    for i in order:
+        offsets[i] = cursor
+        cursor += lengths[i] + 3  # a gap that must stay untouched
+    dst = torch.full((cursor,), 0xEE, dtype=torch.uint8)
+    expect = dst.clone()
+    for i in range(len(lengths)):
+        expect[offsets[i]:offsets[i] + lengths[i]] = source[starts[i]:starts[i] + lengths[i]]
+    _engine.gather(memory_of(dst), [source.data_ptr() + s for s in starts], offsets, lengths,
+                   threads)
+    assert torch.equal(dst, expect)
+
+
+def test_gather_refuses_fewer_than_one_thread() -> None:
+    dst = bytearray(4)
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        _engine.gather(dst, [], [], [], 0)

@@ -23,7 +23,7 @@ from ..format import dtypes
 from ..tensors.datafile import file_order
 from ..tensors.plan import StoredTensor, memory_of
 
-_Gather = Callable[[Any, Sequence[int], Sequence[int], Sequence[int]], None]
+_Gather = Callable[[Any, Sequence[int], Sequence[int], Sequence[int], int], None]
 gather: _Gather | None
 try:
     from .._engine import gather
@@ -150,8 +150,9 @@ class StagedFile:
 
 
 # CPU tensors smaller than this are copied into the buffer by one C call for
-# the whole file (_engine.gather) instead of a view and a copy_ each, which cost
-# ~1.5 us of Python a tensor: most of a snapshot of 100,000 small tensors.
+# the whole file (_engine.gather, on torch's intra-op threads when it holds more
+# than a few MiB) instead of a view and a copy_ each, which cost ~1.5 us of
+# Python a tensor: most of a snapshot of 100,000 small tensors.
 # Larger ones keep torch's copy_, which spreads a large copy over the intra-op
 # threads.
 GATHER_BELOW = 64 << 10
@@ -180,7 +181,9 @@ def stage_file(tensors: list[StoredTensor], buffer: torch.Tensor, pinned: bool) 
             others.append((t, start))
     if addresses:
         assert gather is not None
-        gather(memory_of(buffer), addresses, offsets, lengths)
+        # On as many threads as torch's own copies use (torch.get_num_threads:
+        # OMP_NUM_THREADS where set, so ranks sharing a node do not oversubscribe it).
+        gather(memory_of(buffer), addresses, offsets, lengths, torch.get_num_threads())
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for t, start in others:
         view = _view(buffer, t, start)
