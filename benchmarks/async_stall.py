@@ -2,6 +2,7 @@
 
     python benchmarks/async_stall.py                         # 1.08 GB in 83 tensors, 5 processes
     python benchmarks/async_stall.py --bytes 4e9 --tensors 300 --saves 6 --repeats 7
+    python benchmarks/async_stall.py --prepare both          # with and without prepare_staging
 
 Each repeat is a fresh process (staging starts cold, as in a new training job)
 that builds the state and then, per save: the copy floor, a plain torch copy of
@@ -13,6 +14,9 @@ also counts, per save, the staging buffers the saver allocated and the minor
 page faults of the calling thread during the stall. The report gives, per
 save index, the median over processes with min and max, and the ratio
 stall / floor (target: <= 1.1x from the second save on, issue 14).
+--prepare yes calls fastpersist.prepare_staging(state) before the first save
+(timed apart); --prepare both alternates processes without and with it and
+reports each.
 """
 
 from __future__ import annotations
@@ -60,6 +64,11 @@ def child(args: argparse.Namespace) -> None:
         return allocate(nbytes, pinned)
 
     pool._allocate = counting  # counted the same way for any version of the pool
+    prepare_s = None
+    if args.prepare == "yes":
+        start = time.perf_counter()
+        fastpersist.prepare_staging(state)
+        prepare_s = time.perf_counter() - start
     def copy_floor() -> float:
         start = time.perf_counter()
         for buf, t in zip(floor_buffers, state.values(), strict=True):
@@ -81,7 +90,7 @@ def child(args: argparse.Namespace) -> None:
                      "faults": faults,
                      "allocations": allocations[0] - before_alloc})
         shutil.rmtree(Path(args.dir) / f"ckpt-{k}")
-    print(json.dumps({"rows": rows, "staging": saver.staging_bytes,
+    print(json.dumps({"rows": rows, "staging": saver.staging_bytes, "prepare": prepare_s,
                       "state": sum(t.nbytes for t in state.values())}))
 
 
@@ -98,6 +107,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5, help="fresh processes (default 5)")
     p.add_argument("--dir", help="checkpoint directory (default: a new one under /var/tmp)")
     p.add_argument("--json", type=Path, help="write every measurement to this file")
+    p.add_argument("--prepare", choices=("no", "yes", "both"), default="no",
+                   help="call prepare_staging before the first save (both: alternate)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -108,22 +119,38 @@ def main() -> int:
     print(f"command: {' '.join(sys.argv)}")
     print(f"state: {args.bytes / 1e9:.2f} GB in {args.tensors} fp32 tensors; {args.saves} saves "
           f"per fresh process, {args.repeats} processes; dir {base}", flush=True)
-    runs = []
+    variants = ["no", "yes"] if args.prepare == "both" else [args.prepare]
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
         for r in range(args.repeats):
-            cmd = [sys.executable, __file__, "--child", "--bytes", str(args.bytes), "--tensors",
-                   str(args.tensors), "--saves", str(args.saves), "--dir", str(base)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                                 env=dict(os.environ, PYTHONUNBUFFERED="1")).stdout
-            run = json.loads(out.strip().splitlines()[-1])
-            runs.append(run)
-            print(f"  [{r + 1}/{args.repeats}] stall ms " + "  ".join(
-                f"{row['stall'] * 1000:.0f} (floor {row['floor'] * 1000:.0f}, "
-                f"{row['allocations']} alloc, {row['faults']} faults)" for row in run["rows"]),
-                flush=True)
+            for variant in variants:
+                cmd = [sys.executable, __file__, "--child", "--bytes", str(args.bytes),
+                       "--tensors", str(args.tensors), "--saves", str(args.saves), "--dir",
+                       str(base), "--prepare", variant]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1")).stdout
+                run = json.loads(out.strip().splitlines()[-1])
+                results[variant].append(run)
+                label = " prepared" if variant == "yes" else ""
+                print(f"  [{r + 1}/{args.repeats}]{label} stall ms " + "  ".join(
+                    f"{row['stall'] * 1000:.0f} (floor {row['floor'] * 1000:.0f}, "
+                    f"{row['allocations']} alloc, {row['faults']} faults)"
+                    for row in run["rows"]), flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
+    for variant, runs in results.items():
+        report(args, runs, prepared=variant == "yes")
+    if args.json:
+        args.json.write_text(json.dumps({"argv": sys.argv, "runs": results["no"] if
+                                         args.prepare == "no" else results}, indent=1))
+    return 0
+
+
+def report(args: argparse.Namespace, runs: list[dict[str, Any]], prepared: bool) -> None:
+    if prepared:
+        print("\n== after fastpersist.prepare_staging(state), which took "
+              f"{spread([run['prepare'] for run in runs], 1000)} ms")
     print("\n== async_save stall per save in a fresh process: median [min-max] over processes")
     print(f"  {'save':>4} {'stall ms':>18} {'floor ms':>18} {'stall / floor':>20} "
           f"{'allocations':>12} {'caller faults':>22}")
@@ -143,9 +170,6 @@ def main() -> int:
               f"[{min(later):.2f}-{max(later):.2f}], target <= {TARGET}x")
     staging = statistics.median(run["staging"] / run["state"] for run in runs)
     print(f"  staging memory: {staging:.2f}x the state")
-    if args.json:
-        args.json.write_text(json.dumps({"argv": sys.argv, "runs": runs}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .api import async_save, load, save
+    from .api import async_save, load, prepare_staging, save
     from .checkpointer import Checkpointer
     from .saving.futures import SaveFuture
 
@@ -38,6 +38,7 @@ _LAZY = {
     "load": ".api",
     "save": ".api",
     "async_save": ".api",
+    "prepare_staging": ".api",
     "SaveFuture": ".saving.futures",
     "Checkpointer": ".checkpointer",
 }
@@ -81,5 +82,6 @@ __all__ = [
     "__version__",
     "async_save",
     "load",
+    "prepare_staging",
     "save",
 ]

@@ -263,6 +263,15 @@ def saver_for(daemon: str | None) -> Saver:
     return default_saver()
 
 
+def prepare_staging(obj: Any, *, allow_pickle: bool = False, daemon: str | None = None) -> int:
+    """Allocate and fault in the staging memory that async_save(obj, ...)
+    takes (with `daemon` as async_save reads it), so that the first
+    async_save of a process stalls no longer than the later ones. Only the
+    shapes, dtypes and devices of obj's tensors matter. Returns the bytes of
+    staging ready. Distributed saves (process_group) are not prepared."""
+    return saver_for(daemon).prepare_staging(obj, allow_pickle=allow_pickle)
+
+
 def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
                wait_for_snapshot: bool = True, daemon: str | None = None,
                process_group: Any = None, node_local: bool = False,

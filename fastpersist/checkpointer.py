@@ -180,6 +180,19 @@ class Checkpointer:
                                 wait_for_snapshot=wait_for_snapshot,
                                 on_commit=self._committed, compression=self.compression)
 
+    def prepare_staging(self, state: Any) -> int:
+        """Allocate and fault in the staging memory that saves of `state` take
+        (in this process's shared memory with fastpersistd), so that the first
+        save() stalls no longer than the later ones; see Saver.prepare_staging.
+        Call it once before the training loop, with the state you will save
+        (its values do not matter). Returns the bytes of staging ready: 0 for
+        a distributed job, whose ranks learn their parts only at each save."""
+        from .saving.saver import Saver
+
+        if not isinstance(self._saver, Saver):  # a DistributedSaver
+            return 0
+        return self._saver.prepare_staging(state, allow_pickle=self.allow_pickle)
+
     def wait(self) -> None:
         """Block until every save so far is durable; raise if one failed."""
         self._saver.wait()

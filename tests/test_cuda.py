@@ -237,6 +237,21 @@ def test_staging_memory_is_pinned(tmp_path: Path) -> None:
     saver.close()
 
 
+def test_prepared_pinned_staging_is_what_the_first_save_uses(tmp_path: Path) -> None:
+    saver = Saver()
+    state = {"w": torch.randn(MIB, device=DEV), "v": torch.randn(1000, device=DEV)}
+    expected = to_cpu(state)
+    assert saver.prepare_staging(state) == 4 * MIB + 4000
+    allocations = saver._pool.allocations
+    future = saver.save(state, tmp_path / "ck")
+    assert saver._pool.allocations == allocations  # the prepared buffer
+    assert all(s.buffer is not None and s.buffer.is_pinned() for s in future._staged)
+    future.result(timeout=120)
+    saver.close()
+    assert_same(fastpersist.load(tmp_path / "ck", map_location="cpu"), expected,
+                torch.device("cpu"))
+
+
 def test_checkpointer_with_gpu_state(tmp_path: Path, engine_name: str) -> None:
     state = gpu_state(1 << 16)
     with Checkpointer(tmp_path / "ckpts", keep_last=2) as ckpt:

@@ -14,7 +14,7 @@ PUBLIC = {
     "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "PostCommitError",
     "SaveFuture", "StateMismatchError", "TierError",
     "TruncatedFileError", "UnsupportedValueError",
-    "__version__", "async_save", "load", "save",
+    "__version__", "async_save", "load", "prepare_staging", "save",
 }
 
 

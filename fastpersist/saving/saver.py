@@ -77,6 +77,45 @@ class Saver:
         return self._entered(lambda: self._save(obj, path, allow_pickle, wait_for_snapshot,
                                                 on_commit, compression))
 
+    def prepare_staging(self, obj: Any, *, allow_pickle: bool = False) -> int:
+        """Allocate and fault in the staging memory that saves of `obj` take,
+        now, so that the first save stalls no longer than the later ones. (A
+        fresh process's first snapshot otherwise also maps its buffers and
+        takes a page fault per page of them as it copies: 1.28 s against 0.10
+        s for 1.08 GB here; pinned buffers for CUDA tensors cost more to make.)
+
+        Only the shapes, dtypes and devices of obj's tensors matter, not their
+        values. Call it before the training loop: with a staging budget it
+        waits, as a save does, for buffers that saves in flight hold. With a
+        budget smaller than one snapshot it prepares what fits the budget,
+        which later files reuse. Returns the bytes of staging ready.
+        """
+        if self._closed:
+            raise CheckpointError("this Saver is closed")
+        with gcpause.paused():
+            _, leaves = state.encode(obj, allow_pickle=allow_pickle)
+            stored = plan.plan_tensors(leaves)
+        knobs = current_knobs()
+        budget = knobs.staging_budget
+        sizes = [f.nbytes for f in group_into_files(stored, budget, knobs.file_bytes)
+                 if f.staged]
+        if budget:  # what one snapshot holds at once (files are at most half of it)
+            held = 0
+            for count, nbytes in enumerate(sizes):
+                if held + nbytes > budget:
+                    sizes = sizes[:count]
+                    break
+                held += nbytes
+        pinned = any(t.source.is_cuda for t in stored)
+        buffers = self._pool.acquire_all(sizes, budget, pinned)
+        try:
+            if not pinned:  # cudaHostAlloc'd memory is resident already
+                for buffer in buffers:
+                    buffer.fill_(0)  # first touch, on torch's threads as a copy would
+        finally:
+            self._pool.give_back_unused(buffers, pinned)
+        return sum(b.numel() for b in buffers)
+
     def _entered(self, save: Callable[[], SaveFuture]) -> SaveFuture:
         """Run one save() call: refused once closed, and marked as running on this
         thread (see close())."""
