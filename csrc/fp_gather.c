@@ -54,7 +54,7 @@ int fp_gather(void *dst, size_t dst_len, const fp_gather_item *items, size_t n, 
             fp_set_error("gather: item %zu has a null source address", i);
             return -FP_EBADARG;
         }
-        total += it->len;
+        total = it->len > UINT64_MAX - total ? UINT64_MAX : total + it->len; /* (saturates) */
     }
     if (threads > FP_MAX_THREADS)
         threads = FP_MAX_THREADS;
@@ -64,25 +64,33 @@ int fp_gather(void *dst, size_t dst_len, const fp_gather_item *items, size_t n, 
         copy_items(dst, items, 0, n);
         return 0;
     }
-    /* Runs of consecutive items, cut once GATHER_RUN bytes are reached: at most
-     * total / GATHER_RUN + 1 of them. */
-    size_t cap = (size_t)(total / GATHER_RUN) + 2;
-    size_t *run_first = malloc(cap * sizeof *run_first);
+    /* Runs of consecutive items, cut once GATHER_RUN bytes are reached: counted
+     * first, then recorded. */
+    size_t nruns = 1;
+    uint64_t in_run = 0;
+    for (size_t i = 0; i + 1 < n; i++) {
+        in_run += items[i].len;
+        if (in_run >= GATHER_RUN) {
+            nruns++;
+            in_run = 0;
+        }
+    }
+    size_t *run_first = malloc((nruns + 1) * sizeof *run_first);
     if (!run_first) {
         copy_items(dst, items, 0, n); /* no room to plan: one thread still copies */
         return 0;
     }
-    size_t nruns = 0;
-    uint64_t in_run = 0;
+    size_t r = 0;
+    in_run = 0;
     run_first[0] = 0;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i + 1 < n; i++) {
         in_run += items[i].len;
-        if (in_run >= GATHER_RUN && i + 1 < n) {
-            run_first[++nruns] = i + 1;
+        if (in_run >= GATHER_RUN) {
+            run_first[++r] = i + 1;
             in_run = 0;
         }
     }
-    run_first[++nruns] = n;
+    run_first[nruns] = n;
     gather_job job = {dst, items, run_first, nruns, 0};
     fp_run_parallel(gather_worker, &job, threads);
     free(run_first);

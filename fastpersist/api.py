@@ -268,7 +268,8 @@ def prepare_staging(obj: Any, *, allow_pickle: bool = False, daemon: str | None 
     takes (with `daemon` as async_save reads it), so that the first
     async_save of a process stalls no longer than the later ones. Only the
     shapes, dtypes and devices of obj's tensors matter. Returns the bytes of
-    staging ready. Distributed saves (process_group) are not prepared."""
+    staging ready. Distributed saves (process_group) have staging of their own,
+    which this does not prepare: do not call it for them."""
     return saver_for(daemon).prepare_staging(obj, allow_pickle=allow_pickle)
 
 

@@ -76,20 +76,39 @@ def test_a_prepared_first_save_does_not_fault_its_staging_in(tmp_path: Path) -> 
     assert warm < pages // 8, (warm, cold)
 
 
-def test_with_a_budget_smaller_than_the_state_it_prepares_what_fits(
+def test_with_a_budget_smaller_than_the_state_every_file_reuses_the_prepared_buffers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(16 * MIB))
-    state = _state(4, 8 * MIB)  # 32 MiB: files of at most 8 MiB, two at a time
+    gen = torch.Generator().manual_seed(0)
+    # 30 MiB in files of at most 8 MiB (half the budget), the first one smaller.
+    state = {"layers": {f"w{i}": torch.randn(n * MIB // 4, generator=gen)
+                        for i, n in enumerate([6, 8, 8, 8])},
+             "bias": torch.randn(17, generator=gen), "step": 3}
     saver = Saver()
     try:
-        assert saver.prepare_staging(state) == 16 * MIB
+        assert saver.prepare_staging(state) == 16 * MIB  # two of the largest file's size
         allocations = saver._pool.allocations
         saver.save(state, tmp_path / "ckpt").result()
         assert saver._pool.allocations == allocations  # every file reused those two
-        assert saver.staging_bytes <= 16 * MIB
+        assert saver.staging_bytes == 16 * MIB
     finally:
         saver.close()
     _assert_same(fastpersist.load(tmp_path / "ckpt"), state)
+
+
+def test_preparing_while_a_save_is_in_flight_does_not_double_the_staging(
+        tmp_path: Path) -> None:
+    state = _state(2, 8 * MIB)
+    saver = Saver()
+    try:
+        future = saver.save(state, tmp_path / "ckpt")  # its buffer is the writer's for now
+        assert saver.prepare_staging(state) == _nbytes(state)
+        assert future.done()  # it waited for that save, then reused its buffer
+        assert saver.staging_bytes == _nbytes(state)
+        saver.save(state, tmp_path / "ckpt2").result()
+        assert saver.staging_bytes == _nbytes(state)
+    finally:
+        saver.close()
 
 
 def test_the_checkpointer_and_the_module_prepare_their_savers(tmp_path: Path) -> None:

@@ -150,8 +150,8 @@ class StagedFile:
 
 
 # CPU tensors smaller than this are copied into the buffer by one C call for
-# the whole file (_engine.gather, on torch's intra-op threads when it holds more
-# than a few MiB) instead of a view and a copy_ each, which cost ~1.5 us of
+# the whole file (_engine.gather, on as many threads as torch's intra-op pool
+# has when it holds 8 MiB or more) instead of a view and a copy_ each, which cost ~1.5 us of
 # Python a tensor: most of a snapshot of 100,000 small tensors.
 # Larger ones keep torch's copy_, which spreads a large copy over the intra-op
 # threads.
