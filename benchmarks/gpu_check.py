@@ -5,9 +5,10 @@
    CPU, bit-exact.
 2. snapshot consistency: async_save(wait_for_snapshot=False), wait_snapshot(),
    then in-place GPU mutation; the checkpoint holds the values from before.
-3. stall vs D2H: the trainer-visible stall of async_save of a ~1 GiB CUDA
-   state against a plain D2H copy of the same bytes into pinned memory (the
-   floor), and the pinned D2H bandwidth.
+3. stall vs D2H: the trainer-visible stall of six consecutive async_saves of
+   a ~1 GiB CUDA state against a plain D2H copy of the same bytes into pinned
+   memory (the floor), and the pinned D2H bandwidth; then the first save of a
+   fresh Saver without and with prepare_staging beforehand.
 4. overlap: GPU compute (matmuls) running while the persist writes; the
    compute's time with and without a concurrent persist.
 5. through a locally started fastpersistd (unless --no-daemon): snapshot
@@ -33,7 +34,7 @@ import torch
 
 import fastpersist
 from fastpersist.protocol.client import DaemonClient
-from fastpersist.saving.saver import default_saver
+from fastpersist.saving.saver import Saver, default_saver
 
 
 def cuda_state(nbytes: int) -> dict[str, object]:
@@ -172,7 +173,7 @@ def main() -> int:
     nbytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
     pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     floors, stalls = [], []
-    for i in range(3):
+    for i in range(6):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for dst, src in zip(pinned, tensors, strict=True):
@@ -184,11 +185,30 @@ def main() -> int:
         stalls.append(time.perf_counter() - t0)
         fut.result()
         shutil.rmtree(root / f"stall-{i}")
-    floor, stall = statistics.median(floors), statistics.median(stalls)
+    floor, stall = statistics.median(floors), statistics.median(stalls[1:])
     print(f"INFO  D2H floor {floor * 1000:.1f} ms ({nbytes / floor / 1e9:.1f} GB/s pinned); "
-          f"async_save stall {stall * 1000:.1f} ms = {stall / floor:.2f}x the floor "
+          f"async_save stall, saves 2-6: {stall * 1000:.1f} ms = {stall / floor:.2f}x the floor "
           f"(samples {', '.join(f'{s * 1000:.0f}' for s in stalls)} ms; staging "
-          f"{default_saver().staging_bytes / 2**30:.2f} GiB)")
+          f"{default_saver().staging_bytes / 2**30:.2f} GiB); all five of saves 2-6 within "
+          f"1.3x: {'yes' if max(stalls[1:]) <= 1.3 * floor else 'NO'} (issue 14)")
+    # The first save of a fresh saver, without and with prepare_staging beforehand
+    # (the first one pins its staging: the lead for the 11x sample of run2).
+    firsts = []
+    for prepare in (False, True):
+        saver = Saver()
+        t0 = time.perf_counter()
+        if prepare:
+            saver.prepare_staging(big)
+        prepared = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fut = saver.save(big, root / f"first-{prepare}")
+        firsts.append(time.perf_counter() - t0)
+        fut.result()
+        saver.close()
+        shutil.rmtree(root / f"first-{prepare}")
+    print(f"INFO  first async_save of a fresh Saver: {firsts[0] * 1000:.0f} ms = "
+          f"{firsts[0] / floor:.1f}x the floor without prepare_staging, {firsts[1] * 1000:.0f} ms "
+          f"= {firsts[1] / floor:.2f}x after it (prepare_staging took {prepared * 1000:.0f} ms)")
 
     if not args.no_daemon:
         check_daemon(root, big, floor, failures)

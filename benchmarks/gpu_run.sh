@@ -27,6 +27,6 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py test
     2>&1 | tee "$out/test_cuda.log"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_async.py tests/test_checkpointer.py \
     tests/test_roundtrip.py tests/test_daemon.py 2>&1 | tail -15 | tee "$out/tests_cpu_paths.log"
-timeout 120 python3 benchmarks/gpu_check.py --gib 2 2>&1 | tee "$out/gpu_check.log"
+timeout 180 python3 benchmarks/gpu_check.py --gib 2 2>&1 | tee "$out/gpu_check.log"
 timeout 60 python3 benchmarks/ring_tensors.py --device cuda:0 --tensors 20000 --repeats 3 \
     2>&1 | tee "$out/ring_tensors.log"
