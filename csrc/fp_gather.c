@@ -1,23 +1,25 @@
 /*
- * fp_gather: a snapshot's batched memcpy. Many small copies (the tensors of a
- * state of 100,000 small ones) into one destination, in one call, on up to
- * `threads` threads: a large batch is cut into runs of consecutive items of
- * about GATHER_RUN bytes each, which the threads claim one at a time. A small
- * batch is copied on the calling thread alone (a thread costs more to start
- * than a few MiB cost to copy).
+ * fp_gather: a snapshot's batched memcpy. Many copies (the tensors of a state,
+ * small or large) into one destination, in one call, on up to `threads`
+ * threads: a large batch is cut into pieces of at most GATHER_RUN bytes (a
+ * large item into several) and the pieces into runs of about GATHER_RUN bytes
+ * of consecutive ones, which the threads claim one at a time. A small batch
+ * is copied on the calling thread alone (a thread costs more to start than a
+ * few MiB cost to copy).
  */
 #include "fp_internal.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-/* Bytes per claimed run; also the least a batch must hold for a second thread. */
+/* Bytes per claimed run, and the most of one item a piece holds; also the
+ * least a batch must hold per thread. */
 #define GATHER_RUN (4u << 20)
 
 typedef struct {
     char *dst;
-    const fp_gather_item *items;
-    size_t *run_first; /* run r copies items [run_first[r], run_first[r + 1]) */
+    const fp_gather_item *pieces;
+    size_t *run_first; /* run r copies pieces [run_first[r], run_first[r + 1]) */
     size_t nruns;
     size_t next_run; /* claim counter (atomic) */
 } gather_job;
@@ -36,8 +38,60 @@ static void *gather_worker(void *arg)
         size_t r = __atomic_fetch_add(&job->next_run, 1, __ATOMIC_RELAXED);
         if (r >= job->nruns)
             return NULL;
-        copy_items(job->dst, job->items, job->run_first[r], job->run_first[r + 1]);
+        copy_items(job->dst, job->pieces, job->run_first[r], job->run_first[r + 1]);
     }
+}
+
+/* Items cut into pieces of at most GATHER_RUN bytes (empty ones left out);
+ * NULL if there is no memory for them. */
+static fp_gather_item *cut_pieces(const fp_gather_item *items, size_t n, size_t *npieces)
+{
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++)
+        count += (items[i].len + GATHER_RUN - 1) / GATHER_RUN;
+    fp_gather_item *pieces = malloc((count ? count : 1) * sizeof *pieces);
+    if (!pieces)
+        return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        for (size_t done = 0; done < items[i].len; done += GATHER_RUN) {
+            size_t len = items[i].len - done < GATHER_RUN ? items[i].len - done : GATHER_RUN;
+            pieces[k++] = (fp_gather_item){(const char *)items[i].src + done,
+                                           items[i].dst_off + done, len};
+        }
+    *npieces = count;
+    return pieces;
+}
+
+/* The first piece of each run of about GATHER_RUN bytes, and n at the end; NULL
+ * if there is no memory for them. */
+static size_t *cut_runs(const fp_gather_item *pieces, size_t n, size_t *nruns)
+{
+    size_t count = 1;
+    uint64_t in_run = 0;
+    for (size_t i = 0; i + 1 < n; i++) {
+        in_run += pieces[i].len;
+        if (in_run >= GATHER_RUN) {
+            count++;
+            in_run = 0;
+        }
+    }
+    size_t *first = malloc((count + 1) * sizeof *first);
+    if (!first)
+        return NULL;
+    size_t r = 0;
+    in_run = 0;
+    first[0] = 0;
+    for (size_t i = 0; i + 1 < n; i++) {
+        in_run += pieces[i].len;
+        if (in_run >= GATHER_RUN) {
+            first[++r] = i + 1;
+            in_run = 0;
+        }
+    }
+    first[count] = n;
+    *nruns = count;
+    return first;
 }
 
 int fp_gather(void *dst, size_t dst_len, const fp_gather_item *items, size_t n, unsigned threads)
@@ -60,39 +114,17 @@ int fp_gather(void *dst, size_t dst_len, const fp_gather_item *items, size_t n, 
         threads = FP_MAX_THREADS;
     if (threads > total / GATHER_RUN)
         threads = (unsigned)(total / GATHER_RUN);
-    if (threads < 2) {
+    size_t npieces = 0, nruns = 0;
+    fp_gather_item *pieces = threads >= 2 ? cut_pieces(items, n, &npieces) : NULL;
+    size_t *run_first = pieces ? cut_runs(pieces, npieces, &nruns) : NULL;
+    if (!run_first) { /* one thread (or no memory to plan more: one still copies) */
+        free(pieces);
         copy_items(dst, items, 0, n);
         return 0;
     }
-    /* Runs of consecutive items, cut once GATHER_RUN bytes are reached: counted
-     * first, then recorded. */
-    size_t nruns = 1;
-    uint64_t in_run = 0;
-    for (size_t i = 0; i + 1 < n; i++) {
-        in_run += items[i].len;
-        if (in_run >= GATHER_RUN) {
-            nruns++;
-            in_run = 0;
-        }
-    }
-    size_t *run_first = malloc((nruns + 1) * sizeof *run_first);
-    if (!run_first) {
-        copy_items(dst, items, 0, n); /* no room to plan: one thread still copies */
-        return 0;
-    }
-    size_t r = 0;
-    in_run = 0;
-    run_first[0] = 0;
-    for (size_t i = 0; i + 1 < n; i++) {
-        in_run += items[i].len;
-        if (in_run >= GATHER_RUN) {
-            run_first[++r] = i + 1;
-            in_run = 0;
-        }
-    }
-    run_first[nruns] = n;
-    gather_job job = {dst, items, run_first, nruns, 0};
+    gather_job job = {dst, pieces, run_first, nruns, 0};
     fp_run_parallel(gather_worker, &job, threads);
     free(run_first);
+    free(pieces);
     return 0;
 }

@@ -1,7 +1,8 @@
 """stage_file: a snapshot's copy into a staging buffer laid out as the data file.
 
-Small CPU tensors are copied by one C call for the whole file (_engine.gather),
-the others by torch; the writer later reads views of the buffer, made lazily.
+Contiguous CPU tensors are copied by one C call for the whole file
+(_engine.gather), others by torch (and every one by torch without the C
+extension); the writer later reads views of the buffer, made lazily.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import torch
 from fastpersist import _engine
 from fastpersist.format import dtypes
 from fastpersist.saving import snapshot
-from fastpersist.saving.snapshot import GATHER_BELOW, stage_file
+from fastpersist.saving.snapshot import stage_file
 from fastpersist.tensors.datafile import plan_file
 from fastpersist.tensors.plan import StoredTensor, memory_of
+
+BIG = 64 << 10  # bytes: more than a few pages
 
 
 def _mixed() -> list[StoredTensor]:
     """Every element size in an order that file order rearranges, 0-d and empty
-    tensors, multi-dimensional ones, and some above the gather threshold."""
+    tensors, multi-dimensional ones, and some of several pages."""
     gen = torch.Generator().manual_seed(0)
     values = {
         "i8": torch.randint(-100, 100, (7,), dtype=torch.int8, generator=gen),
@@ -27,10 +30,10 @@ def _mixed() -> list[StoredTensor]:
         "bf16": torch.randn(11, generator=gen).to(torch.bfloat16),
         "scalar": torch.tensor(2.5),
         "empty": torch.empty(0, 4),
-        "big": torch.randn(GATHER_BELOW // 4 + 3, generator=gen),
+        "big": torch.randn(BIG // 4 + 3, generator=gen),
         "bool": torch.rand(9, generator=gen) > 0.5,
         "i64": torch.arange(6, dtype=torch.int64).view(2, 3),
-        "big16": torch.randn(2, GATHER_BELOW // 4 + 1, generator=gen).to(torch.float16),
+        "big16": torch.randn(2, BIG // 4 + 1, generator=gen).to(torch.float16),
         "u8": torch.arange(13, dtype=torch.uint8),
     }
     out = []
@@ -120,11 +123,13 @@ def test_gather_checks_every_destination_before_copying() -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 4, 64, 1000])
 def test_gather_on_threads_copies_every_item_and_nothing_else(threads: int) -> None:
-    # 20,000 items of 0-4,000 bytes (~40 MiB: runs of 4 MiB for several threads),
-    # laid out in the destination in a shuffled order with gaps between them.
+    # 20,000 items of 0-4,000 bytes and two of 9-13 MiB (~62 MiB: runs of 4 MiB for
+    # several threads), laid out in the destination shuffled, with gaps between them.
     gen = torch.Generator().manual_seed(threads)
     lengths = torch.randint(0, 4000, (20_000,), generator=gen).tolist()
     lengths[7] = 0
+    lengths[3] = 13 * (1 << 20) + 5  # items larger than a thread's run: cut into pieces
+    lengths[19_999] = 9 * (1 << 20)
     source = torch.randint(0, 256, (sum(lengths),), dtype=torch.uint8, generator=gen)
     starts = [0]
     for n in lengths[:-1]:
