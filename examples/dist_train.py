@@ -85,6 +85,10 @@ def main() -> int:
               f"of unique tensor bytes, written by rank: "
               + ", ".join(f"{r}: {n / 2**20:.1f} MiB" for r, n in per_rank.items()))
         print(f"restored step {restored['step']} on {world} ranks, bit-exact on all: {all(flags)}")
+    # Every rank tears gloo down together: a rank that destroys its group while
+    # another still talks to it can abort at exit ("terminate called without an
+    # active exception", seen once in CI on a loaded machine).
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if all(flags) else 1
 
