@@ -187,8 +187,6 @@ class Checkpointer:
         Call it once before the training loop, with the state you will save
         (its values do not matter). Returns the bytes of staging ready: 0 for
         a distributed job, whose ranks learn their parts only at each save."""
-        from .saving.saver import Saver
-
         if not isinstance(self._saver, Saver):  # a DistributedSaver
             return 0
         return self._saver.prepare_staging(state, allow_pickle=self.allow_pickle)

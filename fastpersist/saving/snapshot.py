@@ -159,9 +159,10 @@ def stage_file(tensors: list[StoredTensor], buffer: torch.Tensor, pinned: bool) 
                          "staging buffer")
     # Contiguous CPU tensors, small and large, are copied by one C call for the
     # whole file (_engine.gather) on as many threads as torch's intra-op pool
-    # has, instead of a view and a copy_ each: ~1.5 us of Python a tensor saved
-    # (most of a snapshot of 100,000 small ones), and no OpenMP region per
-    # tensor. A 1.08 GB state of 83 tensors: 0.84x the time of per-tensor
+    # has (OMP_NUM_THREADS where set, so ranks sharing a node do not
+    # oversubscribe it), instead of a view and a copy_ each: ~1.5 us of Python
+    # a tensor saved (most of a snapshot of 100,000 small ones), and no OpenMP
+    # region per tensor. A 1.08 GB state of 83 tensors: 0.84x the time of per-tensor
     # copy_ into preallocated buffers, 1.03x before (async_stall.py). Device
     # tensors and non-contiguous ones are copied by torch.
     addresses: list[int] = []  # what gather copies: from, to, how much
@@ -178,8 +179,6 @@ def stage_file(tensors: list[StoredTensor], buffer: torch.Tensor, pinned: bool) 
             others.append((t, start))
     if addresses:
         assert gather is not None
-        # On as many threads as torch's own copies use (torch.get_num_threads:
-        # OMP_NUM_THREADS where set, so ranks sharing a node do not oversubscribe it).
         gather(memory_of(buffer), addresses, offsets, lengths, torch.get_num_threads())
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for t, start in others:
