@@ -42,6 +42,7 @@ from .budgets import (
 from .health import NOT_SERVING, Watchdog, health_servicer, set_status
 from .metrics import Metrics
 from .rootfs import Root
+from .rootlock import lock_root
 from .server import (
     Servicer,
     TokenAuth,
@@ -54,6 +55,9 @@ from .service import Service
 
 DEFAULT_SOCKET = "/run/fastpersist/fastpersistd.sock"
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
+# gRPC's other address schemes: a --socket that starts with one is a mistake,
+# not a file name (a path may hold a colon, so only these are refused).
+_SCHEME = re.compile(r"^(?:unix-abstract|vsock|dns|ipv4|ipv6|https?|tcp):", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
@@ -63,6 +67,27 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 64G)")
     power = " kmgt".index(m[2][0].lower()) if m[2] else 0
     return int(m[1]) << (10 * power)
+
+
+def socket_path(text: str) -> Path:
+    """--socket: a path, or the address clients are given (FASTPERSIST_DAEMON=
+    unix:///PATH, or gRPC's unix:PATH). Taken literally, the address made a
+    socket named 'unix:' under the working directory that no client finds."""
+    if text.startswith("unix://"):
+        path = text.removeprefix("unix://")
+        if not path.startswith("/"):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: after unix:// comes an absolute path (unix:///run/fastpersist/"
+                "fastpersistd.sock has three slashes)")
+        return Path(path)
+    path = text.removeprefix("unix:")
+    if "://" in path or _SCHEME.match(path):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Unix socket: --socket takes a path or unix:///PATH (serve TCP "
+            "with --listen HOST:PORT)")
+    if not path:
+        raise argparse.ArgumentTypeError(f"{text!r} names no path")
+    return Path(path)
 
 
 def group_id(text: str) -> int:
@@ -76,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", required=True, type=Path,
                    help="directory the checkpoints live under; every request path is confined "
                         "to it")
-    p.add_argument("--socket", type=Path, default=Path(DEFAULT_SOCKET),
-                   help=f"Unix socket to serve, created 0660 (default {DEFAULT_SOCKET})")
+    p.add_argument("--socket", type=socket_path, default=Path(DEFAULT_SOCKET),
+                   help=f"Unix socket to serve, created 0660: a path or unix:///PATH (default "
+                        f"{DEFAULT_SOCKET})")
     p.add_argument("--socket-group",
                    help="group to give the socket, by name or number (trainers in it may "
                         "connect)")
@@ -227,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--socket-group: no group {args.socket_group!r}")
 
     take_root_group(root.fd)
+    # Before anything touches the root: a second daemon must not clean up
+    # the first's checkpoints in flight.
+    lock_root(root.fd, str(root.path), str(args.socket), args.listen or "")
     metrics = Metrics()
     _step(metrics, "clean up leftovers", root.clean_up_leftovers)
     _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))
