@@ -7,7 +7,6 @@ purpose where the first still runs, or after it was SIGKILLed.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +18,9 @@ from daemon_raw import Raw, close_remote_savers, file_header, valid_tree
 from daemon_support import Daemon
 
 import fastpersist
+from fastpersist import knobs
 from fastpersist._proto import fastpersist_pb2 as pb
+from fastpersist.daemon.rootlock import lock_name
 
 
 @pytest.fixture
@@ -96,8 +97,17 @@ def test_a_second_daemon_on_the_same_root_is_refused(daemons: list[Daemon],
         # The first daemon and its checkpoint in flight are untouched.
         raw.commit(ident, valid_tree(), ["w"])
         assert raw.wait(ident).state == pb.CheckpointStatus.COMMITTED
-        lock = json.loads((first.root / ".fastpersistd.lock").read_text())
+        lock_file = first.root / lock_name(knobs.current().node)
+        lock = json.loads(lock_file.read_text())
         assert lock["pid"] == first.proc.pid and lock["socket"] == str(first.socket)
+
+        # On shared storage each node's daemon serves the root: another node's starts.
+        (tmp_path / "other-node").mkdir()
+        other = Daemon(tmp_path / "other-node", root=first.root,
+                       env={"FASTPERSIST_NODE": "node-2"})
+        daemons.append(other)
+        other.start()
+        assert (first.root / lock_name("node-2")).is_file()
     finally:
         raw.close()
 
@@ -108,13 +118,6 @@ def test_a_second_daemon_on_the_same_root_is_refused(daemons: list[Daemon],
     daemons.append(again)
     again.start()
     assert again.proc is not None
-    lock = json.loads((first.root / ".fastpersistd.lock").read_text())
+    lock = json.loads(lock_file.read_text())
     assert lock["pid"] == again.proc.pid and lock["socket"] == str(again.socket)
     assert fastpersist.load(first.root / "run" / "ck")["w"].numpy().tobytes() == b"\x07" * n
-    # The lock file is the daemon's own: no request names it, List does not show it.
-    client = again.client()
-    try:
-        assert ".fastpersistd.lock" not in {e.name for e in client.list("").entries}
-    finally:
-        client.close()
-    assert os.path.isfile(first.root / ".fastpersistd.lock")

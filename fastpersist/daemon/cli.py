@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .. import knobs
 from .._version import __version__
 from ..errors import CheckpointError
 from ..protocol import shm
@@ -255,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     take_root_group(root.fd)
     # Before anything touches the root: a second daemon must not clean up
     # the first's checkpoints in flight.
-    lock_root(root.fd, str(root.path), str(args.socket), args.listen or "")
+    lock_root(root.fd, str(root.path), knobs.current().node, str(args.socket),
+              args.listen or "")
     metrics = Metrics()
     _step(metrics, "clean up leftovers", root.clean_up_leftovers)
     _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))
