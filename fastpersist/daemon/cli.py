@@ -1,7 +1,8 @@
 """`fastpersistd`: start the daemon, clean up after a previous one, serve, drain.
 
     fastpersistd --root DIR [--socket PATH] [--socket-group GROUP]
-                 [--listen HOST:PORT --tls-cert FILE --tls-key FILE --token-file FILE]
+                 [--listen HOST:PORT --tls-cert FILE --tls-key FILE --token-file FILE
+                  [--tls-client-ca FILE]]
                  [--staging-budget BYTES] [--client-budget BYTES] [--shm-dir DIR]
                  [--metrics-listen HOST:PORT] [--write-concurrency N] [--max-streams N]
                  [--idle-timeout SECONDS] [--drain-timeout SECONDS]
@@ -44,15 +45,9 @@ from .health import NOT_SERVING, Watchdog, health_servicer, set_status
 from .metrics import Metrics
 from .rootfs import Root
 from .rootlock import lock_root
-from .server import (
-    Servicer,
-    TokenAuth,
-    bind_unix,
-    build_server,
-    prepare_socket,
-    tls_credentials,
-)
+from .server import Servicer
 from .service import Service
+from .transport import TokenAuth, bind_unix, build_server, prepare_socket, tls_credentials
 
 DEFAULT_SOCKET = "/run/fastpersist/fastpersistd.sock"
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
@@ -114,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--token-file", type=Path,
                    help="file holding the bearer token TCP clients must send")
+    p.add_argument("--tls-client-ca", type=Path, metavar="FILE",
+                   help="mutual TLS: TCP clients must present a certificate signed by this CA "
+                        "(PEM); one without is refused at the TLS handshake. Clients set "
+                        "FASTPERSIST_DAEMON_CERT_FILE and FASTPERSIST_DAEMON_KEY_FILE")
     p.add_argument("--staging-budget", type=parse_size, default=None,
                    help="clients' shared memory accepted at once, all clients; a Begin over it "
                         "is refused (RESOURCE_EXHAUSTED). These pages are the trainers' (tmpfs "
@@ -170,6 +169,12 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.listen and not (args.tls_cert and args.tls_key and args.token_file):
         p.error("--listen serves TCP only with TLS and a token: give --tls-cert, --tls-key and "
                 "--token-file")
+    if args.tls_client_ca and not args.listen:
+        p.error("--tls-client-ca is for TCP clients: it needs --listen")
+    for name in ("tls_cert", "tls_key", "token_file", "tls_client_ca"):
+        path = getattr(args, name)
+        if path is not None and not path.is_file():
+            p.error(f"--{name.replace('_', '-')} {path} is not a readable file")
     if args.write_concurrency < 1:
         p.error("--write-concurrency must be at least 1")
     if args.max_streams < 1:
@@ -295,15 +300,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     servers = []
     prepare_socket(args.socket)
-    unix = build_server(servicer, health)
+    unix = build_server(servicer, health, metrics)
     bind_unix(unix, args.socket, group)
     servers.append(unix)
     if args.listen:
         token = args.token_file.read_text().strip()
         if not token:
             p.error(f"--token-file {args.token_file} is empty")
-        tcp = build_server(servicer, health, (TokenAuth(token),))
-        tcp.add_secure_port(args.listen, tls_credentials(args.tls_cert, args.tls_key))
+        tcp = build_server(servicer, health, metrics, TokenAuth(token, metrics))
+        tcp.add_secure_port(args.listen, tls_credentials(args.tls_cert, args.tls_key,
+                                                         args.tls_client_ca))
         tcp.start()
         servers.append(tcp)
     if args.metrics_listen:
@@ -314,8 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logs.info("ready", version=__version__, root=str(root.path), socket=str(args.socket),
-              tier=str(args.tier or ""),
-              listen=args.listen or "", direct_io=direct, staging_budget=args.staging_budget,
+              tier=str(args.tier or ""), listen=args.listen or "",
+              client_certificates=bool(args.tls_client_ca), direct_io=direct,
+              staging_budget=args.staging_budget,
               client_budget=args.client_budget, memory_bound=sum(memory.values()),
               pid=os.getpid(), openat2=root.uses_openat2)
     # Housekeeping until told to stop: idle checkpoints, orphaned segments.
