@@ -174,7 +174,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("tls_cert", "tls_key", "token_file", "tls_client_ca"):
         path = getattr(args, name)
         if path is not None and not path.is_file():
-            p.error(f"--{name.replace('_', '-')} {path} is not a readable file")
+            p.error(f"--{name.replace('_', '-')} {path} is not a file")
     if args.write_concurrency < 1:
         p.error("--write-concurrency must be at least 1")
     if args.max_streams < 1:
@@ -259,10 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--socket-group: no group {args.socket_group!r}")
 
     take_root_group(root.fd)
+    try:
+        node = knobs.current().node
+    except ValueError as exc:  # a FASTPERSIST_* variable out of range
+        p.error(str(exc))
     # Before anything touches the root: a second daemon must not clean up
     # the first's checkpoints in flight.
-    lock_root(root.fd, str(root.path), knobs.current().node, str(args.socket),
-              args.listen or "")
+    lock_root(root.fd, str(root.path), node, str(args.socket), args.listen or "")
     metrics = Metrics()
     _step(metrics, "clean up leftovers", root.clean_up_leftovers)
     _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))

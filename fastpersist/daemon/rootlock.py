@@ -51,8 +51,9 @@ def lock_root(root_fd: int, root: str, node: str, unix_socket: str, listen: str
     try:
         fd = os.open(name, flags, 0o644, dir_fd=root_fd)
     except OSError as exc:
+        planted = " (a symbolic link planted there?)" if exc.errno == errno.ELOOP else ""
         raise SystemExit(f"fastpersistd: cannot open the lock file {root}/{name}: "
-                         f"{exc.strerror} (a link or something else planted there?)") from None
+                         f"{exc.strerror}{planted}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise SystemExit(f"fastpersistd: {root}/{name} is not a regular file")

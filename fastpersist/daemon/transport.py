@@ -113,7 +113,7 @@ class MessageBounds(grpc.ServerInterceptor):  # type: ignore[misc]
             return None
         method = _method(details.method)
         bound = REQUEST_BYTES.get(method, SMALL_REQUEST_BYTES)
-        parse = handler.request_deserializer
+        parse = handler.request_deserializer or bytes  # None: the bytes as they are
 
         def bounded(data: bytes) -> Any:
             return _TooLarge(len(data)) if len(data) > bound else parse(data)
