@@ -3,7 +3,8 @@
 - A TCP call without the bearer token is refused before its body is received
   or parsed: the daemon's memory does not grow with what such peers send.
 - Every method parses only requests of the size its fields need.
-- A connection holds at most 64 calls (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).
+- A connection holds at most 64 calls (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS;
+  the calls of a peer that ignores it are refused).
 - With --tls-client-ca, a peer without a certificate signed by that CA is
   refused at the TLS handshake, before it can send an HTTP/2 frame.
 
@@ -276,6 +277,54 @@ def test_a_connection_holds_at_most_64_calls(tcp: TCP) -> None:
     assert unix.get(MAX_CONCURRENT_STREAMS) == 64, unix
     over_tcp = _tls_settings(tcp)
     assert over_tcp.get(MAX_CONCURRENT_STREAMS) == 64, over_tcp
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + struct.pack(">I", stream) \
+        + payload
+
+
+def _call_headers(method: str) -> bytes:
+    """HPACK for a gRPC call's HEADERS: :method POST, :scheme http (static
+    table), :path and :authority (indexed names), content-type and te (literal)."""
+    def literal(name: bytes, value: bytes) -> bytes:
+        return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+    path = (SERVICE + method).encode()
+    return (b"\x83\x86" + b"\x04" + bytes([len(path)]) + path + b"\x01\x09localhost"
+            + literal(b"content-type", b"application/grpc") + literal(b"te", b"trailers"))
+
+
+def test_a_peer_that_ignores_the_limit_has_its_extra_calls_refused(daemon: Daemon) -> None:
+    """A peer that opens 70 calls on one connection regardless of the
+    announced 64 (a Wait each, its request never sent, so each stays open):
+    gRPC refuses the 65th to 70th (RST_STREAM, REFUSED_STREAM); the daemon
+    serves on. Before, all 70 stood (maximum_concurrent_rpcs is 128)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(30)
+        sock.connect(str(daemon.socket))
+        _settings(sock)
+        sock.sendall(_frame(SETTINGS, 1, 0))  # acknowledged: the limit now holds
+        for i in range(70):
+            sock.sendall(_frame(0x1, 0x4, 1 + 2 * i, _call_headers("Wait")))  # END_HEADERS
+        refused: list[tuple[int, int]] = []
+        data = b""
+        deadline = time.monotonic() + 60
+        while len(refused) < 6 and time.monotonic() < deadline:
+            try:
+                more = sock.recv(65536)
+            except TimeoutError:  # nothing more within 30 s: none refused (the assert says)
+                break
+            if not more:
+                break
+            data += more
+            while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+                length = int.from_bytes(data[:3], "big")
+                if data[3] == 0x3:  # RST_STREAM: (stream, error code)
+                    refused.append((int.from_bytes(data[5:9], "big") & 0x7FFFFFFF,
+                                    int.from_bytes(data[9:13], "big")))
+                data = data[9 + length:]
+    assert refused == [(1 + 2 * i, 0x7) for i in range(64, 70)], refused
+    assert_serving(daemon)
 
 
 def test_client_certificates_are_checked_at_the_handshake(
