@@ -549,10 +549,11 @@ def test_truncated_segment_of_a_compressed_checkpoint_does_not_kill_the_daemon(
     another client's checkpoint in flight commits. The gate holds the
     daemon's reads of segments until both are handed over and one truncated."""
     gate = tmp_path / "gate"
-    d = Daemon(tmp_path, gate=gate).start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    d = Daemon(tmp_path, gate=gate)
     victim, other = Raw(d), Raw(d)
     try:
+        d.start()
+        monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
         n_elems = 512 << 10  # 2 MiB of F32: two 1 MiB frames, encoded in parallel
         header, n = file_header([("w", n_elems)])
         values = torch.linspace(-1, 1, n_elems).numpy().tobytes()

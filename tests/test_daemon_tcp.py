@@ -90,9 +90,10 @@ class TCP:
 
 @pytest.fixture
 def tcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TCP]:
-    t = TCP(tmp_path).start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(t.daemon.shm_dir))
+    t = TCP(tmp_path)
     try:
+        t.start()
+        monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(t.daemon.shm_dir))
         yield t
     finally:
         close_remote_savers()
@@ -336,9 +337,10 @@ def test_client_certificates_are_checked_at_the_handshake(
     other_ca = tls_support.authority(tmp_path, "other-ca")
     good = tls_support.client(tmp_path, ca, "trainer")
     stranger = tls_support.client(tmp_path, other_ca, "stranger")
-    t = TCP(tmp_path, "--tls-client-ca", str(ca[0])).start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(t.daemon.shm_dir))
+    t = TCP(tmp_path, "--tls-client-ca", str(ca[0]))
     try:
+        t.start()
+        monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(t.daemon.shm_dir))
         assert _tls_settings(t, good).get(MAX_CONCURRENT_STREAMS) == 64
         for who, cert in (("no certificate", None), ("another CA's", stranger)):
             with pytest.raises((ssl.SSLError, ConnectionError)) as refused:
