@@ -133,6 +133,17 @@ typedef struct {
  */
 int fp_gather(void *dst, size_t dst_len, const fp_gather_item *items, size_t n, unsigned threads);
 
+/*
+ * memcpy of len bytes from src to dst, on the calling thread, and *crc the
+ * CRC32C of those bytes (computed in the same pass, as a write's), where src
+ * may be memory that faults: a client's shared-memory segment that it
+ * truncated after handing it over (fastpersistd compresses from such
+ * mappings). A SIGBUS while reading src is caught (fp_fault.c) and returns
+ * -EFAULT with dst partly written; any other fault is not ours and kills as
+ * ever.
+ */
+int fp_copy_guarded(void *dst, const void *src, size_t len, uint32_t *crc);
+
 /* CRC32C of buf, continuing from crc (0 to start). */
 uint32_t fp_crc32c(uint32_t crc, const void *buf, size_t len);
 /* CRC32C of A||B from crc(A), crc(B) and len(B). */

@@ -1,4 +1,6 @@
 /*
+ * fp_copy_guarded: one memcpy from memory that may fault (under fp_guarded).
+ *
  * fp_gather: a snapshot's batched memcpy. Many copies (the tensors of a state,
  * small or large) into one destination, in one call, on up to `threads`
  * threads: a large batch is cut into pieces of at most GATHER_RUN bytes (a
@@ -9,6 +11,7 @@
  */
 #include "fp_internal.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -126,5 +129,38 @@ int fp_gather(void *dst, size_t dst_len, const fp_gather_item *items, size_t n, 
     fp_run_parallel(gather_worker, &job, threads);
     free(run_first);
     free(pieces);
+    return 0;
+}
+
+/* Bytes copied before they are checksummed: the CRC reads them from L1/L2. */
+#define COPY_RUN (64u << 10)
+
+typedef struct {
+    char *dst;
+    const char *src;
+    size_t len;
+    uint32_t crc;
+} copy_call;
+
+static void copy_once(void *arg)
+{
+    copy_call *c = arg;
+    for (size_t done = 0; done < c->len; done += COPY_RUN) {
+        size_t n = c->len - done < COPY_RUN ? c->len - done : COPY_RUN;
+        memcpy(c->dst + done, c->src + done, n);
+        c->crc = fp_crc32c(c->crc, c->dst + done, n);
+    }
+}
+
+int fp_copy_guarded(void *dst, const void *src, size_t len, uint32_t *crc)
+{
+    copy_call c = {dst, src, len, 0};
+    *crc = 0;
+    if (len && fp_guarded(copy_once, &c) < 0) {
+        fp_set_error("copying %zu bytes: reading the source memory faulted (SIGBUS): was a "
+                     "shared-memory segment truncated while it was being read?", len);
+        return -EFAULT;
+    }
+    *crc = c.crc;
     return 0;
 }

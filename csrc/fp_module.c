@@ -426,6 +426,35 @@ done:
     return res;
 }
 
+/*
+ * copy(dst, src) -> CRC32C: dst[:] = src, with the GIL released, where reading
+ * src may fault (fastpersistd reads its clients' shared memory, which a client
+ * may truncate): a SIGBUS raises OSError(EFAULT) instead of killing the
+ * process. Returns the CRC32C of the bytes, computed as they are copied.
+ */
+static PyObject *py_copy(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:copy", &dst, &src))
+        return NULL;
+    PyObject *res = NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy: the destination holds %zd bytes, the source %zd",
+                     dst.len, src.len);
+        goto done;
+    }
+    int rc;
+    uint32_t crc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fp_copy_guarded(dst.buf, src.buf, (size_t)src.len, &crc);
+    Py_END_ALLOW_THREADS
+    res = rc < 0 ? raise_engine_error(rc, Py_None) : PyLong_FromUnsignedLong(crc);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return res;
+}
+
 static PyObject *py_uring_available(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(fp_uring_probe() == 0);
@@ -471,6 +500,8 @@ static PyMethodDef methods[] = {
      "gather(dst, addresses, offsets, lengths, threads=1): copy lengths[i] bytes from raw\n"
      "address addresses[i] into dst at offsets[i], for every i (GIL released), on up to\n"
      "`threads` threads (one for a batch of a few MiB)."},
+    {"copy", py_copy, METH_VARARGS,
+     "copy(dst, src) -> CRC32C: dst[:] = src; a SIGBUS reading src raises OSError(EFAULT)."},
     {"uring_available", py_uring_available, METH_NOARGS,
      "Whether io_uring works here (BACKEND_AUTO falls back to the thread pool if not)."},
     {"release_buffers", py_release_buffers, METH_NOARGS, "Free the cached bounce buffers."},

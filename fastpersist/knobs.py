@@ -16,10 +16,14 @@
                                a file of its own)
     FASTPERSIST_DAEMON         save through fastpersistd at this address (unset)
                                (unix:///PATH; or https://HOST:PORT with
-                               FASTPERSIST_DAEMON_TOKEN_FILE and _CA_FILE)
+                               FASTPERSIST_DAEMON_TOKEN_FILE and _CA_FILE,
+                               and _CERT_FILE and _KEY_FILE where the daemon
+                               asks for client certificates)
     FASTPERSIST_SHM_DIR        shared-memory segments for the daemon     /dev/shm
     FASTPERSIST_NODE           this process's node in a distributed save  hostname
-                               (ranks on one node share its drives)
+                               (ranks on one node share its drives); for
+                               fastpersistd, whose lock on its root is per
+                               node
     FASTPERSIST_DIST_TIMEOUT   seconds a distributed save waits for the   600
                                other ranks before failing
     FASTPERSIST_PIECE_BYTES    smallest piece a large replicated tensor   4 MiB
@@ -137,6 +141,25 @@ class Knobs:
         """Queue depth per io_uring thread that fits the budget with uring_threads."""
         per_thread = self.buffer_budget // (self.block_size * self.uring_threads)
         return max(1, min(self.queue_depth, per_thread))
+
+
+@dataclass(frozen=True)
+class DaemonTLS:
+    """Files a client needs for a daemon over TCP (https://HOST:PORT); "" if unset."""
+
+    token_file: str  # FASTPERSIST_DAEMON_TOKEN_FILE: the bearer token
+    ca_file: str  # FASTPERSIST_DAEMON_CA_FILE: the daemon's CA (default: the system's)
+    cert_file: str  # FASTPERSIST_DAEMON_CERT_FILE: this client's certificate (mutual TLS)
+    key_file: str  # FASTPERSIST_DAEMON_KEY_FILE: its private key
+
+
+def daemon_tls() -> DaemonTLS:
+    """The FASTPERSIST_DAEMON_*_FILE variables (read on their own: only a TCP
+    client asks)."""
+    def get(name: str) -> str:
+        return os.environ.get(f"FASTPERSIST_DAEMON_{name}_FILE", "").strip()
+
+    return DaemonTLS(get("TOKEN"), get("CA"), get("CERT"), get("KEY"))
 
 
 def huge_pages() -> str:

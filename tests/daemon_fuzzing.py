@@ -1,12 +1,17 @@
 """Requests and file-system attacks for the daemon's fuzz test (test_daemon_fuzz.py).
 
-A seeded generator: every case is one call of one of the daemon's 13 RPCs,
+A seeded generator: every case is one call of one of the daemon's 15 RPCs,
 its request random (any field any value), structured (ids, paths, segments
 and headers the daemon gave out or would accept) or a valid one with one field
-mutated. Between calls, attacks on what lies in the root and in the shm
-directory: a staging directory or a path component swapped for a symlink to a
-sentinel outside the root, planted manifest.json links and FIFOs, FIFO job
-markers, hard links and odd entries named as segments.
+mutated; or a whole save, raw or compressed (Begin's compression), whose
+client may truncate its segment right after handing it over (the daemon reads
+it then: a SIGBUS); or a call over TCP from a peer without the token (none,
+or a wrong one), of any method and up to 4 MiB, which must be refused
+(UNAUTHENTICATED) without the daemon reading it. Between calls, attacks on
+what lies in the root and in the shm directory: a staging directory or a path
+component swapped for a symlink to a sentinel outside the root, planted
+manifest.json links and FIFOs, FIFO job markers, hard links and odd entries
+named as segments.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 from daemon_raw import Raw, entry, file_header, raw_header, valid_tree
 from daemon_support import Daemon
 
@@ -32,6 +38,37 @@ from fastpersist.storage.commit import leftover_name
 SECRET = b"FUZZ-SECRET-7f3a"
 OLD = time.time() - 3600
 U32, U64 = 2**32 - 1, 2**64 - 1
+METHODS = {"Info": "uu", "Begin": "uu", "Open": "us", "SubmitShm": "uu", "SubmitStream": "su",
+           "Commit": "uu", "Abort": "uu", "Wait": "uu", "Watch": "us", "List": "uu",
+           "Delete": "uu", "BeginJob": "uu", "CommitJob": "uu", "ResolvePrepared": "uu",
+           "AbortJob": "uu"}
+
+
+class Stranger:
+    """A TLS peer of the daemon's TCP port without its token (none, or a wrong one)."""
+
+    def __init__(self, port: int, cert: bytes) -> None:
+        creds = grpc.ssl_channel_credentials(cert)
+        wrong = grpc.composite_channel_credentials(
+            creds, grpc.access_token_call_credentials("not-the-token"))
+        options = [("grpc.max_send_message_length", -1)]
+        self.channels = [grpc.secure_channel(f"127.0.0.1:{port}", c, options)
+                         for c in (creds, wrong)]
+
+    def call(self, rng: random.Random, method: str, payload: bytes) -> None:
+        channel = rng.choice(self.channels)
+        path = f"/fastpersist.v1.FastPersist/{method}"
+        kind = METHODS[method]
+        if kind == "su":
+            channel.stream_unary(path)(iter([payload] * rng.randrange(1, 4)), timeout=10)
+        elif kind == "us":
+            next(channel.unary_stream(path)(payload, timeout=10))
+        else:
+            channel.unary_unary(path)(payload, timeout=10)
+
+    def close(self) -> None:
+        for c in self.channels:
+            c.close()
 
 
 class Fuzzer:
@@ -51,6 +88,7 @@ class Fuzzer:
         # under (a directory above it may move; its own name may not).
         self.planted_links: dict[int, str] = {}
         self.sockets: list[socket.socket] = []
+        self.stranger: Stranger | None = None  # set where the daemon serves TCP
         self.n = 0
         (daemon.root / "p").mkdir()
         self._link(daemon.root / "p-link", sentinel)
@@ -159,6 +197,8 @@ class Fuzzer:
                 timeout=t),
             lambda: s.AbortJob(pb.AbortJobRequest(job_id=self.job_id()), timeout=t),
             lambda: self._save(),
+            lambda: self._save_compressed(),
+            lambda: self._stranger(),
         ]
 
     def prepared_name(self) -> str:
@@ -182,7 +222,9 @@ class Fuzzer:
             path=self.path(), client_id=self.pick(["c", "", "x" * 300, f"c{r.randrange(40)}"]),
             staging_bytes=self.pick([4096, 1 << 20, self.u64()]),
             file_count=self.pick([0, 1, 2, self.u32()]),
-            job_id=self.job_id() if r.random() < 0.3 else "", rank=self.u32())
+            job_id=self.job_id() if r.random() < 0.3 else "", rank=self.u32(),
+            compression=self.pick(["", "", "zstd", "zstd", "lz4", "ZSTD", self.text()]),
+            frame_bytes=self.pick([0, 0, 4096, 1 << 20, 4097, 64 << 20, 128 << 20, self.u32()]))
 
     def after_commit(self) -> pb.AfterCommit | None:
         """A Checkpointer's policy, sometimes (on paths that are rarely step-N)."""
@@ -214,11 +256,14 @@ class Fuzzer:
         self.jobs = [*self.jobs, reply.job_id][-20:]
 
     def fresh(self) -> str:
-        """A checkpoint just begun (RECEIVING), for a submission to reach deep."""
+        """A checkpoint just begun (RECEIVING), raw or compressed, for a
+        submission to reach deep."""
         self.n += 1
-        ident = self.raw.begin(f"f/{self.n}", client=f"f{self.rng.randrange(8)}",
-                               staging=self.pick([4096, 1 << 20, 64 << 20]),
-                               files=self.pick([1, 2]))
+        reply = self.raw.stub.Begin(pb.BeginRequest(
+            path=f"f/{self.n}", client_id=f"f{self.rng.randrange(8)}",
+            staging_bytes=self.pick([4096, 1 << 20, 64 << 20]), file_count=self.pick([1, 2]),
+            compression=self.pick(["", "zstd"]), frame_bytes=self.pick([0, 4096])), timeout=10)
+        ident = str(reply.checkpoint_id)
         self.ids = [*self.ids, ident][-50:]
         return ident
 
@@ -275,6 +320,43 @@ class Fuzzer:
             self._watch_id(ident)
             self.raw.commit(ident, valid_tree(), ["w"])
             self.raw.wait(ident)
+
+    def _save_compressed(self) -> None:
+        """A whole compressed save of two files, whose client truncates the
+        second file's segment at once, half the time: the daemon encodes that
+        file (reading the segment) after it wrote the first, so the truncation
+        comes first (a SIGBUS in the codec, which must fail only this save)."""
+        r = self.rng
+        big, small = r.randrange(1 << 16, 1 << 18), r.randrange(1024, 1 << 14)  # F32 elements
+        header0, n0 = file_header([("a", big)])
+        header1, n1 = file_header([("b", small)])
+        seg0 = self.new_segment((r.randbytes(64) * (n0 // 64 + 1))[:n0])
+        seg1 = self.new_segment((struct.pack("<f", 0.5) * (n1 // 4 + 1))[:n1])
+        reply = self.raw.stub.Begin(pb.BeginRequest(
+            path=self.pick(self.paths), client_id=f"z{r.randrange(4)}",
+            staging_bytes=seg0.size + seg1.size, file_count=2, compression="zstd",
+            frame_bytes=self.pick([0, 4096, 1 << 16])), timeout=10)
+        ident = str(reply.checkpoint_id)
+        self.ids = [*self.ids, ident][-50:]
+        self._watch_id(ident)
+        self.raw.submit(ident, 0, header0, seg0.name, 0, n0)
+        self.raw.submit(ident, 1, header1, seg1.name, 0, n1)
+        if r.random() < 0.5:
+            os.truncate(seg1.path, self.pick([0, 4096, 8192]))
+            # Not for the structured requests: sealing it would fault here.
+            self.segments = [s for s in self.segments if s is not seg1]
+        self.raw.commit(ident, json.dumps({"t": "dict", "k": ["a", "b"], "v": [
+            {"t": "tensor", "e": 0}, {"t": "tensor", "e": 1}]}), ["a", "b"])
+        self.raw.wait(ident)
+
+    def _stranger(self) -> None:
+        """Any method over TCP without the token, its request any bytes, up to 4 MiB."""
+        if self.stranger is None:
+            return  # no openssl here to make the daemon's certificate: no TCP
+        r = self.rng
+        size = self.pick([0, 1, 100, 64 << 10, 1 << 20, 4 << 20])
+        self.stranger.call(r, self.pick(list(METHODS)), r.randbytes(min(size, 4096)) *
+                           max(1, size // 4096))
 
     def _watch_id(self, ident: str) -> None:
         self.watches.append(self.raw.watch(ident))

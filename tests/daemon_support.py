@@ -30,7 +30,7 @@ GATED_DAEMON = Path(__file__).parent / "helpers" / "gated_daemon.py"
 class Daemon:
     def __init__(self, workdir: Path, *args: str, root: Path | None = None,
                  shm_dir: Path | None = None, gate: Path | None = None, umask: int = -1,
-                 prelude: str = "") -> None:
+                 prelude: str = "", env: dict[str, str] | None = None) -> None:
         self.root = root or workdir / "root"
         self.root.mkdir(parents=True, exist_ok=True)
         # Socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
@@ -45,6 +45,9 @@ class Daemon:
         self.umask = umask  # the daemon process's (-1: this process's)
         # Python run in the daemon's process before it starts (fault injection)
         self.prelude = prelude
+        # Set in the daemon's environment: FASTPERSIST_NODE for two simulated
+        # nodes' daemons on one shared root (each node's daemon locks the root).
+        self.env = env or {}
         self.log_path = workdir / f"fastpersistd-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -64,7 +67,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [*program, "--root", str(self.root),
              "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), *self.args],
-            stdout=log, stderr=log, env=os.environ.copy(), umask=self.umask,
+            stdout=log, stderr=log, env={**os.environ, **self.env}, umask=self.umask,
         )
         log.close()
         deadline = time.monotonic() + timeout
@@ -127,6 +130,15 @@ class Daemon:
         self.kill()
         shutil.rmtree(self._sockdir, ignore_errors=True)
         shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def root_entries(root: Path) -> list[str]:
+    """The names in a daemon's root, but for its lock file (rootlock.py)."""
+    return sorted(p.name for p in root.iterdir() if not is_lock_file(p.name))
+
+
+def is_lock_file(name: str) -> bool:
+    return name.startswith(".fastpersistd@") and name.endswith(".lock")
 
 
 def _shm_base() -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_support import Daemon
+from daemon_support import Daemon, root_entries
 from support import Mounter
 
 import fastpersist
@@ -180,7 +180,7 @@ def test_replacing_a_checkpoint_through_the_daemon(daemon: Daemon) -> None:
     fastpersist.save({"v": 1}, daemon.root / "ck", daemon=daemon.address)
     fastpersist.save({"v": 2}, daemon.root / "ck", daemon=daemon.address)
     assert fastpersist.load(daemon.root / "ck") == {"v": 2}
-    assert [p.name for p in daemon.root.iterdir()] == ["ck"]
+    assert root_entries(daemon.root) == ["ck"]
 
 
 def test_refuses_a_path_outside_the_root(daemon: Daemon, tmp_path: Path) -> None:
@@ -209,7 +209,7 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous(tmp_path: Path,
             with pytest.raises(DiskFullError):
                 fastpersist.save({"w": torch.zeros(4 * MIB)}, root / "ck", daemon=d.address)
             assert torch.equal(fastpersist.load(root / "ck")["w"], torch.ones(MIB))
-            assert sorted(p.name for p in root.iterdir()) == ["ck"]  # no leftovers
+            assert root_entries(root) == ["ck"]  # no leftovers
             assert d.client().info().staging_in_use == 0
         finally:
             _close_remote_savers()

@@ -1,13 +1,16 @@
-"""Fuzzing fastpersistd: random, structured and mutated calls of its 14 RPCs,
-with attacks on its root and shm directory in between (tests/daemon_fuzzing.py).
+"""Fuzzing fastpersistd: random, structured and mutated calls of its 15 RPCs,
+whole saves (compressed ones among them, their segments truncated under the
+daemon) and calls over TCP from peers without the token, with attacks on its
+root and shm directory in between (tests/daemon_fuzzing.py).
 
 The daemon must never die or freeze (a prober asks Info and health all along),
 must answer every call with a specific status code (never UNKNOWN or
-INTERNAL), must create, rename, read and delete nothing outside its root (a
-sentinel directory outside it is compared before and after; no file in the
-root may hold the sentinel's secret; no symlink may appear in the root but
-the ones the attacks planted), and its memory must stay bounded (VmRSS from
-/proc, after a warm-up).
+INTERNAL; UNAUTHENTICATED to every call without the token), must create,
+rename, read and delete nothing outside its root (a sentinel directory
+outside it is compared before and after; no file in the root may hold the
+sentinel's secret; no symlink may appear in the root but the ones the
+attacks planted), and its memory must stay bounded (VmRSS from /proc, after
+a warm-up).
 
 FASTPERSIST_FUZZ_CASES sets the number of calls (default: a CI-sized run);
 FASTPERSIST_FUZZ_SEED the generator's seed.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import threading
 import time
 from collections import Counter
@@ -26,7 +30,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_fuzzing import SECRET, Fuzzer
+import tls_support
+from daemon_fuzzing import SECRET, Fuzzer, Stranger
 from daemon_raw import Raw, assert_serving, close_remote_savers
 from daemon_support import Daemon
 from grpc import StatusCode as Code
@@ -40,7 +45,7 @@ UNSPECIFIC = {Code.UNKNOWN, Code.INTERNAL}
 DEAD = {Code.UNAVAILABLE, Code.CANCELLED, Code.DEADLINE_EXCEEDED}
 RPC_NAMES = ["Info", "Begin", "Open", "SubmitShm", "SubmitStream", "Commit", "Abort", "Wait",
              "Watch", "List", "Delete", "BeginJob", "CommitJob", "ResolvePrepared", "AbortJob",
-             "save"]
+             "save", "save_zstd", "stranger"]
 # Growth of the daemon's RSS allowed from the end of the warm-up to the end.
 # Measured: see test_the_daemon_survives_fuzzing's report and the README.
 MAX_RSS_GROWTH = 48 << 20
@@ -122,11 +127,21 @@ def campaign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fuzzer
     (sentinel / "secret").write_bytes(SECRET * 256)
     (sentinel / "sub" / "manifest.json").write_bytes(b'{"' + SECRET + b'": 1}')
     (tmp_path / "d").mkdir()
-    d = Daemon(tmp_path / "d", "--idle-timeout", "3", "--staging-budget", "256M")
+    tcp: list[str] = []
+    if shutil.which("openssl") is not None:  # TCP, for the peers without the token
+        files = tls_support.server_files(tmp_path)
+        port = tls_support.free_port()
+        tcp = ["--listen", f"127.0.0.1:{port}", "--tls-cert", str(files["cert"]),
+               "--tls-key", str(files["key"]), "--token-file", str(files["token"])]
+    d = Daemon(tmp_path / "d", "--idle-timeout", "3", "--staging-budget", "256M", *tcp)
     d.start()
     monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.delenv(var, raising=False)
     raw = Raw(d)
     fuzzer = Fuzzer(d, raw, sentinel, SEED)
+    if tcp:
+        fuzzer.stranger = Stranger(port, files["cert"].read_bytes())
     fuzzer.sentinel_shm = d.shm_dir.parent / f"{d.shm_dir.name}-secret"
     fuzzer.sentinel_shm.write_bytes(SECRET * 1024)
     try:
@@ -136,6 +151,8 @@ def campaign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fuzzer
             call.cancel()
         for sock in fuzzer.sockets:
             sock.close()
+        if fuzzer.stranger is not None:
+            fuzzer.stranger.close()
         raw.close()
         close_remote_savers()
         # Unblock anything stuck on a planted FIFO, so that the daemon can stop.
@@ -175,8 +192,11 @@ def test_the_daemon_survives_fuzzing(campaign: Fuzzer) -> None:
                 code = Code.OK
             except grpc.RpcError as exc:
                 code = exc.code()
-                if code in UNSPECIFIC or (code in DEAD and name not in ("Wait", "save")):
+                if code in UNSPECIFIC or (code in DEAD and name not in ("Wait", "save",
+                                                                        "save_zstd")):
                     unspecific.append(f"case {i} {name}: {code.name}: {exc.details()}"[:400])
+            if name == "stranger" and f.stranger is not None and code != Code.UNAUTHENTICATED:
+                unspecific.append(f"case {i} {name}: {code.name} to a peer without the token")
             codes[f"{name} {code.name}"] += 1
             assert d.proc.poll() is None, f"the daemon died at case {i} ({name}):\n{d.log[-3000:]}"
             if i + 1 == warm or (i + 1) % 1000 == 0 or i + 1 == CASES:
@@ -184,9 +204,10 @@ def test_the_daemon_survives_fuzzing(campaign: Fuzzer) -> None:
     finally:
         prober.stop()
     seconds = time.monotonic() - started
+    faulted = sum("SIGBUS" in e.get("error", "") for e in d.events("failed"))
     report = "\n".join(
         [f"fuzz: {CASES} cases, seed {SEED}, {seconds:.0f} s, {f.n} attacks, "
-         f"{prober.calls} probes"]
+         f"{prober.calls} probes, {faulted} checkpoints failed by a truncated segment (SIGBUS)"]
         + [f"  after {n:6d}: " + ", ".join(f"{k} {v >> 20} MiB" for k, v in s.items())
            for n, s in samples]
         + [f"  {k}: {v}" for k, v in sorted(codes.items())])

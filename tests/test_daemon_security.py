@@ -45,7 +45,7 @@ from daemon_raw import (
     tree_of,
     valid_tree,
 )
-from daemon_support import Daemon
+from daemon_support import Daemon, root_entries
 from grpc import StatusCode as Code
 
 import fastpersist
@@ -53,6 +53,7 @@ from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
 from fastpersist.errors import DaemonError, DaemonUnavailableError
 from fastpersist.protocol.client import DaemonClient
+from fastpersist.tensors.checkpoint import read_manifest
 
 OK = Code.OK
 INVALID = Code.INVALID_ARGUMENT
@@ -443,7 +444,7 @@ def test_begin_limits(daemon: Daemon, raw: Raw) -> None:
         "client_id 300 chars": (INVALID, lambda: raw.begin(client="c" * 300)),
     }
     assert mismatches(cases) == {}
-    assert list(daemon.root.iterdir()) == []  # nothing was made for them
+    assert root_entries(daemon.root) == []  # nothing was made for them
     assert_serving(daemon)
 
 
@@ -537,6 +538,68 @@ def test_truncated_segment_does_not_kill_the_daemon(daemon: Daemon, raw: Raw) ->
         "submitted segment")
     assert status is not None and status.state in (Status.FAILED, Status.COMMITTED), status
     assert_serving(daemon)
+
+
+def test_truncated_segment_of_a_compressed_checkpoint_does_not_kill_the_daemon(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Begin's compression: the daemon reads a client's segment to encode it
+    (byte planes, CRC32Cs, zstd) before the engine writes the packed file. A
+    client that truncates its segment after SubmitShm makes those reads
+    SIGBUS: that checkpoint fails with a specific error, the daemon lives, and
+    another client's checkpoint in flight commits. The gate holds the
+    daemon's reads of segments until both are handed over and one truncated."""
+    gate = tmp_path / "gate"
+    d = Daemon(tmp_path, gate=gate)
+    victim, other = Raw(d), Raw(d)
+    try:
+        d.start()
+        monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+        n_elems = 512 << 10  # 2 MiB of F32: two 1 MiB frames, encoded in parallel
+        header, n = file_header([("w", n_elems)])
+        values = torch.linspace(-1, 1, n_elems).numpy().tobytes()
+
+        def begin(raw: Raw, path: str, client: str, seg_size: int) -> str:
+            return str(raw.stub.Begin(pb.BeginRequest(
+                path=path, client_id=client, staging_bytes=seg_size, file_count=1,
+                compression="zstd", frame_bytes=1 << 20), timeout=10).checkpoint_id)
+
+        tree = json.dumps({"t": "dict", "k": ["w"], "v": [{"t": "tensor", "e": 0}]})
+        seg_v, seg_o = victim.segment(values), other.segment(values)
+        ident_v = begin(victim, "a/victim", "victim", seg_v.size)
+        ident_o = begin(other, "b/other", "other", seg_o.size)
+        for raw, ident, seg in ((victim, ident_v, seg_v), (other, ident_o, seg_o)):
+            raw.submit(ident, 0, header, seg.name, 0, n)
+            raw.watch(ident)
+        os.truncate(seg_v.path, PAGE)  # its tag page stays, its data goes
+        for raw, ident in ((victim, ident_v), (other, ident_o)):
+            raw.commit(ident, tree, ["w"])
+        d.open_gate()
+        statuses = {}
+        for raw, ident in ((victim, ident_v), (other, ident_o)):
+            with contextlib.suppress(grpc.RpcError):  # (a daemon that died: below)
+                statuses[ident] = raw.wait(ident, timeout=60)
+        assert d.proc is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            d.proc.wait(0 if len(statuses) == 2 else 5)
+        assert d.proc.poll() is None, (
+            f"fastpersistd died (status {d.proc.returncode}) compressing a truncated "
+            f"segment:\n{d.log[-2000:]}")
+        status_v, status_o = statuses[ident_v], statuses[ident_o]
+        assert status_v.state == Status.FAILED, status_v
+        assert status_v.error_code == "CheckpointIOError", status_v
+        assert "compress" in status_v.error and "SIGBUS" in status_v.error, status_v.error
+        assert "truncated" in status_v.error, status_v.error
+        assert status_o.state == Status.COMMITTED, status_o
+        loaded = fastpersist.load(d.root / "b" / "other")["w"]
+        assert loaded.numpy().tobytes() == values
+        assert read_manifest(d.root / "b" / "other").tensors[0].frames is not None
+        assert not (d.root / "a" / "victim").exists() and staging_dirs_go(d.root / "a") == []
+        assert_serving(d)
+    finally:
+        victim.close()
+        other.close()
+        close_remote_savers()
+        d.cleanup()
 
 
 # -- 4. isolation between clients ---------------------------------------------------------

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 from daemon_raw import Raw, assert_serving, code_of, details_of, entry, raw_header
-from daemon_support import Daemon
+from daemon_support import Daemon, is_lock_file
 from grpc import StatusCode as Code
 
 from fastpersist._proto import fastpersist_pb2 as pb
@@ -111,8 +111,12 @@ def test_health_says_not_serving_when_the_root_is_gone(daemon: Daemon) -> None:
     client = daemon.client()
     try:
         assert client.health() == "SERVING"
-        os.rename(daemon.root, daemon.root.with_name("root-gone"))
-        os.rmdir(daemon.root.with_name("root-gone"))
+        gone = daemon.root.with_name("root-gone")
+        os.rename(daemon.root, gone)
+        for lock in gone.iterdir():  # the daemon's lock file, all the root holds
+            assert is_lock_file(lock.name), lock
+            lock.unlink()
+        os.rmdir(gone)
         deadline = time.monotonic() + LIVENESS
         while client.health() == "SERVING":
             assert time.monotonic() < deadline, "health still says SERVING without a root"

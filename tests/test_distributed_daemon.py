@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_support import Daemon
+from daemon_support import Daemon, is_lock_file, root_entries
 from dist_support import (
     check_loaded,
     data_bytes_by_rank,
@@ -65,7 +65,8 @@ def _node_env(daemons: dict[str, Daemon]) -> dict[str, dict[str, str]]:
 
 
 def _hidden(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+    return sorted(p.name for p in directory.iterdir()
+                  if p.name.startswith(".") and not is_lock_file(p.name))
 
 
 def _segments(d: Daemon) -> list[str]:
@@ -149,7 +150,9 @@ def test_shared_storage_with_a_daemon_per_node(tmp_path: Path) -> None:
     that rank 0's daemon began, writes its ranks' parts, and only rank 0's
     daemon commits."""
     root = tmp_path / "shared"
-    daemons = {n: _daemon(tmp_path / f"daemon-{n}", root=root) for n in ("n0", "n1")}
+    # Each node's daemon locks the root for its node (rootlock.py).
+    daemons = {n: _daemon(tmp_path / f"daemon-{n}", root=root, env={"FASTPERSIST_NODE": n})
+               for n in ("n0", "n1")}
     try:
         ckpt = root / "ckpt"
         ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"], {"path": str(ckpt)},
@@ -216,7 +219,7 @@ def test_a_failed_job_commit_leaves_nothing_on_any_node(tmp_path: Path, fail_ran
         step = "commit" if fail_rank == 0 else "prepare"
         assert f"rank {fail_rank} ({step})" in reports[0]["error"], reports[0]["error"]
         for node, d in daemons.items():
-            assert sorted(os.listdir(d.root)) == [], f"node {node}: {os.listdir(d.root)}"
+            assert root_entries(d.root) == [], f"node {node}: {os.listdir(d.root)}"
         if fail_rank == 0:
             assert daemons["b"].events("prepared-job")
             assert daemons["b"].events("discarded-prepared")
@@ -378,7 +381,8 @@ def test_job_manifests_that_do_not_match_the_directory_are_refused(daemon: Daemo
                                                                    tmp_path: Path) -> None:
     """Two daemons on one root stand for two nodes on shared storage: the second
     joins the job the first began, by its id; the first checks and commits it."""
-    other = _daemon(tmp_path / "other", root=daemon.root, shm_dir=daemon.shm_dir)
+    other = _daemon(tmp_path / "other", root=daemon.root, shm_dir=daemon.shm_dir,
+                    env={"FASTPERSIST_NODE": "other"})
     first, second = ThroughDaemon(daemon.address), ThroughDaemon(other.address)
     try:
         target = daemon.root / "ckpt"

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_support import Daemon
+from daemon_support import Daemon, root_entries
 from dist_support import check_loaded, describe_here, ok, run_job
 
 import fastpersist
@@ -79,7 +79,7 @@ def test_a_whole_job_crash_at_the_commit_through_the_daemons(
         if when == "before":
             assert settled[1]["removed"] == ["ckpt"]
             assert daemons["b"].events("discarded-prepared")
-            assert os.listdir(root_b) == []
+            assert root_entries(root_b) == []
         else:
             assert settled[1]["promoted"] == ["ckpt"]
             assert daemons["b"].events("published-prepared")

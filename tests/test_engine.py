@@ -572,6 +572,49 @@ def test_source_memory_that_faults_fails_the_write_not_the_process(
     assert out.stdout.rstrip().endswith("alive")
 
 
+def test_guarded_copy_of_memory_that_faults_raises(tmp_path: Path) -> None:
+    """_engine.copy is how fastpersistd's codec reads a client's shared memory
+    (a compressed checkpoint): a truncated segment is an OSError(EFAULT) for
+    that copy, and the process lives. In a child, as above."""
+    script = textwrap.dedent("""
+        import mmap, os, sys
+        from fastpersist import _engine
+        fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+        os.ftruncate(fd, 3 << 20)
+        mm = mmap.mmap(fd, 3 << 20)
+        mm[:] = b"\\x5a" * (3 << 20)
+        dst = bytearray(1 << 20)
+        crc = _engine.copy(dst, memoryview(mm)[1 << 20:2 << 20])
+        print("copied", dst == b"\\x5a" * (1 << 20), crc == _engine.crc32c(dst))
+        os.ftruncate(fd, 4096)
+        try:
+            _engine.copy(dst, memoryview(mm)[1 << 20:2 << 20])
+        except OSError as exc:
+            print("errno", exc.errno, exc)
+        else:
+            print("no error")
+        print("alive")
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    assert "copied True True" in out.stdout, out.stdout
+    assert f"errno {errno.EFAULT}" in out.stdout and "SIGBUS" in out.stdout, out.stdout
+    assert out.stdout.rstrip().endswith("alive")
+
+
+def test_guarded_copy_checks_its_buffers() -> None:
+    src = bytes(range(256)) * 1000  # several of its 64 KiB runs, the last one short
+    dst = bytearray(len(src))
+    assert _engine.copy(dst, src) == crc32c.crc32c(src)  # checksummed as it copies
+    assert dst == src
+    assert _engine.copy(bytearray(), b"") == 0
+    with pytest.raises(ValueError, match="destination holds 4095 bytes"):
+        _engine.copy(bytearray(4095), src)
+    with pytest.raises(TypeError):
+        _engine.copy(b"read-only", b"x" * 9)
+
+
 def test_sigbus_outside_the_engine_still_kills(tmp_path: Path) -> None:
     """The guard must not swallow faults it does not own: a SIGBUS in Python
     code after the engine installed its handler still terminates the process."""

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from daemon_support import Daemon
+from daemon_support import Daemon, is_lock_file, root_entries
 from dist_support import run_ranks
 from support import kill_at_hooks
 from torch.distributed.checkpoint.api import CheckpointException
@@ -89,7 +89,8 @@ def assert_same_checkpoint(ours: Path, local: Path) -> None:
 
 
 def hidden(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+    return sorted(p.name for p in directory.iterdir()
+                  if p.name.startswith(".") and not is_lock_file(p.name))
 
 
 def wait_until(check: Any, timeout: float = 30.0) -> bool:
@@ -372,7 +373,7 @@ def test_a_daemon_that_cannot_write_the_metadata_is_refused(tmp_path: Path,
     try:
         with pytest.raises(CheckpointException, match="cannot write a DCP checkpoint's metadata"):
             dcp.save(sample(), storage_writer=FastPersistWriter(d.root / "ckpt", daemon=d.address))
-        assert list(d.root.iterdir()) == []
+        assert root_entries(d.root) == []
         assert not d.events("begin-job")
     finally:
         through_daemon.forget(d.address)

@@ -29,6 +29,9 @@ from .planes import grouping_for
 
 T = TypeVar("T")
 
+# copy(dst, src) -> CRC32C: reads a frame's raw bytes into dst (encode_tensors).
+Copy = Callable[[memoryview, memoryview], int]
+
 _pool: ThreadPoolExecutor | None = None
 _pool_key = (0, 0)  # (threads, pid): a forked child has none of its parent's threads
 _pool_lock = threading.Lock()
@@ -87,9 +90,29 @@ class Encoded:
         return sum(len(p) for p in self.parts)
 
 
-def encode_tensors(tensors: Sequence[tuple[memoryview, str]], frame_bytes: int
-                   ) -> list[Encoded]:
-    """Encode each (raw bytes, safetensors dtype) in frames, all in parallel."""
+_copies = threading.local()
+
+
+def _private(n: int) -> memoryview:
+    """n bytes this thread reuses for a frame's raw bytes (not frame.py's
+    scratch, which the planes are split into)."""
+    buf: bytearray | None = getattr(_copies, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _copies.buf = bytearray(n)
+    return memoryview(buf)[:n]
+
+
+def encode_tensors(tensors: Sequence[tuple[memoryview, str]], frame_bytes: int,
+                   copy: Copy | None = None) -> list[Encoded]:
+    """Encode each (raw bytes, safetensors dtype) in frames, all in parallel.
+
+    With `copy`, each frame's raw bytes are first copied by it into memory
+    of the task's own (it returns their CRC32C, computed on the way), and
+    the encoder reads that copy: fastpersistd encodes from a client's shared
+    memory, which the client may truncate meanwhile, and only the engine's
+    copy survives the fault (SIGBUS becomes its OSError); the split and zstd
+    cannot be interrupted safely. One frame per codec thread at a time:
+    codec threads x frame_bytes of memory."""
     jobs: list[tuple[int, int, int]] = []  # tensor, raw offset, raw length
     for i, (raw, _) in enumerate(tensors):
         jobs += [(i, off, n) for off, n in cut(len(raw), frame_bytes)]
@@ -97,8 +120,13 @@ def encode_tensors(tensors: Sequence[tuple[memoryview, str]], frame_bytes: int
     def task(i: int, off: int, n: int) -> tuple[bytes, int, int]:
         raw, dtype = tensors[i]
         piece = raw[off:off + n]
+        if copy is None:
+            raw_crc = crc32c(piece)
+        else:
+            piece, shared = _private(n), piece
+            raw_crc = copy(piece, shared)
         stored = frame.encode(piece, grouping_for(dtype))
-        return stored, crc32c(stored), crc32c(piece)
+        return stored, crc32c(stored), raw_crc
 
     done = run_all([functools.partial(task, *j) for j in jobs])
     out: list[Encoded] = []

@@ -25,7 +25,7 @@ from ..format import dtypes, packed_file
 from ..format.frames import MIN_ENCODED_BYTES, RAW, ZSTD_BYTEGROUP
 from ..format.manifest import FileRecord, TensorRecord
 from ..format.safetensors_file import DATA_FILE_METADATA
-from .frames import Encoded, encode_tensors
+from .frames import Copy, Encoded, encode_tensors
 
 T = TypeVar("T")
 
@@ -90,11 +90,15 @@ def file_order(items: Sequence[T], nbytes: Callable[[T], int], dtype: Callable[[
             [t for t in by_size if nbytes(t) >= MIN_ENCODED_BYTES])
 
 
-def plan(name: str, tensors: Sequence[RawTensor], frame_bytes: int) -> PackedPlan:
-    """Encode `tensors` (names unique) and lay out the packed file `name`."""
+def plan(name: str, tensors: Sequence[RawTensor], frame_bytes: int,
+         copy: Copy | None = None) -> PackedPlan:
+    """Encode `tensors` (names unique) and lay out the packed file `name`.
+    `copy`: how the encoder reads the tensors' bytes (frames.encode_tensors);
+    the ones stored raw stay in `segments` as given, for the engine to read."""
     small, big = file_order(tensors, lambda t: t.nbytes, lambda t: t.dtype)
     encoded = dict(zip((t.name for t in big), encode_tensors(
-        [(memoryview(t.data).cast("B"), t.dtype) for t in big], frame_bytes), strict=True))
+        [(memoryview(t.data).cast("B"), t.dtype) for t in big], frame_bytes, copy),
+        strict=True))
     order = small + big
     entries = [packed_file.PackedEntry(
         t.name, t.dtype, t.shape,

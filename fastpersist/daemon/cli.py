@@ -1,7 +1,8 @@
 """`fastpersistd`: start the daemon, clean up after a previous one, serve, drain.
 
     fastpersistd --root DIR [--socket PATH] [--socket-group GROUP]
-                 [--listen HOST:PORT --tls-cert FILE --tls-key FILE --token-file FILE]
+                 [--listen HOST:PORT --tls-cert FILE --tls-key FILE --token-file FILE
+                  [--tls-client-ca FILE]]
                  [--staging-budget BYTES] [--client-budget BYTES] [--shm-dir DIR]
                  [--metrics-listen HOST:PORT] [--write-concurrency N] [--max-streams N]
                  [--idle-timeout SECONDS] [--drain-timeout SECONDS]
@@ -27,6 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .. import knobs
 from .._version import __version__
 from ..errors import CheckpointError
 from ..protocol import shm
@@ -42,18 +44,16 @@ from .budgets import (
 from .health import NOT_SERVING, Watchdog, health_servicer, set_status
 from .metrics import Metrics
 from .rootfs import Root
-from .server import (
-    Servicer,
-    TokenAuth,
-    bind_unix,
-    build_server,
-    prepare_socket,
-    tls_credentials,
-)
+from .rootlock import lock_root
+from .server import Servicer
 from .service import Service
+from .transport import TokenAuth, bind_unix, build_server, prepare_socket, tls_credentials
 
 DEFAULT_SOCKET = "/run/fastpersist/fastpersistd.sock"
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
+# gRPC's other address schemes: a --socket that starts with one is a mistake,
+# not a file name (a path may hold a colon, so only these are refused).
+_SCHEME = re.compile(r"^(?:unix-abstract|vsock|dns|ipv4|ipv6|https?|tcp):", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
@@ -63,6 +63,27 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 64G)")
     power = " kmgt".index(m[2][0].lower()) if m[2] else 0
     return int(m[1]) << (10 * power)
+
+
+def socket_path(text: str) -> Path:
+    """--socket: a path, or the address clients are given (FASTPERSIST_DAEMON=
+    unix:///PATH, or gRPC's unix:PATH). Taken literally, the address made a
+    socket named 'unix:' under the working directory that no client finds."""
+    if text.startswith("unix://"):
+        path = text.removeprefix("unix://")
+        if not path.startswith("/"):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: after unix:// comes an absolute path (unix:///run/fastpersist/"
+                "fastpersistd.sock has three slashes)")
+        return Path(path)
+    path = text.removeprefix("unix:")
+    if "://" in path or _SCHEME.match(path):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Unix socket: --socket takes a path or unix:///PATH (serve TCP "
+            "with --listen HOST:PORT)")
+    if not path:
+        raise argparse.ArgumentTypeError(f"{text!r} names no path")
+    return Path(path)
 
 
 def group_id(text: str) -> int:
@@ -76,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", required=True, type=Path,
                    help="directory the checkpoints live under; every request path is confined "
                         "to it")
-    p.add_argument("--socket", type=Path, default=Path(DEFAULT_SOCKET),
-                   help=f"Unix socket to serve, created 0660 (default {DEFAULT_SOCKET})")
+    p.add_argument("--socket", type=socket_path, default=Path(DEFAULT_SOCKET),
+                   help=f"Unix socket to serve, created 0660: a path or unix:///PATH (default "
+                        f"{DEFAULT_SOCKET})")
     p.add_argument("--socket-group",
                    help="group to give the socket, by name or number (trainers in it may "
                         "connect)")
@@ -87,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--token-file", type=Path,
                    help="file holding the bearer token TCP clients must send")
+    p.add_argument("--tls-client-ca", type=Path, metavar="FILE",
+                   help="mutual TLS: TCP clients must present a certificate signed by this CA "
+                        "(PEM); one without is refused at the TLS handshake. Clients set "
+                        "FASTPERSIST_DAEMON_CERT_FILE and FASTPERSIST_DAEMON_KEY_FILE")
     p.add_argument("--staging-budget", type=parse_size, default=None,
                    help="clients' shared memory accepted at once, all clients; a Begin over it "
                         "is refused (RESOURCE_EXHAUSTED). These pages are the trainers' (tmpfs "
@@ -143,6 +169,12 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.listen and not (args.tls_cert and args.tls_key and args.token_file):
         p.error("--listen serves TCP only with TLS and a token: give --tls-cert, --tls-key and "
                 "--token-file")
+    if args.tls_client_ca and not args.listen:
+        p.error("--tls-client-ca is for TCP clients: it needs --listen")
+    for name in ("tls_cert", "tls_key", "token_file", "tls_client_ca"):
+        path = getattr(args, name)
+        if path is not None and not path.is_file():
+            p.error(f"--{name.replace('_', '-')} {path} is not a file")
     if args.write_concurrency < 1:
         p.error("--write-concurrency must be at least 1")
     if args.max_streams < 1:
@@ -227,6 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--socket-group: no group {args.socket_group!r}")
 
     take_root_group(root.fd)
+    try:
+        node = knobs.current().node
+    except ValueError as exc:  # a FASTPERSIST_* variable out of range
+        p.error(str(exc))
+    # Before anything touches the root: a second daemon must not clean up
+    # the first's checkpoints in flight.
+    lock_root(root.fd, str(root.path), node, str(args.socket), args.listen or "")
     metrics = Metrics()
     _step(metrics, "clean up leftovers", root.clean_up_leftovers)
     _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))
@@ -264,15 +303,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     servers = []
     prepare_socket(args.socket)
-    unix = build_server(servicer, health)
+    unix = build_server(servicer, health, metrics)
     bind_unix(unix, args.socket, group)
     servers.append(unix)
     if args.listen:
         token = args.token_file.read_text().strip()
         if not token:
             p.error(f"--token-file {args.token_file} is empty")
-        tcp = build_server(servicer, health, (TokenAuth(token),))
-        tcp.add_secure_port(args.listen, tls_credentials(args.tls_cert, args.tls_key))
+        tcp = build_server(servicer, health, metrics, TokenAuth(token, metrics))
+        tcp.add_secure_port(args.listen, tls_credentials(args.tls_cert, args.tls_key,
+                                                         args.tls_client_ca))
         tcp.start()
         servers.append(tcp)
     if args.metrics_listen:
@@ -283,8 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logs.info("ready", version=__version__, root=str(root.path), socket=str(args.socket),
-              tier=str(args.tier or ""),
-              listen=args.listen or "", direct_io=direct, staging_budget=args.staging_budget,
+              tier=str(args.tier or ""), listen=args.listen or "",
+              client_certificates=bool(args.tls_client_ca), direct_io=direct,
+              staging_budget=args.staging_budget,
               client_budget=args.client_budget, memory_bound=sum(memory.values()),
               pid=os.getpid(), openat2=root.uses_openat2)
     # Housekeeping until told to stop: idle checkpoints, orphaned segments.

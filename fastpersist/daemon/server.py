@@ -1,28 +1,20 @@
-"""The gRPC face of the daemon: request checks, error codes, servers.
+"""The gRPC face of the daemon: request checks and error codes.
 
 Every handler turns a request into a call on service.Service. Whatever a
 request holds, the daemon answers with a status code (INVALID_ARGUMENT for
 malformed input) and never dies of it: unexpected exceptions become INTERNAL
-and are logged. Two servers share one servicer: the Unix socket (no auth; the
-socket's 0660 mode is the access control) and, optionally, TCP with TLS and a
-bearer token.
+and are logged. The servers that carry it, and who may call them with how
+much, are transport.py's.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
-import os
-import socket
-import stat
 import traceback
 from collections.abc import Callable, Iterator
-from concurrent import futures
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
 
 from .. import knobs
 from .._proto import fastpersist_pb2 as pb
@@ -45,14 +37,10 @@ from .requests import (
 )
 from .service import Service
 
-MAX_MESSAGE_BYTES = 64 << 20
 # InfoResponse.features: what clients may not assume of every daemon.
 FEATURES = ["commit-files"]
 # A SubmitStream data chunk (the client library sends 1 MiB ones; earlier ones 4 MiB).
 MAX_STREAM_CHUNK = 4 << 20
-# Each open Watch holds a worker thread; beyond this, calls are refused
-# (RESOURCE_EXHAUSTED) instead of queueing behind long-running streams.
-MAX_WORKERS = 128
 MAX_ERROR_CHARS = 1000
 
 T = TypeVar("T")
@@ -297,79 +285,3 @@ def _after_commit(request: pb.CommitRequest | pb.CommitJobRequest) -> AfterCommi
         return None
     a = request.after_commit
     return AfterCommit(a.point_latest, a.keep_last or None, a.keep_every or None)
-
-
-class TokenAuth(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Refuses every call that lacks `authorization: Bearer <token>`."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization" and isinstance(value, str):
-                given = value.removeprefix("Bearer ").encode()
-                if value.startswith("Bearer ") and hmac.compare_digest(given, self._token):
-                    return continuation(details)
-        return self._deny
-
-
-def _options() -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ]
-
-
-def build_server(servicer: Servicer, health_servicer: health.HealthServicer,
-                 interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> grpc.Server:
-    server = grpc.server(futures.ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="fpd-rpc"),
-                         options=_options(), maximum_concurrent_rpcs=MAX_WORKERS,
-                         interceptors=interceptors)
-    pb_grpc.add_FastPersistServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    return server
-
-
-def prepare_socket(path: Path) -> None:
-    """Make the socket's directory; remove a stale socket left by a dead daemon,
-    but refuse to take over one that a live daemon serves."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise SystemExit(f"fastpersistd: {path} exists and is not a socket; not replacing it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        os.unlink(path)  # nobody listens: a leftover of a daemon that died
-        return
-    finally:
-        probe.close()
-    raise SystemExit(f"fastpersistd: another daemon is serving {path}")
-
-
-def bind_unix(server: grpc.Server, path: Path, group: int | None) -> None:
-    """Bind with mode 0660 from the start (umask), not chmod'ed afterwards: no
-    moment in which others may connect."""
-    old = os.umask(0o117)
-    try:
-        server.add_insecure_port(f"unix:{path}")
-        server.start()
-    finally:
-        os.umask(old)
-    if group is not None:
-        os.chown(path, -1, group)
-
-
-def tls_credentials(cert: Path, key: Path) -> grpc.ServerCredentials:
-    return grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
-

@@ -174,12 +174,19 @@ class Writers:
         """Begin's compression="zstd": the codec encodes the file's tensors (on
         its threads) and the engine writes them as the packed file `name`,
         the same bytes an in-process save with compression writes. Nothing
-        made here outlives the call (it would keep the shared memory mapped)."""
+        made here outlives the call (it would keep the shared memory mapped).
+        The codec reads the client's memory only through the engine's guarded
+        copy, a frame at a time: a client that truncates its segment fails
+        this checkpoint (EFAULT), where the fault would kill the daemon."""
         from ..codec import packing
 
-        laid = packing.plan(name, [packing.RawTensor(e.name, e.dtype, e.shape, v)
-                                   for e, v in zip(job.entries, views, strict=True)],
-                            frame_bytes)
+        try:
+            laid = packing.plan(name, [packing.RawTensor(e.name, e.dtype, e.shape, v)
+                                       for e, v in zip(job.entries, views, strict=True)],
+                                frame_bytes, self.engine.copy)
+        except OSError as exc:
+            raise OSError(exc.errno, f"reading data file {job.index} to compress it: "
+                                     f"{exc.strerror}") from None
         result = self.engine.write_file(name, laid.segments, laid.size, dir_fd=dir_fd)
         assert result.crcs is not None
         return laid.records(result.crcs)

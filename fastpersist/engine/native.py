@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from .. import _engine, knobs
 from .types import IOResult, Segment, Unkept
@@ -61,6 +62,9 @@ class NativeEngine:
         if not direct and self._mode == "auto":
             _warn_buffered(path, dir_fd)
         return IOResult(crcs=crcs, direct=direct)
+
+    def copy(self, dst: Any, src: Any) -> int:
+        return _engine.copy(dst, src)
 
     def read_file(
         self, path: str, segments: Sequence[Segment | Unkept], *, checksum: bool = True,

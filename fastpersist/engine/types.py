@@ -57,3 +57,12 @@ class Engine(Protocol):
         O_DIRECT (the region included); every block lands in the engine's
         bounce buffers and is copied into place as it is checksummed."""
         ...
+
+    def copy(self, dst: Any, src: Any) -> int:
+        """dst[:] = src (same length); returns the CRC32C of the bytes. src is
+        memory that may fault as write_file's segments may: a client's shared
+        memory that it truncated under fastpersistd. The native engine turns
+        the SIGBUS into OSError(EFAULT), as it does for its writes, and
+        checksums as it copies; the reference engine, which guards neither,
+        lets it kill the process."""
+        ...

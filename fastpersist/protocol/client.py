@@ -1,10 +1,8 @@
-"""Talking to fastpersistd: addresses, calls, and errors as CheckpointErrors.
+"""Talking to fastpersistd: calls, and errors as CheckpointErrors.
 
-Addresses (FASTPERSIST_DAEMON or a `daemon=` argument):
-    unix:///run/fastpersist/fastpersistd.sock   the node's daemon (the usual case)
-    https://HOST:PORT                           TCP with TLS; the bearer token is read
-                                                from FASTPERSIST_DAEMON_TOKEN_FILE and
-                                                the CA from FASTPERSIST_DAEMON_CA_FILE
+Addresses (FASTPERSIST_DAEMON or a `daemon=` argument) are channels.py's:
+unix:///run/fastpersist/fastpersistd.sock, the node's daemon (the usual case),
+or https://HOST:PORT (TCP with TLS and a token).
 
 Torch-free (fpctl daemon status uses it).
 """
@@ -27,6 +25,7 @@ from .._proto import fastpersist_pb2 as pb
 from .._proto import fastpersist_pb2_grpc as pb_grpc
 from ..errors import CheckpointError, DaemonError, DaemonMayStillCommitError, DaemonUnavailableError
 from ..storage.retention import AfterCommit
+from .channels import open_channel
 
 # Unary calls are quick (no I/O waits in them); a daemon that does not answer
 # in this long is treated as gone rather than hung on.
@@ -46,19 +45,6 @@ T = TypeVar("T")
 
 # One id per client process: the daemon accounts staging and fairness by it.
 CLIENT_ID = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-
-
-def grpc_target(address: str) -> tuple[str, bool]:
-    """(gRPC target, whether it is TCP with TLS) for a daemon address."""
-    if address.startswith("unix://"):
-        return "unix:" + address.removeprefix("unix://"), False
-    if address.startswith("unix:"):
-        return address, False
-    if address.startswith("https://"):
-        return address.removeprefix("https://").rstrip("/"), True
-    raise DaemonError(
-        f"daemon address {address!r} is not unix:///PATH or https://HOST:PORT", "INVALID_ARGUMENT"
-    )
 
 
 _CODE_ERRORS: dict[str, type[CheckpointError]] = {
@@ -100,23 +86,7 @@ def failure(status: pb.CheckpointStatus) -> CheckpointError:
 class DaemonClient:
     def __init__(self, address: str) -> None:
         self.address = address
-        target, tls = grpc_target(address)
-        options = [("grpc.max_receive_message_length", 64 << 20),
-                   ("grpc.max_send_message_length", 64 << 20)]
-        if tls:
-            ca_file = os.environ.get("FASTPERSIST_DAEMON_CA_FILE")
-            token_file = os.environ.get("FASTPERSIST_DAEMON_TOKEN_FILE")
-            if not token_file:
-                raise DaemonError("a TCP daemon address needs FASTPERSIST_DAEMON_TOKEN_FILE",
-                                  "UNAUTHENTICATED")
-            token = Path(token_file).read_text().strip()
-            creds = grpc.composite_channel_credentials(
-                grpc.ssl_channel_credentials(Path(ca_file).read_bytes() if ca_file else None),
-                grpc.access_token_call_credentials(token),
-            )
-            self.channel = grpc.secure_channel(target, creds, options)
-        else:
-            self.channel = grpc.insecure_channel(target, options)
+        self.channel = open_channel(address)
         self.stub = pb_grpc.FastPersistStub(self.channel)  # type: ignore[no-untyped-call]
         self._info: pb.InfoResponse | None = None
 

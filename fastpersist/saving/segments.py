@@ -19,7 +19,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..protocol import shm
-from ..protocol.client import DaemonClient, grpc_target
+from ..protocol.channels import grpc_target
+from ..protocol.client import DaemonClient
 from ..tensors.datafile import plan_file
 from ..tensors.plan import StoredTensor, memory_of
 from .snapshot import StagedFile
