@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ def main() -> int:
     model = GPT(cfg)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    if rank == 0:  # a fresh run: a Checkpointer refuses to save over an earlier run's steps
+        shutil.rmtree(args.root, ignore_errors=True)
+    dist.barrier()
     ckpt = fastpersist.Checkpointer(args.root.resolve(), keep_last=2,
                                     process_group=dist.group.WORLD)
     saved: dict[int, dict[str, Any]] = {}

@@ -24,6 +24,7 @@ from .errors import (
     StateMismatchError,
     TierError,
     TruncatedFileError,
+    UnsupportedPathError,
     UnsupportedValueError,
 )
 
@@ -78,6 +79,7 @@ __all__ = [
     "StateMismatchError",
     "TierError",
     "TruncatedFileError",
+    "UnsupportedPathError",
     "UnsupportedValueError",
     "__version__",
     "async_save",

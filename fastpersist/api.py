@@ -23,6 +23,7 @@ from .saving.futures import SaveFuture
 from .saving.persist import CheckpointWriter
 from .saving.saver import Saver, default_saver
 from .saving.snapshot import group_into_files
+from .storage.local_path import checkpoint_path
 from .tensors import checkpoint, device_load, packed, plan, read_into, state
 from .tensors import into as into_state
 from .tensors.factory import MapLocation, TensorFactory, target_device
@@ -93,7 +94,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
         remote_saver(address).save(obj, path, allow_pickle=allow_pickle,
                                    overlap_writes=True, compression=compression).result()
         return
-    target = Path(os.path.abspath(os.fspath(path)))
+    target = checkpoint_path(path)
     with gcpause.paused():  # a state of many tensors makes many objects, no cycles
         tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
         stored = plan.plan_tensors(leaves)
@@ -149,7 +150,7 @@ def load(
                               verify=verify, progress=progress, like=like, into=into)
     target_device(map_location, "cpu")  # a bad map_location fails before any I/O
     with gcpause.paused():  # a manifest of many tensors makes many objects, no cycles
-        return _load(Path(os.path.abspath(os.fspath(path))), map_location, allow_pickle, verify,
+        return _load(checkpoint_path(path), map_location, allow_pickle, verify,
                      progress, like, into)
 
 

@@ -1,7 +1,7 @@
 """Checkpointer: asynchronous checkpoints of a training loop, with retention.
 
     ckpt = fastpersist.Checkpointer("ckpts", keep_last=3, keep_every=1000)
-    start = ckpt.load_latest()["step"] if ckpt.latest() else 0
+    start = ckpt.load_latest()["step"] + 1 if ckpt.latest() else 0
     for step in range(start, steps):
         train_step()
         if step % 100 == 0:
@@ -13,7 +13,11 @@ Checkpoints are ROOT/step-NNNNNNNN. After each one is durable, and only then,
 ROOT/latest is updated (atomically) to name it, for tools and people, and
 retention deletes the checkpoints that are neither among the newest keep_last
 nor a multiple of keep_every (retention.py has the rules). A crash at any
-moment leaves `latest` naming a complete checkpoint.
+moment leaves `latest` naming a complete checkpoint. A step is saved once:
+save() of a step that exists raises CheckpointExistsError unless
+overwrite=True. latest() and load_latest() pass over a newer checkpoint that
+cannot be used only with a warning, recorded in `skipped` (resume.py), or
+with strict=True not at all: they raise.
 
 Who does it: in-process, the writer thread after each commit. Through a
 daemon, which owns everything under its --root (the trainer needs read access
@@ -45,14 +49,20 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .api import load, load_from_tier
-from .errors import CheckpointError, CheckpointNotFoundError, PostCommitError, TierError
-from .format.manifest import MANIFEST_NAME
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    PostCommitError,
+    TierError,
+)
 from .knobs import current as current_knobs
+from .resume import Judge, Skipped, newest_local, not_found, problem, step_dirs
 from .saving.futures import SaveFuture
 from .saving.saver import Saver
-from .storage.retention import LATEST, AfterCommit, apply_at, step_of
+from .storage.local_path import checkpoint_path
+from .storage.retention import AfterCommit, apply_at
 from .tensors import packed
-from .tensors.committed import read_manifest
 from .tensors.factory import MapLocation
 
 if TYPE_CHECKING:
@@ -61,22 +71,6 @@ if TYPE_CHECKING:
     from .tier.mirror import Mirror
     from .tier.upload import Uploaded
     from .tier.uploader import Job, TierStatus
-
-
-def _committed_at(path: Path) -> int:
-    """When the checkpoint at path was committed: its manifest is written last."""
-    try:
-        return os.stat(path / MANIFEST_NAME).st_mtime_ns
-    except OSError:
-        return 0
-
-
-def _is_committed(path: Path) -> bool:
-    try:
-        read_manifest(path)
-    except CheckpointError:
-        return False
-    return True
 
 
 class Checkpointer:
@@ -107,6 +101,11 @@ class Checkpointer:
         A checkpoint saved with compression="zstd" is uploaded as it is.
     compression: "zstd" to compress each checkpoint (fastpersist.save), in
         this process, on each rank, or in the daemon.
+    strict: latest() and load_latest() raise CorruptCheckpointError when the
+        newest checkpoint cannot be used (a manifest unreadable, a data file
+        missing or short, a checksum mismatch), instead of falling back to an
+        older one with a warning (logger fastpersist.checkpointer) and a
+        record in `skipped`.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -115,16 +114,19 @@ class Checkpointer:
                  process_group: Any = None, tier: str | None = None,
                  tier_keep_last: int | None = None,
                  tier_endpoint: str | None = None, compression: str | None = None,
-                 tier_compression: str = "zstd") -> None:
+                 tier_compression: str = "zstd", strict: bool = False) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
             raise ValueError("keep_every must be at least 1")
-        self.root = Path(os.path.abspath(os.fspath(root)))
+        self.root = checkpoint_path(root, "a Checkpointer's root")
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.after_commit = AfterCommit(True, keep_last, keep_every)
         self.allow_pickle = allow_pickle
+        self.strict = strict
+        self._skipped: list[Skipped] = []
+        self._saving: dict[int, SaveFuture] = {}  # steps whose save may be in flight
         address = current_knobs().daemon if daemon is None else daemon
         self.compression = packed.check_compression(compression)
         self._mirror: Mirror | None = None
@@ -162,14 +164,36 @@ class Checkpointer:
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
 
-    def save(self, step: int, state: Any, *, wait_for_snapshot: bool = True) -> SaveFuture:
+    def save(self, step: int, state: Any, *, wait_for_snapshot: bool = True,
+             overwrite: bool = False) -> SaveFuture:
         """Start an asynchronous checkpoint of `state` for `step`.
 
         Returns once the snapshot is taken (see fastpersist.async_save); raises
-        an earlier save's failure if nobody has looked at it yet.
+        an earlier save's failure if nobody has looked at it yet. A step that
+        is already saved (or being saved) raises CheckpointExistsError, before
+        anything is copied: a loop that resumed from step N starts at N + 1.
+        overwrite=True replaces it instead (atomically, as fastpersist.save).
         """
         if step < 0:
             raise ValueError("step must be >= 0")
+        if not overwrite:
+            self._refuse_existing(step)
+        future = self._save(step, state, wait_for_snapshot)
+        self._saving = {s: f for s, f in self._saving.items() if not f.done()}
+        self._saving[step] = future
+        return future
+
+    def _refuse_existing(self, step: int) -> None:
+        existing = [e for s, e in step_dirs(self.root) if s == step]
+        pending = self._saving.get(step)
+        if existing or (pending is not None and not pending.done()):
+            where = existing[0] if existing else self.path_for(step)
+            raise CheckpointExistsError(
+                f"step {step} is already saved at {where}"
+                f"{'' if existing else ' (its save is in flight)'}; a resumed loop starts at "
+                "the step after the one it loaded; pass overwrite=True to replace it")
+
+    def _save(self, step: int, state: Any, wait_for_snapshot: bool) -> SaveFuture:
         if self._delegated is not None:
             return self._delegated.save(state, self.path_for(step),
                                         allow_pickle=self.allow_pickle,
@@ -236,70 +260,67 @@ class Checkpointer:
         """Host memory held for snapshots (reused by the next save)."""
         return self._saver.staging_bytes
 
-    def _step_dirs(self) -> list[tuple[int, Path]]:
-        """(step, directory) of every step-N entry under root, committed or not,
-        by ascending step: names only, no manifest is read."""
-        if not self.root.is_dir():
-            return []
-        return sorted((step, entry) for entry in self.root.iterdir()
-                      if (step := step_of(entry.name)) is not None)
-
     def steps(self) -> list[int]:
-        """Steps of the committed checkpoints under root, ascending."""
-        return [step for step, entry in self._step_dirs() if _is_committed(entry)]
+        """Steps of the committed checkpoints under root that look whole (a
+        valid manifest, every data file at its size), ascending."""
+        return [step for step, entry in step_dirs(self.root) if problem(entry) is None]
+
+    @property
+    def skipped(self) -> list[Skipped]:
+        """The checkpoints that the last latest() or load_latest() passed over
+        (newer than its answer, and unusable), each with the reason."""
+        return list(self._skipped)
 
     def latest(self) -> Path | str | None:
         """The newest durable checkpoint, or None if there is none yet. With a
         tier, when no committed checkpoint is left under the root (a new
         node), the newest one in the store: its s3:// URL (load_latest and
-        fastpersist.load take either).
+        fastpersist.load take either). A newer checkpoint that cannot be used
+        is passed over with a warning and recorded in `skipped` (strict=True:
+        CorruptCheckpointError).
         """
-        local = self._latest_local()
+        judge = Judge(self.strict)
+        try:
+            return self._latest(judge, set())
+        finally:
+            self._skipped = judge.skipped
+
+    def _latest(self, judge: Judge, exclude: set[Path | str]) -> Path | str | None:
+        local = newest_local(self.root, judge.usable, exclude)
         if local is not None or self._mirror is None:
             return local
         from .tier.remote import entries
 
         found = [e for e in entries(self._mirror.s3, self._mirror.url)
-                 if e.committed and e.step is not None]
+                 if e.committed and e.step is not None
+                 and str(self._mirror.url.child(e.name)) not in exclude]
         if not found:
             return None
         newest = max(found, key=lambda e: (e.step, e.modified))
         return str(self._mirror.url.child(newest.name))
 
-    def _latest_local(self) -> Path | None:
-        """The newest durable checkpoint under the root, or None.
-
-        ROOT/latest is trusted (an operator may point it back at an older step
-        to roll back), except where a higher step was committed after the
-        pointer was written: its pointer update failed (PostCommitError), or
-        an older daemon committed it after the trainer that would have moved
-        the pointer had died; it is the newest state there is. Reads only the
-        manifests it needs: newest first, stopping at the answer."""
-        dirs = self._step_dirs()
-        pointer = self.root / LATEST
-        try:
-            name = pointer.read_text().strip()
-            pointed_at = os.stat(pointer).st_mtime_ns
-        except OSError:
-            name, pointed_at = "", 0
-        # Entries are returned as found: a checkpoint saved by hand as step-7 is
-        # step-7, not path_for(7).
-        pointed = next(((s, e) for s, e in dirs if e.name == name and _is_committed(e)), None)
-        if pointed is None:
-            # No pointer, or it names something gone: the highest committed step.
-            return next((e for _, e in reversed(dirs) if _is_committed(e)), None)
-        for step, entry in reversed(dirs):
-            if step <= pointed[0]:
-                break
-            if _committed_at(entry) > pointed_at and _is_committed(entry):
-                return entry
-        return pointed[1]
-
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
-        path = self.latest()
-        if path is None:
-            where = f" or in {self._mirror.url}" if self._mirror is not None else ""
-            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}{where}")
+        """Load latest(). A checkpoint whose load finds it corrupt (a checksum
+        mismatch, a short file) is passed over as latest() passes over one, and
+        the next older one is loaded; strict=True raises instead. Other errors
+        (a pickle not allowed, into= not matching) are raised as they are."""
+        judge = Judge(self.strict)
+        tried: set[Path | str] = set()
+        try:
+            while True:
+                path = self._latest(judge, tried)
+                if path is None:
+                    where = f" or in {self._mirror.url}" if self._mirror is not None else ""
+                    raise not_found(self.root, judge.skipped, where)
+                try:
+                    return self._load(path, map_location, kwargs)
+                except CorruptCheckpointError as exc:
+                    judge.skip(path, str(exc), exc)
+                    tried.add(path)
+        finally:
+            self._skipped = judge.skipped
+
+    def _load(self, path: Path | str, map_location: MapLocation, kwargs: dict[str, Any]) -> Any:
         if isinstance(path, str) and self._mirror is not None:
             return load_from_tier(path, map_location, allow_pickle=self.allow_pickle,
                                   endpoint_url=self._mirror.s3.endpoint_url, **kwargs)

@@ -58,6 +58,12 @@ class TruncatedFileError(CorruptCheckpointError):
     """A data file is shorter than the manifest says."""
 
 
+class UnsupportedPathError(CheckpointError, ValueError):
+    """A save was given a path it cannot write: a URL (s3://, gs://, file://, ...)
+    where a local or shared-filesystem directory is expected. Raised before
+    anything is written; the message says how to reach an object store."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A value cannot be stored without pickle and pickle was not allowed."""
 

@@ -41,7 +41,7 @@ ROOMS = {
     "fastpersist.saving": "saving",
     "fastpersist.distributed": "distributed",
     "fastpersist.daemon": "daemon",
-    "fastpersist.api": "api", "fastpersist.checkpointer": "api",
+    "fastpersist.api": "api", "fastpersist.checkpointer": "api", "fastpersist.resume": "api",
     "fastpersist.cli": "cli",
     "fastpersist.integrations": "integrations",
     "fastpersist": "package",  # __init__: re-exports the API

@@ -124,15 +124,69 @@ def test_ls_shows_committed_corrupt_and_leftover_states(
     entries = json.loads(out)
     assert [e["name"] for e in entries] == sorted(e["name"] for e in entries)
     for e in entries:
-        assert set(e) == {"name", "path", "state", "bytes", "tensors", "created_unix"}
+        assert set(e) == {"name", "path", "state", "bytes", "tensors", "created_unix",
+                          "latest"}
     by_name = {e["name"]: e for e in entries}
     m = read_manifest(ckpt)
     assert by_name["step-100"] == {
         "name": "step-100", "path": str(ckpt), "state": "committed",
         "bytes": m.total_bytes, "tensors": 7, "created_unix": m.created_unix,
+        "latest": False,
     }
     assert by_name["broken"]["state"].startswith("corrupt: ")
     assert by_name[dead.name]["state"].endswith(", dead)")
+
+
+def test_ls_lists_run_directories_marks_latest_and_damage(
+    tmp_path: Path, state: dict[str, Any], dead_pid: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A daemon's root holds runs: ROOT/run1/step-N. ls finds them at any depth,
+    marks what each run's `latest` names, and calls a checkpoint whose data file
+    is shorter than its manifest says damaged (from its size: no byte is read)."""
+    root = tmp_path / "root"
+    with fastpersist.Checkpointer(root / "run1", daemon="") as c:
+        for step in (1, 2):
+            c.save(step, state).result()
+    with fastpersist.Checkpointer(root / "team" / "run2", daemon="") as c:
+        c.save(7, state).result()
+    cut = root / "team" / "run2" / "step-00000007"
+    data = cut / read_manifest(cut).files[0].name
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 100)
+    lost = root / "run1" / "step-00000003"  # data files, no manifest
+    shutil.copytree(root / "run1" / "step-00000002", lost)
+    (lost / "manifest.json").unlink()
+    dead = leftover_dir(root / "run1", "step-00000004", "tmp", dead_pid)
+    (root / "run1" / "notes").mkdir()  # neither: not listed, looked into
+
+    rc, out, _ = run(capsys, "ls", str(root))
+    assert rc == 0
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert set(lines) == {"run1/step-00000001", "run1/step-00000002", "run1/step-00000003",
+                          f"run1/{dead.name}", "team/run2/step-00000007"}
+    assert lines["run1/step-00000001"].endswith("committed")
+    assert lines["run1/step-00000002"].endswith("committed, latest")
+    assert "damaged: data files without a manifest.json" in lines["run1/step-00000003"]
+    assert (f"damaged: data file {data.name} is truncated: {data.stat().st_size} bytes"
+            in lines["team/run2/step-00000007"])
+    assert lines["team/run2/step-00000007"].endswith(", latest")
+    assert "incomplete" in lines[f"run1/{dead.name}"]
+
+    rc, out, _ = run(capsys, "ls", str(root), "--json")
+    by_name = {e["name"]: e for e in json.loads(out)}
+    assert by_name["run1/step-00000002"]["latest"] is True
+    assert by_name["run1/step-00000002"]["state"] == "committed"
+    assert by_name["run1/step-00000001"]["latest"] is False
+    assert by_name["team/run2/step-00000007"]["state"].startswith("damaged: ")
+
+
+def test_ls_does_not_follow_links(tmp_path: Path, ckpt: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "other"
+    root.mkdir()
+    (root / "link").symlink_to(ckpt.parent, target_is_directory=True)
+    rc, out, _ = run(capsys, "ls", str(root))
+    assert rc == 0 and out.startswith("no checkpoints in")
 
 
 def test_ls_missing_root_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ PUBLIC = {
     "ChecksumMismatchError", "CorruptCheckpointError", "DiskFullError",
     "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "PostCommitError",
     "SaveFuture", "StateMismatchError", "TierError",
-    "TruncatedFileError", "UnsupportedValueError",
+    "TruncatedFileError", "UnsupportedPathError", "UnsupportedValueError",
     "__version__", "async_save", "load", "prepare_staging", "save",
 }
 

@@ -1,5 +1,10 @@
 """`fpctl ls` and `fpctl gc`: the checkpoints under a root, and the leftovers of
-saves that did not finish."""
+saves that did not finish.
+
+Both look at any depth below the root (a daemon's --root holds runs in
+subdirectories, ROOT/run1/step-N), never inside a checkpoint or a leftover,
+and never through a symbolic link. ls reads manifests and stats data files;
+it reads no tensor byte, and imports no torch."""
 
 from __future__ import annotations
 
@@ -7,15 +12,16 @@ import argparse
 import contextlib
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MANIFEST_NAME
-from ..storage.commit import Leftover, collect, find_leftovers, os_error, restores, walk_leftovers
+from ..storage.commit import Leftover, collect, os_error, parse_leftover, restores, walk_leftovers
 from ..storage.prepared import read_prepared
-from ..tensors.committed import read_manifest
+from ..storage.retention import LATEST
+from ..tensors.committed import damage, read_manifest
 from ._output import EXIT_ERROR, EXIT_OK, human_size, local_time, print_json, print_table, warn
 
 
@@ -23,12 +29,13 @@ from ._output import EXIT_ERROR, EXIT_OK, human_size, local_time, print_json, pr
 class Entry:
     """One row of `fpctl ls`; the JSON keys are these field names."""
 
-    name: str
+    name: str  # relative to the root listed: run1/step-00000005
     path: str
     state: str
     bytes: int | None
     tensors: int | None
     created_unix: float | None
+    latest: bool = False  # named by its directory's `latest` pointer
 
 
 def _root(path: str) -> Path:
@@ -54,7 +61,7 @@ def _owner(leftover: Leftover) -> str:
     return "running" if leftover.owner_alive else "dead"
 
 
-def _leftover_entry(leftover: Leftover) -> Entry:
+def _leftover_entry(leftover: Leftover, name: str) -> Entry:
     if leftover.kind == "prep":
         part = read_prepared(leftover)
         decides = f"node {part.commit_node}'s" if part else "the committing node's"
@@ -70,32 +77,72 @@ def _leftover_entry(leftover: Leftover) -> Entry:
     else:
         state = f"incomplete (save by pid {leftover.pid} on {leftover.host}, {_owner(leftover)})"
     size = _disk_usage(leftover.path) if leftover.is_dir else leftover.path.lstat().st_size
-    return Entry(leftover.path.name, str(leftover.path), state, size, None, None)
+    return Entry(name, str(leftover.path), state, size, None, None)
 
 
-def _checkpoint_entry(path: Path) -> Entry:
+def _checkpoint_entry(path: Path, name: str) -> Entry:
     try:
         m = read_manifest(path)
     except CorruptCheckpointError as exc:
         reason = str(exc).removeprefix(f"{path}: ")
-        return Entry(path.name, str(path), f"corrupt: {reason}", _disk_usage(path), None, None)
+        return Entry(name, str(path), f"corrupt: {reason}", _disk_usage(path), None, None)
     except CheckpointError as exc:
-        return Entry(path.name, str(path), f"unreadable: {exc}", None, None, None)
+        return Entry(name, str(path), f"unreadable: {exc}", None, None, None)
     # A distributed checkpoint's tensors are its job tensors, not their chunks.
     count = len(m.globals) if m.globals is not None else len(m.tensors)
-    return Entry(path.name, str(path), "committed", m.total_bytes, count, m.created_unix)
+    damaged = damage(path, m)  # sizes only: `fpctl verify` reads every byte
+    state = "committed" if damaged is None else "damaged: " + damaged.removeprefix(f"{path}: ")
+    return Entry(name, str(path), state, m.total_bytes, count, m.created_unix)
+
+
+def _unmanifested_entry(path: Path, name: str) -> Entry | None:
+    """A directory without a manifest that holds data files: a checkpoint whose
+    manifest was lost (never what a save leaves: it writes the manifest before
+    the directory gets its name). Any other directory is not ours to show."""
+    try:
+        with os.scandir(path) as it:
+            data = any(e.name.startswith("data-") and e.name.endswith((".safetensors", ".fpz"))
+                       for e in it)
+    except OSError:
+        return None
+    if not data:
+        return None
+    return Entry(name, str(path), f"damaged: data files without a {MANIFEST_NAME} (not loadable)",
+                 _disk_usage(path), None, None)
+
+
+def _pointed(directory: Path) -> str | None:
+    try:
+        return (directory / LATEST).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def list_entries(root: Path) -> list[Entry]:
-    """Checkpoints directly under `root`, corrupt ones, and leftovers; by name."""
-    leftovers = {lo.path.name: lo for lo in find_leftovers(root)}
+    """Checkpoints at any depth under `root` (damaged ones too) and leftovers,
+    each named relative to root; a directory's `latest` pointer marks the
+    checkpoint it names. Sorted by name."""
     entries = []
-    for path in sorted(root.iterdir()):
-        if path.name in leftovers:
-            entries.append(_leftover_entry(leftovers[path.name]))
-        elif path.is_dir() and (path / MANIFEST_NAME).is_file():
-            entries.append(_checkpoint_entry(path))
-    return entries
+    for dirpath, dirnames, filenames in os.walk(root):  # os.walk follows no link
+        here = Path(dirpath)
+        pointed = _pointed(here) if LATEST in filenames else None
+        keep = []
+        for child in sorted(dirnames + filenames):
+            path = here / child
+            name = str(path.relative_to(root))
+            leftover = parse_leftover(path)
+            if leftover is not None:
+                entries.append(_leftover_entry(leftover, name))
+            elif child not in dirnames:
+                continue
+            elif (path / MANIFEST_NAME).is_file():
+                entries.append(replace(_checkpoint_entry(path, name), latest=child == pointed))
+            elif (lost := _unmanifested_entry(path, name)) is not None:
+                entries.append(lost)
+            else:
+                keep.append(child)  # a run directory, or anything else: look inside
+        dirnames[:] = keep
+    return sorted(entries, key=lambda e: e.name)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -111,7 +158,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no checkpoints in {root}")
         return EXIT_OK
     rows = [[e.name, human_size(e.bytes), "-" if e.tensors is None else str(e.tensors),
-             local_time(e.created_unix), e.state] for e in entries]
+             local_time(e.created_unix), e.state + (", latest" if e.latest else "")]
+            for e in entries]
     print_table(["NAME", "SIZE", "TENSORS", "CREATED", "STATE"], rows,
                 right=[False, True, True])
     return EXIT_OK

@@ -46,6 +46,7 @@ from ..errors import (
 )
 from ..knobs import current as current_knobs
 from ..saving.snapshot import StagedFile, group_into_files
+from ..storage.local_path import checkpoint_path
 from ..storage.retention import AfterCommit
 from ..tensors import packed, state
 from ..tensors.plan import StoredTensor
@@ -125,7 +126,7 @@ class Save(CommitPoint):
         # many bytes (0: raw), by the rank or by its node's daemon.
         self.frame_bytes = self.knobs.frame_bytes if packed.check_compression(
             compression) else 0
-        self.target = Path(os.path.abspath(os.fspath(path)))
+        self.target = checkpoint_path(path)
         self.phase = Phase(co, self.clean_up)
         self.timeout = self.knobs.dist_timeout
         self.grace = min(self.timeout, 30)

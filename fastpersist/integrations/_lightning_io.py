@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import fastpersist
 from fastpersist import CheckpointError, UnsupportedValueError
+from fastpersist.storage.local_path import checkpoint_path
 
 if TYPE_CHECKING:
     from fastpersist import SaveFuture
@@ -190,7 +191,7 @@ class FastPersistCheckpointIOBase:
 
 
 def _absolute(path: str | os.PathLike[str]) -> str:
-    return os.path.abspath(os.fspath(path))
+    return str(checkpoint_path(path))
 
 
 def _raise_first(futures: list[SaveFuture]) -> None:

@@ -52,6 +52,7 @@ import torch
 from ..errors import CheckpointAbortedError, CheckpointError
 from ..knobs import current as current_knobs
 from ..protocol.client import DaemonClient
+from ..storage.local_path import checkpoint_path
 from ..storage.retention import AfterCommit
 from ..tensors import packed, plan, state
 from .futures import STOP, SaveFuture
@@ -118,7 +119,7 @@ class RemoteSaver(Saver):
               after_commit: AfterCommit | None = None) -> SaveFuture:
         compression = packed.check_compression(compression)
         self.raise_unobserved_failure()
-        target = Path(os.path.abspath(os.fspath(path)))
+        target = checkpoint_path(path)
         relative = self.client.relative(target)
         tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
         stored = plan.plan_tensors(leaves)

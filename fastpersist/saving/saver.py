@@ -37,6 +37,7 @@ from .. import gcpause
 from ..background import lower_this_thread
 from ..errors import CheckpointAbortedError, CheckpointError
 from ..knobs import current as current_knobs
+from ..storage.local_path import checkpoint_path
 from ..tensors import plan, state
 from ..tensors.plan import StoredTensor
 from .futures import STOP, SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
@@ -134,7 +135,7 @@ class Saver:
               wait_for_snapshot: bool, on_commit: Callable[[Path], None] | None,
               compression: str | None = None) -> SaveFuture:
         self.raise_unobserved_failure()
-        target = Path(os.path.abspath(os.fspath(path)))
+        target = checkpoint_path(path)
         with gcpause.paused():  # many tensors make many objects, and no cycles
             tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
             stored = plan.plan_tensors(leaves)

@@ -103,6 +103,22 @@ def check_size(path: Path, f: FileRecord) -> None:
         )
 
 
+def damage(path: Path, manifest: Manifest) -> str | None:
+    """Why the data files of the committed checkpoint at `path` cannot all be
+    read, judged from their sizes alone (no byte is read): a file missing,
+    shorter or longer than the manifest says. None when each is there at its
+    size. A node-local checkpoint's files that another node holds (FileRecord.node)
+    are not looked for: they are elsewhere by design."""
+    for f in manifest.files:
+        try:
+            check_size(path, f)
+        except CorruptCheckpointError as exc:
+            if f.node is not None and not os.path.lexists(path / f.name):
+                continue
+            return str(exc)
+    return None
+
+
 @contextmanager
 def read_errors(path: Path, f: FileRecord) -> Iterator[None]:
     """A data file's read errors as checkpoint errors: a short file is a
@@ -129,5 +145,5 @@ def batches(items: list[tuple[int, TensorRecord]], limit: int
     yield batch
 
 
-__all__ = ["BATCH_BYTES", "FILES_IN_FLIGHT", "batches", "check_size", "read_errors",
+__all__ = ["BATCH_BYTES", "FILES_IN_FLIGHT", "batches", "check_size", "damage", "read_errors",
            "read_manifest", "records_by_file"]

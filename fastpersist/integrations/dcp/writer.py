@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ...storage.local_path import checkpoint_path
 from . import _fp, in_process, metadata_json, through_daemon
 from .items import files_of
 from .manifest import build
@@ -126,7 +127,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = True,
                  stager: FastPersistStager | None = None, daemon: str | None = None) -> None:
         super().__init__()
-        self.path = Path(os.path.abspath(os.fspath(path)))
+        self.path = checkpoint_path(path)
         self.overwrite = overwrite
         self.daemon = _fp.knobs.current().daemon if daemon is None else daemon
         self.save_id = str(uuid.uuid4())
@@ -187,7 +188,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(os.path.abspath(os.fspath(checkpoint_id)))
+            self.path = checkpoint_path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
     def storage_meta(self) -> StorageMeta | None:

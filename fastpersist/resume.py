@@ -1,0 +1,139 @@
+"""Which checkpoint a training run resumes from, and which ones it passed over.
+
+A Checkpointer's latest() answers "the newest durable checkpoint". A newer
+step that cannot be used (its manifest unreadable, a data file missing or
+cut short) is never the answer, but it is never passed over silently either:
+a loop that quietly resumes from an older step repeats hours of work. Each
+one passed over is logged (logger `fastpersist.checkpointer`) and recorded as
+a Skipped; in strict mode it raises instead.
+
+Judging a checkpoint here reads its manifest and stats its data files; no
+tensor byte is read (a checksum mismatch shows at load: load_latest() falls
+back past it in the same way).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .format.manifest import MANIFEST_NAME
+from .storage.retention import LATEST, step_of
+from .tensors.committed import damage, read_manifest
+
+log = logging.getLogger("fastpersist.checkpointer")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint that latest() or load_latest() passed over, and why."""
+
+    path: Path | str  # a local directory, or an s3:// URL
+    reason: str
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (None: it looks whole)."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
+        return str(exc)
+    return damage(path, manifest)
+
+
+class Judge:
+    """Asks problem() of each candidate, newest first, and records (or, strict,
+    raises) each one that has one. One Judge per latest()/load_latest() call."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.skipped: list[Skipped] = []
+        self._judged: dict[Path, bool] = {}  # each one judged (and reported) once
+
+    def usable(self, path: Path) -> bool:
+        if path not in self._judged:
+            reason = problem(path)
+            if reason is not None:
+                self.skip(path, reason)
+            self._judged[path] = reason is None
+        return self._judged[path]
+
+    def skip(self, path: Path | str, reason: str,
+             cause: BaseException | None = None) -> None:
+        reason = reason.removeprefix(f"{path}: ")  # errors name the checkpoint first
+        if self.strict:
+            raise CorruptCheckpointError(
+                f"{path} is the newest checkpoint, and it cannot be used: {reason} (strict=True; "
+                "pass strict=False to fall back to an older checkpoint with a warning)"
+            ) from cause
+        log.warning("skipping checkpoint %s, which cannot be used: %s; resuming from an older "
+                    "one", path, reason)
+        self.skipped.append(Skipped(path, reason))
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every step-N entry under root, committed or not,
+    by ascending step: names only, no manifest is read."""
+    if not root.is_dir():
+        return []
+    return sorted((step, entry) for entry in root.iterdir()
+                  if (step := step_of(entry.name)) is not None)
+
+
+def _committed_at(path: Path) -> int | None:
+    """When the checkpoint at path was committed (its manifest is written
+    last); None if it has no manifest to tell."""
+    try:
+        return os.stat(path / MANIFEST_NAME).st_mtime_ns
+    except OSError:
+        return None
+
+
+def newest_local(root: Path, usable: Callable[[Path], bool],
+                 exclude: Container[object] = ()) -> Path | None:
+    """The newest durable checkpoint under root that `usable` accepts, or None.
+
+    ROOT/latest is trusted (an operator may point it back at an older step
+    to roll back), except where a higher step was committed after the
+    pointer was written: its pointer update failed (PostCommitError), or
+    an older daemon committed it after the trainer that would have moved
+    the pointer had died; it is the newest state there is. Judges only the
+    checkpoints it needs: newest first, stopping at the answer. `exclude`:
+    checkpoints already found unusable by a load."""
+    dirs = [(s, e) for s, e in step_dirs(root) if e not in exclude]
+    pointer = root / LATEST
+    try:
+        name = pointer.read_text().strip()
+        pointed_at = os.stat(pointer).st_mtime_ns
+    except OSError:
+        name, pointed_at = "", 0
+    # Entries are returned as found: a checkpoint saved by hand as step-7 is
+    # step-7, not path_for(7).
+    named = next(((s, e) for s, e in dirs if e.name == name), None)
+    if named is not None:
+        # Newer steps first: one committed after the pointer was written wins.
+        for step, entry in reversed(dirs):
+            if step <= named[0]:
+                break
+            # A step committed before the pointer was written was rolled back
+            # from: not an answer, nor a loss. One without a manifest is judged.
+            committed_at = _committed_at(entry)
+            if (committed_at is None or committed_at > pointed_at) and usable(entry):
+                return entry
+        if usable(named[1]):
+            return named[1]
+    # No pointer, it names something gone or unusable: the highest usable step.
+    return next((e for s, e in reversed(dirs)
+                 if (named is None or e != named[1]) and usable(e)), None)
+
+
+def not_found(root: Path, skipped: list[Skipped], where: str = "") -> CheckpointNotFoundError:
+    """No checkpoint to resume from; naming the ones that were passed over."""
+    why = ""
+    if skipped:
+        why = "; passed over: " + "; ".join(f"{s.path} ({s.reason})" for s in skipped)
+    return CheckpointNotFoundError(f"no usable committed checkpoint under {root}{where}{why}")
