@@ -247,7 +247,15 @@ class FastPersistWriter(StorageWriter, AsyncStager):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        data: PlanData = plan.storage_data
+        data = plan.storage_data
+        if not isinstance(data, PlanData):
+            # DCP's plan cache (enable_plan_caching) is one per planner class for
+            # the whole process: a plan cached for another storage writer's save.
+            raise _fp.CheckpointError(
+                f"the save plan of {self.path} was made for another storage writer "
+                f"(its storage_data is a {type(data).__name__}): DCP's plan cache is shared "
+                "by every DefaultSavePlanner of a process; with enable_plan_caching, save "
+                "through one storage writer class per process (or use a planner subclass)")
         files = files_of(plan.items, _fp.knobs.current().file_bytes)
         results: list[WriteResult] = []
         try:
