@@ -146,7 +146,7 @@ class Job(Generic[P]):
         LookupError: no such job; ValueError: not a job's directory."""
         try:
             leftover = leftover_of(target.parent / name)
-            if leftover is None or leftover.kind != "tmp" or leftover.target_name != target.name:
+            if leftover is None or leftover.kind != "tmp" or not leftover.is_for(target.name):
                 raise ValueError(f"job {name!r} is not a staging directory of {target.name}")
             try:
                 fd = dirs.open_dir(name, parent_fd)

@@ -136,6 +136,19 @@ def _remove_created(created: list[Path]) -> None:
             return
 
 
+def through_link(target: Path) -> Path:
+    """Where a save of `target` goes. A target whose last component is a
+    symbolic link to a directory (a `latest`-style link) is saved through it,
+    as torch's FileSystemWriter does: the checkpoint replaces the directory
+    the link names, atomically there, and the link goes on naming it. Any
+    other target, a dangling link included, is itself (_check_replaceable
+    refuses a link that is not followed)."""
+    if not target.is_symlink():
+        return target
+    real = Path(os.path.realpath(target))
+    return real if real.is_dir() and not real.is_symlink() else target
+
+
 def _check_replaceable(target: Path, dir_fd: int | None = None) -> None:
     """Refuse to replace anything but a checkpoint or an empty directory (with
     dir_fd: the entry target.name in that directory)."""
@@ -188,7 +201,9 @@ class Staging:
     @classmethod
     def create(cls, target: Path) -> Staging:
         """Make the staging directory, after checking (before any data is
-        written) that the target may be replaced."""
+        written) that the target may be replaced. A target that is a link
+        to a directory is saved through it (through_link)."""
+        target = through_link(target)
         parent = target.parent
         created: list[Path] = []
         try:

@@ -1,8 +1,9 @@
 """Leftovers of saves that did not finish: their names, and collecting them.
 
 A save works in a hidden directory beside its target (commit.py), named
-`.NAME.fp-KIND-PID-RAND@HOST`: "tmp" an unfinished (or replaced) save, "old" a
-checkpoint moved aside by a replace, "del" a checkpoint being deleted,
+`.NAME.fp-KIND-PID-RAND@HOST` (NAME shortened, see shortened(), where the
+whole would pass the 255 bytes a file name may have): "tmp" an unfinished
+(or replaced) save, "old" a checkpoint moved aside by a replace, "del" a checkpoint being deleted,
 "prep" a prepared part of a node-local distributed checkpoint (prepared.py).
 A leftover whose process is gone is collected: removed, or, for the only copy
 of a checkpoint left by an interrupted replace, put back under its name. A
@@ -14,6 +15,7 @@ Torch-free: the daemon imports this module.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -35,12 +37,42 @@ _LEFTOVER = re.compile(
 )
 
 
-def leftover_name(name: str, kind: str) -> str:
+MAX_NAME_BYTES = 255  # of one path component, on every Linux filesystem we write
+# A shortened NAME: this many bytes of it, "~", and 16 hex digits of its SHA-256.
+# With the rest of a leftover's name (at most 91 bytes: a 7-digit pid, a
+# 64-byte host name) it fits in MAX_NAME_BYTES.
+_KEPT_BYTES = 128
+# Kinds whose NAME is never shortened: gc puts an "old" copy back under NAME,
+# and settle publishes a "prep" part under it, so they must carry it whole (a
+# target whose leftover name would not fit is refused: ENAMETOOLONG).
+_WHOLE_NAME_KINDS = ("old", "prep")
+
+
+def shortened(name: str) -> str:
+    """The stand-in for a name too long to carry in a leftover's name: a
+    prefix (for people) and a hash (for Leftover.is_for)."""
+    raw = os.fsencode(name)
+    kept = raw[:_KEPT_BYTES].decode("utf-8", "ignore") if len(raw) > _KEPT_BYTES else name
+    return f"{kept}~{hashlib.sha256(raw).hexdigest()[:16]}"
+
+
+def process_token() -> str:
+    """PID-RAND@HOST: who made a leftover (a new RAND each call)."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}@{socket.gethostname()}"
+
+
+def leftover_name(name: str, kind: str, token: str | None = None) -> str:
     """The hidden name of a temporary for `name`: a staging directory or temp
     file ("tmp"), an old copy moved aside ("old"), a checkpoint being deleted
     ("del"). Every temporary fastpersist makes is named so, and nothing else:
-    `fpctl gc` and the daemon recognise them by this one pattern (_LEFTOVER)."""
-    return f".{name}.fp-{kind}-{os.getpid()}-{secrets.token_hex(4)}@{socket.gethostname()}"
+    `fpctl gc` and the daemon recognise them by this one pattern (_LEFTOVER).
+    token: PID-RAND@HOST (process_token(); given where several processes
+    must name the same directory, as a DCP save's ranks do)."""
+    suffix = f".fp-{kind}-{token or process_token()}"
+    whole = f".{name}{suffix}"
+    if len(os.fsencode(whole)) <= MAX_NAME_BYTES or kind in _WHOLE_NAME_KINDS:
+        return whole
+    return f".{shortened(name)}{suffix}"
 
 
 @dataclass(frozen=True)
@@ -55,6 +87,11 @@ class Leftover:
     pid: int
     host: str
     is_dir: bool = True
+
+    def is_for(self, name: str) -> bool:
+        """Whether this is a leftover of a save (or delete) of `name`, whose
+        name it carries whole or shortened (leftover_name)."""
+        return self.target_name == name or self.target_name == shortened(name)
 
     @property
     def owner_alive(self) -> bool:

@@ -130,7 +130,7 @@ def check_prepared_name(target: Path, name: str, dir_fd: int) -> Path:
     except FileNotFoundError:
         raise LookupError(f"no prepared part {name} of {target.name}") from None
     leftover = leftover_of(path) if stat.S_ISDIR(st.st_mode) else None
-    if leftover is None or leftover.kind != "prep" or leftover.target_name != target.name:
+    if leftover is None or leftover.kind != "prep" or not leftover.is_for(target.name):
         raise ValueError(f"{name!r} is not a prepared part of {target.name}")
     return path
 

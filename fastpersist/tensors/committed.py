@@ -32,7 +32,7 @@ def _not_found(path: Path) -> CheckpointNotFoundError:
     hint = ""
     if path.parent.is_dir():
         aside = [lo for lo in find_leftovers(path.parent)
-                 if lo.target_name == path.name and lo.kind == "old"]
+                 if lo.is_for(path.name) and lo.kind == "old"]
         if aside:
             hint = (f"; a replace of it was interrupted and the previous checkpoint is in "
                     f"{aside[0].path.name} (`fpctl gc {path.parent}` puts it back)")

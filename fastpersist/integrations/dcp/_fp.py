@@ -19,6 +19,7 @@ from ...errors import (
     CorruptCheckpointError,
     DaemonError,
     ManifestError,
+    PickleNotAllowedError,
     TruncatedFileError,
     UnsupportedValueError,
 )
@@ -36,7 +37,9 @@ from ...format.names import part_file_name
 from ...format.tree import check_tree
 from ...saving.snapshot import StagedFile, stage_file
 from ...saving.staging import StagingPool
-from ...storage.commit import Staging, os_error
+from ...storage.commit import Staging, os_error, through_link
+from ...storage.leftovers import leftover_name
+from ...storage.leftovers import process_token as new_token
 from ...tensors.committed import read_manifest
 from ...tensors.datafile import plan_file
 from ...tensors.plan import StoredTensor
@@ -44,9 +47,12 @@ from ...tensors.plan import StoredTensor
 __all__ = [
     "DISTRIBUTED_SCHEMA_VERSION", "CheckpointError", "CheckpointExistsError",
     "ChecksumMismatchError", "Chunk", "CorruptCheckpointError", "DaemonError", "Engine",
-    "FileRecord", "GlobalTensor", "Manifest", "ManifestError", "PartFiles", "Segment",
+    "FileRecord", "GlobalTensor", "Manifest", "ManifestError", "PartFiles", "PickleNotAllowedError",
+    "Segment",
     "StagedFile", "Staging", "StagingPool", "StoredTensor", "TensorRecord", "ThroughDaemon",
     "TruncatedFileError", "UnsupportedValueError", "__version__", "check_tree", "combine",
-    "crc32c", "dtypes", "get_engine", "knobs", "os_error", "parse_json", "part_file_name",
+    "crc32c", "dtypes", "get_engine", "knobs", "leftover_name", "new_token", "os_error",
+    "parse_json", "part_file_name",
     "plan_file", "read_manifest", "stage_file",
+    "through_link",
 ]

@@ -18,6 +18,16 @@ the plan asks for:
 A mismatch raises ChecksumMismatchError (a CheckpointError) naming the file
 and item; DCP reports it from dcp.load inside its CheckpointException.
 verify=False (or FASTPERSIST_VERIFY_LOAD=0) skips the checks.
+
+Bytes items (what DCP stores with torch.save: non-tensor values, tuples) are
+handed to DCP's planner, whose load_bytes unpickles them with
+torch.load(weights_only=False): code from the checkpoint would run. So each
+is first loaded with torch.load(weights_only=True), torch's restricted
+unpickler (tensors, containers, numbers, strings; io.BytesIO values, which
+DCP takes as such, allowed too), and one it refuses
+raises PickleNotAllowedError naming the item, unless allow_pickle=True.
+FileSystemReader unpickles them all; torch.load itself defaults to
+weights_only=True, and so does this reader.
 """
 
 from __future__ import annotations
@@ -49,10 +59,15 @@ _MAX_METADATA_BYTES = 1 << 30
 class FastPersistReader(StorageReader):
     """Reads a checkpoint that FastPersistWriter wrote at `path`."""
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], _extension_registry: Any = None, *,
+                 verify: bool | None = None, allow_pickle: bool = False) -> None:
+        """_extension_registry: FileSystemReader's (stream transforms), taken so
+        that the class name is the only change, and unused: a fastpersist
+        checkpoint's files have no DCP extensions to undo."""
         super().__init__()
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.verify = verify
+        self.allow_pickle = allow_pickle
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, ItemInfo] = {}
         self._records: dict[str, _fp.TensorRecord] = {}
@@ -125,7 +140,8 @@ class FastPersistReader(StorageReader):
                 raise _fp.ManifestError(f"{self.path}: the checkpoint has no item {index.fqn!r} "
                                         f"at {at}")
             record = self._records[info.record]
-            by_file.setdefault(record.file, []).append(_job(record, info, reqs, planner))
+            by_file.setdefault(record.file, []).append(
+                _job(record, info, reqs, planner, self.allow_pickle, str(self.path)))
         engine = _fp.get_engine()
         for name, jobs in by_file.items():
             self._check_size(self._files[name])
@@ -195,11 +211,13 @@ class _Job:
 
 
 def _job(record: _fp.TensorRecord, info: ItemInfo, reqs: list[ReadItem],
-         planner: LoadPlanner) -> _Job:
+         planner: LoadPlanner, allow_pickle: bool, where: str) -> _Job:
     if reqs[0].type == LoadItemType.BYTE_IO:
         raw = bytearray(record.length)
 
         def load_bytes(planner: LoadPlanner) -> None:
+            if not allow_pickle:
+                _check_weights_only(raw, reqs[0].storage_index.fqn, where)
             for req in reqs:
                 planner.load_bytes(req, io.BytesIO(raw))
 
@@ -222,6 +240,21 @@ def _job(record: _fp.TensorRecord, info: ItemInfo, reqs: list[ReadItem],
     if whole or not info.block_crcs:
         return _whole(record, dtype, reqs, planner)
     return _partial(record, info, dtype, reqs, sorted(blocks))
+
+
+def _check_weights_only(raw: bytearray, fqn: str, where: str) -> None:
+    """Refuse a bytes item that torch's restricted unpickler refuses: the
+    planner would unpickle it without restriction (the module docstring)."""
+    try:
+        # io.BytesIO values, which DCP supports as such, are bytes: allowed.
+        with torch.serialization.safe_globals([io.BytesIO]):
+            torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, or whatever the data provokes
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _fp.PickleNotAllowedError(
+            f"{where}: item {fqn!r} is pickled data that torch.load(weights_only=True) refuses "
+            f"({first[:200]}); FastPersistReader(..., allow_pickle=True) unpickles it, which "
+            "runs code from the checkpoint: only for checkpoints you trust") from None
 
 
 def _whole(record: _fp.TensorRecord, dtype: torch.dtype, reqs: list[ReadItem],

@@ -97,7 +97,8 @@ class FastPersistStager(AsyncStager):
         """The staged state and its buffer's lease, for the caller to release()."""
         sources: list[torch.Tensor] = []
         local_ids: set[int] = set()
-        _walk(state_dict, sources, local_ids)
+        in_bytes: set[int] = set()
+        _walk(state_dict, sources, local_ids, in_bytes)
         total, offsets = 0, []
         for t in sources:
             offsets.append(total)
@@ -109,13 +110,18 @@ class FastPersistStager(AsyncStager):
         lease = Lease(buffer, pinned)
         try:
             # With DTensors in the state, every staged tensor gets a storage of
-            # its own (see _aliases).
-            alias = _aliases(buffer) if local_ids else None
+            # its own (see _aliases); without, those that DCP stores as
+            # torch.save bytes do (in_bytes: torch.save writes a tensor's whole
+            # storage, which for a view of the buffer is the buffer, holding the
+            # other tensors of this state and an earlier save's leftovers).
+            alias = _aliases(buffer) if local_ids or in_bytes else None
             views: dict[int, torch.Tensor] = {}
             devices = set()
             for t, off in zip(sources, offsets, strict=True):
                 cuda = t.device.type == "cuda"
-                if alias is not None and not cuda:
+                own = alias is not None and (bool(local_ids) or id(t) in in_bytes)
+                if own and not cuda:
+                    assert alias is not None
                     view = alias(t, off)
                 else:  # a device copy lands in the pinned buffer's own storage
                     n = t.numel() * t.element_size()
@@ -123,7 +129,8 @@ class FastPersistStager(AsyncStager):
                 view.copy_(t.detach(), non_blocking=cuda)
                 if cuda:
                     devices.add(t.device)
-                    if alias is not None:
+                    if own:
+                        assert alias is not None
                         view = alias(t, off)
                 views[id(t)] = view
             for device in devices:
@@ -156,9 +163,12 @@ def _stageable(t: torch.Tensor) -> bool:
         and not t.is_quantized
 
 
-def _walk(obj: Any, out: list[torch.Tensor], local_ids: set[int]) -> None:
+def _walk(obj: Any, out: list[torch.Tensor], local_ids: set[int], in_bytes: set[int],
+          under_tuple: bool = False) -> None:
     """The tensors to stage into `out`; the ids of DTensors' local tensors
-    into `local_ids`."""
+    into `local_ids`, and of tensors under a tuple into `in_bytes`: DCP's
+    traversal stops at a tuple (or namedtuple) and stores it whole with
+    torch.save (torch.distributed.checkpoint._traverse)."""
     if isinstance(obj, torch.Tensor):
         local = _local(obj)
         t = obj if local is None else local
@@ -166,12 +176,15 @@ def _walk(obj: Any, out: list[torch.Tensor], local_ids: set[int]) -> None:
             local_ids.add(id(local))
         if _stageable(t) and t.numel():
             out.append(t)
+            if under_tuple:
+                in_bytes.add(id(t))
     elif isinstance(obj, dict):
         for v in obj.values():
-            _walk(v, out, local_ids)
+            _walk(v, out, local_ids, in_bytes, under_tuple)
     elif isinstance(obj, (list, tuple)):
+        inside = under_tuple or isinstance(obj, tuple)
         for v in obj:
-            _walk(v, out, local_ids)
+            _walk(v, out, local_ids, in_bytes, inside)
 
 
 def _rebuild(obj: Any, views: dict[int, torch.Tensor]) -> Any:
@@ -192,8 +205,15 @@ def _rebuild(obj: Any, views: dict[int, torch.Tensor]) -> Any:
             return torch.empty(obj.shape, dtype=obj.dtype)
         return copy.deepcopy(obj)  # ShardedTensor and other tensor kinds
     if isinstance(obj, dict):
-        return type(obj)((k, _rebuild(v, views)) for k, v in obj.items()) \
-            if type(obj) is not dict else {k: _rebuild(v, views) for k, v in obj.items()}
+        items = [(k, _rebuild(v, views)) for k, v in obj.items()]
+        if type(obj) is dict:
+            return dict(items)
+        # A subclass keeps its class and state (a defaultdict its default_factory,
+        # which type(obj)(items) would take the items for).
+        rebuilt = copy.copy(obj)
+        rebuilt.clear()
+        rebuilt.update(items)
+        return rebuilt
     if isinstance(obj, list):
         return [_rebuild(v, views) for v in obj]
     if isinstance(obj, tuple):

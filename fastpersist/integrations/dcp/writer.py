@@ -35,12 +35,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import secrets
 import shutil
-import socket
 import threading
 import uuid
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +94,13 @@ def process_token() -> str:
     """PID-RAND@HOST of this process (one per process, as leftover names have)."""
     global _token
     if _token is None or not _token.startswith(f"{os.getpid()}-"):
-        _token = f"{os.getpid()}-{secrets.token_hex(4)}@{socket.gethostname()}"
+        _token = _fp.new_token()
     return _token
 
 
 def staging_path(target: Path, token: str) -> Path:
-    return target.parent / f".{target.name}.fp-tmp-{token}"
+    """The staging directory every rank of a save writes into (rank 0's token)."""
+    return target.parent / _fp.leftover_name(target.name, "tmp", token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,12 +120,34 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     process's shared staging pool) snapshots the state for dcp.async_save.
     daemon: fastpersistd's address ("unix:///PATH"; None: FASTPERSIST_DAEMON,
     "": write in this process); `path` must then lie under the daemon's --root.
+
+    FileSystemWriter's arguments are taken in its order, so that changing the
+    class name is the only change a DCP user makes, and change nothing, for
+    these reasons: single_file_per_rank (each rank writes its own data files,
+    cut at FASTPERSIST_FILE_BYTES: the layout is fastpersist's), sync_files
+    (every file is fsynced before the commit, always: a checkpoint is durable
+    or absent), thread_count (the engine's parallel O_DIRECT I/O:
+    FASTPERSIST_THREADS), per_thread_copy_ahead and cache_staged_state_dict
+    (the stager copies into reused, bounded staging: FASTPERSIST_STAGING_BUDGET),
+    serialization_format (the data files are safetensors files either way).
+    _extensions (stream transforms, e.g. torch's ZStandard) are refused by name:
+    they would change the bytes, which fastpersist compresses its own way.
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = True,
+    def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int = 1,
+                 per_thread_copy_ahead: int = 10_000_000,
+                 cache_staged_state_dict: bool = False, overwrite: bool = True,
+                 _extensions: Sequence[Any] | None = None,
+                 serialization_format: Any = None, *,
                  stager: FastPersistStager | None = None, daemon: str | None = None) -> None:
+        if _extensions:
+            raise ValueError(
+                f"FastPersistWriter does not apply DCP stream extensions ({list(_extensions)}): "
+                "its data files are fastpersist's safetensors files, written with O_DIRECT; "
+                "leave _extensions out")
         super().__init__()
         self.path = checkpoint_path(path)
         self.overwrite = overwrite
@@ -202,6 +224,9 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             raise ValueError("FastPersistWriter needs use_collectives=True: the ranks write one "
                              "checkpoint that the coordinator commits")
         self._abort_pending()
+        # A path that is a link to a directory is saved through, as by
+        # FileSystemWriter; every rank resolves it, so all name one staging place.
+        self.path = _fp.through_link(self.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         for item in plan.items:  # refuse what cannot be stored before any I/O
@@ -223,7 +248,15 @@ class FastPersistWriter(StorageWriter, AsyncStager):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        data: PlanData = plan.storage_data
+        data = plan.storage_data
+        if not isinstance(data, PlanData):
+            # DCP's plan cache (enable_plan_caching) is one per planner class for
+            # the whole process: a plan cached for another storage writer's save.
+            raise _fp.CheckpointError(
+                f"the save plan of {self.path} was made for another storage writer "
+                f"(its storage_data is a {type(data).__name__}): DCP's plan cache is shared "
+                "by every DefaultSavePlanner of a process; with enable_plan_caching, save "
+                "through one storage writer class per process (or use a planner subclass)")
         files = files_of(plan.items, _fp.knobs.current().file_bytes)
         results: list[WriteResult] = []
         try:
