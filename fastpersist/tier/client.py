@@ -135,6 +135,17 @@ class S3:
         finally:
             body.close()
 
+    def exists(self, url: TierURL, name: str) -> bool:
+        """Whether object `name` under `url` exists (a HEAD)."""
+        key = url.key(name)
+        try:
+            self.client.head_object(Bucket=url.bucket, Key=key)
+        except Exception as exc:
+            if error_code(exc) in _NOT_FOUND - {"NoSuchBucket"}:
+                return False
+            raise tier_error(exc, f"looking for s3://{url.bucket}/{key}") from exc
+        return True
+
     def put_new(self, url: TierURL, name: str, data: bytes,
                 metadata: dict[str, str] | None = None) -> bool:
         """Create object `name` under `url` only if it does not exist (a
