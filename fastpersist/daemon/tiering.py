@@ -44,7 +44,7 @@ from .rootfs import Root
 
 _RESULTS = {"tier-uploaded": None, "tier-upload-failed": "failed",
             "tier-upload-dropped": "dropped", "tier-upload-skipped": "skipped",
-            "tier-unnameable": "unnameable"}
+            "tier-upload-corrupt": "corrupt", "tier-unnameable": "unnameable"}
 
 
 class DaemonTier:
