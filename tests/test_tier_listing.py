@@ -155,3 +155,34 @@ def test_gc_leaves_an_upload_that_finished_since_it_was_listed(
     with pytest.raises(Exception, match="holds a checkpoint now"):
         delete_incomplete(client, url, entry)
     assert keys(s3.client, s3.bucket) == full
+
+
+def test_an_upload_whose_objects_were_removed_meanwhile_is_not_reported_uploaded(
+        s3: Any, tmp_path: Path) -> None:
+    """A gc with an --older-than shorter than an upload removes its data
+    objects before the manifest goes up: the uploader finds them missing
+    after writing the manifest, takes the manifest down again and fails (to
+    be retried), instead of reporting a checkpoint whose bytes are gone."""
+    from fastpersist.errors import TierError
+
+    local = tmp_path / "step-00000001"
+    fastpersist.save({"w": torch.ones(1000)}, local)
+    client = S3()
+    data_key = "ckpts/step-00000001/data-00000.safetensors"
+
+    def gc_strikes(params: Any, **_: Any) -> None:
+        if str(params.get("Key", "")).endswith("manifest.json"):
+            s3.client.delete_object(Bucket=s3.bucket, Key=data_key)
+
+    client.client.meta.events.register("before-parameter-build.s3.PutObject", gc_strikes)
+    url = TierURL.parse(s3.url).child(local.name)
+    fd = os.open(local, dirs.DIR_FLAGS)
+    try:
+        with pytest.raises(TierError, match=r"data-00000\.safetensors of .* vanished"):
+            upload_checkpoint(client, fd, str(local), url)
+        assert keys(s3.client, s3.bucket) == {}
+        done = upload_checkpoint(S3(), fd, str(local), url)  # the retry
+    finally:
+        os.close(fd)
+    assert not done.already
+    assert fastpersist.load(str(url))["w"].sum() == 1000

@@ -19,7 +19,9 @@
        killed uploader left open is taken up by the next attempt (parts.py).
     4. Write manifest.json with a conditional put (If-None-Match: *): the
        remote checkpoint becomes visible, complete, in one step, and never
-       replaces one that appeared meanwhile.
+       replaces one that appeared meanwhile. Then list the objects: one
+       that is missing or of the wrong size (deleted meanwhile) takes the
+       manifest down again, and the upload fails (to be retried).
 
 A failure at any step leaves no manifest: nothing partial is visible, and the
 next attempt sends the data files again (they are overwritten in place),
@@ -63,6 +65,7 @@ from ..storage import dirs
 from .checked import CheckedFile, LocalCorruption
 from .client import S3, tier_error
 from .parts import PartStream
+from .remote import object_sizes
 from .url import TierURL
 
 CODEC_KEY = "fastpersist-codec"
@@ -173,8 +176,23 @@ def upload_checkpoint(s3: S3, dir_fd: int, where: str, url: TierURL,
             s3.get(url, MANIFEST_NAME, MAX_MANIFEST_BYTES) != remote:
         raise TierError(f"another uploader wrote {url} while {where} was uploaded there "
                         "(one writer per prefix)")
+    _check_objects(s3, url, remote, where)
     return Uploaded(url, len(files), sent, local_bytes, already=False,
                     replaced=got is not None)
+
+
+def _check_objects(s3: S3, url: TierURL, remote: bytes, where: str) -> None:
+    """Every data object the manifest just written names is there, with its
+    size; else (deleted meanwhile: `fpctl gc --older-than` shorter than the
+    upload) the manifest is deleted again, and the upload fails, to be retried:
+    a checkpoint is never reported uploaded with objects missing."""
+    sizes = object_sizes(s3, url)
+    wrong = [f.name for f in Manifest.from_json(remote, str(url)).files
+             if sizes.get(f.name) != f.size]
+    if wrong:
+        s3.delete(url.bucket, [url.key(MANIFEST_NAME)])
+        raise TierError(f"{', '.join(wrong)} of {url} vanished or changed while {where} was "
+                        "uploaded there (a gc, another writer?); its manifest is deleted again")
 
 
 def _upload_raw(s3: S3, url: TierURL, manifest: Manifest, files: list[tuple[str, int, int]],
