@@ -18,7 +18,8 @@ would add a second credential chain. boto3 is an optional dependency (the
 through parts.py (not s3transfer, which can neither check the bytes it reads
 nor take up an upload a killed uploader left open).
 
-Every request retries FASTPERSIST_TIER_ATTEMPTS times in all; an error that
+Every request retries FASTPERSIST_TIER_ATTEMPTS times in all, each waiting at
+most FASTPERSIST_TIER_TIMEOUT seconds for the store's answer; an error that
 remains is translated into a CheckpointError (tier_error) naming what was
 being done.
 
@@ -86,7 +87,8 @@ class S3:
         cfg = config.Config(
             retries={"max_attempts": k.tier_attempts, "mode": "standard"},
             max_pool_connections=self.concurrency + 4,
-            connect_timeout=10, read_timeout=120, tcp_keepalive=True,
+            connect_timeout=min(10, k.tier_timeout), read_timeout=k.tier_timeout,
+            tcp_keepalive=True,
         )
         self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url,
                                                      config=cfg)

@@ -10,7 +10,8 @@ restart.
     order         newest step first: the checkpoint a lost node would be
                   restored from goes first.
     failures      a failed upload is retried after a backoff (1 s, doubling,
-                  at most 60 s), for as long as the uploader runs: every
+                  at most FASTPERSIST_TIER_RETRY_MAX, 60 s), for as long as
+                  the uploader runs: every
                   failure is reported (events, status()); none stalls the
                   trainer or the daemon. Only what retrying cannot change
                   leaves the queue, and that is reported too:
@@ -56,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..background import lower_this_thread
+from ..knobs import current as current_knobs
 from .checked import LocalCorruption
 from .client import S3
 from .retention import keep_last, sweep_uploads
@@ -111,15 +113,15 @@ class Uploader:
     def __init__(self, s3: S3, url: TierURL, *, keep_last: int | None = None,
                  events: Events = log_event,
                  on_uploaded: Callable[[Job, Uploaded], None] | None = None,
-                 backoff: tuple[float, float] = (1.0, 60.0), sweep_every: float = 3600.0,
+                 backoff: tuple[float, float] | None = None, sweep_every: float = 3600.0,
                  sweep_older_than: float = 86400.0, compression: str | None = "zstd") -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("tier_keep_last must be at least 1 (or None to keep everything)")
         self.s3, self.url, self.keep_last = s3, url, keep_last
         self.compression = check_compression(compression)
         self.events, self.on_uploaded = events, on_uploaded
-        self.backoff, self.sweep_every, self.sweep_older_than = (
-            backoff, sweep_every, sweep_older_than)
+        self.backoff = backoff or (1.0, float(current_knobs().tier_retry_max))
+        self.sweep_every, self.sweep_older_than = sweep_every, sweep_older_than
         self._cond = threading.Condition()
         self._jobs: dict[str, Job] = {}
         self._given_up: dict[str, Job] = {}  # out of tries while draining: still pending
