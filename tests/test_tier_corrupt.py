@@ -211,7 +211,8 @@ def test_the_daemon_names_a_corrupt_checkpoint_in_its_log_and_metrics(
         (line,) = _until("the corrupt one reported", lambda: d.events("tier-upload-corrupt"))
         assert line["level"] == "error" and line["path"] == "run/step-00000002"
         assert (line["file"], line["tensor"]) == (bad_file, "big")
-        _until("step 1 uploaded", lambda: _manifests(s3) == ["ckpts/run/step-00000001"])
+        _until("step 1 uploaded", lambda: d.events("tier-uploaded"))  # logged after the put
+        assert _manifests(s3) == ["ckpts/run/step-00000001"]
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
         assert 'fastpersist_tier_uploads_total{result="corrupt"} 1.0' in metrics
         assert 'fastpersist_tier_uploads_total{result="uploaded"} 1.0' in metrics

@@ -132,7 +132,7 @@ def test_only_a_checkpoint_gone_twice_is_dropped(s3: Any, tmp_path: Path) -> Non
     gone = tmp_path / "step-00000002"
     up.add(_job(s3, gone, _opener(gone, [])))
     assert up.wait(30)
-    assert not up.is_pending(str(gone)) and not up.is_pending(str(back))
+    assert up.status().pending == () and not up.is_pending(str(back))
     up.close()
     assert _manifests(s3) == ["ckpts/step-00000001"]
     (dropped,) = events.named("tier-upload-dropped")
@@ -175,9 +175,59 @@ def test_the_daemon_keeps_what_a_passing_error_held_back(s3: Any, tmp_path: Path
         ckpt.close()
         assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004"]
     finally:
-        import fastpersist.saving.remote as remote
-
-        for saver in list(remote._remote_savers.values()):
-            saver.close(abort=True)
-        remote._remote_savers.clear()
+        _forget_savers()
         d.cleanup()
+
+
+def test_retention_keeps_what_was_never_confirmed_uploaded(s3: Any, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """The walk at start skips a directory it cannot open (os.fwalk's way with
+    EMFILE or EACCES; here the prelude makes it skip run/). Before: what it
+    missed was "not pending", and the next commit's retention deleted those
+    checkpoints, never uploaded. Now retention keeps every checkpoint whose
+    upload the daemon has not confirmed."""
+    root = tmp_path / "root"
+    for step in (1, 2):
+        fastpersist.save({"w": torch.full((10,), float(step))}, root / "run" / f"step-{step:08d}")
+    prelude = (
+        "import os\n"
+        "_fwalk = os.fwalk\n"
+        "def fwalk(top='.', *a, **k):\n"
+        "    for dirpath, dirnames, filenames, fd in _fwalk(top, *a, **k):\n"
+        "        if dirpath == '.' and 'run' in dirnames:\n"
+        "            dirnames.remove('run')\n"
+        "        yield dirpath, dirnames, filenames, fd\n"
+        "os.fwalk = fwalk\n")
+    d = Daemon(tmp_path, "--tier", s3.url, root=root, prelude=prelude).start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    try:
+        assert d.events("tier-start")[-1]["queued"] == 0
+        ckpt = fastpersist.Checkpointer(root / "run", daemon=d.address, keep_last=1)
+        ckpt.save(3, {"w": torch.full((10,), 3.0)}).result()
+        _until("step 3 uploaded", lambda: _manifests(s3) == ["ckpts/run/step-00000003"])
+        ckpt.save(4, {"w": torch.full((10,), 4.0)}).result()
+        ckpt.close()
+        # Steps 1 and 2 were never uploaded: kept. (Step 3 is, and may go.)
+        assert {"step-00000001", "step-00000002"} <= {p.name for p in (root / "run").iterdir()}
+        d.stop()
+        _forget_savers()
+        d.cleanup()
+        d = Daemon(tmp_path, "--tier", s3.url, root=root).start()  # a walk that sees them
+        monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+        _until("all uploaded", lambda: len(_manifests(s3)) == 4)
+        ckpt = fastpersist.Checkpointer(root / "run", daemon=d.address, keep_last=1)
+        ckpt.save(5, {"w": torch.full((10,), 5.0)}).result()
+        ckpt.close()
+        assert sorted(p.name for p in (root / "run").glob("step-*")) == ["step-00000005"]
+    finally:
+        _forget_savers()
+        d.cleanup()
+
+
+def _forget_savers() -> None:
+    import fastpersist.saving.remote as remote
+
+    for saver in list(remote._remote_savers.values()):
+        saver.close(abort=True)
+    remote._remote_savers.clear()

@@ -26,9 +26,13 @@ restart.
                   Any other error (the store; EMFILE, ENOMEM, EIO reading
                   the files) is retried.
     pending       a checkpoint stays pending from add() until its manifest is
-                  in the store. Local retention keeps what is_pending says
-                  (pending, given up while draining, or corrupt): a copy
-                  whose upload is not confirmed is never deleted.
+                  in the store. Local retention keeps what is_pending says:
+                  every checkpoint whose upload this uploader has not
+                  confirmed (queued, failing, given up while draining,
+                  corrupt, and any it was never given: a checkpoint a walk
+                  at start could not reach is kept, not assumed uploaded).
+                  Confirmed: uploaded, found in the store, superseded (see
+                  keep_last) or not uploadable at all (a node-local part).
     keep_last     after each upload, remote retention in its directory
                   (retention.keep_last, counting up to the highest step
                   uploaded there); pending checkpoints older than the ones it
@@ -126,6 +130,7 @@ class Uploader:
         self._jobs: dict[str, Job] = {}
         self._given_up: dict[str, Job] = {}  # out of tries while draining: still pending
         self._corrupt: dict[str, Job] = {}  # do not match their manifest: kept, reported
+        self._confirmed: set[str] = set()  # keys local retention may delete
         self._current: Job | None = None
         self._seq = 0
         self._high: dict[TierURL, int] = {}  # highest step uploaded per group
@@ -149,12 +154,15 @@ class Uploader:
             self._jobs[job.key] = job
             self._given_up.pop(job.key, None)
             self._corrupt.pop(job.key, None)
+            self._confirmed.discard(job.key)
             self._cond.notify_all()
 
     def is_pending(self, key: str) -> bool:
-        """Whether the checkpoint's upload is not confirmed: local retention keeps it."""
+        """Whether the upload of checkpoint `key` is not confirmed (local
+        retention keeps it): from add() until it is in the store, and for a
+        key never added."""
         with self._cond:
-            return key in self._jobs or key in self._given_up or key in self._corrupt
+            return key not in self._confirmed
 
     def status(self) -> TierStatus:
         with self._cond:
@@ -249,7 +257,10 @@ class Uploader:
                              seq=seq)
             elif isinstance(exc, LocalCorruption):
                 self._corrupted(job, exc, seq)
-            else:
+            else:  # never uploadable (a node-local part): retention may have it
+                with self._cond:
+                    if self._jobs.get(job.key) is job and job.seq == seq:
+                        self._confirmed.add(job.key)
                 self._failed(job, str(exc), drop=True, seq=seq)
             return
         except Exception as exc:
@@ -260,6 +271,7 @@ class Uploader:
         with self._cond:
             if self._jobs.get(job.key) is job and job.seq == seq:
                 del self._jobs[job.key]  # else added again meanwhile: goes again
+                self._confirmed.add(job.key)
             self._uploaded += 1
             self._bytes += done.bytes
         self.events("info", "tier-uploaded", path=job.key, url=str(job.url), bytes=done.bytes,
@@ -330,6 +342,7 @@ class Uploader:
                      j.step is not None and j.step < oldest and j is not self._current]
             for j in stale:
                 del self._jobs[j.key]
+                self._confirmed.add(j.key)  # the store would delete it at once
             self._cond.notify_all()
         for j in stale:
             self.events("info", "tier-upload-skipped", path=j.key, reason=(
