@@ -191,7 +191,7 @@ def test_requests_stalled_past_the_timeout(s3: Any, proxy: FaultProxy, tmp_path:
 @pytest.mark.slow
 def test_gc_and_retention_racing_the_uploads(s3: Any, proxy: FaultProxy,
                                              tmp_path: Path) -> None:
-    """fpctl gc of the parent prefix every second while a Checkpointer uploads
+    """fpctl gc of the parent prefix every half second while a Checkpointer uploads
     to a run directory below it (tier_keep_last=2 deleting in the store,
     keep_last=2 deleting locally), with throttling and resets. moto dates
     every multipart upload 2010, so each gc aborts the uploads in flight
@@ -209,12 +209,12 @@ def test_gc_and_retention_racing_the_uploads(s3: Any, proxy: FaultProxy,
             with contextlib.redirect_stdout(out):  # only this thread prints
                 status = fpctl(["gc", s3.url, "--older-than", "30", "--json"])
             runs.append((status, json.loads(out.getvalue() or "[]")))
-            stop.wait(1.0)
+            stop.wait(0.5)
 
     gc = threading.Thread(target=gc_loop)
     gc.start()
     try:
-        faults = RandomFaults(seed=3, rate=0.1, faults=["503", "reset-body", "reset-response"])
+        faults = RandomFaults(seed=3, rate=0.2, faults=["503", "reset-body", "reset-response"])
         figures, saved, status = _in_process(s3, proxy, tmp_path, faults, steps=8,
                                              tier=f"{s3.url}/run1", tier_keep_last=2,
                                              healed=stop.set)
