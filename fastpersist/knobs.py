@@ -121,6 +121,8 @@ class Knobs:
     tier_concurrency: int = 8
     tier_part_bytes: int = 16 * _MIB
     tier_attempts: int = 5
+    tier_timeout: int = 120
+    tier_retry_max: int = 60
     codec_threads: int = 8
     frame_bytes: int = 4 * _MIB
     background_nice: int = 10
@@ -219,6 +221,8 @@ def current() -> Knobs:
         tier_concurrency=_int_env("FASTPERSIST_TIER_CONCURRENCY", 8),
         tier_part_bytes=_int_env("FASTPERSIST_TIER_PART_BYTES", 16 * _MIB, minimum=5 * _MIB),
         tier_attempts=_int_env("FASTPERSIST_TIER_ATTEMPTS", 5),
+        tier_timeout=_int_env("FASTPERSIST_TIER_TIMEOUT", 120),
+        tier_retry_max=_int_env("FASTPERSIST_TIER_RETRY_MAX", 60),
         codec_threads=min(_int_env("FASTPERSIST_CODEC_THREADS",
                                    min(8, len(os.sched_getaffinity(0)))), 64),
         frame_bytes=frame_bytes,

@@ -19,9 +19,10 @@ from fastpersist.errors import TierError
 from fastpersist.format.manifest import Manifest
 from fastpersist.storage import dirs
 from fastpersist.tensors.checkpoint import read_manifest as read_local_manifest
+from fastpersist.tier.checked import LocalCorruption
 from fastpersist.tier.client import S3
 from fastpersist.tier.remote import read_manifest
-from fastpersist.tier.upload import NotUploadable, Uploaded, upload_checkpoint
+from fastpersist.tier.upload import Uploaded, upload_checkpoint
 from fastpersist.tier.url import TierURL
 
 MIB = 1 << 20
@@ -103,8 +104,8 @@ def test_a_corrupt_local_file_is_not_uploaded(s3: Any, tmp_path: Path) -> None:
             byte = f.read(1)
             f.seek(rec.offset + 3)
             f.write(bytes([byte[0] ^ 1]))
-        with pytest.raises(NotUploadable, match=rf"tensor '{name}' in {rec.file} does not "
-                           "match its CRC32C"):
+        with pytest.raises(LocalCorruption, match=rf"tensor '{name}' in {rec.file} is "
+                           "corrupt on the local disk"):
             _upload(S3(), tmp_path / "raw", TierURL.parse(s3.url).child("c"), "zstd")
         with open(tmp_path / "raw" / rec.file, "r+b") as f:
             f.seek(rec.offset + 3)

@@ -16,6 +16,7 @@ from tier_support import keys
 import fastpersist
 from fastpersist.errors import TierError
 from fastpersist.storage import dirs
+from fastpersist.tier.checked import LocalCorruption
 from fastpersist.tier.client import S3
 from fastpersist.tier.remote import entries, read_manifest
 from fastpersist.tier.retention import incomplete, keep_last, sweep_uploads
@@ -147,7 +148,7 @@ def test_what_cannot_be_uploaded(s3: Any, tmp_path: Path) -> None:
     _save(ckpt)
     with open(ckpt / "data-00000.safetensors", "ab") as f:
         f.write(b"x")
-    with pytest.raises(NotUploadable, match="its manifest says"):
+    with pytest.raises(LocalCorruption, match="its manifest says"):
         _upload(client, ckpt, url.child("step-2"))
     assert keys(s3.client, s3.bucket) == {}
 

@@ -74,9 +74,16 @@ class AfterCommits:
             return self._locks.setdefault((st.st_dev, st.st_ino), threading.Lock())
 
     def committed(self, relpath: str) -> None:
-        """ROOT/relpath was just committed: queue its upload (with a tier)."""
-        if self.tier is not None:
+        """ROOT/relpath was just committed: queue its upload (with a tier).
+        Never raises: the checkpoint is committed, and whoever asked must hear
+        so; a checkpoint not queued is logged, and the next start queues it."""
+        if self.tier is None:
+            return
+        try:
             self.tier.add(relpath)
+        except Exception as exc:  # reported, never a failed commit
+            self.metrics.tier_uploads.labels(result="not-queued").inc()
+            logs.error("tier-not-queued", path=relpath, error=str(exc))
 
     def apply(self, dir_fd: int, target: Path, relpath: str, policy: AfterCommit,
               since: float | None = None) -> str:

@@ -6,6 +6,11 @@ reach outside it (".." or an absolute path), must not name the hidden staging
 and leftover directories that commit.py makes (names starting with "."), and
 its last name must leave room for those directories' longer names.
 
+Every component must also pass the one name rule (storage/names.py: no
+backslash, control character or non-UTF-8 byte): a checkpoint the daemon
+accepts must be one its tier can upload, and that is decided here, at Begin,
+since after the commit nothing may fail.
+
 This module checks a path's text only. The daemon never uses it as a path:
 rootfs.py resolves its components one by one beneath the root's descriptor,
 refusing symbolic links, so that a check and a use cannot be told apart by a
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..storage.leftovers import leftover_name
+from ..storage.names import component_problem
 
 MAX_PATH_BYTES = 1024
 MAX_COMPONENT_BYTES = 255
@@ -71,6 +77,11 @@ def parse(relative: str, *, allow_root: bool = False, checkpoint: bool = True) -
             raise PathError(f"path {_shown(relative)} has a {part!r} component")
         if part.startswith("."):
             raise PathError(f"path {_shown(relative)} names a hidden entry ({_shown(part)})")
+        problem = component_problem(part)
+        if problem is not None:
+            raise PathError(f"path {_shown(relative)} has {problem} in {_shown(part)}: "
+                            "not a name every place a checkpoint goes (the object-store "
+                            "tier's keys) can hold")
         if len(part.encode("utf-8", "surrogateescape")) > MAX_COMPONENT_BYTES:
             raise PathError(f"path component {_shown(part)} is longer than "
                             f"{MAX_COMPONENT_BYTES} bytes")

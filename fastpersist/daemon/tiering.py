@@ -11,6 +11,11 @@ retention (after_commit.py) keeps a checkpoint until it is uploaded;
 checkpoints. Every upload, failure, retry and skip is a log line, counted in
 the metrics and shown by Info (`fpctl daemon status`).
 
+The daemon accepts only paths the tier can name (paths.py, at Begin). A
+checkpoint found at start under a name it cannot (left by an older daemon,
+or put there by hand) is logged (`tier-unnameable`) and counted, and the
+walk goes on: one odd name never keeps the others from being queued.
+
 Everything local is opened beneath the root held open, by descriptor
 (rootfs.Root.open_dir), never by a path string; data files are read through
 their descriptors.
@@ -25,7 +30,9 @@ import os
 import stat
 from typing import Any
 
+from ..errors import TierError
 from ..format.manifest import MANIFEST_NAME
+from ..storage.names import path_problem
 from ..storage.retention import step_of
 from ..tier.client import S3
 from ..tier.uploader import Job, TierStatus, Uploader
@@ -36,7 +43,8 @@ from .paths import PathError
 from .rootfs import Root
 
 _RESULTS = {"tier-uploaded": None, "tier-upload-failed": "failed",
-            "tier-upload-dropped": "dropped", "tier-upload-skipped": "skipped"}
+            "tier-upload-dropped": "dropped", "tier-upload-skipped": "skipped",
+            "tier-upload-corrupt": "corrupt", "tier-unnameable": "unnameable"}
 
 
 class DaemonTier:
@@ -59,16 +67,27 @@ class DaemonTier:
                     mode = os.stat(MANIFEST_NAME, dir_fd=dir_fd, follow_symlinks=False).st_mode
                 except OSError:
                     continue
-                if stat.S_ISREG(mode):
-                    self.add(os.path.normpath(dirpath))
-                    found += 1
+                if not stat.S_ISREG(mode):
+                    continue
+                relpath = os.path.normpath(dirpath)
+                try:
+                    self.add(relpath)
+                except Exception as exc:  # logged; the next checkpoint is queued
+                    self._event("error", "tier-unnameable", path=relpath, error=str(exc))
+                    continue
+                found += 1
         finally:  # what was found is uploaded, whatever stopped the walk
             logs.info("tier-start", url=str(self.url), queued=found)
             self.uploader.start()
         return self
 
     def add(self, relpath: str) -> None:
-        """Queue the checkpoint committed at ROOT/relpath."""
+        """Queue the checkpoint committed at ROOT/relpath; TierError if the
+        store cannot name it (never for a path Begin accepted)."""
+        problem = path_problem(relpath)
+        if problem is not None:
+            raise TierError(f"{relpath!r} cannot be uploaded: {problem}, which no object "
+                            "key may hold; rename it to upload it")
         parts = relpath.split("/")
 
         def open_dir() -> int:

@@ -7,19 +7,19 @@ AWS_REGION / AWS_DEFAULT_REGION, and AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3,
 or `endpoint_url` in a profile) for an S3-compatible store. `endpoint_url=`
 overrides the endpoint explicitly. Signing is botocore's.
 
-Why boto3: its transfer manager (s3transfer) does parallel multipart uploads
-with bounded memory and aborts a multipart upload that fails; botocore's
-standard retry mode retries throttling and transient errors a bounded number
-of times with jittered exponential backoff; it speaks conditional puts
-(If-None-Match) and is what S3-compatible stores test against. Against the
+Why boto3: botocore's standard retry mode retries throttling and transient
+errors a bounded number of times with jittered exponential backoff; it
+speaks conditional puts (If-None-Match) and is what S3-compatible stores
+test against. Against the
 local moto server, obstore (Rust) uploaded no faster (73-87 vs 73-97 MiB/s
 for 256 MiB, 4-16 parts in flight; moto is the bottleneck either way) and
 would add a second credential chain. boto3 is an optional dependency (the
-`tier` extra), imported only when a tier is used. An upload that a killed
-uploader left open is taken up part by part by parts.py (s3transfer cannot):
-its parts are numbered and sized as s3transfer's, so either's can be kept.
+`tier` extra), imported only when a tier is used. Uploads go part by part
+through parts.py (not s3transfer, which can neither check the bytes it reads
+nor take up an upload a killed uploader left open).
 
-Every request retries FASTPERSIST_TIER_ATTEMPTS times in all; an error that
+Every request retries FASTPERSIST_TIER_ATTEMPTS times in all, each waiting at
+most FASTPERSIST_TIER_TIMEOUT seconds for the store's answer; an error that
 remains is translated into a CheckpointError (tier_error) naming what was
 being done.
 
@@ -45,15 +45,14 @@ _PRECONDITION = {"PreconditionFailed", "412"}
 _CONFLICT = {"ConditionalRequestConflict", "409"}
 
 
-def _boto() -> tuple[Any, Any, Any]:
+def _boto() -> tuple[Any, Any]:
     try:
         import boto3
-        import boto3.s3.transfer
         import botocore.config
     except ImportError as exc:
         raise TierError(f"the object-store tier needs boto3 ({exc}): "
                         "pip install 'fastpersist[tier]'") from None
-    return boto3, boto3.s3.transfer, botocore.config
+    return boto3, botocore.config
 
 
 def error_code(exc: BaseException) -> str:
@@ -80,7 +79,7 @@ class S3:
     """One boto3 client (thread-safe) and the transfer settings of the knobs."""
 
     def __init__(self, endpoint_url: str | None = None) -> None:
-        boto3, transfer, config = _boto()
+        boto3, config = _boto()
         k = current_knobs()
         self.concurrency = k.tier_concurrency
         self.part_bytes = k.tier_part_bytes
@@ -88,24 +87,12 @@ class S3:
         cfg = config.Config(
             retries={"max_attempts": k.tier_attempts, "mode": "standard"},
             max_pool_connections=self.concurrency + 4,
-            connect_timeout=10, read_timeout=120, tcp_keepalive=True,
+            connect_timeout=min(10, k.tier_timeout), read_timeout=k.tier_timeout,
+            tcp_keepalive=True,
         )
         self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url,
                                                      config=cfg)
-        # Memory of an upload: files are read by name in place (never staged),
-        # at most `concurrency` parts of part_bytes each in flight.
-        self.transfer_config = transfer.TransferConfig(
-            multipart_threshold=self.part_bytes, multipart_chunksize=self.part_bytes,
-            max_concurrency=self.concurrency, max_io_queue=self.concurrency * 2,
-            use_threads=True, preferred_transfer_client="classic",
-        )
-        self._transfer = transfer
         self.conditional_puts = True  # False once the store refused If-None-Match
-
-    def transfer_manager(self) -> Any:
-        """An s3transfer TransferManager (a context manager: on an exception
-        it cancels the transfers, and a failed multipart upload is aborted)."""
-        return self._transfer.create_transfer_manager(self.client, self.transfer_config)
 
     # -- objects -----------------------------------------------------------
 
@@ -134,6 +121,17 @@ class S3:
             raise tier_error(exc, f"reading s3://{url.bucket}/{key}") from exc
         finally:
             body.close()
+
+    def exists(self, url: TierURL, name: str) -> bool:
+        """Whether object `name` under `url` exists (a HEAD)."""
+        key = url.key(name)
+        try:
+            self.client.head_object(Bucket=url.bucket, Key=key)
+        except Exception as exc:
+            if error_code(exc) in _NOT_FOUND - {"NoSuchBucket"}:
+                return False
+            raise tier_error(exc, f"looking for s3://{url.bucket}/{key}") from exc
+        return True
 
     def put_new(self, url: TierURL, name: str, data: bytes,
                 metadata: dict[str, str] | None = None) -> bool:

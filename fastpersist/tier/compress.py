@@ -23,7 +23,8 @@ An upload a killed uploader left open is taken up where it stopped (parts.py).
 
 The raw bytes read are checked against the local manifest's CRC32Cs as they
 are encoded (combined from the frames'): a file corrupted on the local disk
-is refused (NotUploadable), never laundered into frames with fresh CRCs.
+is refused (checked.LocalCorruption, naming the file and tensor), never
+laundered into frames with fresh CRCs.
 
 Torch-free (numpy and zstandard through codec/): the daemon imports this.
 """
@@ -37,21 +38,17 @@ from dataclasses import replace
 from ..checksum import combine
 from ..codec.frames import checksum, cut, encode_tensors
 from ..codec.packing import file_order
-from ..errors import TierError
 from ..format import packed_file
 from ..format.frames import RAW, ZSTD_BYTEGROUP, Frame
 from ..format.manifest import FileRecord, Manifest, TensorRecord
 from ..format.safetensors_file import DATA_FILE_METADATA
 from ..knobs import current as current_knobs
+from .checked import LocalCorruption
 from .client import S3
 from .parts import PartStream
 from .url import TierURL
 
 _BATCH_BYTES = 64 << 20
-
-
-class LocalCorruption(TierError):
-    """A local data file does not match its manifest's CRC32C."""
 
 
 def packed_name(name: str) -> str:
@@ -62,7 +59,8 @@ def packed_name(name: str) -> str:
 def _pread(fd: int, offset: int, n: int, where: str) -> bytes:
     data = os.pread(fd, n, offset)
     if len(data) != n:
-        raise LocalCorruption(f"{where}: the file ends before byte {offset + n}")
+        raise LocalCorruption(f"{where}: the file ends before byte {offset + n}; not uploaded",
+                              file=where.rpartition("/")[2])
     return data
 
 
@@ -83,8 +81,9 @@ def _upload_file(s3: S3, url: TierURL, fd: int, f: FileRecord,
         for r in small:
             data = _pread(fd, r.offset, r.length, f"{where}/{f.name}")
             if checksum(data) != r.crc32c:
-                raise LocalCorruption(f"{where}: tensor {r.name!r} in {f.name} does not match "
-                                      "its CRC32C; not uploaded (`fpctl verify` it)")
+                raise LocalCorruption(f"{where}: tensor {r.name!r} in {f.name} is corrupt on "
+                                      "the local disk (does not match its CRC32C); not "
+                                      "uploaded (`fpctl verify` it)", file=f.name, tensor=r.name)
             stream.write(data)
             stored[r.name] = (r.length, None)
         jobs = [(r, off, n) for r in big for off, n in cut(r.length, frame_bytes)]
@@ -106,8 +105,9 @@ def _upload_file(s3: S3, url: TierURL, fd: int, f: FileRecord,
                 stream.write(part)
         for r in big:
             if combine(raw_crcs[r.name]) != r.crc32c:
-                raise LocalCorruption(f"{where}: tensor {r.name!r} in {f.name} does not match "
-                                      "its CRC32C; not uploaded (`fpctl verify` it)")
+                raise LocalCorruption(f"{where}: tensor {r.name!r} in {f.name} is corrupt on "
+                                      "the local disk (does not match its CRC32C); not "
+                                      "uploaded (`fpctl verify` it)", file=f.name, tensor=r.name)
             mine = frames[r.name]
             stored[r.name] = (mine[-1].stored_offset + mine[-1].stored_length, tuple(mine))
         order = small + big

@@ -52,7 +52,7 @@ class PartStream:
         self.kept = 0  # bytes of parts an earlier, interrupted upload had sent already
         self.earlier: dict[int, tuple[str, int]] = {}  # its parts: number -> (ETag, size)
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         self.size += len(data)
         part = self.s3.part_bytes
         if self.late_header and len(self.first) < part:

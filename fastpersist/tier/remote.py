@@ -1,4 +1,5 @@
-"""Reading checkpoints in a store: manifests, listings, bytes into memory.
+"""Reading checkpoints in a store: manifests, object sizes, bytes into memory
+(what lies below a URL: listing.py).
 
 A remote checkpoint exists when its manifest.json does: the uploader writes
 it last (upload.py), so objects below a prefix without one are an upload in
@@ -27,8 +28,11 @@ from typing import Any
 from ..errors import CheckpointNotFoundError
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..storage.retention import step_of
 from .client import S3, read_exact
+
+# Listings moved to listing.py; these names stay importable from here.
+from .listing import RemoteEntry as RemoteEntry
+from .listing import entries as entries
 from .url import TierURL
 
 try:
@@ -55,46 +59,6 @@ def read_manifest(s3: S3, url: TierURL) -> tuple[Manifest, bytes]:
             f"no checkpoint at {url}: it has no {MANIFEST_NAME} (nothing was uploaded there, "
             "or its upload has not finished: the manifest is written last)")
     return Manifest.from_json(data, str(url)), data
-
-
-@dataclass(frozen=True)
-class RemoteEntry:
-    """A directory of objects directly below a URL."""
-
-    name: str
-    committed: bool  # holds a manifest
-    bytes: int  # of its objects
-    modified: float  # newest object's time (unix)
-
-    @property
-    def step(self) -> int | None:
-        return step_of(self.name)
-
-
-def entries(s3: S3, url: TierURL) -> list[RemoteEntry]:
-    """The directories of objects directly below `url`, by name, with whether
-    each holds a manifest (a checkpoint) or not (an upload not finished)."""
-    found: dict[str, list[int | float]] = {}
-    committed: set[str] = set()
-    for key, size, modified in s3.objects(url):
-        rel = url.relative(key)
-        name, sep, rest = rel.partition("/")
-        if not sep:
-            continue  # an object directly at this level
-        acc = found.setdefault(name, [0, 0.0])
-        acc[0] += size
-        acc[1] = max(acc[1], modified)
-        if rest == MANIFEST_NAME:
-            committed.add(name)
-    return [RemoteEntry(n, n in committed, int(v[0]), float(v[1]))
-            for n, v in sorted(found.items())]
-
-
-def manifests_below(s3: S3, url: TierURL) -> set[str]:
-    """The paths (relative to `url`, any depth) of the checkpoints below it."""
-    suffix = "/" + MANIFEST_NAME
-    return {url.relative(key[:-len(suffix)]) for key, _, _ in s3.objects(url)
-            if key.endswith(suffix)}
 
 
 def object_sizes(s3: S3, url: TierURL) -> dict[str, int]:

@@ -10,9 +10,11 @@
                   seconds ago (ones whose uploader died or lost the store
                   before it could abort them; the store keeps their parts
                   and bills them until then).
-    incomplete    directories of objects without a manifest whose newest
-                  object is older than `older_than` (an upload abandoned for
-                  good); gc deletes them.
+    incomplete    directories of objects without a manifest and without a
+                  checkpoint below them (listing.py: at any depth, so a run
+                  directory of checkpoints is never one), whose newest object
+                  is older than `older_than` (an upload abandoned for good);
+                  gc deletes their objects, the keys listed, and nothing else.
 
 Torch-free: the daemon imports this module.
 """
@@ -22,9 +24,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..errors import TierError
 from ..format.manifest import MANIFEST_NAME
 from .client import S3
-from .remote import RemoteEntry, entries
+from .listing import INCOMPLETE, RemoteEntry, entries, listing
 from .url import TierURL
 
 
@@ -69,7 +72,20 @@ def sweep_uploads(s3: S3, url: TierURL, older_than: float) -> list[str]:
 
 
 def incomplete(s3: S3, url: TierURL, older_than: float) -> list[RemoteEntry]:
-    """Directories directly below `url` holding objects but no manifest, untouched
-    for over `older_than` seconds."""
+    """The incomplete uploads below `url` (any depth, listing.py) untouched for
+    over `older_than` seconds."""
     cutoff = time.time() - older_than
-    return [e for e in entries(s3, url) if not e.committed and e.modified <= cutoff]
+    return [e for e in listing(s3, url).entries
+            if e.kind == INCOMPLETE and e.modified <= cutoff]
+
+
+def delete_incomplete(s3: S3, url: TierURL, entry: RemoteEntry) -> None:
+    """Delete the objects of `entry`, an incomplete upload below `url`: the keys
+    it was listed with, never any other (not one uploaded since, not an odd
+    key). CheckpointError if its upload finished meanwhile: a manifest there
+    now means the listing is stale, and nothing is deleted."""
+    target = url.child(entry.name)
+    if s3.exists(target, MANIFEST_NAME):
+        raise TierError(f"{target} holds a checkpoint now (its upload finished since it "
+                        "was listed); not removed")
+    s3.delete(url.bucket, list(entry.keys))

@@ -9,15 +9,19 @@
        other bytes mean an older checkpoint of that name (the local one was
        saved again): its manifest is deleted first, so it is invisible, never
        a mix, while this one replaces it.
-    3. Upload the data files (compressed: see below): s3transfer, parallel
-       multipart uploads of FASTPERSIST_TIER_PART_BYTES, read from the files
-       in place (bounded memory), each request retried with backoff
+    3. Upload the data files (compressed: see below), each in multipart
+       parts of FASTPERSIST_TIER_PART_BYTES, FASTPERSIST_TIER_CONCURRENCY in
+       flight (parts.py; bounded memory), every byte read checked against
+       the manifest's CRC32Cs on the way (checked.py: a file corrupted on
+       the local disk never goes up), each request retried with backoff
        (client.py). A failed multipart upload is aborted; one that cannot be
        (the store went away) is swept later (retention.sweep_uploads); one a
        killed uploader left open is taken up by the next attempt (parts.py).
     4. Write manifest.json with a conditional put (If-None-Match: *): the
        remote checkpoint becomes visible, complete, in one step, and never
-       replaces one that appeared meanwhile.
+       replaces one that appeared meanwhile. Then list the objects: one
+       that is missing or of the wrong size (deleted meanwhile) takes the
+       manifest down again, and the upload fails (to be retried).
 
 A failure at any step leaves no manifest: nothing partial is visible, and the
 next attempt sends the data files again (they are overwritten in place),
@@ -30,8 +34,14 @@ records; a checkpoint already compressed locally (packed files) is sent as
 it is. Every data object carries its codec in its metadata
 (`fastpersist-codec`: raw, or zstd-bytegroup-v1), and the remote manifest
 the SHA-256 of the local manifest it was made from (`fastpersist-source`),
-which is how step 2 recognises a checkpoint uploaded compressed. A local
-data file that does not match its CRC32Cs is not uploaded (NotUploadable).
+which is how step 2 recognises a checkpoint uploaded compressed.
+
+What goes wrong is one of three kinds, and the uploader acts on the kind:
+NotUploadable (not a committed checkpoint, a node-local part: dropped),
+checked.LocalCorruption (a CRC32C, a size or a file that does not match the
+manifest: never uploaded, reported as corrupt, naming the file and tensor),
+or anything else (the store, a passing local error: EMFILE, ENOMEM, EIO):
+tried again later.
 
 Torch-free: the daemon imports this module.
 """
@@ -39,20 +49,23 @@ Torch-free: the daemon imports this module.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, TierError
+from ..errors import CheckpointError, CheckpointIOError, TierError
 from ..format import packed_file
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.frames import ZSTD_BYTEGROUP
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME, Manifest, TensorRecord
 from ..storage import dirs
+from .checked import CheckedFile, LocalCorruption
 from .client import S3, tier_error
 from .parts import PartStream
+from .remote import object_sizes
 from .url import TierURL
 
 CODEC_KEY = "fastpersist-codec"
@@ -68,8 +81,11 @@ def check_compression(value: str | None) -> str | None:
 
 
 class NotUploadable(TierError):
-    """The local checkpoint cannot be uploaded as it is (not committed,
-    changed, a node-local part of a distributed one): retrying will not help."""
+    """The local directory is not a checkpoint that can be uploaded (not
+    committed, or a node-local part of a distributed one): retrying will not
+    help. A checkpoint that does not match its manifest raises
+    checked.LocalCorruption instead; any other failure (the store, a passing
+    local error such as EMFILE or EIO) is worth another attempt."""
 
 
 @dataclass(frozen=True)
@@ -92,12 +108,17 @@ def _open_files(dir_fd: int, manifest: Manifest, where: str) -> list[tuple[str, 
             try:
                 fd = os.open(f.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
             except OSError as exc:
-                raise NotUploadable(f"{where}: cannot open {f.name}: {exc.strerror}") from None
+                if exc.errno in (errno.ENOENT, errno.ELOOP):  # missing, or a link put there
+                    raise LocalCorruption(f"{where}: cannot open {f.name}: {exc.strerror}; "
+                                          "not uploaded", file=f.name) from None
+                # EMFILE, ENOMEM, EIO...: this attempt fails, a later one may not.
+                raise CheckpointIOError(f"{where}: cannot open {f.name} to upload it: "
+                                        f"{exc.strerror}") from None
             opened.append((f.name, fd, f.size))
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
-                raise NotUploadable(f"{where}: {f.name} is {st.st_size} bytes, its manifest "
-                                    f"says {f.size}")
+                raise LocalCorruption(f"{where}: {f.name} is {st.st_size} bytes, its manifest "
+                                      f"says {f.size}; not uploaded", file=f.name)
     except BaseException:
         for _, fd, _ in opened:
             os.close(fd)
@@ -114,12 +135,15 @@ def upload_checkpoint(s3: S3, dir_fd: int, where: str, url: TierURL,
     try:
         data = dirs.read_regular(MANIFEST_NAME, dir_fd, MAX_MANIFEST_BYTES)
     except OSError as exc:
-        raise NotUploadable(f"{where} is not a committed checkpoint: cannot read its "
-                            f"{MANIFEST_NAME} ({exc.strerror or exc})") from None
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.EINVAL, errno.EFBIG):
+            raise NotUploadable(f"{where} is not a committed checkpoint: cannot read its "
+                                f"{MANIFEST_NAME} ({exc.strerror or exc})") from None
+        raise CheckpointIOError(f"{where}: cannot read its {MANIFEST_NAME} to upload it: "
+                                f"{exc.strerror or exc}") from None
     try:
         manifest = Manifest.from_json(data, where)
     except CheckpointError as exc:
-        raise NotUploadable(f"{where}: {exc}") from None
+        raise LocalCorruption(f"{where}: {exc}; not uploaded", file=MANIFEST_NAME) from None
     source = hashlib.sha256(data).hexdigest()
     local_bytes = sum(f.size for f in manifest.files)
     got = s3.get_with_metadata(url, MANIFEST_NAME, MAX_MANIFEST_BYTES)
@@ -134,15 +158,12 @@ def upload_checkpoint(s3: S3, dir_fd: int, where: str, url: TierURL,
         f.name.endswith(packed_file.SUFFIX) for f in manifest.files)
     try:
         if compress:
-            from .compress import LocalCorruption, upload_compressed  # numpy, zstandard
+            from .compress import upload_compressed  # numpy, zstandard
 
-            try:
-                remote, sent = upload_compressed(s3, url, manifest, files,
-                                                 {CODEC_KEY: ZSTD_BYTEGROUP}, where)
-            except LocalCorruption as exc:
-                raise NotUploadable(str(exc)) from None
+            remote, sent = upload_compressed(s3, url, manifest, files,
+                                             {CODEC_KEY: ZSTD_BYTEGROUP}, where)
         else:
-            remote, sent = data, _upload_raw(s3, url, files)
+            remote, sent = data, _upload_raw(s3, url, manifest, files, where)
     except CheckpointError:
         raise
     except Exception as exc:
@@ -155,46 +176,50 @@ def upload_checkpoint(s3: S3, dir_fd: int, where: str, url: TierURL,
             s3.get(url, MANIFEST_NAME, MAX_MANIFEST_BYTES) != remote:
         raise TierError(f"another uploader wrote {url} while {where} was uploaded there "
                         "(one writer per prefix)")
+    _check_objects(s3, url, remote, where)
     return Uploaded(url, len(files), sent, local_bytes, already=False,
                     replaced=got is not None)
 
 
-def _upload_raw(s3: S3, url: TierURL, files: list[tuple[str, int, int]]) -> int:
+def _check_objects(s3: S3, url: TierURL, remote: bytes, where: str) -> None:
+    """Every data object the manifest just written names is there, with its
+    size; else (deleted meanwhile: `fpctl gc --older-than` shorter than the
+    upload) the manifest is deleted again, and the upload fails, to be retried:
+    a checkpoint is never reported uploaded with objects missing."""
+    sizes = object_sizes(s3, url)
+    wrong = [f.name for f in Manifest.from_json(remote, str(url)).files
+             if sizes.get(f.name) != f.size]
+    if wrong:
+        s3.delete(url.bucket, [url.key(MANIFEST_NAME)])
+        raise TierError(f"{', '.join(wrong)} of {url} vanished or changed while {where} was "
+                        "uploaded there (a gc, another writer?); its manifest is deleted again")
+
+
+def _upload_raw(s3: S3, url: TierURL, manifest: Manifest, files: list[tuple[str, int, int]],
+                where: str) -> int:
     """The data files as they are, read from their descriptors (the bytes of the
-    open file, whatever its name points at now). s3transfer uploads them, all
-    at once, except those whose upload a killed uploader left open: parts.py
-    takes those up, keeping the parts the store has. The bytes sent."""
-    open_keys = {key for key, _, _ in s3.multipart_uploads(url)}  # one listing for all
-    left_open = {name for name, _, _ in files if url.key(name) in open_keys}
+    open file, whatever its name points at now) through checked.CheckedFile:
+    every byte sent is checked against the manifest's CRC32Cs as it is read
+    (padding goes as zeros). Each file is one object, in parts as PartStream
+    cuts them, FASTPERSIST_TIER_CONCURRENCY in flight; an upload a killed
+    uploader left open is taken up, keeping the parts the store has. A file
+    that does not match its manifest raises LocalCorruption and its upload is
+    aborted. The bytes sent."""
+    records: dict[str, list[TensorRecord]] = {f.name: [] for f in manifest.files}
+    for t in manifest.tensors:
+        records[t.file].append(t)
+    by_name = {f.name: f for f in manifest.files}
     sent = 0
-    with s3.transfer_manager() as tm:
-        futures = [tm.upload(f"/proc/self/fd/{fd}", url.bucket, url.key(name),
-                             extra_args={"Metadata": {CODEC_KEY: "raw"}})
-                   for name, fd, _ in files if name not in left_open]
-        sent += sum(size for name, _, size in files if name not in left_open)
-        for name, fd, size in files:
-            if name in left_open:
-                sent += _resume_raw(s3, url, name, fd, size)
-        for fut in futures:
-            fut.result()
-    return sent
-
-
-def _resume_raw(s3: S3, url: TierURL, name: str, fd: int, size: int) -> int:
-    """Upload one data file in parts as s3transfer cuts it, keeping those an
-    interrupted upload has; the bytes sent."""
     with ThreadPoolExecutor(s3.concurrency, thread_name_prefix="fp-tier-part") as pool:
-        stream = PartStream(s3, url, name, {CODEC_KEY: "raw"}, pool, late_header=False)
-        try:
-            for off in range(0, size, s3.part_bytes):
-                n = min(s3.part_bytes, size - off)
-                data = os.pread(fd, n, off)
-                if len(data) != n:
-                    raise NotUploadable(f"{name} ends before byte {off + n} (changed while "
-                                        "it was uploaded?)")
-                stream.write(data)
-            stream.finish()
-        except BaseException:
-            stream.abort()
-            raise
-    return size - stream.kept
+        for name, fd, size in files:
+            checked = CheckedFile(fd, by_name[name], records[name], where)
+            stream = PartStream(s3, url, name, {CODEC_KEY: "raw"}, pool, late_header=False)
+            try:
+                for off in range(0, size, s3.part_bytes):
+                    stream.write(checked.read(off, min(s3.part_bytes, size - off)))
+                stream.finish()
+            except BaseException:
+                stream.abort()
+                raise
+            sent += size - stream.kept
+    return sent

@@ -10,14 +10,29 @@ restart.
     order         newest step first: the checkpoint a lost node would be
                   restored from goes first.
     failures      a failed upload is retried after a backoff (1 s, doubling,
-                  at most 60 s), for as long as the uploader runs: every
+                  at most FASTPERSIST_TIER_RETRY_MAX, 60 s), for as long as
+                  the uploader runs: every
                   failure is reported (events, status()); none stalls the
-                  trainer or the daemon. A checkpoint that cannot be uploaded
-                  as it is (gone, not committed, node-local) is dropped, and
-                  that is reported too.
+                  trainer or the daemon. Only what retrying cannot change
+                  leaves the queue, and that is reported too:
+                    gone      the checkpoint's directory does not exist
+                              (ENOENT), seen twice, a backoff apart: dropped.
+                    not uploadable  not committed, or a node-local part of
+                              a distributed checkpoint: dropped.
+                    corrupt   its bytes do not match its manifest (a CRC32C,
+                              a size: checked.py): never uploaded; reported
+                              (event tier-upload-corrupt, status().corrupt,
+                              naming the file and tensor) and kept locally.
+                  Any other error (the store; EMFILE, ENOMEM, EIO reading
+                  the files) is retried.
     pending       a checkpoint stays pending from add() until its manifest is
-                  in the store. Local retention keeps pending checkpoints
-                  (is_pending): the only copy is never deleted.
+                  in the store. Local retention keeps what is_pending says:
+                  every checkpoint whose upload this uploader has not
+                  confirmed (queued, failing, given up while draining,
+                  corrupt, and any it was never given: a checkpoint a walk
+                  at start could not reach is kept, not assumed uploaded).
+                  Confirmed: uploaded, found in the store, superseded (see
+                  keep_last) or not uploadable at all (a node-local part).
     keep_last     after each upload, remote retention in its directory
                   (retention.keep_last, counting up to the highest step
                   uploaded there); pending checkpoints older than the ones it
@@ -46,6 +61,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..background import lower_this_thread
+from ..knobs import current as current_knobs
+from .checked import LocalCorruption
 from .client import S3
 from .retention import keep_last, sweep_uploads
 from .upload import NotUploadable, Uploaded, check_compression, upload_checkpoint
@@ -76,6 +93,7 @@ class Job:
     not_before: float = 0.0
     seq: int = 0
     error: str = ""  # of the last failed attempt
+    vanished: bool = False  # its directory was missing at the last attempt
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,7 @@ class TierStatus:
     failures: int  # failed attempts since start
     failing: tuple[str, ...]  # pending checkpoints whose last attempt failed
     last_error: str | None  # the most recent failure, if any
+    corrupt: tuple[str, ...] = ()  # "KEY: why" of checkpoints never uploaded: corrupt
 
     @property
     def ok(self) -> bool:
@@ -98,18 +117,20 @@ class Uploader:
     def __init__(self, s3: S3, url: TierURL, *, keep_last: int | None = None,
                  events: Events = log_event,
                  on_uploaded: Callable[[Job, Uploaded], None] | None = None,
-                 backoff: tuple[float, float] = (1.0, 60.0), sweep_every: float = 3600.0,
+                 backoff: tuple[float, float] | None = None, sweep_every: float = 3600.0,
                  sweep_older_than: float = 86400.0, compression: str | None = "zstd") -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("tier_keep_last must be at least 1 (or None to keep everything)")
         self.s3, self.url, self.keep_last = s3, url, keep_last
         self.compression = check_compression(compression)
         self.events, self.on_uploaded = events, on_uploaded
-        self.backoff, self.sweep_every, self.sweep_older_than = (
-            backoff, sweep_every, sweep_older_than)
+        self.backoff = backoff or (1.0, float(current_knobs().tier_retry_max))
+        self.sweep_every, self.sweep_older_than = sweep_every, sweep_older_than
         self._cond = threading.Condition()
         self._jobs: dict[str, Job] = {}
         self._given_up: dict[str, Job] = {}  # out of tries while draining: still pending
+        self._corrupt: dict[str, Job] = {}  # do not match their manifest: kept, reported
+        self._confirmed: set[str] = set()  # keys local retention may delete
         self._current: Job | None = None
         self._seq = 0
         self._high: dict[TierURL, int] = {}  # highest step uploaded per group
@@ -132,11 +153,16 @@ class Uploader:
             job.seq = self._seq
             self._jobs[job.key] = job
             self._given_up.pop(job.key, None)
+            self._corrupt.pop(job.key, None)
+            self._confirmed.discard(job.key)
             self._cond.notify_all()
 
     def is_pending(self, key: str) -> bool:
+        """Whether the upload of checkpoint `key` is not confirmed (local
+        retention keeps it): from add() until it is in the store, and for a
+        key never added."""
         with self._cond:
-            return key in self._jobs or key in self._given_up
+            return key not in self._confirmed
 
     def status(self) -> TierStatus:
         with self._cond:
@@ -145,7 +171,8 @@ class Uploader:
                 str(self.url), tuple(sorted(pending)),
                 self._current.key if self._current else None, self._uploaded, self._bytes,
                 self._failures, tuple(sorted(k for k, j in pending.items() if j.error)),
-                self._last_error)
+                self._last_error,
+                tuple(f"{k}: {j.error}" for k, j in sorted(self._corrupt.items())))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until nothing is pending; False on timeout."""
@@ -154,7 +181,7 @@ class Uploader:
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> list[str]:
         """Stop; with drain, after up to DRAIN_ATTEMPTS more tries of each
-        pending checkpoint. Returns the keys not uploaded."""
+        pending checkpoint. Returns the keys not uploaded (corrupt ones too)."""
         with self._cond:
             if drain:
                 self._draining = True
@@ -168,7 +195,7 @@ class Uploader:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-            return sorted({*self._jobs, *self._given_up})
+            return sorted({*self._jobs, *self._given_up, *self._corrupt})
 
     # -- the thread ----------------------------------------------------------
 
@@ -208,13 +235,33 @@ class Uploader:
         started = time.monotonic()
         try:
             fd = job.open_dir()
-        except OSError as exc:
-            self._failed(job, f"{job.key}: gone ({exc.strerror or exc})", drop=True, seq=seq)
+        except FileNotFoundError as exc:
+            # Gone, or a moment's absence (a directory being replaced): only
+            # a second look, a backoff later, may drop it.
+            gone = job.vanished
+            job.vanished = True
+            self._failed(job, f"{job.key}: {'gone' if gone else 'not found; looking again'} "
+                         f"({exc.strerror or exc})", drop=gone, seq=seq)
             return
+        except OSError as exc:  # EMFILE, ENOMEM, EIO, a link on the path: not gone
+            job.vanished = False
+            self._failed(job, f"{job.key}: cannot open it ({exc.strerror or exc})",
+                         drop=False, seq=seq)
+            return
+        job.vanished = False
         try:
             done = upload_checkpoint(self.s3, fd, job.key, job.url, self.compression)
-        except NotUploadable as exc:
-            self._failed(job, str(exc), drop=True, seq=seq)
+        except (NotUploadable, LocalCorruption) as exc:
+            if self._gone(job):  # deleted while it was read: not corrupt, gone
+                self._failed(job, f"{job.key}: gone while it was uploaded ({exc})", drop=True,
+                             seq=seq)
+            elif isinstance(exc, LocalCorruption):
+                self._corrupted(job, exc, seq)
+            else:  # never uploadable (a node-local part): retention may have it
+                with self._cond:
+                    if self._jobs.get(job.key) is job and job.seq == seq:
+                        self._confirmed.add(job.key)
+                self._failed(job, str(exc), drop=True, seq=seq)
             return
         except Exception as exc:
             self._failed(job, str(exc), drop=False, seq=seq)
@@ -224,6 +271,7 @@ class Uploader:
         with self._cond:
             if self._jobs.get(job.key) is job and job.seq == seq:
                 del self._jobs[job.key]  # else added again meanwhile: goes again
+                self._confirmed.add(job.key)
             self._uploaded += 1
             self._bytes += done.bytes
         self.events("info", "tier-uploaded", path=job.key, url=str(job.url), bytes=done.bytes,
@@ -232,6 +280,28 @@ class Uploader:
         self._retention(job)
         if self.on_uploaded is not None:
             self.on_uploaded(job, done)
+
+    def _gone(self, job: Job) -> bool:
+        """Whether the checkpoint's directory is missing now (ENOENT)."""
+        try:
+            fd = job.open_dir()
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        os.close(fd)
+        return False
+
+    def _corrupted(self, job: Job, exc: LocalCorruption, seq: int) -> None:
+        with self._cond:
+            self._failures += 1
+            self._last_error = job.error = str(exc)
+            job.attempts += 1
+            if self._jobs.get(job.key) is job and job.seq == seq:
+                del self._jobs[job.key]
+                self._corrupt[job.key] = job
+        self.events("error", "tier-upload-corrupt", path=job.key, url=str(job.url),
+                    file=exc.file or "", tensor=exc.tensor or "", error=str(exc))
 
     def _failed(self, job: Job, error: str, *, drop: bool, seq: int | None = None) -> None:
         with self._cond:
@@ -272,6 +342,7 @@ class Uploader:
                      j.step is not None and j.step < oldest and j is not self._current]
             for j in stale:
                 del self._jobs[j.key]
+                self._confirmed.add(j.key)  # the store would delete it at once
             self._cond.notify_all()
         for j in stale:
             self.events("info", "tier-upload-skipped", path=j.key, reason=(

@@ -2,8 +2,11 @@
 
 A checkpoint directory `step-N` under a tier `s3://B/P` is the objects
 `P/step-N/<file>` of bucket B, one per file of the local directory, the
-manifest among them. Keys are built only from validated names: no empty,
-`.` or `..` component, so a key never escapes the prefix it was given.
+manifest among them. Keys are built only from names that pass the one rule
+for a checkpoint's path (storage/names.py): no empty, `.` or `..` component,
+so a key never escapes the prefix it was given, and no backslash or control
+character. A key found in a listing that breaks the rule (put there by
+another tool) is "odd": split_key says so instead of raising.
 
 Torch-free.
 """
@@ -11,6 +14,8 @@ Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..storage.names import component_problem
 
 SCHEME = "s3://"
 
@@ -21,8 +26,10 @@ def is_tier_url(path: object) -> bool:
 
 
 def _check_part(part: str, text: str) -> None:
-    if part in ("", ".", "..") or "\\" in part or any(ord(c) < 32 for c in part):
-        raise ValueError(f"{text!r}: {part!r} is not a valid component of an object key")
+    problem = component_problem(part)
+    if problem is not None:
+        raise ValueError(f"{text!r}: {part!r} is not a valid component of an object key "
+                         f"({problem})")
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,17 @@ class TierURL:
     @property
     def parent(self) -> TierURL:
         return TierURL(self.bucket, self.prefix.rpartition("/")[0])
+
+    def split_key(self, key: str) -> tuple[str, ...] | None:
+        """The components of `key` (an object key below this URL) relative to
+        it; None for a key that names no valid path (an odd key: "a//b",
+        "a/../b", a backslash), which no key made by child() or key() is."""
+        if not key.startswith(self.dir_prefix):
+            return None
+        parts = tuple(key[len(self.dir_prefix):].split("/"))
+        if any(component_problem(p) is not None for p in parts):
+            return None
+        return parts
 
     def relative(self, key_prefix: str) -> str:
         """`key_prefix` (below this URL) relative to it."""
