@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import fastpersist
 from fastpersist import PickleNotAllowedError
 from fastpersist.integrations.dcp import FastPersistReader, FastPersistStager, FastPersistWriter
-from fastpersist.integrations.dcp.stager import shared_pool
+from fastpersist.saving.staging import StagingPool
 from fastpersist.storage.commit import find_leftovers
 from fastpersist.storage.leftovers import leftover_name, parse_leftover, shortened
 
@@ -112,9 +112,9 @@ def test_tensors_in_tuples_carry_only_their_own_bytes(tmp_path: Path) -> None:
     second, of a small tuple and namedtuple, reuses that buffer. None of the
     pattern may appear in the second checkpoint, and its bytes items must be
     about the size of their tensors, not of the buffer."""
-    pool = shared_pool()
-    pool.clear()
-    stager = FastPersistStager()
+    # A pool of its own: the process's shared pool would keep this test's 16 MiB
+    # buffer for the next test, whose accounting of reuse it would upset.
+    stager = FastPersistStager(pool=StagingPool())
     pattern = torch.full((4 << 20,), 0x5A5A5A5A, dtype=torch.int32)  # 16 MiB of 0x5A
     first = {"big": pattern, "t": (torch.full((4,), 0x5A5A5A5A, dtype=torch.int32),)}
     dcp.async_save(first, storage_writer=FastPersistWriter(tmp_path / "one", stager=stager)

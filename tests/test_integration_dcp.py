@@ -152,6 +152,11 @@ def test_save_replaces_atomically_and_refuses_foreign_dirs(tmp_path: Path) -> No
 
 def test_async_save_snapshots_into_reused_buffers(tmp_path: Path) -> None:
     pool = shared_pool()
+    # From a known start: buffers an earlier test left free in the process's
+    # pool (of other sizes, some still held by a dropped snapshot) would make
+    # the reuse counted below depend on the order tests run in.
+    gc.collect()
+    pool.clear()
     sd = sample_state(1)
     expected = {k: v.clone() for k, v in sd["model"].items()}
     future = dcp.async_save(sd, storage_writer=FastPersistWriter(tmp_path / "a"))
