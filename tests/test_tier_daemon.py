@@ -77,6 +77,11 @@ def test_the_daemon_uploads_what_it_commits(s3: Any, daemons: Any, tmp_path: Pat
     ckpt = fastpersist.Checkpointer(d.root / "run", daemon=d.address)
     for step in (1, 2):
         ckpt.save(step, {"w": torch.full((1000,), float(step)), "step": step}).result()
+        # Each uploaded before the next commits: a step 2 committed first would
+        # be uploaded first (newest first), and step 1 then skipped as
+        # superseded (tier_keep_last=1), as seen once under load.
+        _until(f"step {step} uploaded",
+               lambda step=step: _status(d, capsys)["tier"]["uploaded"] == step)
     ckpt.close()
     _until("step 2 uploaded and step 1 gone from the store",
            lambda: _manifests(s3) == ["ckpts/run/step-00000002"])
