@@ -40,6 +40,8 @@ static int grow(buffer *b, size_t more)
 
 static int put(buffer *b, const char *s, size_t n)
 {
+    if (n == 0)  /* memcpy into a buffer not yet allocated (NULL) is undefined, even of 0 bytes */
+        return 0;
     if (grow(b, n) < 0)
         return -1;
     memcpy(b->data + b->len, s, n);
