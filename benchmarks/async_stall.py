@@ -44,9 +44,9 @@ def thread_minor_faults() -> int:
 def child(args: argparse.Namespace) -> None:
     """One fresh process: the measurements of each save, as one JSON line."""
     import torch
+    from fastpersist.saving.saver import default_saver
 
     import fastpersist
-    from fastpersist.saving.saver import default_saver
 
     gen = torch.Generator().manual_seed(0)
     per = max(1, int(args.bytes) // args.tensors // 4)

@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 
 import torch
+from fastpersist.saving.saver import Saver, default_saver
 
 import fastpersist
 from fastpersist.protocol.client import DaemonClient
-from fastpersist.saving.saver import Saver, default_saver
 
 
 def cuda_state(nbytes: int) -> dict[str, object]:
