@@ -17,8 +17,8 @@ blocks it finished. Pages that name `s3://my-bucket` get a real S3 server
 (moto's, tests/tier_support.py) with that bucket, and AWS_* pointing at it; pages
 that call `init_process_group` get torchrun's environment for one process.
 
-test_the_site_builds runs `mkdocs build --strict`: any warning (a broken link, a
-page missing from the nav) fails it.
+test_the_site_builds runs `mkdocs build --strict`: any warning (a broken link or
+anchor, a page missing from the nav, a docstring mkdocstrings cannot render) fails it.
 """
 
 from __future__ import annotations
@@ -185,3 +185,6 @@ def test_the_site_builds(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "WARNING" not in proc.stderr, proc.stderr
     assert (tmp_path / "site" / "guides" / "daemon" / "index.html").exists()
+    # The docstrings page is generated from the code (mkdocstrings), not left empty.
+    generated = (tmp_path / "site" / "reference" / "docstrings" / "index.html").read_text()
+    assert "as a checkpoint directory at" in generated
