@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 . .venv/bin/activate
-if ! python -c "import torch, safetensors, crc32c, tqdm, zstandard, numpy, pytest, hypothesis, ruff, mypy, grpc, grpc_health, grpc_tools, prometheus_client, kubernetes_validate, yaml, lightning, pytorch_lightning, transformers, accelerate, boto3, moto.server" 2>/dev/null; then
+if ! python -c "import torch, safetensors, crc32c, tqdm, zstandard, numpy, pytest, hypothesis, ruff, mypy, grpc, grpc_health, grpc_tools, prometheus_client, kubernetes_validate, yaml, lightning, pytorch_lightning, transformers, accelerate, boto3, moto.server, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
     pip install -q --upgrade pip setuptools wheel
     # Pinned: the CPU wheel of torch 2.13.0 is on this kind of machine's disk; a
     # looser range would download a multi-GB CUDA build.

@@ -377,14 +377,16 @@ def start_pressure(work: Path, shm_dir: str) -> list[subprocess.Popen[bytes]]:
             [sys.executable, __file__, "--pressure-process", name, str(work / "neighbour"),
              shm_dir],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=lambda: os.nice(10)))
+            # A session of its own: stop_pressure kills it with what it started
+            # (a neighbour's daemons), whenever it is stopped.
+            start_new_session=True, preexec_fn=lambda: os.nice(10)))
     return procs
 
 
 def stop_pressure(procs: list[subprocess.Popen[bytes]], shm_dir: str) -> None:
     for p in procs:
         with contextlib.suppress(ProcessLookupError):
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(shm_dir, "soak-pressure-fill"))

@@ -47,7 +47,7 @@ RPC_NAMES = ["Info", "Begin", "Open", "SubmitShm", "SubmitStream", "Commit", "Ab
              "Watch", "List", "Delete", "BeginJob", "CommitJob", "ResolvePrepared", "AbortJob",
              "save", "save_zstd", "stranger"]
 # Growth of the daemon's RSS allowed from the end of the warm-up to the end.
-# Measured: see test_the_daemon_survives_fuzzing's report and the README.
+# Measured: see test_the_daemon_survives_fuzzing's report.
 MAX_RSS_GROWTH = 48 << 20
 
 

@@ -334,7 +334,7 @@ def test_malformed_distributed_manifests_are_refused(tmp_path: Path, damage: Any
 
 
 def test_the_torchrun_example_runs(tmp_path: Path) -> None:
-    """README: torchrun --nproc-per-node 4 examples/dist_train.py (2 ranks here)."""
+    """docs/guides/distributed.md: torchrun ... examples/dist_train.py (2 ranks here)."""
     example = Path(__file__).parent.parent / "examples" / "dist_train.py"
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -231,7 +231,7 @@ def test_a_failed_job_commit_leaves_nothing_on_any_node(tmp_path: Path, fail_ran
 
 
 def test_the_torchrun_example_runs_through_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
-    """README: FASTPERSIST_DAEMON=... torchrun ... examples/dist_train.py (2 ranks here)."""
+    """docs/guides/distributed.md: FASTPERSIST_DAEMON=... torchrun ... dist_train.py (2 ranks)."""
     example = Path(__file__).parent.parent / "examples" / "dist_train.py"
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -393,7 +393,7 @@ def test_import_fastpersist_does_not_import_dcp() -> None:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_example_runs(tmp_path: Path, ranks: int) -> None:
-    """README: python examples/dcp_example.py, and under torchrun with 2 ranks."""
+    """docs/guides/dcp.md: python examples/dcp_example.py, and under torchrun with 2 ranks."""
     out = run_example("dcp_example.py", tmp_path, ranks)
     assert "resumed from step 10 bit-exactly" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-5"]

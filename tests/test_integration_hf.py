@@ -216,7 +216,7 @@ def test_accelerate_save_state_and_load_state(tmp_path: Path, async_save: bool) 
 
 
 def test_example_runs() -> None:
-    """README: python examples/hf_trainer_example.py"""
+    """docs/guides/frameworks.md: python examples/hf_trainer_example.py"""
     import subprocess
     import sys
 

@@ -292,7 +292,7 @@ def test_pytorch_lightning_package(tmp_path: Path) -> None:
 
 
 def test_example_runs() -> None:
-    """README: python examples/lightning_example.py"""
+    """docs/guides/frameworks.md: python examples/lightning_example.py"""
     import subprocess
     import sys
 

@@ -54,7 +54,7 @@ def test_train_save_every_step_keep_two_and_resume_bit_exactly(
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_example_runs(tmp_path: Path, ranks: int) -> None:
-    """README: python examples/torchtitan_example.py, and under torchrun with 2 ranks."""
+    """docs/guides/dcp.md: examples/torchtitan_example.py, and under torchrun with 2 ranks."""
     out = run_example("torchtitan_example.py", tmp_path, ranks)
     assert "resumed from step 8 bit-exactly; trained to step 10" in out
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-10", "step-8"]

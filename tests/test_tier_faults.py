@@ -4,7 +4,7 @@ answers, connections reset mid-part and after the server acted, requests
 stalled past the client's timeout, gc and retention racing the uploads, a
 file corrupted on the local disk, and fastpersistd SIGKILLed mid-upload at
 random points (FASTPERSIST_TIER_KILLS kills, 20 by default; the full run in
-the README's object-tier section takes 200).
+docs/guides/tier.md, "Fault injection", takes 200).
 
 After each scenario, with the faults stopped and the uploader given time:
     lost              a committed checkpoint neither in the store (a remote
