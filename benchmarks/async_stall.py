@@ -44,9 +44,9 @@ def thread_minor_faults() -> int:
 def child(args: argparse.Namespace) -> None:
     """One fresh process: the measurements of each save, as one JSON line."""
     import torch
-    from fastpersist.saving.saver import default_saver
 
     import fastpersist
+    from fastpersist.api import pipeline_for
 
     gen = torch.Generator().manual_seed(0)
     per = max(1, int(args.bytes) // args.tensors // 4)
@@ -54,8 +54,8 @@ def child(args: argparse.Namespace) -> None:
     floor_buffers = [torch.empty_like(t) for t in state.values()]
     for buf in floor_buffers:
         buf.fill_(0)  # touched: the floor pays no page faults
-    saver = default_saver()
-    pool: Any = saver._pool
+    saver = pipeline_for()  # the pipeline async_save uses
+    pool: Any = saver.pool
     allocations = [0]
     allocate = pool._allocate
 
