@@ -28,7 +28,7 @@ from support import daemon_saver
 import fastpersist
 from fastpersist.errors import CheckpointError, DaemonError, DaemonUnavailableError
 from fastpersist.protocol.client import DaemonClient
-from fastpersist.saving import remote
+from fastpersist.saving import pipeline, remote
 from fastpersist.saving.remote import DaemonJob
 
 T = TypeVar("T")
@@ -268,7 +268,7 @@ def test_a_buffer_with_a_copy_in_flight_is_not_reused_after_a_failure(
     handed to the next save until the copy has landed."""
     monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(64 << 10))
     copies: list[LateCopy] = []
-    stage_file = remote.stage_file
+    stage_file = pipeline.stage_file
 
     def stage_with_late_copy(tensors: Any, buffer: torch.Tensor, pinned: bool) -> Any:
         staged = stage_file(tensors, buffer, pinned)
@@ -286,7 +286,7 @@ def test_a_buffer_with_a_copy_in_flight_is_not_reused_after_a_failure(
             raise DaemonError("injected: data file 0 refused", "INVALID_ARGUMENT")
         submit(client, *a, **k)
 
-    monkeypatch.setattr(remote, "stage_file", stage_with_late_copy)
+    monkeypatch.setattr(pipeline, "stage_file", stage_with_late_copy)
     monkeypatch.setattr(DaemonClient, "submit_shm", refuse_first)
     saver = daemon_saver(gated.address, max_in_flight=2)
 
