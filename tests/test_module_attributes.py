@@ -10,7 +10,8 @@ import fastpersist
 PUBLIC = {
     "CheckpointAbortedError", "CheckpointError", "CheckpointExistsError", "CheckpointIOError",
     "CheckpointNotFoundError", "CheckpointPermissionError", "Checkpointer",
-    "ChecksumMismatchError", "CorruptCheckpointError", "DiskFullError",
+    "ChecksumMismatchError", "CorruptCheckpointError", "DaemonError", "DaemonMayStillCommitError",
+    "DaemonUnavailableError", "DiskFullError",
     "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "PostCommitError",
     "SaveFuture", "StateMismatchError", "TierError",
     "TruncatedFileError", "UnsupportedPathError", "UnsupportedValueError",
