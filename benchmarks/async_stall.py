@@ -46,7 +46,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     import fastpersist
-    from fastpersist.saving.saver import default_saver
+    from fastpersist.api import pipeline_for
 
     gen = torch.Generator().manual_seed(0)
     per = max(1, int(args.bytes) // args.tensors // 4)
@@ -54,8 +54,8 @@ def child(args: argparse.Namespace) -> None:
     floor_buffers = [torch.empty_like(t) for t in state.values()]
     for buf in floor_buffers:
         buf.fill_(0)  # touched: the floor pays no page faults
-    saver = default_saver()
-    pool: Any = saver._pool
+    saver = pipeline_for()  # the pipeline async_save uses
+    pool: Any = saver.pool
     allocations = [0]
     allocate = pool._allocate
 

@@ -8,7 +8,7 @@
 3. stall vs D2H: the trainer-visible stall of six consecutive async_saves of
    a ~1 GiB CUDA state against a plain D2H copy of the same bytes into pinned
    memory (the floor), and the pinned D2H bandwidth; then the first save of a
-   fresh Saver without and with prepare_staging beforehand.
+   fresh pipeline without and with prepare_staging beforehand.
 4. overlap: GPU compute (matmuls) running while the persist writes; the
    compute's time with and without a concurrent persist.
 5. through a locally started fastpersistd (unless --no-daemon): snapshot
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 import fastpersist
+from fastpersist.api import pipeline_for
 from fastpersist.protocol.client import DaemonClient
-from fastpersist.saving.saver import Saver, default_saver
 
 
 def cuda_state(nbytes: int) -> dict[str, object]:
@@ -189,13 +189,13 @@ def main() -> int:
     print(f"INFO  D2H floor {floor * 1000:.1f} ms ({nbytes / floor / 1e9:.1f} GB/s pinned); "
           f"async_save stall, saves 2-6: {stall * 1000:.1f} ms = {stall / floor:.2f}x the floor "
           f"(samples {', '.join(f'{s * 1000:.0f}' for s in stalls)} ms; staging "
-          f"{default_saver().staging_bytes / 2**30:.2f} GiB); all five of saves 2-6 within "
+          f"{pipeline_for().staging_bytes / 2**30:.2f} GiB); all five of saves 2-6 within "
           f"1.3x: {'yes' if max(stalls[1:]) <= 1.3 * floor else 'NO'} (issue 14)")
     # The first save of a fresh saver, without and with prepare_staging beforehand
     # (the first one pins its staging: the lead for the 11x sample of run2).
     firsts = []
     for prepare in (False, True):
-        saver = Saver()
+        saver = pipeline_for("", shared=False)  # a fresh in-process pipeline
         t0 = time.perf_counter()
         if prepare:
             saver.prepare_staging(big)
@@ -206,7 +206,7 @@ def main() -> int:
         fut.result()
         saver.close()
         shutil.rmtree(root / f"first-{prepare}")
-    print(f"INFO  first async_save of a fresh Saver: {firsts[0] * 1000:.0f} ms = "
+    print(f"INFO  first async_save of a fresh pipeline: {firsts[0] * 1000:.0f} ms = "
           f"{firsts[0] / floor:.1f}x the floor without prepare_staging, {firsts[1] * 1000:.0f} ms "
           f"= {firsts[1] / floor:.2f}x after it (prepare_staging took {prepared * 1000:.0f} ms)")
 

@@ -1,9 +1,10 @@
 """fastpersist.save, async_save and load: drop-ins for torch.save/torch.load on state dicts.
 
-The one place that chooses how a save runs: in the caller's thread, on an
-in-process Saver, through fastpersistd (saving/remote.py), or as a
-distributed job (distributed/); checkpointer.py picks its own saver the same
-way. The layers below never choose.
+The one place that chooses where a save goes (sink_for): this process's
+local files (saving/local.py), fastpersistd (saving/remote.py), or a
+distributed job (distributed/sink.py); every save runs through the one save
+pipeline (saving/pipeline.py) to it. checkpointer.py and the integrations
+take their pipelines from here. The layers below never choose.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from . import gcpause
 from .engine import get_engine
 from .format.manifest import Manifest
 from .knobs import current as current_knobs
+from .saving import registry as pipelines
 from .saving.futures import SaveFuture
-from .saving.persist import CheckpointWriter
-from .saving.saver import Saver, default_saver
-from .saving.snapshot import group_into_files
+from .saving.local import LocalSink
+from .saving.pipeline import SavePipeline
+from .saving.sink import Sink
 from .storage.local_path import checkpoint_path
-from .tensors import checkpoint, device_load, packed, plan, read_into, state
+from .tensors import checkpoint, device_load, packed, read_into, state
 from .tensors import into as into_state
 from .tensors.factory import MapLocation, TensorFactory, target_device
 from .tier.url import is_tier_url
@@ -69,44 +71,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     files (data-NNNNN.fpz), not safetensors. Loads decode them transparently,
     checking the same CRC32Cs (README "Compression").
     """
-    address = current_knobs().daemon if daemon is None else daemon
     packed.check_compression(compression)
-    if process_group is not None:
-        group = None if process_group == "world" else process_group
-        if address:
-            # Staged in shared memory, and each node's daemon writes its ranks' parts.
-            from .distributed.saver import saver_for
-
-            saver_for(group, node_local, address).save(
-                obj, path, allow_pickle=allow_pickle, compression=compression,
-                overlap_writes=True).result()
-            return
-        from .distributed import coordinator
-
-        coordinator.save(obj, path, group, node_local=node_local, allow_pickle=allow_pickle,
-                         compression=compression)
-        return
-    if node_local:
-        raise ValueError("node_local=True needs process_group (a distributed save)")
-    if address:
-        from .saving.remote import remote_saver
-
-        remote_saver(address).save(obj, path, allow_pickle=allow_pickle,
-                                   overlap_writes=True, compression=compression).result()
-        return
-    target = checkpoint_path(path)
-    with gcpause.paused():  # a state of many tensors makes many objects, no cycles
-        tree, leaves = state.encode(obj, allow_pickle=allow_pickle)
-        stored = plan.plan_tensors(leaves)
-        writer = CheckpointWriter.begin(target, tree, stored, compression)
-        try:
-            # The same cut into data files as async and daemon saves: one layout on disk.
-            for file in group_into_files(stored, 0, current_knobs().file_bytes):
-                writer.write_file(file.tensors)
-            writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
+    pipeline_for(daemon, process_group, node_local).save_blocking(
+        obj, path, allow_pickle=allow_pickle, compression=compression)
 
 
 def load(
@@ -250,18 +217,46 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
                         allow_pickle=allow_pickle, where=url)
 
 
-# -- the one place that chooses a saver: in-process, through the daemon, distributed --
+# -- the one place that chooses where a save goes ----------------------------------
 
 
-def saver_for(daemon: str | None) -> Saver:
-    """The process-wide Saver: through fastpersistd at `daemon` (None: the
-    FASTPERSIST_DAEMON address, if set), else in-process. "" forces in-process."""
+def sink_for(daemon: str | None = None, process_group: Any = None,
+             node_local: bool = False) -> Sink:
+    """The destination of a save: a torch.distributed job's (process_group;
+    "world" or torch.distributed.group.WORLD for the default group), through
+    fastpersistd at `daemon` (None: FASTPERSIST_DAEMON, if set; "": in-process),
+    or this process's local files."""
     address = current_knobs().daemon if daemon is None else daemon
-    if address:
-        from .saving.remote import remote_saver
+    if process_group is not None:
+        from .distributed.sink import DistributedSink
 
-        return remote_saver(address)
-    return default_saver()
+        group = None if process_group == "world" else process_group
+        return DistributedSink(group, node_local=node_local, daemon=address)
+    if node_local:
+        raise ValueError("node_local=True needs process_group (a distributed save)")
+    if address:
+        from .saving.remote import DaemonSink
+
+        return DaemonSink(address)
+    return LocalSink()
+
+
+def pipeline_for(daemon: str | None = None, process_group: Any = None,
+                 node_local: bool = False, *, max_in_flight: int | None = None,
+                 shared: bool = True) -> SavePipeline:
+    """The save pipeline to sink_for's destination: the process-wide one for
+    it (save, async_save, prepare_staging), or with shared=False a new one
+    (a Checkpointer's, an integration's), holding staging of its own."""
+    if not shared:
+        return SavePipeline(sink_for(daemon, process_group, node_local), max_in_flight)
+    address = current_knobs().daemon if daemon is None else daemon
+    if process_group is None and node_local:
+        raise ValueError("node_local=True needs process_group (a distributed save)")
+    key = ("distributed", "world" if process_group is None or process_group == "world"
+           else process_group, node_local, address) if process_group is not None else (
+        "daemon", address) if address else ("local",)
+    return pipelines.shared(key, lambda: SavePipeline(
+        sink_for(address, process_group, node_local), max_in_flight))
 
 
 def prepare_staging(obj: Any, *, allow_pickle: bool = False, daemon: str | None = None) -> int:
@@ -271,7 +266,7 @@ def prepare_staging(obj: Any, *, allow_pickle: bool = False, daemon: str | None 
     shapes, dtypes and devices of obj's tensors matter. Returns the bytes of
     staging ready. Distributed saves (process_group) have staging of their own,
     which this does not prepare: do not call it for them."""
-    return saver_for(daemon).prepare_staging(obj, allow_pickle=allow_pickle)
+    return pipeline_for(daemon).prepare_staging(obj, allow_pickle=allow_pickle)
 
 
 def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
@@ -303,15 +298,6 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     without it.
     """
     packed.check_compression(compression)
-    if process_group is not None:
-        from .distributed.saver import saver_for as distributed_saver_for
-
-        address = current_knobs().daemon if daemon is None else daemon
-        return distributed_saver_for(process_group, node_local, address).save(
-            obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot,
-            compression=compression)
-    if node_local:
-        raise ValueError("node_local=True needs process_group (a distributed save)")
-    return saver_for(daemon).save(obj, path, allow_pickle=allow_pickle,
-                                  wait_for_snapshot=wait_for_snapshot, compression=compression)
-
+    return pipeline_for(daemon, process_group, node_local).save(
+        obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot,
+        compression=compression)

@@ -48,7 +48,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .api import load, load_from_tier
+from .api import load, load_from_tier, pipeline_for
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -59,15 +59,12 @@ from .errors import (
 from .knobs import current as current_knobs
 from .resume import Judge, Skipped, newest_local, not_found, problem, step_dirs
 from .saving.futures import SaveFuture
-from .saving.saver import Saver
 from .storage.local_path import checkpoint_path
 from .storage.retention import AfterCommit, apply_at
 from .tensors import packed
 from .tensors.factory import MapLocation
 
 if TYPE_CHECKING:
-    from .distributed.saver import DistributedSaver
-    from .saving.remote import RemoteSaver
     from .tier.mirror import Mirror
     from .tier.upload import Uploaded
     from .tier.uploader import Job, TierStatus
@@ -134,31 +131,13 @@ class Checkpointer:
         if tier is not None and address:
             raise ValueError("tier= uploads what this process commits; with fastpersistd "
                              "give the daemon the tier (fastpersistd --tier)")
-        self._saver: Saver | DistributedSaver
-        # The savers that take the policy along with the commit (to the daemon,
-        # or to the distributed job's commit); the in-process Saver calls back,
-        # and so does a distributed job's with a tier, on rank 0: its retention
-        # must keep what is not in the store yet (_committed).
-        self._delegated: RemoteSaver | DistributedSaver | None = None
-        if process_group is not None:
-            from .distributed.saver import DistributedSaver
-
-            self._saver = DistributedSaver(process_group, daemon=address)
-            if tier is None:
-                self._delegated = self._saver
-            else:
-                self._mirror = self._start_tier(tier, tier_keep_last, tier_endpoint,
-                                                tier_compression,
-                                                uploads=self._saver.co.rank == 0)
-        elif address:
-            from .saving.remote import RemoteSaver
-
-            self._saver = self._delegated = RemoteSaver(address, max_in_flight)
-        else:
-            self._saver = Saver(max_in_flight)
-        if tier is not None and self._mirror is None:
+        self._pipeline = pipeline_for(address, process_group, max_in_flight=max_in_flight,
+                                      shared=False)
+        if tier is not None:
+            # In a distributed job, rank 0 uploads (every rank's files are on
+            # the shared storage); the others serve latest() from the store.
             self._mirror = self._start_tier(tier, tier_keep_last, tier_endpoint,
-                                            tier_compression)
+                                            tier_compression, uploads=self._pipeline.sink.leader)
         self._lock = threading.Lock()  # latest pointer and retention
 
     def path_for(self, step: int) -> Path:
@@ -194,31 +173,30 @@ class Checkpointer:
                 "the step after the one it loaded; pass overwrite=True to replace it")
 
     def _save(self, step: int, state: Any, wait_for_snapshot: bool) -> SaveFuture:
-        if self._delegated is not None:
-            return self._delegated.save(state, self.path_for(step),
-                                        allow_pickle=self.allow_pickle,
-                                        wait_for_snapshot=wait_for_snapshot,
-                                        after_commit=self.after_commit,
-                                        compression=self.compression)
-        return self._saver.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
-                                wait_for_snapshot=wait_for_snapshot,
-                                on_commit=self._committed, compression=self.compression)
+        if self._mirror is None:  # whoever commits applies the policy
+            return self._pipeline.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
+                                       wait_for_snapshot=wait_for_snapshot,
+                                       after_commit=self.after_commit,
+                                       compression=self.compression)
+        # With a tier, this process (rank 0) applies it: retention must keep
+        # what is not in the store yet (_committed).
+        return self._pipeline.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
+                                   wait_for_snapshot=wait_for_snapshot,
+                                   on_commit=self._committed, compression=self.compression)
 
     def prepare_staging(self, state: Any) -> int:
         """Allocate and fault in the staging memory that saves of `state` take
         (in this process's shared memory with fastpersistd), so that the first
-        save() stalls no longer than the later ones; see Saver.prepare_staging.
+        save() stalls no longer than the later ones; see SavePipeline.prepare_staging.
         Call it once before the training loop, with the state you will save
         (its values do not matter). Returns the bytes of staging ready: 0 for
         a distributed job, whose ranks learn their parts only at each save."""
-        if not isinstance(self._saver, Saver):  # a DistributedSaver
-            return 0
-        return self._saver.prepare_staging(state, allow_pickle=self.allow_pickle)
+        return self._pipeline.prepare_staging(state, allow_pickle=self.allow_pickle)
 
     def wait(self) -> None:
         """Block until every save so far is durable; raise if one failed."""
-        self._saver.wait()
-        self._saver.raise_unobserved_failure()
+        self._pipeline.wait()
+        self._pipeline.raise_unobserved_failure()
 
     def close(self, *, abort: bool = False) -> None:
         """Finish the in-flight save (or with abort=True abandon it cleanly) and
@@ -229,7 +207,7 @@ class Checkpointer:
         checkpoints still not uploaded."""
         left: list[str] = []
         try:
-            self._saver.close(abort=abort)
+            self._pipeline.close(abort=abort)
         finally:  # the uploads stop (or drain) whether or not the save failed
             if self._mirror is not None:
                 left = self._mirror.uploader.close(drain=not abort)
@@ -258,7 +236,7 @@ class Checkpointer:
     @property
     def staging_bytes(self) -> int:
         """Host memory held for snapshots (reused by the next save)."""
-        return self._saver.staging_bytes
+        return self._pipeline.staging_bytes
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints under root that look whole (a
@@ -348,7 +326,7 @@ class Checkpointer:
     def wait_for_tier(self, timeout: float | None = None) -> bool:
         """Wait until every checkpoint committed so far is in the store (failed
         uploads keep being retried meanwhile); False on timeout."""
-        self._saver.wait()
+        self._pipeline.wait()
         return self._mirror is None or self._mirror.uploader.wait(timeout)
 
     def _protected(self, name: str) -> bool:

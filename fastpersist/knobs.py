@@ -164,6 +164,18 @@ def daemon_tls() -> DaemonTLS:
     return DaemonTLS(get("TOKEN"), get("CA"), get("CERT"), get("KEY"))
 
 
+def daemon_address() -> str:
+    """FASTPERSIST_DAEMON (read on its own too: `fpctl daemon` asks, and needs
+    none of the other knobs to be valid)."""
+    return os.environ.get("FASTPERSIST_DAEMON", "").strip()
+
+
+def shm_dir() -> str:
+    """FASTPERSIST_SHM_DIR: where clients create the segments they lend to
+    fastpersistd, and where the daemon looks for them (default /dev/shm)."""
+    return os.environ.get("FASTPERSIST_SHM_DIR", "").strip() or "/dev/shm"
+
+
 def huge_pages() -> str:
     """FASTPERSIST_HUGE_PAGES (read on its own: anonmem asks for every mapping
     it makes, and current() also asks the system for CPUs and the host name)."""
@@ -212,7 +224,7 @@ def current() -> Knobs:
         staging_budget=_int_env("FASTPERSIST_STAGING_BUDGET", 0, minimum=0),
         max_in_flight=_int_env("FASTPERSIST_MAX_IN_FLIGHT", 1),
         io_backend=io_backend(),
-        daemon=os.environ.get("FASTPERSIST_DAEMON", "").strip(),
+        daemon=daemon_address(),
         file_bytes=_int_env("FASTPERSIST_FILE_BYTES", 256 * _MIB),
         node=os.environ.get("FASTPERSIST_NODE", "").strip() or socket.gethostname(),
         dist_timeout=_int_env("FASTPERSIST_DIST_TIMEOUT", 600),

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -52,13 +51,10 @@ def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def _close_remote_savers() -> None:
-    """Drop the process-wide RemoteSavers, so their segments go with the test."""
-    import fastpersist.saving.remote as remote
+    """Drop the process-wide save pipelines, so their segments go with the test."""
+    from fastpersist.saving.registry import close_shared
 
-    for saver in list(remote._remote_savers.values()):
-        with contextlib.suppress(Exception):
-            saver.close(abort=True)
-    remote._remote_savers.clear()
+    close_shared(abort=True)
 
 
 @pytest.fixture(scope="session")

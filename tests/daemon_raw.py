@@ -202,12 +202,9 @@ def tree_of(directory: Path) -> list[str]:
 
 
 def close_remote_savers() -> None:
-    import fastpersist.saving.remote as remote
+    from fastpersist.saving.registry import close_shared
 
-    for saver in list(remote._remote_savers.values()):
-        with contextlib.suppress(Exception):
-            saver.close(abort=True)
-    remote._remote_savers.clear()
+    close_shared(abort=True)
 
 
 def assert_serving(daemon: Daemon, name: str = "final") -> None:

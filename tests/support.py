@@ -384,3 +384,19 @@ def kill_at_hooks(commands: dict[str, list[str]], env: dict[str, str] | None = N
         assert lines and lines[-1] == f"hook {hook}\n", lines
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)
+
+
+def in_process_saver(max_in_flight: int | None = None) -> Any:
+    """A save pipeline of its own to local files (what a Checkpointer has)."""
+    from fastpersist.saving.local import LocalSink
+    from fastpersist.saving.pipeline import SavePipeline
+
+    return SavePipeline(LocalSink(), max_in_flight)
+
+
+def daemon_saver(address: str, max_in_flight: int | None = None) -> Any:
+    """A save pipeline of its own through fastpersistd at `address`."""
+    from fastpersist.saving.pipeline import SavePipeline
+    from fastpersist.saving.remote import DaemonSink
+
+    return SavePipeline(DaemonSink(address), max_in_flight)

@@ -1,6 +1,6 @@
 """fastpersist.async_save: the caller pays for the snapshot, the write happens behind it.
 
-The contract (fastpersist/saving/saver.py): async_save returns once every tensor
+The contract (fastpersist/saving/pipeline.py): async_save returns once every tensor
 is copied into staging memory, so the caller may then change the state in
 place; future.result() returns once the checkpoint is durable (with save()'s
 guarantees) and raises the background error; a failure nobody looked at is
@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import WriteLog, inject_enospc
+from support import WriteLog, in_process_saver, inject_enospc
 
 import fastpersist
 from fastpersist import (
@@ -41,13 +41,14 @@ from fastpersist import (
     UnsupportedValueError,
 )
 from fastpersist.saving.futures import STOP
-from fastpersist.saving.saver import Saver, default_saver
 from fastpersist.storage.commit import find_leftovers
 from fastpersist.tensors import checkpoint
 
 KIB = 1 << 10
 MIB = 1 << 20
-saver_module = importlib.import_module("fastpersist.saving.saver")
+saver_module = importlib.import_module("fastpersist.saving.pipeline")
+registry_module = importlib.import_module("fastpersist.saving.registry")
+persist_module = importlib.import_module("fastpersist.saving.persist")
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -143,10 +144,9 @@ def wait_done(future: fastpersist.SaveFuture, timeout: float = 60) -> None:
 def _fresh_default_saver(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test gets its own process-wide Saver (fastpersist.async_save's), so that
     no test sees another's staging buffers or unobserved failures."""
-    monkeypatch.setattr(saver_module, "_default_saver", None)
+    registry_module.close_shared()
     yield
-    if saver_module._default_saver is not None:
-        saver_module._default_saver.close()
+    registry_module.close_shared()
 
 
 # --- the snapshot isolates the checkpoint from later changes ---------------------------------
@@ -293,7 +293,7 @@ def test_allow_pickle(tmp_path: Path) -> None:
 
 
 def test_staging_is_allocated_once_and_reused(tmp_path: Path, engine_name: str) -> None:
-    saver = Saver()
+    saver = in_process_saver()
     state = {f"w{i}": torch.randn(256 * KIB) for i in range(4)}  # 4 MiB
     assert saver.staging_bytes == 0
     for k in range(3):
@@ -323,15 +323,15 @@ def test_a_second_save_is_warm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         return staged
 
     monkeypatch.setattr(saver_module, "stage_file", slow_copy)
-    saver = Saver()
+    saver = in_process_saver()
     state = {f"w{i}": torch.randn(256 * KIB) for i in range(8)}  # 8 files of 1 MiB
     saver.save(state, tmp_path / "first").result()
-    assert saver._pool.allocations == 8 and saver.staging_bytes == 8 * MIB
+    assert saver.pool.allocations == 8 and saver.staging_bytes == 8 * MIB
     before = thread_minor_faults()
     future = saver.save(state, tmp_path / "second")  # returns after the copy
     faults = thread_minor_faults() - before
     future.result()
-    assert saver._pool.allocations == 8  # every buffer reused
+    assert saver.pool.allocations == 8  # every buffer reused
     # 8 MiB of staging is 2048 pages: none is faulted in again (the bound leaves
     # room for the interpreter's own small allocations).
     assert faults < 200, faults
@@ -345,7 +345,7 @@ def test_files_go_to_the_writer_after_the_whole_copy(tmp_path: Path,
     checksums and I/O do not compete with the copy the caller waits for."""
     monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(1 * MIB))
     events: list[str] = []
-    real_stage, real_write = saver_module.stage_file, saver_module.CheckpointWriter.write_file
+    real_stage, real_write = saver_module.stage_file, persist_module.CheckpointWriter.write_file
 
     def stage(*args: Any) -> Any:
         events.append("copy")
@@ -356,8 +356,8 @@ def test_files_go_to_the_writer_after_the_whole_copy(tmp_path: Path,
         real_write(self, tensors)
 
     monkeypatch.setattr(saver_module, "stage_file", stage)
-    monkeypatch.setattr(saver_module.CheckpointWriter, "write_file", write)
-    saver = Saver()
+    monkeypatch.setattr(persist_module.CheckpointWriter, "write_file", write)
+    saver = in_process_saver()
     saver.save({f"w{i}": torch.randn(256 * KIB) for i in range(4)}, tmp_path / "c").result()
     assert events == ["copy"] * 4 + ["write"] * 4
     saver.close()
@@ -367,7 +367,7 @@ def test_a_failed_copy_gives_back_the_buffers_it_did_not_use(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(1 * MIB))
     state = {f"w{i}": torch.randn(256 * KIB) for i in range(6)}
-    saver = Saver()
+    saver = in_process_saver()
     saver.save(state, tmp_path / "a").result()
     real_stage = saver_module.stage_file
     calls = []
@@ -387,7 +387,7 @@ def test_a_failed_copy_gives_back_the_buffers_it_did_not_use(
     # Only the buffer the failed copy wrote into is not reused (discarded: freed,
     # or kept where a device copy might still land in it); the two copied
     # files' and the three untouched ones are.
-    assert saver._pool.allocations == 6 + 1
+    assert saver.pool.allocations == 6 + 1
     assert_same(fastpersist.load(tmp_path / "c"), state)
     saver.close()
 
@@ -396,7 +396,7 @@ def test_staging_stays_within_the_budget(tmp_path: Path, engine_name: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     budget = 1 * MIB
     monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(budget))
-    saver = Saver()
+    saver = in_process_saver()
     # 10 x 256 KiB (staged, two per file) and one 2 MiB tensor (unstaged).
     state = {f"w{i:02d}": torch.full((64 * KIB,), float(i)) for i in range(10)}
     state["huge"] = torch.randn(512 * KIB)
@@ -418,7 +418,7 @@ def test_staging_stays_within_the_budget(tmp_path: Path, engine_name: str,
 
 
 def test_saves_after_the_state_grew(tmp_path: Path) -> None:
-    saver = Saver()
+    saver = in_process_saver()
     small = {"w": torch.randn(64 * KIB)}
     large = {"w": torch.randn(256 * KIB), "v": torch.randn(64 * KIB)}
     for k, state in enumerate([small, large, large, small, large]):
@@ -428,7 +428,7 @@ def test_saves_after_the_state_grew(tmp_path: Path) -> None:
 
 
 def test_staging_grows_instead_of_piling_up(tmp_path: Path) -> None:
-    saver = Saver()
+    saver = in_process_saver()
     for k, mib in enumerate([1, 2, 3]):
         saver.save({"w": torch.zeros(mib * MIB // 4)}, tmp_path / f"ck{k}").result()
         assert saver.staging_bytes == mib * MIB, k
@@ -437,7 +437,7 @@ def test_staging_grows_instead_of_piling_up(tmp_path: Path) -> None:
 
 def test_staging_respects_a_budget_set_later(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    saver = Saver()
+    saver = in_process_saver()
     state = {f"w{i}": torch.randn(256 * KIB) for i in range(4)}  # 4 MiB
     saver.save(state, tmp_path / "a").result()
     monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(2 * MIB))
@@ -447,7 +447,7 @@ def test_staging_respects_a_budget_set_later(tmp_path: Path,
 
 
 def test_state_without_tensor_bytes(tmp_path: Path) -> None:
-    saver = Saver()
+    saver = in_process_saver()
     saver.save({"step": 3, "empty": torch.empty(0, 4)}, tmp_path / "ck").result()
     loaded = fastpersist.load(tmp_path / "ck")
     assert loaded["step"] == 3 and loaded["empty"].shape == (0, 4)
@@ -605,7 +605,7 @@ def test_max_in_flight_one_waits_for_the_previous_save(
 
 
 def test_max_in_flight_two_overlaps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    saver = Saver(max_in_flight=2)
+    saver = in_process_saver(max_in_flight=2)
     log = WriteLog(monkeypatch, hold=0)
     first = log.watch(saver.save({"w": torch.ones(1000)}, tmp_path / "a"))
     assert log.held.wait(30)
@@ -637,11 +637,11 @@ def test_max_in_flight_is_read_at_each_save(tmp_path: Path,
         assert not first.done(), "the second save waited although 2 may be in flight"
     finally:
         timer.join()
-        default_saver().wait()
+        fastpersist.api.pipeline_for("").wait()
 
 
 def test_closed_saver_refuses_saves(tmp_path: Path) -> None:
-    saver = Saver()
+    saver = in_process_saver()
     saver.save({"w": torch.ones(3)}, tmp_path / "a")
     saver.close()
     assert fastpersist.load(tmp_path / "a")["w"].tolist() == [1.0, 1.0, 1.0]
@@ -682,7 +682,7 @@ def test_snapshot_failure_is_raised_once_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error while copying into staging raises from async_save itself; the
     next save is not blamed for it again, and nothing is left on disk."""
-    saver = Saver()
+    saver = in_process_saver()
     real_stage = saver_module.stage_file
 
     def broken_stage(*args: Any, **kwargs: Any) -> Any:
@@ -715,7 +715,7 @@ def test_saves_from_two_threads_start_one_writer_thread(tmp_path: Path,
                     both_checked.wait()
 
     monkeypatch.setattr(saver_module.threading, "Thread", Thread)
-    saver = saver_module.Saver(max_in_flight=2)
+    saver = in_process_saver(max_in_flight=2)
     saves = [Thread(target=lambda i=i: saver.save({"i": torch.full((4,), i)},
                                                    tmp_path / f"ck{i}").result())
              for i in range(2)]

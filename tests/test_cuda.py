@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+from support import daemon_saver, in_process_saver
 
 import fastpersist
 from fastpersist import Checkpointer
-from fastpersist.saving.saver import Saver
 from fastpersist.tensors import checkpoint
 
 if not torch.cuda.is_available():
@@ -30,15 +30,14 @@ if not torch.cuda.is_available():
 DEV = torch.device("cuda", 0)
 KIB = 1 << 10
 MIB = 1 << 20
-saver_module = importlib.import_module("fastpersist.saving.saver")
+registry_module = importlib.import_module("fastpersist.saving.registry")
 
 
 @pytest.fixture(autouse=True)
 def _fresh_default_saver(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(saver_module, "_default_saver", None)
+    registry_module.close_shared()
     yield
-    if saver_module._default_saver is not None:
-        saver_module._default_saver.close()
+    registry_module.close_shared()
     torch.cuda.synchronize()
 
 
@@ -216,7 +215,7 @@ def test_freed_source_memory_is_not_reused_before_the_copy(tmp_path: Path) -> No
 
 
 def test_staging_memory_is_pinned(tmp_path: Path) -> None:
-    saver = Saver()
+    saver = in_process_saver()
     state = {"w": torch.randn(MIB, device=DEV), "v": torch.randn(1000, device=DEV)}
     expected = to_cpu(state)
     future = saver.save(state, tmp_path / "ck", wait_for_snapshot=False)
@@ -238,13 +237,13 @@ def test_staging_memory_is_pinned(tmp_path: Path) -> None:
 
 
 def test_prepared_pinned_staging_is_what_the_first_save_uses(tmp_path: Path) -> None:
-    saver = Saver()
+    saver = in_process_saver()
     state = {"w": torch.randn(MIB, device=DEV), "v": torch.randn(1000, device=DEV)}
     expected = to_cpu(state)
     assert saver.prepare_staging(state) == 4 * MIB + 4000
-    allocations = saver._pool.allocations
+    allocations = saver.pool.allocations
     future = saver.save(state, tmp_path / "ck")
-    assert saver._pool.allocations == allocations  # the prepared buffer
+    assert saver.pool.allocations == allocations  # the prepared buffer
     assert all(s.buffer is not None and s.buffer.is_pinned() for s in future._staged)
     future.result(timeout=120)
     saver.close()
@@ -274,11 +273,10 @@ def test_daemon_save_of_gpu_state(daemon: Any) -> None:
     """Through fastpersistd: D2H copies go into shared memory page-locked with
     cudaHostRegister; the snapshot holds the values as of the call, and the
     daemon's checkpoint equals an in-process save of the same state."""
-    from fastpersist.saving.remote import RemoteSaver
 
     state = gpu_state()
     expected = to_cpu(state)
-    saver = RemoteSaver(daemon.address)
+    saver = daemon_saver(daemon.address)
     try:
         future = saver.save(state, daemon.root / "ck", wait_for_snapshot=False)
         future.wait_snapshot(timeout=60)

@@ -219,11 +219,9 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous(tmp_path: Path,
 
 
 def _close_remote_savers() -> None:
-    import fastpersist.saving.remote as remote
+    from fastpersist.saving.registry import close_shared
 
-    for saver in list(remote._remote_savers.values()):
-        saver.close(abort=True)
-    remote._remote_savers.clear()
+    close_shared(abort=True)
 
 
 def test_unreachable_daemon_is_a_clear_error(tmp_path: Path) -> None:
@@ -335,7 +333,7 @@ def test_long_idle_client_is_not_aborted_while_watching(tmp_path: Path,
     d = Daemon(tmp_path, "--idle-timeout", "1").start()
     monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
     monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(2 * MIB))
-    import fastpersist.saving.remote as remote
+    import fastpersist.saving.pipeline as remote
 
     real = remote.stage_file
     calls = []

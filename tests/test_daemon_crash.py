@@ -38,13 +38,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from support import daemon_saver
 
 import fastpersist
 from fastpersist import CheckpointAbortedError, CheckpointError, CheckpointNotFoundError
 from fastpersist.engine import get_engine
 from fastpersist.errors import DaemonUnavailableError
 from fastpersist.protocol import shm
-from fastpersist.saving.remote import RemoteSaver
 from fastpersist.storage.commit import parse_leftover
 from fastpersist.tensors import verifying
 
@@ -547,7 +547,7 @@ def test_daemon_killed_mid_write(hand_over, slow_daemon, monkeypatch):
     # And saves through it work, from a new connection and through the one that
     # went down with the old daemon (this process's saver, which saw the failure).
     monkeypatch.delenv("FASTPERSIST_STAGING_BUDGET", raising=False)
-    fresh = RemoteSaver(d.address)
+    fresh = daemon_saver(d.address)
     try:
         fresh.save(make_state(3, **SMALL), d.root / "after").result(timeout=60)
     finally:
@@ -614,7 +614,7 @@ def test_sigterm_commits_handed_over_and_aborts_the_rest(slow_daemon, clients, m
     # Long enough at the slow daemon's pace that it is still being sent at the SIGTERM.
     state = make_state(7, tensors=16, numel=6 * MIB)
     # A saver of its own: the process-wide one would hold "a" back until it is done.
-    saver = RemoteSaver(d.address)
+    saver = daemon_saver(d.address)
     request.addfinalizer(lambda: saver.close(abort=True))
     sending = Background(lambda: saver.save(state, d.root / "sending").result(timeout=30))
     wait_until("the daemon to write sending's first file",

@@ -23,12 +23,13 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from daemon_support import Daemon
+from support import daemon_saver
 
 import fastpersist
 from fastpersist.errors import CheckpointError, DaemonError, DaemonUnavailableError
 from fastpersist.protocol.client import DaemonClient
-from fastpersist.saving import remote
-from fastpersist.saving.remote import RemoteSaver
+from fastpersist.saving import pipeline, remote
+from fastpersist.saving.remote import DaemonJob
 
 T = TypeVar("T")
 
@@ -71,12 +72,11 @@ class Spies:
         self.jobs_done = 0
         self.asked = threading.Event()
         self.segments: list[str] = []
-        persist, wait, submit = (RemoteSaver._persist_remote, DaemonClient.wait,
-                                 DaemonClient.submit_shm)
+        persist, wait, submit = (DaemonJob.write, DaemonClient.wait, DaemonClient.submit_shm)
 
-        def persist_spy(saver: RemoteSaver, job: Any) -> None:
+        def persist_spy(job: DaemonJob, *a: Any, **k: Any) -> None:
             try:
-                persist(saver, job)
+                persist(job, *a, **k)
             finally:
                 self.jobs_done += 1
 
@@ -89,7 +89,7 @@ class Spies:
             self.segments.append(segment)
             submit(client, ident, index, header, segment, *a, **k)
 
-        monkeypatch.setattr(RemoteSaver, "_persist_remote", persist_spy)
+        monkeypatch.setattr(DaemonJob, "write", persist_spy)
         monkeypatch.setattr(DaemonClient, "wait", wait_spy)
         monkeypatch.setattr(DaemonClient, "submit_shm", submit_spy)
 
@@ -139,7 +139,7 @@ def lose_commit_reply(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(DaemonClient, "commit", commit_reply_lost)
 
 
-def save_twice(d: Daemon, saver: RemoteSaver, spies: Spies
+def save_twice(d: Daemon, saver: Any, spies: Spies
                ) -> tuple[BaseException | None, BaseException | None]:
     """Save 1.0 to ck1 (a fault injected), then 2.0 to ck2 while the daemon has
     not read ck1's segments yet; then let the daemon write. The outcomes of both."""
@@ -182,7 +182,7 @@ def test_a_broken_watch_after_commit_reuses_no_segment_and_reports_the_commit(
         gated: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     spies = Spies(monkeypatch)
     break_watch_after_commit(monkeypatch)
-    saver = RemoteSaver(gated.address, max_in_flight=2)
+    saver = daemon_saver(gated.address, max_in_flight=2)
     try:
         first_error, second_error = save_twice(gated, saver, spies)
         assert second_error is None
@@ -195,7 +195,7 @@ def test_a_lost_commit_reply_reuses_no_segment_and_reports_the_commit(
         gated: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     spies = Spies(monkeypatch)
     lose_commit_reply(monkeypatch)
-    saver = RemoteSaver(gated.address, max_in_flight=2)
+    saver = daemon_saver(gated.address, max_in_flight=2)
     try:
         first_error, second_error = save_twice(gated, saver, spies)
         assert second_error is None
@@ -220,7 +220,7 @@ def test_an_outcome_nobody_can_tell_quarantines_the_segments(
         raise DaemonUnavailableError("injected: fastpersistd does not answer", "UNAVAILABLE")
 
     monkeypatch.setattr(DaemonClient, "wait", unreachable)
-    saver = RemoteSaver(gated.address, max_in_flight=2)
+    saver = daemon_saver(gated.address, max_in_flight=2)
     try:
         first = saver.save(state(1.0), gated.root / "ck1")
         error = outcome(first)
@@ -268,7 +268,7 @@ def test_a_buffer_with_a_copy_in_flight_is_not_reused_after_a_failure(
     handed to the next save until the copy has landed."""
     monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(64 << 10))
     copies: list[LateCopy] = []
-    stage_file = remote.stage_file
+    stage_file = pipeline.stage_file
 
     def stage_with_late_copy(tensors: Any, buffer: torch.Tensor, pinned: bool) -> Any:
         staged = stage_file(tensors, buffer, pinned)
@@ -286,9 +286,9 @@ def test_a_buffer_with_a_copy_in_flight_is_not_reused_after_a_failure(
             raise DaemonError("injected: data file 0 refused", "INVALID_ARGUMENT")
         submit(client, *a, **k)
 
-    monkeypatch.setattr(remote, "stage_file", stage_with_late_copy)
+    monkeypatch.setattr(pipeline, "stage_file", stage_with_late_copy)
     monkeypatch.setattr(DaemonClient, "submit_shm", refuse_first)
-    saver = RemoteSaver(gated.address, max_in_flight=2)
+    saver = daemon_saver(gated.address, max_in_flight=2)
 
     def two_files(value: float) -> dict[str, torch.Tensor]:
         return {"a": torch.full((16384,), value), "b": torch.full((16384,), value)}
@@ -330,7 +330,7 @@ def test_a_commit_that_never_arrived_is_sent_again(gated: Daemon,
 
     monkeypatch.setattr(DaemonClient, "commit", lost_on_the_way)
     gated.open_gate()
-    saver = RemoteSaver(gated.address)
+    saver = daemon_saver(gated.address)
     try:
         assert outcome(saver.save(state(1.0), gated.root / "ck1")) is None
         assert len(calls) == 2

@@ -33,7 +33,6 @@ from dist_support import (
 import fastpersist
 from fastpersist._version import __version__
 from fastpersist.cli import main as fpctl
-from fastpersist.distributed.part_files import PartFiles
 from fastpersist.distributed.storage import Records, ThroughDaemon
 from fastpersist.errors import CheckpointNotFoundError, DaemonError
 from fastpersist.format.manifest import (
@@ -44,6 +43,7 @@ from fastpersist.format.manifest import (
     Manifest,
     TensorRecord,
 )
+from fastpersist.saving.files import StagedFiles
 from fastpersist.saving.snapshot import stage_file
 from fastpersist.tensors import state
 from fastpersist.tensors.checkpoint import read_manifest
@@ -357,7 +357,7 @@ def _part(storage: ThroughDaemon, target: Path, job: str, rank: int,
     nbytes = sum(t.numel() * 4 for t in tensors.values())
     buffer = storage.pool.acquire(nbytes, 0, False)
     return storage.write(target, job, rank,
-                         PartFiles.copied([stage_file(stored, buffer, False)]), None)
+                         StagedFiles.copied([stage_file(stored, buffer, False)]), None)
 
 
 def _manifest(records: Records, full: torch.Tensor, rows: list[tuple[str, int]]) -> Manifest:

@@ -10,7 +10,8 @@ import fastpersist
 PUBLIC = {
     "CheckpointAbortedError", "CheckpointError", "CheckpointExistsError", "CheckpointIOError",
     "CheckpointNotFoundError", "CheckpointPermissionError", "Checkpointer",
-    "ChecksumMismatchError", "CorruptCheckpointError", "DiskFullError",
+    "ChecksumMismatchError", "CorruptCheckpointError", "DaemonError", "DaemonMayStillCommitError",
+    "DaemonUnavailableError", "DiskFullError",
     "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "PostCommitError",
     "SaveFuture", "StateMismatchError", "TierError",
     "TruncatedFileError", "UnsupportedPathError", "UnsupportedValueError",
@@ -25,7 +26,7 @@ def test_public_names_are_pinned() -> None:
 
 
 def test_api_functions_are_functions_even_after_their_modules_import() -> None:
-    import fastpersist.saving.saver  # binds the submodule on the package; must not shadow the API
+    import fastpersist.saving.pipeline  # binds the submodule on the package: no shadowing
 
     assert callable(fastpersist.async_save) and fastpersist.async_save.__name__ == "async_save"
     assert callable(fastpersist.save) and callable(fastpersist.load)

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from support import daemon_saver, in_process_saver
 
 import fastpersist
-from fastpersist.saving.saver import Saver
 
 MIB = 1 << 20
 
@@ -39,13 +39,13 @@ def _assert_same(loaded: dict[str, Any], state: dict[str, Any]) -> None:
 
 def test_a_prepared_saver_allocates_nothing_at_its_first_save(tmp_path: Path) -> None:
     state = _state(3, 8 * MIB)
-    saver = Saver()
+    saver = in_process_saver()
     try:
         assert saver.prepare_staging(state) == _nbytes(state)  # one data file: one buffer
-        allocations = saver._pool.allocations
+        allocations = saver.pool.allocations
         assert allocations == 1 and saver.staging_bytes == _nbytes(state)
         saver.save(state, tmp_path / "ckpt").result()
-        assert saver._pool.allocations == allocations  # the prepared buffer, reused
+        assert saver.pool.allocations == allocations  # the prepared buffer, reused
         assert saver.staging_bytes == _nbytes(state)
     finally:
         saver.close()
@@ -54,7 +54,7 @@ def test_a_prepared_saver_allocates_nothing_at_its_first_save(tmp_path: Path) ->
 
 def _faults_of_first_save(tmp_path: Path, name: str, prepare: bool) -> int:
     state = _state(4, 16 * MIB)
-    saver = Saver()
+    saver = in_process_saver()
     try:
         if prepare:
             saver.prepare_staging(state)
@@ -84,12 +84,12 @@ def test_with_a_budget_smaller_than_the_state_every_file_reuses_the_prepared_buf
     state = {"layers": {f"w{i}": torch.randn(n * MIB // 4, generator=gen)
                         for i, n in enumerate([6, 8, 8, 8])},
              "bias": torch.randn(17, generator=gen), "step": 3}
-    saver = Saver()
+    saver = in_process_saver()
     try:
         assert saver.prepare_staging(state) == 16 * MIB  # two of the largest file's size
-        allocations = saver._pool.allocations
+        allocations = saver.pool.allocations
         saver.save(state, tmp_path / "ckpt").result()
-        assert saver._pool.allocations == allocations  # every file reused those two
+        assert saver.pool.allocations == allocations  # every file reused those two
         assert saver.staging_bytes == 16 * MIB
     finally:
         saver.close()
@@ -99,7 +99,7 @@ def test_with_a_budget_smaller_than_the_state_every_file_reuses_the_prepared_buf
 def test_preparing_while_a_save_is_in_flight_does_not_double_the_staging(
         tmp_path: Path) -> None:
     state = _state(2, 8 * MIB)
-    saver = Saver()
+    saver = in_process_saver()
     try:
         future = saver.save(state, tmp_path / "ckpt")  # its buffer is the writer's for now
         assert saver.prepare_staging(state) == _nbytes(state)
@@ -124,7 +124,7 @@ def test_the_checkpointer_and_the_module_prepare_their_savers(tmp_path: Path) ->
 
 
 def test_values_that_need_pickle_are_refused_as_a_save_would(tmp_path: Path) -> None:
-    saver = Saver()
+    saver = in_process_saver()
     try:
         with pytest.raises(fastpersist.UnsupportedValueError, match="without pickle"):
             saver.prepare_staging({"w": torch.ones(4), "odd": object()})
@@ -138,16 +138,15 @@ def test_values_that_need_pickle_are_refused_as_a_save_would(tmp_path: Path) -> 
 
 def test_through_the_daemon_the_first_save_reuses_the_prepared_segments(
         daemon: Any, tmp_path: Path) -> None:
-    from fastpersist.saving.remote import RemoteSaver
 
     state = _state(2, 4 * MIB)
-    saver = RemoteSaver(daemon.address)
+    saver = daemon_saver(daemon.address)
     try:
         assert saver.prepare_staging(state) == _nbytes(state)
-        allocations = saver._pool.allocations
+        allocations = saver.pool.allocations
         target = daemon.root / "ckpt"
         saver.save(state, target).result()
-        assert saver._pool.allocations == allocations
+        assert saver.pool.allocations == allocations
     finally:
         saver.close()
     _assert_same(fastpersist.load(target), state)

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from support import in_process_saver
 
 from fastpersist.errors import CheckpointError
 from fastpersist.saving.snapshot import StagedFile, stage_file
@@ -181,9 +182,9 @@ def test_failed_copies_do_not_use_up_the_staging_budget(tmp_path, monkeypatch) -
     """Two async_saves whose copy fails part-way, then one that works: with a
     budget of two files, buffers kept by the failed copies would leave the
     third save waiting for room for ever."""
+
     import fastpersist
-    from fastpersist.saving import saver as saver_module
-    from fastpersist.saving.saver import Saver
+    from fastpersist.saving import pipeline as saver_module
 
     monkeypatch.setenv("FASTPERSIST_STAGING_BUDGET", str(2 << 20))
     state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(6)}  # 6 x 1 MiB
@@ -196,7 +197,7 @@ def test_failed_copies_do_not_use_up_the_staging_budget(tmp_path, monkeypatch) -
             raise RuntimeError("copy failed")
         return real(*args, **kwargs)
 
-    saver = Saver()
+    saver = in_process_saver()
     monkeypatch.setattr(saver_module, "stage_file", fails_on_the_second_file)
     for attempt in range(2):
         with pytest.raises(RuntimeError, match="copy failed"):

@@ -4,7 +4,6 @@ real processes: the daemon and an S3 server (moto)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import urllib.request
@@ -59,12 +58,9 @@ def daemons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         return d
 
     yield start
-    import fastpersist.saving.remote as remote  # as conftest's daemon fixture does
+    from fastpersist.saving.registry import close_shared
 
-    for saver in list(remote._remote_savers.values()):
-        with contextlib.suppress(Exception):
-            saver.close(abort=True)
-    remote._remote_savers.clear()
+    close_shared(abort=True)
     for d in started:
         d.cleanup()
 

@@ -50,11 +50,9 @@ def daemon_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         return d
 
     yield start
-    import fastpersist.saving.remote as remote  # as conftest's daemon fixture does
+    from fastpersist.saving.registry import close_shared
 
-    for saver in list(remote._remote_savers.values()):
-        saver.close(abort=True)
-    remote._remote_savers.clear()
+    close_shared(abort=True)
     for d in started:
         d.cleanup()
 

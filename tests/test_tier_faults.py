@@ -368,9 +368,6 @@ def _committed(root: Path) -> set[str]:
 
 
 def _forget_savers() -> None:
-    import fastpersist.saving.remote as remote
+    from fastpersist.saving.registry import close_shared
 
-    for saver in list(remote._remote_savers.values()):
-        with contextlib.suppress(Exception):  # a daemon SIGKILLed under it
-            saver.close(abort=True)
-    remote._remote_savers.clear()
+    close_shared(abort=True)

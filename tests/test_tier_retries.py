@@ -226,8 +226,6 @@ def test_retention_keeps_what_was_never_confirmed_uploaded(s3: Any, tmp_path: Pa
 
 
 def _forget_savers() -> None:
-    import fastpersist.saving.remote as remote
+    from fastpersist.saving.registry import close_shared
 
-    for saver in list(remote._remote_savers.values()):
-        saver.close(abort=True)
-    remote._remote_savers.clear()
+    close_shared(abort=True)

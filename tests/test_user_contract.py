@@ -81,10 +81,10 @@ def test_checkpointer_refuses_a_url_root(tmp_path: Path, monkeypatch: pytest.Mon
 def test_a_url_is_refused_by_every_saver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check sits where every saver makes its path absolute, so a saver
     reached without the API (the Hugging Face adapter uses one) refuses too."""
-    from fastpersist.saving.saver import Saver
+    from support import in_process_saver
 
     monkeypatch.chdir(tmp_path)
-    saver = Saver()
+    saver = in_process_saver()
     try:
         with pytest.raises(UnsupportedPathError):
             saver.save(state(1), "s3://bucket/x")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from .._proto import fastpersist_pb2 as pb
 from ..errors import CheckpointError
+from ..knobs import daemon_address
 from ..protocol.client import DaemonClient
 from ._output import EXIT_ERROR, EXIT_OK, human_size, print_json, warn
 
@@ -15,7 +15,7 @@ DEFAULT_ADDRESS = "unix:///run/fastpersist/fastpersistd.sock"
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    address = args.daemon or os.environ.get("FASTPERSIST_DAEMON") or DEFAULT_ADDRESS
+    address = args.daemon or daemon_address() or DEFAULT_ADDRESS
     client = DaemonClient(address)
     try:
         health = client.health(timeout=args.timeout)

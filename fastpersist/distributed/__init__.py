@@ -4,6 +4,7 @@ planner.py      who writes what (pure, deterministic, cached)
 describe.py     a rank's tensors as boxes of global tensors (plain and DTensor)
 layout.py       storage domains, the pieces a rank holds, the job manifest
 coordinator.py  the save protocol over a gloo group of its own
+sink.py         the save pipeline's sink for a job (saving/pipeline.py)
 phases.py       that group, and every rank's agreement on each phase
 commit_point.py the commit, and one outcome on every rank when ranks are lost
 outcome.py      deciding that outcome, and naming the lost ranks, in the job's store

@@ -36,8 +36,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from ..errors import (
     CheckpointAbortedError,
     CheckpointError,
@@ -45,7 +43,7 @@ from ..errors import (
     PostCommitError,
 )
 from ..knobs import current as current_knobs
-from ..saving.snapshot import StagedFile, group_into_files
+from ..saving.files import StagedFiles
 from ..storage.local_path import checkpoint_path
 from ..storage.retention import AfterCommit
 from ..tensors import packed, state
@@ -69,35 +67,10 @@ from .layout import (
     within,
 )
 from .outcome import Ballot, SaveStore, forget, job_store, post_mortem, this_process
-from .part_files import PartFiles
 from .phases import Coordinator, Failure, Phase, RanksLost, coordinator_for, failure
 from .planner import Item, Plan, RankInfo, layout_digest, make_plan
 from .settling import has_prepared, settle_with
-from .storage import InProcess, Storage, ident_of
-
-
-def save(obj: Any, path: str | os.PathLike[str], group: dist.ProcessGroup | None, *,
-         node_local: bool = False, allow_pickle: bool = False,
-         compression: str | None = None) -> None:
-    """fastpersist.save(..., process_group=...) in-process: see the module docstring.
-
-    Shared storage (default): every rank passes the same `path`, on a
-    filesystem they all see. node_local=True: each rank passes its node's local
-    path (ranks of one node the same); each node keeps the files its ranks
-    wrote, and every node's directory carries the job manifest.
-    (Through a daemon, saver.DistributedSaver stages the pieces in shared memory.)
-    """
-    storage = InProcess()
-    job = Save(coordinator_for(group), obj, path, storage, node_local=node_local,
-               allow_pickle=allow_pickle, compression=compression)
-    job.prepare()
-    try:
-        files: PartFiles | BaseException = PartFiles.copied([
-            StagedFile(f.tensors, None)
-            for f in group_into_files(job.my_pieces(), 0, current_knobs().file_bytes)])
-    except Exception as exc:
-        files = exc  # reported in the write phase, so that every rank fails together
-    job.finish(files)
+from .storage import Storage, ident_of
 
 
 class Save(CommitPoint):
@@ -116,7 +89,7 @@ class Save(CommitPoint):
         # commit point (never before it: other nodes' publishes may be undone).
         self.after_commit_policy = after_commit
         self.after_commit_error = ""  # what of it failed, as the storage reported
-        self.aborted = aborted  # this rank gave the save up (DistributedSaver.close(abort=True))
+        self.aborted = aborted  # this rank gave the save up (the pipeline's close(abort=True))
         self.obj = obj
         self.storage = storage
         self.node_local = node_local
@@ -257,7 +230,7 @@ class Save(CommitPoint):
                                        source.nbytes))
         return stored
 
-    def finish(self, files: PartFiles | BaseException) -> None:
+    def finish(self, files: StagedFiles | BaseException) -> None:
         """Write this rank's files (or report why it has none) and commit."""
         try:
             self._finish(files)
@@ -266,7 +239,7 @@ class Save(CommitPoint):
             return
         self.check_in("save")
 
-    def _finish(self, files: PartFiles | BaseException) -> None:
+    def _finish(self, files: StagedFiles | BaseException) -> None:
         co, phase = self.co, self.phase
         self.held = []
         # 4 write this rank's pieces
@@ -332,4 +305,4 @@ class Save(CommitPoint):
                           "other ranks cannot learn it)", RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["Save", "coordinator_for", "save", "tensor_bytes_by_rank"]
+__all__ = ["Save", "coordinator_for", "tensor_bytes_by_rank"]

@@ -55,12 +55,12 @@ from ..format.manifest import (
     records_from_json,
 )
 from ..format.names import part_file_name
+from ..saving.files import StagedFiles
 from ..saving.staging import StagingPool
 from ..storage.commit import Staging, leftover_name, os_error
 from ..storage.prepared import discard_prepared, prepare, publish_prepared
 from ..storage.retention import AfterCommit, apply_at
 from ..tensors import datafile, packed
-from .part_files import PartFiles
 
 Records = list[tuple[FileRecord, list[TensorRecord]]]
 
@@ -70,7 +70,7 @@ class Storage(Protocol):
 
     def stage(self, target: Path) -> str: ...
 
-    def write(self, target: Path, where: str, rank: int, files: PartFiles,
+    def write(self, target: Path, where: str, rank: int, files: StagedFiles,
               node: str | None, frame_bytes: int = 0) -> Records: ...
 
     def publish(self, where: str, manifest: bytes, node: str | None,
@@ -118,7 +118,7 @@ class InProcess:
         self._staging[str(staging.path)] = staging
         return str(staging.path)
 
-    def write(self, target: Path, where: str, rank: int, files: PartFiles,
+    def write(self, target: Path, where: str, rank: int, files: StagedFiles,
               node: str | None, frame_bytes: int = 0) -> Records:
         """frame_bytes: pack (compress) the files in frames of this many bytes."""
         engine = get_engine()
@@ -213,10 +213,10 @@ class ThroughDaemon:
     def stage(self, target: Path) -> str:
         return self.client.begin_job(self.client.relative(target))
 
-    def write(self, target: Path, where: str, rank: int, files: PartFiles,
+    def write(self, target: Path, where: str, rank: int, files: StagedFiles,
               node: str | None, frame_bytes: int = 0) -> Records:
         """The part's files, durable in the job's directory, each handed to
-        the daemon as soon as it is copied (PartFiles). Each buffer is lent
+        the daemon as soon as it is copied (StagedFiles). Each buffer is lent
         to the daemon and marked returned only by its report (handover.py), so
         the caller's StagingPool.give_back quarantines what the daemon may
         still read. A lost reply after Commit is settled by asking the daemon.

@@ -42,9 +42,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import knobs
 from ..storage import dirs
 
-DEFAULT_DIR = "/dev/shm"
 PREFIX = "fastpersist-"
 # What a request may name: a plain file name of ours, never a path.
 NAME = re.compile(r"^fastpersist-[A-Za-z0-9_.-]{1,128}$")
@@ -59,7 +59,7 @@ def tag_for(checkpoint_id: str) -> bytes:
 
 
 def shm_dir() -> Path:
-    return Path(os.environ.get("FASTPERSIST_SHM_DIR", DEFAULT_DIR))
+    return Path(knobs.shm_dir())
 
 
 class Segment:

@@ -12,7 +12,7 @@ global synchronize.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -72,6 +72,13 @@ def group_into_files(stored: list[StoredTensor], budget: int, file_bytes: int) -
     if current or not files:
         files.append(FilePlan(current, staged=True))
     return files
+
+
+def needs_pinned(tensors: Iterable[StoredTensor]) -> bool:
+    """Whether a snapshot of `tensors` stages into pinned host memory: only
+    where there is something to copy from a GPU (cudaHostAlloc costs more
+    than plain memory and stays resident). The one rule for every save."""
+    return torch.cuda.is_available() and any(t.source.is_cuda for t in tensors)
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}

@@ -19,6 +19,7 @@ import torch
 
 from .. import gcpause
 from ..anonmem import anonymous, loads_bounce
+from ..checksum import combine
 from ..engine import Engine, IOResult, Segment
 from ..format import dtypes, safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
@@ -66,6 +67,26 @@ def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTe
     """Write tensors to directory/file_name, a new file; durable (fsynced) on
     return. metadata: the header's "__metadata__" (a checkpoint's data files
     have METADATA; fpctl restore writes its own)."""
+    file_record, records, _ = write_in_blocks(engine, directory, file_name, tensors, 0, metadata)
+    return file_record, records
+
+
+def block_spans(nbytes: int, block: int) -> list[tuple[int, int]]:
+    """(start, length) of each `block`-sized piece of nbytes (the last one
+    shorter); one span (the whole) when block is 0 or not smaller."""
+    if not block or nbytes <= block:
+        return [(0, nbytes)]
+    return [(s, min(block, nbytes - s)) for s in range(0, nbytes, block)]
+
+
+def write_in_blocks(engine: Engine, directory: str, file_name: str,
+                    tensors: list[StoredTensor], block: int,
+                    metadata: dict[str, str] = METADATA
+                    ) -> tuple[FileRecord, list[TensorRecord], list[list[int]]]:
+    """write(), and also the CRC32C of each `block`-sized piece of each tensor
+    (block_spans; in the order of `tensors`), for readers that verify part of
+    a tensor (the DCP reader's resharding). The engine computes every CRC in
+    the same pass as the write; a tensor's whole CRC is combined from them."""
     with gcpause.paused():  # bookkeeping of many small objects (not the I/O below)
         plan = plan_file(tensors, metadata)
         lay = plan.layout
@@ -73,20 +94,28 @@ def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTe
         # saves stage them into pinned memory beforehand instead.
         sources = [t.source if t.source.device.type == "cpu" else t.source.cpu()
                    for t in plan.order]
+        spans = [block_spans(t.nbytes, block) for t in plan.order]
         segments: list[Segment] = [(lay.header, 0)]
-        segments += [(memory_of(src), off) for src, off in zip(sources, lay.offsets, strict=True)]
+        for src, off, pieces in zip(sources, lay.offsets, spans, strict=True):
+            memory = memory_of(src)
+            segments += [(memory[a:a + n], off + a) for a, n in pieces]
     result = engine.write_file(os.path.join(directory, file_name), segments, lay.size)
     del segments, sources
     assert result.crcs is not None
     with gcpause.paused():
-        records = {
-            t.name: TensorRecord(t.name, file_name, off, t.nbytes, t.dtype, t.shape, crc)
-            for t, off, crc in zip(plan.order, lay.offsets, result.crcs[1:], strict=True)
-        }
+        crcs = iter(result.crcs[1:])
+        records: dict[str, tuple[TensorRecord, list[int]]] = {}
+        for t, off, pieces in zip(plan.order, lay.offsets, spans, strict=True):
+            blocks = [next(crcs) for _ in pieces]
+            whole = blocks[0] if len(blocks) == 1 else combine(
+                [(c, n) for c, (_, n) in zip(blocks, pieces, strict=True)])
+            records[t.name] = (TensorRecord(t.name, file_name, off, t.nbytes, t.dtype, t.shape,
+                                            whole), blocks)
         file_record = FileRecord(name=file_name, size=lay.size, data_start=lay.data_start,
                                  header_crc32c=result.crcs[0])
         # Manifest order follows the state, not the file, so inspect reads naturally.
-        return file_record, [records[t.name] for t in tensors]
+        in_order = [records[t.name] for t in tensors]
+        return file_record, [r for r, _ in in_order], [b for _, b in in_order]
 
 
 def phase_aligned(nbytes: int, offset: int) -> memoryview:

@@ -67,7 +67,7 @@ def handover(job: dict[str, Any]) -> None:
 
 
 def block(job: dict[str, Any]) -> None:
-    import fastpersist.saving.remote as remote
+    import fastpersist.saving.pipeline as remote
     import fastpersist.saving.segments as segments
 
     real = remote.stage_file

@@ -327,10 +327,10 @@ def _lost_watch(args: dict[str, Any], rank: int, path: str) -> dict[str, Any]:
 
 def _fail_copy(call: int) -> None:
     """This rank's copy of its `call`-th file into staging fails."""
-    from fastpersist.distributed import saver
+    from fastpersist.saving import pipeline
 
     calls = [0]
-    stage = saver.stage_file
+    stage = pipeline.stage_file
 
     def failing(*a: Any, **k: Any) -> Any:
         calls[0] += 1
@@ -338,7 +338,7 @@ def _fail_copy(call: int) -> None:
             raise OSError(errno.EFAULT, "Bad address")
         return stage(*a, **k)
 
-    saver.stage_file = failing  # type: ignore[assignment]
+    pipeline.stage_file = failing  # type: ignore[assignment]
 
 
 def _scribble(state: dict[str, Any]) -> None:

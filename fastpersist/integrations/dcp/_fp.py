@@ -9,7 +9,6 @@ from __future__ import annotations
 from ... import knobs
 from ..._version import __version__
 from ...checksum import combine, crc32c
-from ...distributed.part_files import PartFiles
 from ...distributed.storage import ThroughDaemon
 from ...engine import Engine, Segment, get_engine
 from ...errors import (
@@ -35,24 +34,26 @@ from ...format.manifest import (
 )
 from ...format.names import part_file_name
 from ...format.tree import check_tree
+from ...saving.files import StagedFiles
 from ...saving.snapshot import StagedFile, stage_file
 from ...saving.staging import StagingPool
 from ...storage.commit import Staging, os_error, through_link
 from ...storage.leftovers import leftover_name
 from ...storage.leftovers import process_token as new_token
 from ...tensors.committed import read_manifest
-from ...tensors.datafile import plan_file
+from ...tensors.datafile import write_in_blocks
 from ...tensors.plan import StoredTensor
 
 __all__ = [
     "DISTRIBUTED_SCHEMA_VERSION", "CheckpointError", "CheckpointExistsError",
     "ChecksumMismatchError", "Chunk", "CorruptCheckpointError", "DaemonError", "Engine",
-    "FileRecord", "GlobalTensor", "Manifest", "ManifestError", "PartFiles", "PickleNotAllowedError",
+    "FileRecord", "GlobalTensor", "Manifest", "ManifestError", "PickleNotAllowedError",
     "Segment",
-    "StagedFile", "Staging", "StagingPool", "StoredTensor", "TensorRecord", "ThroughDaemon",
+    "StagedFile", "StagedFiles", "Staging", "StagingPool", "StoredTensor", "TensorRecord",
+    "ThroughDaemon",
     "TruncatedFileError", "UnsupportedValueError", "__version__", "check_tree", "combine",
     "crc32c", "dtypes", "get_engine", "knobs", "leftover_name", "new_token", "os_error",
     "parse_json", "part_file_name",
-    "plan_file", "read_manifest", "stage_file",
-    "through_link",
+    "read_manifest", "stage_file",
+    "through_link", "write_in_blocks",
 ]

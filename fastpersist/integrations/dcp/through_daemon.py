@@ -130,7 +130,7 @@ def write(storage: _fp.ThroughDaemon, target: Path, job_id: str, rank: int,
         for file in staged:
             file.wait_copied()
             blocks.update(_block_crcs(file))
-        records = storage.write(target, job_id, rank, _fp.PartFiles.copied(staged), None)
+        records = storage.write(target, job_id, rank, _fp.StagedFiles.copied(staged), None)
     finally:
         for file in staged:
             pool.give_back(file)  # reused, or quarantined if the daemon may still read it

@@ -1,0 +1,115 @@
+"""The distributed sink: a save over a process group, each unique byte written
+by one rank, rank 0 committing the job (coordinator.Save), through the save
+pipeline (saving/pipeline.py) like every other save.
+
+In sink.py's steps: plan takes the state as it is (the job's describe and
+plan phases need every rank, so they run in begin); begin runs the quick
+half of the job in the caller (describe, plan, stage: a few small
+collectives) and knows this rank's pieces, the only tensors it stages;
+write runs the other half on the writer thread (write, commit) and the
+policies after the commit. The pipeline runs one save at a time (collective):
+every rank must run the job's collectives in the same order, and the writer
+thread's and the caller's share one gloo group. That group is not the
+training group, so the background exchanges never block training collectives.
+
+Where a rank's files go is the job's Storage: written in-process (a blocking
+save then writes straight from the live tensors), or copied into shared
+memory and handed to the rank's node's fastpersistd as one part of the job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import CheckpointAbortedError, DistributedCheckpointError
+from ..knobs import current as current_knobs
+from ..saving.files import StagedFiles
+from ..saving.sink import SaveRequest
+from ..saving.snapshot import FilePlan, group_into_files
+from ..saving.staging import StagingPool
+from .coordinator import Save, coordinator_for
+from .phases import Coordinator
+from .storage import Storage, ThroughDaemon, storage_for
+
+# Through a daemon a rank's part is cut into files of at most this much (or
+# FASTPERSIST_FILE_BYTES, if less): a blocking save hands each file over as
+# soon as it is copied, and files this small let the daemon begin writing
+# early and leave a short last copy (with 256 MiB files a rank's quarter of a
+# 1 GiB state was written only once all of it was copied). Async saves through
+# the daemon are cut the same way, so that both kinds reuse one set of
+# shared-memory buffers (a different cut would map new segments at each switch).
+DAEMON_FILE_BYTES = 64 << 20
+
+
+class DistributedJob:
+    """One save of the job; the files are this rank's pieces (or, if this rank
+    could not work them out, none: the error is reported in the write phase,
+    so that every rank fails the save together)."""
+
+    budget = 0  # a rank stages its share whole: the job's phases wait for every rank
+
+    def __init__(self, job: Save, rank: int, cap: int, request: SaveRequest) -> None:
+        self.job = job
+        self.rank = rank
+        self.request = request
+        self.error: BaseException | None = None
+        self.files: list[FilePlan] = []
+        try:
+            self.files = [f for f in group_into_files(job.my_pieces(), 0, cap) if f.tensors]
+        except Exception as exc:
+            self.error = exc
+
+    def owned(self) -> None:
+        """The copies are all there is: the write phase needs every rank."""
+
+    def write(self, files: StagedFiles, pool: StagingPool) -> None:
+        job, request = self.job, self.request
+        try:
+            job.finish(files if self.error is None else self.error)
+            if request.on_commit is not None or job.after_commit_policy is not None:
+                # `latest` and retention are done; every rank returns after.
+                job.after_commit(request.on_commit)
+        except DistributedCheckpointError as exc:
+            if request.aborted() and set(exc.failures) == {self.rank}:
+                # Failed only because we gave it up: to us, that is an abort.
+                aborted = CheckpointAbortedError(f"save of {request.target} was aborted")
+                raise aborted from exc
+            raise
+
+
+class DistributedSink:
+    collective = True
+
+    def __init__(self, group: dist.ProcessGroup | None, *, node_local: bool = False,
+                 daemon: str = "") -> None:
+        self.co: Coordinator = coordinator_for(group)
+        self.node_local = node_local
+        self.storage: Storage = storage_for(daemon)
+        self.pool = self.storage.pool
+        # In-process, a blocking save writes from the live tensors in the caller.
+        self.writes_in_process = not isinstance(self.storage, ThroughDaemon)
+        self.leader = self.co.rank == 0  # rank 0 commits the job
+
+    def plan(self, obj: Any, request: SaveRequest) -> Any:
+        return obj  # planned with the other ranks, in begin
+
+    def cut(self, planned: Any, request: SaveRequest) -> list[FilePlan] | None:
+        return None  # a rank learns its share at each save
+
+    def begin(self, planned: Any, request: SaveRequest) -> DistributedJob:
+        job = Save(self.co, planned, request.target, self.storage, node_local=self.node_local,
+                   allow_pickle=request.allow_pickle, aborted=request.aborted,
+                   after_commit=request.after_commit, compression=request.compression)
+        job.prepare()  # raises the same error on every rank
+        cap = current_knobs().file_bytes
+        if isinstance(self.storage, ThroughDaemon):
+            cap = min(cap, DAEMON_FILE_BYTES)
+        return DistributedJob(job, self.co.rank, cap, request)
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+__all__ = ["DAEMON_FILE_BYTES", "DistributedJob", "DistributedSink"]

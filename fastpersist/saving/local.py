@@ -1,0 +1,93 @@
+"""The local sink: a checkpoint directory written by this process with the
+engine (persist.CheckpointWriter), for async_save, Checkpointer and save
+without a daemon. See sink.py for the call sequence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CheckpointAbortedError
+from ..knobs import current as current_knobs
+from ..storage.retention import apply_at
+from ..tensors import packed, plan, state
+from ..tensors.plan import StoredTensor
+from .files import StagedFiles
+from .persist import CheckpointWriter
+from .sink import SaveRequest
+from .snapshot import FilePlan, group_into_files
+from .staging import StagingPool
+
+Planned = tuple[Any, list[StoredTensor]]  # the tree, and its tensors in entry order
+
+
+def cut(stored: list[StoredTensor], request: SaveRequest) -> tuple[list[FilePlan], int]:
+    """Data files of at most FASTPERSIST_FILE_BYTES (and, under a staging
+    budget, half of it: group_into_files): one layout on disk whoever writes
+    it, this process or a daemon. Returns them and the budget they were cut for."""
+    knobs = current_knobs()
+    budget = 0 if request.inline else knobs.staging_budget
+    return group_into_files(stored, budget, knobs.file_bytes), budget
+
+
+def plan_state(obj: Any, request: SaveRequest) -> Planned:
+    packed.check_compression(request.compression)
+    tree, leaves = state.encode(obj, allow_pickle=request.allow_pickle)
+    return tree, plan.plan_tensors(leaves)
+
+
+class LocalJob:
+    def __init__(self, writer: CheckpointWriter, files: list[FilePlan], budget: int,
+                 request: SaveRequest) -> None:
+        self.writer = writer
+        self.files = files
+        self.budget = budget
+        self.request = request
+
+    def owned(self) -> None:
+        """Nobody else takes it over."""
+
+    def write(self, files: StagedFiles, pool: StagingPool) -> None:
+        writer, request = self.writer, self.request
+        try:
+            for staged in files:
+                if request.aborted():
+                    raise CheckpointAbortedError(f"save of {writer.target} was aborted")
+                staged.wait_copied()
+                writer.write_file(staged.tensors)
+                pool.give_back(staged)  # a later file of this save may wait for room
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        if request.after_commit is not None:
+            apply_at(writer.target.parent, writer.target.name, request.after_commit)
+        if request.on_commit is not None:
+            request.on_commit(writer.target)
+
+
+class LocalSink:
+    collective = False
+    leader = True  # this process commits
+    writes_in_process = True
+
+    def __init__(self, pool: StagingPool | None = None) -> None:
+        self.pool = pool or StagingPool()
+
+    def plan(self, obj: Any, request: SaveRequest) -> Planned:
+        return plan_state(obj, request)
+
+    def cut(self, planned: Planned, request: SaveRequest) -> list[FilePlan]:
+        return cut(planned[1], request)[0]
+
+    def begin(self, planned: Planned, request: SaveRequest) -> LocalJob:
+        tree, stored = planned
+        files, budget = cut(stored, request)
+        writer = CheckpointWriter.begin(request.target, tree, stored, request.compression)
+        return LocalJob(writer, files, budget, request)
+
+    def close(self) -> None:
+        """Nothing beyond the pool, which the pipeline clears."""
+
+
+
+__all__ = ["LocalJob", "LocalSink", "cut", "plan_state"]
