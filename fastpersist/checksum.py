@@ -25,4 +25,13 @@ def combine(crcs: Sequence[tuple[int, int]]) -> int:
     return crc
 
 
-__all__ = ["combine", "crc32c", "crc32c_combine"]
+def block_spans(nbytes: int, block: int) -> list[tuple[int, int]]:
+    """(start, length) of each `block`-sized piece of nbytes (the last one
+    shorter), each under a CRC32C of its own; one span (the whole) when block
+    is 0 or not smaller."""
+    if not block or nbytes <= block:
+        return [(0, nbytes)]
+    return [(s, min(block, nbytes - s)) for s in range(0, nbytes, block)]
+
+
+__all__ = ["block_spans", "combine", "crc32c", "crc32c_combine"]

@@ -19,7 +19,7 @@ import torch
 
 from .. import gcpause
 from ..anonmem import anonymous, loads_bounce
-from ..checksum import combine
+from ..checksum import block_spans, combine
 from ..engine import Engine, IOResult, Segment
 from ..format import dtypes, safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
@@ -69,14 +69,6 @@ def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTe
     have METADATA; fpctl restore writes its own)."""
     file_record, records, _ = write_in_blocks(engine, directory, file_name, tensors, 0, metadata)
     return file_record, records
-
-
-def block_spans(nbytes: int, block: int) -> list[tuple[int, int]]:
-    """(start, length) of each `block`-sized piece of nbytes (the last one
-    shorter); one span (the whole) when block is 0 or not smaller."""
-    if not block or nbytes <= block:
-        return [(0, nbytes)]
-    return [(s, min(block, nbytes - s)) for s in range(0, nbytes, block)]
 
 
 def write_in_blocks(engine: Engine, directory: str, file_name: str,
