@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from . import gcpause
-from .engine import get_engine
-from .format.manifest import Manifest
 from .knobs import current as current_knobs
+from .loading.load import load_from, source_for
 from .saving import registry as pipelines
 from .saving.futures import SaveFuture
 from .saving.local import LocalSink
 from .saving.pipeline import SavePipeline
 from .saving.sink import Sink
-from .storage.local_path import checkpoint_path
-from .tensors import checkpoint, device_load, packed, read_into, state
-from .tensors import into as into_state
-from .tensors.factory import MapLocation, TensorFactory, target_device
-from .tier.url import is_tier_url
+from .tensors import packed
+from .tensors.factory import MapLocation
+from .tier.url import TierURL
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
@@ -111,70 +104,8 @@ def load(
     differs or `into` has a tensor the checkpoint does not. If the load
     raises, those tensors may hold part of the checkpoint's values.
     """
-    _into_or_like(into, like)
-    if is_tier_url(path):
-        return load_from_tier(str(path), map_location, allow_pickle=allow_pickle,
-                              verify=verify, progress=progress, like=like, into=into)
-    target_device(map_location, "cpu")  # a bad map_location fails before any I/O
-    with gcpause.paused():  # a manifest of many tensors makes many objects, no cycles
-        return _load(checkpoint_path(path), map_location, allow_pickle, verify,
-                     progress, like, into)
-
-
-def _into_or_like(into: Any, like: Any) -> None:
-    if into is not None and like is not None:
-        raise TypeError("pass into= (tensors to load into) or like= (a layout to load "
-                        "as), not both")
-
-
-def _placement(manifest: Manifest, into: Any, where: str
-               ) -> into_state.Placement | None:
-    if into is None:
-        return None
-    shapes = ([g.shape for g in manifest.globals] if manifest.globals is not None
-              else [r.shape for r in manifest.tensors])
-    return into_state.match(manifest.tree, into, shapes, where)
-
-
-def _load(p: Path, map_location: MapLocation, allow_pickle: bool, verify: bool | None,
-          progress: Callable[[int], None] | None, like: Any, into: Any) -> Any:
-    manifest = checkpoint.read_manifest(p)
-    if verify is None:
-        verify = current_knobs().verify_load
-    pickled = state.contains_pickle(manifest.tree)
-    if pickled and not allow_pickle:
-        # Fail before reading gigabytes of tensors.
-        state.decode(manifest.tree, lambda node: torch.empty(0), where=str(p))
-    placement = _placement(manifest, into, str(p))
-    if manifest.globals is not None:
-        from .distributed import restore
-
-        return restore.load(p, manifest, map_location, like, allow_pickle=allow_pickle,
-                            verify=verify, progress=progress,
-                            place=placement.factory if placement else None)
-    ring_bytes = current_knobs().load_ring_bytes
-    ring = device_load.enabled(map_location, manifest, ring_bytes)
-    if ring is not None:  # straight to the accelerator, through bounded host memory
-        entries = device_load.read_to_device(
-            p, manifest, get_engine(), ring, verify=verify, ring_bytes=ring_bytes,
-            dests=placement.choose_direct(manifest.tensors, ring) if placement else None)
-        if progress:
-            progress(sum(r.length for r in manifest.tensors))
-    else:
-        direct = (placement.choose_direct(manifest.tensors, torch.device("cpu"))
-                  if placement else {})
-        if direct:
-            read_into.read_into(p, manifest, get_engine(), direct, verify=verify,
-                                progress=progress)
-        entries = checkpoint.read_tensors(p, manifest, get_engine(), verify=verify,
-                                          progress=progress, skip=direct)
-        for i, t in direct.items():
-            entries[i] = t
-    factory = TensorFactory(entries, map_location, str(p))
-    # Without pickle nodes allow_pickle changes nothing; True spares decode its own
-    # search of the tree for them (contains_pickle looks wherever decode would).
-    return state.decode(manifest.tree, placement.factory(factory) if placement else factory,
-                        allow_pickle=allow_pickle or not pickled, where=str(p))
+    return load_from(source_for(path), map_location, allow_pickle=allow_pickle,
+                     verify=verify, progress=progress, like=like, into=into)
 
 
 def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: bool = False,
@@ -188,33 +119,11 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
     whose manifest is not in the store (an upload not finished) is
     CheckpointNotFoundError. A distributed checkpoint is loaded as locally
     (like= included): only the chunks, or the frames of them, each rank
-    needs are fetched. into= as for load (the tensors are fetched as for a
-    load without it, then copied into place)."""
-    from .tensors import tier_read
-    from .tier.client import client_for
-    from .tier.remote import read_manifest
-    from .tier.url import TierURL
-
-    _into_or_like(into, like)
-    target_device(map_location, "cpu")
-    s3, where = client_for(endpoint_url), TierURL.parse(url)
-    manifest, _ = read_manifest(s3, where)
-    if verify is None:
-        verify = current_knobs().verify_load
-    if state.contains_pickle(manifest.tree) and not allow_pickle:
-        state.decode(manifest.tree, lambda node: torch.empty(0), where=url)
-    placement = _placement(manifest, into, url)
-    if manifest.globals is not None:
-        from .distributed import restore
-
-        return restore.load(url, manifest, map_location, like, allow_pickle=allow_pickle,
-                            verify=verify, progress=progress,
-                            read=tier_read.reader(s3, where),
-                            place=placement.factory if placement else None)
-    entries = tier_read.read_tensors(s3, where, manifest, verify=verify, progress=progress)
-    factory = TensorFactory(entries, map_location, url)
-    return state.decode(manifest.tree, placement.factory(factory) if placement else factory,
-                        allow_pickle=allow_pickle, where=url)
+    needs are fetched. into= as for load: a raw tensor is fetched straight
+    into the caller's contiguous CPU tensor."""
+    TierURL.parse(url)  # ValueError for anything but an s3:// URL
+    return load_from(source_for(url, endpoint_url), map_location, allow_pickle=allow_pickle,
+                     verify=verify, progress=progress, like=like, into=into)
 
 
 # -- the one place that chooses where a save goes ----------------------------------

@@ -40,6 +40,7 @@ ROOMS = {
     "fastpersist.tensors": "tensors",
     "fastpersist.saving": "saving",
     "fastpersist.distributed": "distributed",
+    "fastpersist.loading": "loading",
     "fastpersist.daemon": "daemon",
     "fastpersist.api": "api", "fastpersist.checkpointer": "api", "fastpersist.resume": "api",
     "fastpersist.cli": "cli",
@@ -64,14 +65,17 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tensors": _WITH_CODEC | {"tensors"},
     "saving": _WITH_CODEC | {"tensors", "saving"},
     "distributed": _WITH_CODEC | {"tensors", "saving", "distributed"},
+    # The one load, over any Source (tensors/source.py); distributed for resharding.
+    "loading": _WITH_CODEC | {"tensors", "distributed", "loading"},
     # The daemon runs without torch and never plans or stages a save.
     "daemon": _WITH_CODEC | {"daemon"},
-    "api": _WITH_CODEC | {"tensors", "saving", "distributed", "api"},
+    "api": _WITH_CODEC | {"tensors", "saving", "distributed", "loading", "api"},
     # Adapters built on the public API (the package's names), and what it stands on.
-    "integrations": _WITH_CODEC | {"tensors", "saving", "distributed", "api", "package",
-                                   "integrations"},
-    "cli": _WITH_CODEC | {"tensors", "saving", "distributed", "api", "cli"},
-    "package": _WITH_CODEC | {"api", "package", "saving", "tensors", "distributed"},
+    "integrations": _WITH_CODEC | {"tensors", "saving", "distributed", "loading", "api",
+                                   "package", "integrations"},
+    "cli": _WITH_CODEC | {"tensors", "saving", "distributed", "loading", "api", "cli"},
+    "package": _WITH_CODEC | {"api", "package", "saving", "tensors", "distributed",
+                              "loading"},
 }
 
 

@@ -30,6 +30,7 @@ from fastpersist.distributed import restore
 from fastpersist.engine import get_engine
 from fastpersist.format import dtypes, packed_file
 from fastpersist.tensors import checkpoint, verifying
+from fastpersist.tensors.source import LocalSource
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8,
           torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
@@ -178,10 +179,12 @@ def test_a_partial_read_decodes_only_the_frames_it_needs(
     manifest = checkpoint.read_manifest(ckpt)
     assert [len(t.frames or ()) for t in manifest.tensors] == [8, 8]
     calls = counting_decodes(monkeypatch)
-    got = restore.read_boxes(ckpt, manifest, {0: ((8, 0), (4, 256))}, verify=True)
+    got = restore.read_boxes(LocalSource(ckpt), manifest,
+                             {0: ((8, 0), (4, 256))}, verify=True)
     assert torch.equal(got[0], full[8:12]) and len(calls) == 1
     calls.clear()
-    got = restore.read_boxes(ckpt, manifest, {0: ((30, 0), (4, 100))}, verify=True)
+    got = restore.read_boxes(LocalSource(ckpt), manifest,
+                             {0: ((30, 0), (4, 100))}, verify=True)
     assert torch.equal(got[0], full[30:34, :100]) and len(calls) == 2  # one frame per chunk
     calls.clear()
     assert same(fastpersist.load(ckpt)["w"], full) and len(calls) == 16
@@ -197,10 +200,11 @@ def test_a_partial_read_checks_the_frames_it_reads(
     assert record.frames is not None
     corrupt(ckpt, record.file, record.offset + record.frames[3].stored_offset + 20)
     # Rows 0..3 are frame 0: intact, and read without complaint.
-    assert torch.equal(restore.read_boxes(ckpt, manifest, {0: ((0, 0), (4, 256))},
-                                          verify=True)[0], full[:4])
+    assert torch.equal(restore.read_boxes(LocalSource(ckpt), manifest,
+                                          {0: ((0, 0), (4, 256))}, verify=True)[0], full[:4])
     with pytest.raises(ChecksumMismatchError, match=r"tensor 'w@0,0' \(stored frame 3\)"):
-        restore.read_boxes(ckpt, manifest, {0: ((12, 0), (4, 256))}, verify=True)
+        restore.read_boxes(LocalSource(ckpt), manifest,
+                             {0: ((12, 0), (4, 256))}, verify=True)
 
 
 # --- corruption -------------------------------------------------------------------------

@@ -86,6 +86,7 @@ def _check_partial_reads(ckpt: Path) -> None:
     only those are read."""
     from fastpersist.distributed import restore
     from fastpersist.tensors import checkpoint
+    from fastpersist.tensors.source import LocalSource
 
     m = read_manifest(ckpt)
     assert m.globals is not None
@@ -105,7 +106,7 @@ def _check_partial_reads(ckpt: Path) -> None:
 
     checkpoint.read_tensors = spy  # type: ignore[assignment]
     try:
-        got = restore.read_boxes(ckpt, m, {index: box}, verify=True)[index]
+        got = restore.read_boxes(LocalSource(Path(ckpt)), m, {index: box}, verify=True)[index]
     finally:
         checkpoint.read_tensors = original  # type: ignore[assignment]
     assert sorted(read) == sorted(m.tensors[r[2]].name for r in rows[1:3]), read

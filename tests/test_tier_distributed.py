@@ -69,8 +69,8 @@ def test_a_distributed_checkpoint_loads_from_the_store_resharded(
         assert m.globals is not None
         index = next(i for i, g in enumerate(m.globals) if g.name == "model.embed")
         box = ((10, 0), (3, 256))
-        t = restore.read_boxes(str(url), m, {index: box}, verify=True,
-                               read=tier_read.reader(client, url))[index]
+        t = restore.read_boxes(tier_read.TierSource(client, url), m, {index: box},
+                               verify=True)[index]
         assert torch.equal(t, full_tensors()["embed"][10:13])
         # embed is 1 MB in chunks of 64 KiB (FASTPERSIST_PIECE_BYTES), ~4.8 MB in all.
         assert 0 < sum(got) <= 192 << 10, (name, got)

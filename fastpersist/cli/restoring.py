@@ -21,15 +21,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..api import load
 from ..engine import get_engine
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format import dtypes
+from ..loading.load import load_from, source_for
 from ..storage.commit import fsync_dir, fsync_file, leftover_name, os_error
 from ..tensors import datafile
-from ..tensors.committed import read_manifest
 from ..tensors.plan import StoredTensor
-from ..tier.url import is_tier_url
 from ._output import EXIT_OK, human_size, warn
 
 RESERVED_KEY = "__metadata__"  # the safetensors header's own metadata entry
@@ -164,16 +162,15 @@ def cmd_restore(args: argparse.Namespace) -> int:
     target = Path(os.path.abspath(args.to))
     _check_target(target, args.force)
     start = time.perf_counter()
-    if is_tier_url(args.ckpt):
-        from .remote import remote_manifest
-
-        total = remote_manifest(args.ckpt).tensor_bytes
-    else:
-        total = read_manifest(args.ckpt).tensor_bytes
+    try:
+        source = source_for(args.ckpt)
+    except ValueError as exc:  # a malformed s3:// URL
+        raise CheckpointError(str(exc)) from None
+    total = source.manifest().tensor_bytes  # read once: the load below takes it
     with tqdm(total=total, desc=f"load {Path(args.ckpt).name}", unit="B", unit_scale=True,
               unit_divisor=1024, disable=None, file=sys.stderr, leave=False) as bar:
-        obj = load(args.ckpt, map_location="cpu", allow_pickle=args.allow_pickle,
-                   progress=bar.update)
+        obj = load_from(source, map_location="cpu", allow_pickle=args.allow_pickle,
+                        progress=bar.update)
     # torch.save and safetensors report no progress; say what is going on.
     if sys.stderr.isatty():
         print(f"writing {target.name} ({args.format}) ...", file=sys.stderr, flush=True)

@@ -13,43 +13,27 @@ Raw chunks are read whole, so that each one's CRC32C is checked. A
 compressed chunk (compression="zstd") is decoded only in the frames that
 hold the elements wanted, each checked by its stored CRC32C.
 
-The chunks are read by a Reader: local_reader (the engine, from a directory)
-by default; load("s3://...") passes the tier's (tensors/tier_read.reader:
-ranged GETs of only the chunks, or frames, wanted).
+The chunks are read from a Source (tensors/source.py): a directory through
+the engine, the object store by ranged GETs of only the chunks, or frames,
+wanted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..engine import get_engine
-from ..errors import CheckpointNotFoundError, ManifestError
+from ..errors import ManifestError
 from ..format import dtypes
 from ..format.manifest import GlobalTensor, Manifest
-from ..tensors import checkpoint, state
+from ..tensors import state
 from ..tensors.factory import Factory, TensorFactory
+from ..tensors.source import Source
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
-# (the manifest cut to the records wanted, record -> raw byte span wanted,
-# verify, progress) -> those records' tensors, in order.
-Reader = Callable[[Manifest, Mapping[int, tuple[int, int]], bool, Callable[[int], None] | None],
-                  list[torch.Tensor]]
-
-
-def local_reader(path: Path) -> Reader:
-    """The records of the checkpoint directory `path`, through the engine."""
-    def read(sub: Manifest, spans: Mapping[int, tuple[int, int]], verify: bool,
-             progress: Callable[[int], None] | None) -> list[torch.Tensor]:
-        _check_files_here(path, sub)
-        return checkpoint.read_tensors(path, sub, get_engine(), verify=verify,
-                                       progress=progress, spans=spans)
-
-    return read
 
 
 @dataclass(frozen=True)
@@ -91,11 +75,10 @@ def _slices(inner: Box, outer_offsets: tuple[int, ...]) -> tuple[slice, ...]:
                  for o, n, base in zip(inner[0], inner[1], outer_offsets, strict=True))
 
 
-def read_boxes(path: Path | str, manifest: Manifest, wanted: dict[int, Box], *, verify: bool,
-               progress: Callable[[int], None] | None = None,
-               read: Reader | None = None) -> dict[int, torch.Tensor]:
-    """For each global index -> box, a CPU tensor of that box, read (by `read`,
-    default: from the directory `path`) from the chunks that overlap it."""
+def read_boxes(source: Source, manifest: Manifest, wanted: dict[int, Box], *, verify: bool,
+               progress: Callable[[int], None] | None = None) -> dict[int, torch.Tensor]:
+    """For each global index -> box, a CPU tensor of that box, read from
+    `source` from the chunks that overlap it."""
     assert manifest.globals is not None
     needed: dict[int, tuple[int, int]] = {}  # record -> the raw bytes of it wanted
     for index, box in wanted.items():
@@ -114,8 +97,8 @@ def read_boxes(path: Path | str, manifest: Manifest, wanted: dict[int, Box], *, 
                   tensors=tuple(manifest.tensors[i] for i in records))
     spans = {k: needed[i] for k, i in enumerate(records)
              if needed[i] != (0, manifest.tensors[i].length)}
-    reader = read if read is not None else local_reader(Path(path))
-    chunk_data = dict(zip(records, reader(sub, spans, verify, progress), strict=True))
+    chunk_data = dict(zip(records, source.read_tensors(sub, verify=verify, progress=progress,
+                                                       spans=spans), strict=True))
     out = {}
     for index, box in wanted.items():
         g = manifest.globals[index]
@@ -149,26 +132,13 @@ def _byte_span(part: Box, chunk_offsets: tuple[int, ...], shape: tuple[int, ...]
     return first * itemsize, (last + 1) * itemsize
 
 
-def _check_files_here(path: Path, manifest: Manifest) -> None:
-    missing = sorted({f.name for f in manifest.files if not (path / f.name).exists()})
-    if not missing:
-        return
-    nodes = sorted({f.node for f in manifest.files if f.name in missing and f.node})
-    where = f" (written on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
-    raise CheckpointNotFoundError(
-        f"{path}: {len(missing)} data file{'s' if len(missing) > 1 else ''} of this node-local "
-        f"checkpoint {'are' if len(missing) > 1 else 'is'} not here{where}, e.g. {missing[0]}; "
-        "load it on a layout that needs only this node's files, or collect every node's "
-        "directory into one with `fpctl gather`")
-
-
-def load(path: Path | str, manifest: Manifest, map_location: Any, like: Any, *,
+def load(source: Source, manifest: Manifest, map_location: Any, like: Any, *,
          allow_pickle: bool, verify: bool, progress: Callable[[int], None] | None,
-         read: Reader | None = None,
          place: Callable[[Factory], Factory] | None = None) -> Any:
-    """The state of the distributed checkpoint at `path` (see the module's
+    """The state of the distributed checkpoint in `source` (see the module's
     docstring); place(factory), if given, wraps the factory of every tensor
     node (load's into=)."""
+    path = source.where
 
     assert manifest.globals is not None
     globals_ = manifest.globals
@@ -183,7 +153,7 @@ def load(path: Path | str, manifest: Manifest, map_location: Any, like: Any, *,
         i = index_of[name]
         _check_same(globals_[i], target, path)
         wanted[i] = target.box
-    tensors = read_boxes(path, manifest, wanted, verify=verify, progress=progress, read=read)
+    tensors = read_boxes(source, manifest, wanted, verify=verify, progress=progress)
     entries = [tensors[i] for i in range(len(globals_))]
     plain = TensorFactory(entries, map_location, str(path))
     made: dict[int, torch.Tensor] = {}
@@ -209,7 +179,7 @@ def load(path: Path | str, manifest: Manifest, map_location: Any, like: Any, *,
                         allow_pickle=allow_pickle, where=str(path))
 
 
-def _check_same(g: GlobalTensor, target: _Target, path: Path | str) -> None:
+def _check_same(g: GlobalTensor, target: _Target, path: str) -> None:
     offsets, shape = target.box
     if len(offsets) != len(g.shape) or any(
             o + n > d for o, n, d in zip(offsets, shape, g.shape, strict=True)):

@@ -16,7 +16,7 @@ memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import crc32c
 import torch
@@ -33,6 +33,7 @@ from .committed import BATCH_BYTES, batches
 from .headers import header_problems, parse_header
 from .mismatch import Mismatch, raise_for
 from .plan import memory_of
+from .source import Progress
 from .verifying import VerifyReport, problems_of
 
 
@@ -89,11 +90,14 @@ def _reader(s3: S3, url: TierURL, name: str) -> packed.StoredReader:
 
 def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
                  progress: Callable[[int], None] | None = None,
-                 spans: Mapping[int, packed.Span] | None = None) -> list[torch.Tensor]:
+                 spans: Mapping[int, packed.Span] | None = None,
+                 into: Mapping[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Every stored tensor of the checkpoint at `url`, on the CPU, in manifest
     order; raises on corruption (see the module docstring). spans: as in
     checkpoint.read_tensors (a compressed record is decoded only where its
-    frames overlap the span; raw records are read whole)."""
+    frames overlap the span; raw records are read whole). into: record -> a
+    contiguous CPU tensor of its dtype and size, which a raw record's ranged
+    GETs fill in place (Source.read_tensors)."""
     by_file = _by_file(manifest)
     sizes = object_sizes(s3, url)
     result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
@@ -113,7 +117,10 @@ def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
         if len(raw) < len(by_file[f.name]):
             compressed.append((f, [i for i in by_file[f.name] if i not in set(raw)]))
         records = [manifest.tensors[i] for i in raw]
-        tensors = [torch.empty(r.shape, dtype=dtypes.from_name(r.dtype)) for r in records]
+        dests = into or {}
+        tensors = [dests[i] if i in dests else torch.empty(r.shape,
+                                                           dtype=dtypes.from_name(r.dtype))
+                   for i, r in zip(raw, records, strict=True)]
         for i, t in zip(raw, tensors, strict=True):
             result[i] = t
         segments = [(memory_of(t), r.offset) for t, r in zip(tensors, records, strict=True)]
@@ -144,17 +151,52 @@ def read_tensors(s3: S3, url: TierURL, manifest: Manifest, *, verify: bool,
     return result  # type: ignore[return-value]
 
 
-def reader(s3: S3, url: TierURL) -> Callable[
-        [Manifest, Mapping[int, packed.Span], bool, Callable[[int], None] | None],
-        list[torch.Tensor]]:
-    """read_tensors of the checkpoint at `url` as distributed/restore.py's
-    Reader: a resharding load reads only the records (chunks) it needs, and
-    of a compressed one only the frames."""
-    def read(sub: Manifest, spans: Mapping[int, packed.Span], verify: bool,
-             progress: Callable[[int], None] | None) -> list[torch.Tensor]:
-        return read_tensors(s3, url, sub, verify=verify, progress=progress, spans=spans)
+class TierSource:
+    """The checkpoint at `url` in an object store (tensors/source.py's Source):
+    ranged GETs, in parallel, straight into the tensors' memory."""
 
-    return read
+    def __init__(self, s3: S3, url: TierURL) -> None:
+        self.s3, self.url = s3, url
+        self._manifest: Manifest | None = None
+        self._sizes: dict[str, int] | None = None
+
+    @property
+    def where(self) -> str:
+        return str(self.url)
+
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            self._manifest = read_manifest(self.s3, self.url)[0]
+        return self._manifest
+
+    def read_tensors(self, manifest: Manifest, *, verify: bool, progress: Progress | None = None,
+                     spans: Mapping[int, packed.Span] | None = None,
+                     into: Mapping[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        return read_tensors(self.s3, self.url, manifest, verify=verify, progress=progress,
+                            spans=spans, into=into)
+
+    def read_to_device(self, manifest: Manifest, device: torch.device, *, verify: bool,
+                       ring_bytes: int, progress: Progress | None = None,
+                       into: Mapping[int, torch.Tensor] | None = None
+                       ) -> list[torch.Tensor] | None:
+        return None  # fetched to the CPU; the load moves them
+
+    def check_file(self, f: FileRecord) -> None:
+        if self._sizes is None:
+            self._sizes = object_sizes(self.s3, self.url)
+        problem = _size_problem(self.url, f, self._sizes)
+        if problem is not None:
+            raise problem
+
+    def read_ranges(self, f: FileRecord, segments: Sequence[Segment], *, checksum: bool
+                    ) -> list[int] | None:
+        fetch = Fetch(self.s3, self.url, f.name,
+                      [(memoryview(b), off) for b, off in segments], checksum=checksum)
+        try:
+            fetch_all(self.s3, [fetch])
+        except EOFError as exc:
+            raise TruncatedFileError(f"{self.url}: {exc}") from None
+        return fetch.crcs() if checksum else None
 
 
 def verify(s3: S3, url: TierURL, progress: Callable[[int], None] | None = None, *,

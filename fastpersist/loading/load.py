@@ -1,0 +1,100 @@
+"""One load over any Source, and the one place that chooses the source.
+
+load_from does what a load does wherever the bytes are, once: the pickle
+policy (refused before a tensor byte is read), pairing into= with the
+checkpoint, rebuilding a distributed checkpoint's tensors (like=,
+resharding), streaming to an accelerator where the source can, and
+decoding the tree. The Source reads and verifies the bytes: a local
+directory, the object store; the daemon's memory and peers come next, as
+new sources chosen in source_for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import gcpause
+from ..format.manifest import Manifest
+from ..knobs import current as current_knobs
+from ..storage.local_path import checkpoint_path
+from ..tensors import device_load, state
+from ..tensors import into as into_state
+from ..tensors.factory import MapLocation, TensorFactory, target_device
+from ..tensors.source import LocalSource, Source
+from ..tier.url import is_tier_url
+
+
+def source_for(path: str | os.PathLike[str], endpoint_url: str | None = None) -> Source:
+    """Where the checkpoint at `path` is read from: an object store for
+    "s3://BUCKET/PREFIX/NAME" (endpoint_url overrides the standard AWS
+    configuration's endpoint), else the local directory."""
+    if is_tier_url(path):
+        from ..tensors.tier_read import TierSource
+        from ..tier.client import client_for
+        from ..tier.url import TierURL
+
+        return TierSource(client_for(endpoint_url), TierURL.parse(str(path)))
+    return LocalSource(checkpoint_path(path))
+
+
+def load_from(source: Source, map_location: MapLocation = None, *, allow_pickle: bool = False,
+              verify: bool | None = None, progress: Callable[[int], None] | None = None,
+              like: Any = None, into: Any = None) -> Any:
+    """fastpersist.load of the checkpoint in `source` (api.load says what
+    each argument does)."""
+    if into is not None and like is not None:
+        raise TypeError("pass into= (tensors to load into) or like= (a layout to load "
+                        "as), not both")
+    target_device(map_location, "cpu")  # a bad map_location fails before any I/O
+    with gcpause.paused():  # a manifest of many tensors makes many objects, no cycles
+        return _load(source, map_location, allow_pickle,
+                     current_knobs().verify_load if verify is None else verify,
+                     progress, like, into)
+
+
+def _load(source: Source, map_location: MapLocation, allow_pickle: bool, verify: bool,
+          progress: Callable[[int], None] | None, like: Any, into: Any) -> Any:
+    manifest = source.manifest()
+    where = source.where
+    pickled = state.contains_pickle(manifest.tree)
+    if pickled and not allow_pickle:
+        # Fail before reading gigabytes of tensors.
+        state.decode(manifest.tree, lambda node: torch.empty(0), where=where)
+    placement = _placement(manifest, into, where)
+    if manifest.globals is not None:
+        from ..distributed import restore
+
+        return restore.load(source, manifest, map_location, like, allow_pickle=allow_pickle,
+                            verify=verify, progress=progress,
+                            place=placement.factory if placement else None)
+    entries = None
+    ring_bytes = current_knobs().load_ring_bytes
+    ring = device_load.enabled(map_location, manifest, ring_bytes)
+    if ring is not None:  # straight to the accelerator, through bounded host memory
+        entries = source.read_to_device(
+            manifest, ring, verify=verify, ring_bytes=ring_bytes, progress=progress,
+            into=placement.choose_direct(manifest.tensors, ring) if placement else None)
+    if entries is None:
+        direct = (placement.choose_direct(manifest.tensors, torch.device("cpu"))
+                  if placement else {})
+        entries = source.read_tensors(manifest, verify=verify, progress=progress, into=direct)
+    factory = TensorFactory(entries, map_location, where)
+    # Without pickle nodes allow_pickle changes nothing; True spares decode its own
+    # search of the tree for them (contains_pickle looks wherever decode would).
+    return state.decode(manifest.tree, placement.factory(factory) if placement else factory,
+                        allow_pickle=allow_pickle or not pickled, where=where)
+
+
+def _placement(manifest: Manifest, into: Any, where: str) -> into_state.Placement | None:
+    if into is None:
+        return None
+    shapes = ([g.shape for g in manifest.globals] if manifest.globals is not None
+              else [r.shape for r in manifest.tensors])
+    return into_state.match(manifest.tree, into, shapes, where)
+
+
+__all__ = ["load_from", "source_for"]
