@@ -295,6 +295,7 @@ INTEGRATION_INTERNALS = {
         ("fastpersist.distributed.storage", "ThroughDaemon"),
         ("fastpersist.engine", "Engine"), ("fastpersist.engine", "Segment"),
         ("fastpersist.engine", "get_engine"), ("fastpersist.format.dtypes", None),
+        ("fastpersist.tensors.source", "LocalSource"),
         ("fastpersist.format.manifest", "Chunk"),
         ("fastpersist.format.manifest", "DISTRIBUTED_SCHEMA_VERSION"),
         ("fastpersist.format.manifest", "FileRecord"),
@@ -312,7 +313,6 @@ INTEGRATION_INTERNALS = {
         ("fastpersist.storage.commit", "through_link"),
         ("fastpersist.storage.leftovers", "leftover_name"),
         ("fastpersist.storage.leftovers", "process_token"),
-        ("fastpersist.tensors.committed", "read_manifest"),
         ("fastpersist.tensors.datafile", "write_in_blocks"),
         ("fastpersist.tensors.plan", "StoredTensor")},
 }

@@ -286,16 +286,29 @@ def clients(tmp_path: Path) -> Iterator[Callable[..., Client]]:
             c.proc.wait()
 
 
+def _restarted_slow(daemon: Any, monkeypatch: pytest.MonkeyPatch, block: int) -> Any:
+    assert daemon.stop() == 0
+    with monkeypatch.context() as m:
+        m.setenv("FASTPERSIST_THREADS", "1")
+        m.setenv("FASTPERSIST_BLOCK_SIZE", str(block))
+        daemon.start()
+    return daemon
+
+
 @pytest.fixture
 def slow_daemon(daemon: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The `daemon`, restarted to write with one I/O thread of 16 KiB blocks (about
     0.3 GB/s): a 320 MB checkpoint is still being written a second after hand-over."""
-    assert daemon.stop() == 0
-    with monkeypatch.context() as m:
-        m.setenv("FASTPERSIST_THREADS", "1")
-        m.setenv("FASTPERSIST_BLOCK_SIZE", "16384")
-        daemon.start()
-    return daemon
+    return _restarted_slow(daemon, monkeypatch, 16384)
+
+
+@pytest.fixture
+def slower_daemon(daemon: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """slow_daemon with 4 KiB blocks (several times slower): a 48 MiB file is
+    still being written after the test has seen it start, asked the daemon
+    for its state and killed the client, even on a loaded machine (with 16
+    KiB blocks it was sometimes done by then, and the abort then removed it)."""
+    return _restarted_slow(daemon, monkeypatch, 4096)
 
 
 # --- 1. the trainer dies right after the hand-over -----------------------------------------
@@ -382,7 +395,7 @@ STREAMING = {"tensors": 3, "numel": 6 * MIB // 4}
 @pytest.mark.parametrize("moment", ["idle", "writing", "streaming"])
 def test_client_killed_before_hand_over_is_aborted_and_cleaned_up(moment, request, clients):
     writing = moment == "writing"
-    daemon = request.getfixturevalue("slow_daemon" if writing else "daemon")
+    daemon = request.getfixturevalue("slower_daemon" if writing else "daemon")
     target = daemon.root / "sub" / "ck"
     shape, env = {"idle": (SPLIT, SPLIT_ENV), "writing": (WRITING, WRITING_ENV),
                   "streaming": (STREAMING, SPLIT_ENV)}[moment]

@@ -152,3 +152,25 @@ def test_manifest_is_read_once_per_source(tmp_path: Path) -> None:
     assert s.manifest() is s.manifest()
     (tmp_path / "c" / MANIFEST_NAME).write_text(json.dumps({"broken": True}))
     assert s.manifest().tensors  # the first read is kept
+
+
+def test_fpctl_verify_reads_the_manifest_once(
+        uploaded: tuple[str, Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """It read it twice (once for the progress bar's total, once to verify)."""
+    from fastpersist.cli import inspecting, remote
+    from fastpersist.tensors import verifying
+
+    url, path, _ = uploaded
+    reads: list[str] = []
+    local, fetched = verifying.read_manifest, tier_read.read_manifest
+    for module in (inspecting, verifying):
+        monkeypatch.setattr(module, "read_manifest",
+                            lambda p: reads.append(str(p)) or local(p))
+    for module in (remote, tier_read):
+        monkeypatch.setattr(module, "read_manifest",
+                            lambda s3, u: reads.append(str(u)) or fetched(s3, u))
+    assert fpctl(["verify", str(path)]) == 0
+    assert fpctl(["verify", url]) == 0
+    assert capsys.readouterr().out.count("OK ") == 2
+    assert reads == [str(path), url]

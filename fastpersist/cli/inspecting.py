@@ -238,9 +238,16 @@ def print_description(path: Path | str, info: dict[str, Any]) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     path = Path(args.ckpt)
-    return run_verify(str(path), path.name, args.json, lambda: read_manifest(path).tensor_bytes,
+    manifests: list[Manifest] = []  # read once: for the total, then for the check
+
+    def total() -> int:
+        manifests.append(read_manifest(path))
+        return manifests[0].tensor_bytes
+
+    return run_verify(str(path), path.name, args.json, total,
                       lambda progress: verify(path, get_engine(), progress=progress,
-                                              decode=not args.no_decode))
+                                              decode=not args.no_decode,
+                                              manifest=manifests[0]))
 
 
 def run_verify(where: str, name: str, as_json: bool, total: Callable[[], int],

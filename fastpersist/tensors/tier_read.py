@@ -200,12 +200,13 @@ class TierSource:
 
 
 def verify(s3: S3, url: TierURL, progress: Callable[[int], None] | None = None, *,
-           decode: bool = True) -> VerifyReport:
+           decode: bool = True, manifest: Manifest | None = None) -> VerifyReport:
     """Re-read every byte of the checkpoint at `url` and check it against the
     manifest and checksums; every problem found, not only the first.
     Compressed tensors: each stored frame's CRC32C, and unless decode=False
-    the raw CRC32C of the decoded tensor, as a load checks it."""
-    manifest, _ = read_manifest(s3, url)
+    the raw CRC32C of the decoded tensor, as a load checks it. manifest: the
+    one the caller already fetched from `url`."""
+    manifest = manifest or read_manifest(s3, url)[0]
     by_file = _by_file(manifest)
     sizes = object_sizes(s3, url)
     report = VerifyReport(str(url))

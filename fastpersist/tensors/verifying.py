@@ -13,7 +13,7 @@ from pathlib import Path
 from ..engine import Engine, Unkept
 from ..errors import CorruptCheckpointError
 from ..format import safetensors_file
-from ..format.manifest import FileRecord, TensorRecord
+from ..format.manifest import FileRecord, Manifest, TensorRecord
 from .committed import (
     BATCH_BYTES,
     FILES_IN_FLIGHT,
@@ -52,17 +52,18 @@ def check_header(path: Path, f: FileRecord, records: list[TensorRecord]) -> list
 
 
 def verify(path: str | os.PathLike[str], engine: Engine,
-           progress: Callable[[int], None] | None = None, *, decode: bool = True
-           ) -> VerifyReport:
+           progress: Callable[[int], None] | None = None, *, decode: bool = True,
+           manifest: Manifest | None = None) -> VerifyReport:
     """Re-read every byte and check it against the manifest and checksums.
 
     Compressed tensors: each stored frame's CRC32C, and unless decode=False,
     the raw CRC32C of the decoded tensor as a load checks it. Finds every
     problem rather than stopping at the first. Raises CheckpointNotFoundError
-    or ManifestError when there is nothing to verify.
+    or ManifestError when there is nothing to verify. manifest: the one the
+    caller already read at `path`, so that it is read once.
     """
     p = Path(path)
-    manifest = read_manifest(p)
+    manifest = manifest or read_manifest(p)
     report = VerifyReport(p)
     # Problems in file order; batches read on reader threads, as a load's files.
     found: list[list[str] | tuple[list[TensorRecord], Future[list[str]]]] = []

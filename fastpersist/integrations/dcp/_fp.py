@@ -40,20 +40,21 @@ from ...saving.staging import StagingPool
 from ...storage.commit import Staging, os_error, through_link
 from ...storage.leftovers import leftover_name
 from ...storage.leftovers import process_token as new_token
-from ...tensors.committed import read_manifest
 from ...tensors.datafile import write_in_blocks
 from ...tensors.plan import StoredTensor
+from ...tensors.source import LocalSource
 
 __all__ = [
     "DISTRIBUTED_SCHEMA_VERSION", "CheckpointError", "CheckpointExistsError",
     "ChecksumMismatchError", "Chunk", "CorruptCheckpointError", "DaemonError", "Engine",
-    "FileRecord", "GlobalTensor", "Manifest", "ManifestError", "PickleNotAllowedError",
+    "FileRecord", "GlobalTensor", "LocalSource", "Manifest", "ManifestError",
+    "PickleNotAllowedError",
     "Segment",
     "StagedFile", "StagedFiles", "Staging", "StagingPool", "StoredTensor", "TensorRecord",
     "ThroughDaemon",
     "TruncatedFileError", "UnsupportedValueError", "__version__", "check_tree", "combine",
     "crc32c", "dtypes", "get_engine", "knobs", "leftover_name", "new_token", "os_error",
     "parse_json", "part_file_name",
-    "read_manifest", "stage_file",
+    "stage_file",
     "through_link", "write_in_blocks",
 ]

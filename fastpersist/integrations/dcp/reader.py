@@ -72,6 +72,7 @@ class FastPersistReader(StorageReader):
         self.storage_data: dict[MetadataIndex, ItemInfo] = {}
         self._records: dict[str, _fp.TensorRecord] = {}
         self._files: dict[str, _fp.FileRecord] = {}
+        self._source = _fp.LocalSource(self.path)
         self.bytes_read = 0  # data bytes read by read_data so far (for tests and benchmarks)
 
     @property
@@ -86,6 +87,7 @@ class FastPersistReader(StorageReader):
         self.storage_data, self._records, self._files = {}, {}, {}
         if checkpoint_id:
             self.path = Path(os.path.abspath(os.fspath(checkpoint_id)))
+        self._source = _fp.LocalSource(self.path)  # (its manifest read anew)
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -142,11 +144,10 @@ class FastPersistReader(StorageReader):
             record = self._records[info.record]
             by_file.setdefault(record.file, []).append(
                 _job(record, info, reqs, planner, self.allow_pickle, str(self.path)))
-        engine = _fp.get_engine()
         for name, jobs in by_file.items():
-            self._check_size(self._files[name])
+            self._source.check_file(self._files[name])
             for batch in _batches(jobs):
-                self._read(engine, name, batch, verify)
+                self._read(self._files[name], batch, verify)
                 for job in batch:
                     job.finish(planner)
         future: Future[None] = Future()
@@ -156,45 +157,29 @@ class FastPersistReader(StorageReader):
     # --- internals -------------------------------------------------------------------
 
     def _read_manifest(self) -> _fp.Manifest:
-        manifest = _fp.read_manifest(self.path)
+        manifest = self._source.manifest()
         self._records = {r.name: r for r in manifest.tensors}
         self._files = {f.name: f for f in manifest.files}
         return manifest
 
-    def _check_size(self, f: _fp.FileRecord) -> None:
-        try:
-            actual = os.stat(self.path / f.name).st_size
-        except FileNotFoundError:
-            raise _fp.CorruptCheckpointError(f"{self.path}: data file {f.name} is missing") \
-                from None
-        if actual < f.size:
-            raise _fp.TruncatedFileError(f"{self.path}: data file {f.name} is truncated: "
-                                         f"{actual} bytes, the manifest says {f.size}")
-        if actual > f.size:
-            raise _fp.CorruptCheckpointError(f"{self.path}: data file {f.name} is {actual} "
-                                             f"bytes, the manifest says {f.size}")
-
-    def _read(self, engine: _fp.Engine, name: str, batch: list[_Job], verify: bool) -> None:
+    def _read(self, f: _fp.FileRecord, batch: list[_Job], verify: bool) -> None:
+        """One read of the batch's segments through the source (the engine:
+        O_DIRECT, many in flight), each checked against its CRC32C."""
         segments = [s for job in batch for s in job.segments]
         self.bytes_read += sum(len(s[0]) for s in segments)
-        try:
-            result = engine.read_file(str(self.path / name), segments, checksum=verify)
-        except EOFError as exc:
-            raise _fp.TruncatedFileError(f"{self.path}: {exc}") from None
-        except OSError as exc:
-            raise _fp.os_error(exc, f"cannot read {self.path / name}") from exc
+        crcs = self._source.read_ranges(f, segments, checksum=verify)
         if not verify:
             return
-        assert result.crcs is not None
-        crcs = iter(result.crcs)
+        assert crcs is not None
+        actual_crcs = iter(crcs)
         for job in batch:
             for expected, what in job.expected:
-                actual = next(crcs)
+                actual = next(actual_crcs)
                 if actual != expected:
                     raise _fp.ChecksumMismatchError(
-                        f"{self.path}: {what}tensor {job.record.name!r} in {name} is corrupt: "
+                        f"{self.path}: {what}tensor {job.record.name!r} in {f.name} is corrupt: "
                         f"CRC32C {actual:#010x}, expected {expected:#010x}",
-                        file=name, tensor=job.record.name)
+                        file=f.name, tensor=job.record.name)
 
 
 @dataclass
