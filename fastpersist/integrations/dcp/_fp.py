@@ -1,59 +1,32 @@
-"""Every fastpersist internal that the DCP integration uses, in one place.
+"""The fastpersist names the DCP reader (reader.py) uses, kept here until the
+reader moves to the read path's reader interface (issue 34, item 2).
 
-Kept together so that the integration's dependence on fastpersist's
-internals (beyond the public API) is visible at a glance.
+The rest of the DCP integration takes what it needs from fastpersist.adapters
+(the adapters' contract) and fastpersist.errors. The internal imports below are
+the reader's alone; tests/test_architecture.py lists them (READER_INTERNALS)
+so that no new one comes in unnoticed, and they leave with the port.
 """
 
 from __future__ import annotations
 
 from ... import knobs
-from ..._version import __version__
-from ...checksum import combine, crc32c
-from ...distributed.storage import ThroughDaemon
+from ...adapters import Manifest
 from ...engine import Engine, Segment, get_engine
 from ...errors import (
-    CheckpointError,
-    CheckpointExistsError,
     ChecksumMismatchError,
     CorruptCheckpointError,
-    DaemonError,
     ManifestError,
     PickleNotAllowedError,
     TruncatedFileError,
-    UnsupportedValueError,
 )
 from ...format import dtypes
-from ...format.manifest import (
-    DISTRIBUTED_SCHEMA_VERSION,
-    Chunk,
-    FileRecord,
-    GlobalTensor,
-    Manifest,
-    TensorRecord,
-    parse_json,
-)
-from ...format.names import part_file_name
-from ...format.tree import check_tree
-from ...saving.files import StagedFiles
-from ...saving.snapshot import StagedFile, stage_file
-from ...saving.staging import StagingPool
-from ...storage.commit import Staging, os_error, through_link
-from ...storage.leftovers import leftover_name
-from ...storage.leftovers import process_token as new_token
+from ...format.manifest import FileRecord, TensorRecord
+from ...storage.commit import os_error
 from ...tensors.committed import read_manifest
-from ...tensors.datafile import write_in_blocks
-from ...tensors.plan import StoredTensor
 
 __all__ = [
-    "DISTRIBUTED_SCHEMA_VERSION", "CheckpointError", "CheckpointExistsError",
-    "ChecksumMismatchError", "Chunk", "CorruptCheckpointError", "DaemonError", "Engine",
-    "FileRecord", "GlobalTensor", "Manifest", "ManifestError", "PickleNotAllowedError",
-    "Segment",
-    "StagedFile", "StagedFiles", "Staging", "StagingPool", "StoredTensor", "TensorRecord",
-    "ThroughDaemon",
-    "TruncatedFileError", "UnsupportedValueError", "__version__", "check_tree", "combine",
-    "crc32c", "dtypes", "get_engine", "knobs", "leftover_name", "new_token", "os_error",
-    "parse_json", "part_file_name",
-    "read_manifest", "stage_file",
-    "through_link", "write_in_blocks",
+    "ChecksumMismatchError", "CorruptCheckpointError", "Engine",
+    "FileRecord", "Manifest", "ManifestError", "PickleNotAllowedError", "Segment",
+    "TensorRecord", "TruncatedFileError", "dtypes", "get_engine", "knobs", "os_error",
+    "read_manifest",
 ]
