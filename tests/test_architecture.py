@@ -6,7 +6,9 @@ functions included, since a lazy import is still a dependency):
 - each room imports only the rooms below it (ROOMS, MAY_IMPORT): the engine
   knows bytes, the format knows JSON, the daemon never imports torch-side code;
 - no private name (`_x`) imported from another module;
-- no module longer than MAX_LINES (generated stubs aside).
+- no module longer than MAX_LINES (generated stubs aside);
+- integrations/ import only the public API and fastpersist.adapters, the
+  adapters' contract, whose every name some adapter uses.
 A new dependency that breaks these fails here, naming the import.
 """
 
@@ -43,6 +45,7 @@ ROOMS = {
     "fastpersist.loading": "loading",
     "fastpersist.daemon": "daemon",
     "fastpersist.api": "api", "fastpersist.checkpointer": "api", "fastpersist.resume": "api",
+    "fastpersist.adapters": "api",  # the adapters' contract (integrations/ import it)
     "fastpersist.cli": "cli",
     "fastpersist.integrations": "integrations",
     "fastpersist": "package",  # __init__: re-exports the API
@@ -70,9 +73,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     # The daemon runs without torch and never plans or stages a save.
     "daemon": _WITH_CODEC | {"daemon"},
     "api": _WITH_CODEC | {"tensors", "saving", "distributed", "loading", "api"},
-    # Adapters built on the public API (the package's names), and what it stands on.
-    "integrations": _WITH_CODEC | {"tensors", "saving", "distributed", "loading", "api",
-                                   "package", "integrations"},
+    # Adapters on the public API (the package's names, errors) and adapters.py, in
+    # the api room: nothing below it (integration_imports_past_the_contract).
+    "integrations": {"base", "api", "package", "integrations"},
     "cli": _WITH_CODEC | {"tensors", "saving", "distributed", "loading", "api", "cli"},
     "package": _WITH_CODEC | {"api", "package", "saving", "tensors", "distributed",
                               "loading"},
@@ -268,66 +271,65 @@ def test_only_knobs_reads_the_environment() -> None:
     assert not wrong, "FASTPERSIST_* read outside knobs.py:\n" + "\n".join(wrong)
 
 
-# What the integrations may take from fastpersist beyond its public API (the
-# package's names, fastpersist.errors): a small, named internal API. The DCP
-# storage classes are a storage layer of their own and take theirs through one
-# module, integrations/dcp/_fp.py, so the whole dependence is visible there
-# (only the torch-free blocks.py takes checksum directly); the other adapters
-# only translate a framework's calls. A new internal import
-# fails here until it is added to this list on purpose.
-PUBLIC = {"fastpersist", "fastpersist.errors", "fastpersist._version"}
-INTEGRATION_INTERNALS = {
-    "fastpersist.integrations._lightning_io": {
-        ("fastpersist.storage.commit", "delete_checkpoint"),
-        ("fastpersist.storage.local_path", "checkpoint_path")},
-    "fastpersist.integrations.torchtitan": {
-        ("fastpersist.format.manifest", "MANIFEST_NAME"),
-        ("fastpersist.storage.commit", "delete_checkpoint")},
-    "fastpersist.integrations.transformers": {
-        ("fastpersist.api", "pipeline_for"), ("fastpersist.knobs", "current")},
-    "fastpersist.integrations.dcp.writer": {
-        ("fastpersist.storage.local_path", "checkpoint_path")},
-    "fastpersist.integrations.dcp.metadata_json": {("fastpersist.tensors.state", None)},
-    # Torch-free like checksum.py itself, so not through _fp (which imports torch).
-    "fastpersist.integrations.dcp.blocks": {("fastpersist.checksum", None)},
-    "fastpersist.integrations.dcp._fp": {
-        ("fastpersist.checksum", "combine"), ("fastpersist.checksum", "crc32c"),
-        ("fastpersist.distributed.storage", "ThroughDaemon"),
-        ("fastpersist.engine", "Engine"), ("fastpersist.engine", "Segment"),
-        ("fastpersist.engine", "get_engine"), ("fastpersist.format.dtypes", None),
-        ("fastpersist.tensors.source", "LocalSource"),
-        ("fastpersist.format.manifest", "Chunk"),
-        ("fastpersist.format.manifest", "DISTRIBUTED_SCHEMA_VERSION"),
-        ("fastpersist.format.manifest", "FileRecord"),
-        ("fastpersist.format.manifest", "GlobalTensor"),
-        ("fastpersist.format.manifest", "Manifest"),
-        ("fastpersist.format.manifest", "TensorRecord"),
-        ("fastpersist.format.manifest", "parse_json"),
-        ("fastpersist.format.names", "part_file_name"),
-        ("fastpersist.format.tree", "check_tree"), ("fastpersist.knobs", None),
-        ("fastpersist.saving.files", "StagedFiles"),
-        ("fastpersist.saving.snapshot", "StagedFile"),
-        ("fastpersist.saving.snapshot", "stage_file"),
-        ("fastpersist.saving.staging", "StagingPool"),
-        ("fastpersist.storage.commit", "Staging"), ("fastpersist.storage.commit", "os_error"),
-        ("fastpersist.storage.commit", "through_link"),
-        ("fastpersist.storage.leftovers", "leftover_name"),
-        ("fastpersist.storage.leftovers", "process_token"),
-        ("fastpersist.tensors.datafile", "write_in_blocks"),
-        ("fastpersist.tensors.plan", "StoredTensor")},
-}
+# What integrations/ may import from fastpersist: the public API (the package's
+# names, fastpersist.errors) and fastpersist.adapters, the adapters' contract: a
+# small, named internal API whose every name some adapter needs. Beyond those,
+# only EXCEPTIONS, each with its reason; a new internal import fails here until
+# it goes into adapters.py (or its logic into the core) on purpose.
+ADAPTER_API = {"fastpersist", "fastpersist.errors", "fastpersist.adapters"}
+EXCEPTIONS: dict[str, set[tuple[str, str | None]]] = {}
 
 
-def test_integrations_use_only_the_public_and_the_named_internal_api() -> None:
+def integration_imports_past_the_contract(mods: dict[str, Path]) -> list[str]:
     wrong = []
-    for i in imports(modules()):
-        if not i.source.startswith("fastpersist.integrations") or i.target in PUBLIC \
+    for i in imports(mods):
+        if not i.source.startswith("fastpersist.integrations") or i.target in ADAPTER_API \
                 or i.target.startswith("fastpersist.integrations"):
             continue
-        if (i.target, i.name) not in INTEGRATION_INTERNALS.get(i.source, set()):
+        if (i.target, i.name) not in EXCEPTIONS.get(i.source, set()):
             wrong.append(f"{i.source}:{i.line} imports {i.name or '(module)'} from {i.target}")
-    assert not wrong, ("integrations reaching past the public API (add to "
-                       "INTEGRATION_INTERNALS only on purpose):\n" + "\n".join(wrong))
+    return wrong
+
+
+def test_integrations_use_only_the_public_api_and_the_adapters_contract() -> None:
+    wrong = integration_imports_past_the_contract(modules())
+    assert not wrong, ("integrations reaching past fastpersist's public API and "
+                       "fastpersist.adapters (add what an adapter needs to adapters.py, "
+                       "or move the logic into the core):\n" + "\n".join(wrong))
+
+
+def test_an_internal_import_in_an_integration_is_caught(tmp_path: Path) -> None:
+    """The check above sees an internal import wherever an adapter puts it
+    (at the top, or lazily inside a function), and lets the contract pass."""
+    mods = modules()
+    extra = tmp_path / "extra.py"
+    mods["fastpersist.integrations.extra"] = extra
+
+    def caught() -> list[str]:
+        return [w.split(" imports ")[0] for w in integration_imports_past_the_contract(mods)
+                if w.startswith("fastpersist.integrations.extra:")]
+
+    for body in ("from ..saving.staging import StagingPool\n",
+                 "def f() -> None:\n    from fastpersist.storage import commit\n"):
+        extra.write_text(body)
+        assert caught() == [f"fastpersist.integrations.extra:{body.count(chr(10))}"]
+    extra.write_text("from ..adapters import StagingPool\nfrom ..errors import DaemonError\n"
+                     "import fastpersist\n")
+    assert caught() == []
+
+
+def test_the_adapters_contract_holds_only_what_adapters_use() -> None:
+    """Each name of fastpersist.adapters is a promise to every adapter: one
+    that no integration uses is dropped, not kept "in case"."""
+    tree = ast.parse((PACKAGE / "adapters.py").read_text())
+    exported = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                    and any(getattr(t, "id", "") == "__all__" for t in n.targets))
+    used = {i.name for i in imports(modules())
+            if i.source.startswith("fastpersist.integrations")
+            and i.target == "fastpersist.adapters"}
+    assert sorted(exported) == sorted(used), (
+        f"unused: {sorted(set(exported) - used)}; used but not exported: "
+        f"{sorted(used - set(exported))}")
 
 
 def test_architecture_doc_matches_the_code() -> None:

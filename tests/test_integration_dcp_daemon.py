@@ -28,13 +28,10 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 import fastpersist
 from fastpersist.cli import main as fpctl
+from fastpersist.distributed import external
+from fastpersist.distributed.storage import ThroughDaemon
 from fastpersist.errors import DaemonError
-from fastpersist.integrations.dcp import (
-    FastPersistReader,
-    FastPersistWriter,
-    _fp,
-    through_daemon,
-)
+from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter
 from fastpersist.integrations.dcp.blocks import CRC_BLOCK
 from fastpersist.integrations.dcp.metadata_json import DCP_METADATA_NAME
 from fastpersist.tensors.checkpoint import read_manifest
@@ -47,7 +44,7 @@ def through(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The daemon, as FASTPERSIST_DAEMON: every FastPersistWriter's default."""
     monkeypatch.setenv("FASTPERSIST_DAEMON", daemon.address)
     yield daemon
-    through_daemon.forget(daemon.address)
+    external.forget(daemon.address)
 
 
 def sample(version: float = 0.0) -> dict[str, Any]:
@@ -131,12 +128,12 @@ def test_files_over_the_staging_limit_are_streamed(tmp_path: Path,
         sd = sample()
         dcp.save(sd, storage_writer=FastPersistWriter(d.root / "ckpt", daemon=d.address))
         dcp.save(sd, storage_writer=FastPersistWriter(d.root / "local", daemon=""))
-        assert 0 < through_daemon.storage_for(d.address).pool.allocated_bytes <= 8 << 20
+        assert 0 < external.daemon_jobs(d.address).storage.pool.allocated_bytes <= 8 << 20
         assert len([n for n in os.listdir(d.root / "ckpt") if n.startswith("data-")]) == 2
         assert_same_checkpoint(d.root / "ckpt", d.root / "local")
         assert_loads_as(d.root / "ckpt", sd)
     finally:
-        through_daemon.forget(d.address)
+        external.forget(d.address)
         d.cleanup()
 
 
@@ -148,19 +145,19 @@ def test_a_part_the_node_has_no_room_for_is_streamed(tmp_path: Path,
     d = Daemon(tmp_path, "--staging-budget", "16M", "--client-budget", "12M").start()
     monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
     monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(4 << 20))
-    other = _fp.ThroughDaemon(d.address)
+    other = ThroughDaemon(d.address)
     try:
         _, held = other.client.open("held", 8 << 20, 1)  # 8 of the node's 16 MiB
         sd = {f"t{i}": torch.full((3 << 18,), float(i)) for i in range(3)}  # 3 x 3 MiB
         dcp.save(sd, storage_writer=FastPersistWriter(d.root / "ckpt", daemon=d.address))
-        assert through_daemon.storage_for(d.address).pool.allocated_bytes >= 9 << 20  # staged
+        assert external.daemon_jobs(d.address).storage.pool.allocated_bytes >= 9 << 20  # staged
         got = {k: torch.zeros_like(v) for k, v in sd.items()}
         dcp.load(got, storage_reader=FastPersistReader(d.root / "ckpt"))
         assert all(torch.equal(got[k], v) for k, v in sd.items())
         held.cancel()
     finally:
         other.close()
-        through_daemon.forget(d.address)
+        external.forget(d.address)
         d.cleanup()
 
 
@@ -169,7 +166,7 @@ def test_files_shared_memory_has_no_room_for_are_streamed(through: Daemon,
                                                           ) -> None:
     """A full shared-memory file system (ENOSPC making a segment) streams the
     file instead of failing the save."""
-    pool = through_daemon.storage_for(through.address).pool
+    pool = external.daemon_jobs(through.address).storage.pool
 
     def full(nbytes: int, budget: int, pinned: bool, timeout: float | None = None) -> Any:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -193,12 +190,12 @@ def test_items_that_change_during_the_save_fail_it(through: Daemon,
     daemon's: a difference (here made up) fails the save, which commits nothing."""
     target = through.root / "ckpt"
     dcp.save(sample(1), storage_writer=FastPersistWriter(target))
-    real = through_daemon._block_crcs
+    real = external.block_crcs
 
-    def skewed(file: Any) -> dict[str, list[int]]:
-        return {name: [c ^ 1 for c in crcs] for name, crcs in real(file).items()}
+    def skewed(file: Any, block: int) -> dict[str, list[int]]:
+        return {name: [c ^ 1 for c in crcs] for name, crcs in real(file, block).items()}
 
-    monkeypatch.setattr(through_daemon, "_block_crcs", skewed)
+    monkeypatch.setattr(external, "block_crcs", skewed)
     with pytest.raises(CheckpointException, match="differs from this process's"):
         dcp.save(sample(2), storage_writer=FastPersistWriter(target))
     assert_loads_as(target, sample(1))
@@ -210,10 +207,10 @@ def test_async_saves_reuse_the_shared_memory_and_leave_nothing(through: Daemon) 
     for version in range(3):
         dcp.async_save(sample(version), storage_writer=writer).result()
         assert_loads_as(target, sample(version))
-    pool = through_daemon.storage_for(through.address).pool
+    pool = external.daemon_jobs(through.address).storage.pool
     assert pool.allocations == 1 and pool.quarantined == 0  # one segment, reused
     assert len(through.events("committed-job")) == 3
-    through_daemon.forget(through.address)
+    external.forget(through.address)
     assert wait_until(lambda: not list(through.shm_dir.iterdir()))
     assert wait_until(lambda: hidden(through.root) == [])
 
@@ -295,7 +292,7 @@ def test_after_a_failed_save_the_next_one_of_the_path_works(
         assert_loads_as(target, sample(4))
         assert wait_until(lambda: hidden(daemon.root) == [])
     finally:
-        through_daemon.forget(daemon.address)
+        external.forget(daemon.address)
 
 
 class _GatedPlanner(DefaultSavePlanner):
@@ -340,7 +337,7 @@ def test_a_save_in_progress_keeps_its_path(daemon: Daemon) -> None:
 
 
 def test_a_job_commit_refuses_files_it_must_not_write(daemon: Daemon) -> None:
-    storage = through_daemon.storage_for(daemon.address)
+    storage = external.daemon_jobs(daemon.address).storage
     try:
         job = storage.stage(daemon.root / "other")
         for files, message in [({"../escape": b"x"}, "cannot write a file named"),
@@ -358,7 +355,7 @@ def test_a_job_commit_refuses_files_it_must_not_write(daemon: Daemon) -> None:
         assert not (daemon.root / "other").exists()
         assert hidden(daemon.root) == []
     finally:
-        through_daemon.forget(daemon.address)
+        external.forget(daemon.address)
 
 
 # A daemon from before CommitJob's files: it would commit without dcp_metadata.json.
@@ -376,7 +373,7 @@ def test_a_daemon_that_cannot_write_the_metadata_is_refused(tmp_path: Path,
         assert root_entries(d.root) == []
         assert not d.events("begin-job")
     finally:
-        through_daemon.forget(d.address)
+        external.forget(d.address)
         d.cleanup()
 
 

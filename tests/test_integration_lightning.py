@@ -227,16 +227,16 @@ def test_attribute_dicts_are_stored_as_dicts(tmp_path: Path) -> None:
 
 def test_remove_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import fastpersist.storage.commit
+    from fastpersist.integrations import _lightning_io
 
     deleted: list[Path] = []
-    real = fastpersist.storage.commit.delete_checkpoint
+    real = _lightning_io.delete_checkpoint  # fastpersist.adapters'
 
     def delete_checkpoint(path: Path, **kwargs: Any) -> None:
         deleted.append(path)
         real(path, **kwargs)  # renames it aside (durably), then removes it
 
-    monkeypatch.setattr(fastpersist.storage.commit, "delete_checkpoint", delete_checkpoint)
+    monkeypatch.setattr(_lightning_io, "delete_checkpoint", delete_checkpoint)
     io = FastPersistCheckpointIO()
     io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
     os.symlink("a.ckpt", tmp_path / "last.ckpt")

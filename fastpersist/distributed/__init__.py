@@ -10,6 +10,7 @@ commit_point.py the commit, and one outcome on every rank when ranks are lost
 outcome.py      deciding that outcome, and naming the lost ranks, in the job's store
 settling.py     node-local parts left in doubt, decided by the job's nodes together
 storage.py      where the bytes go: in-process, or through each node's fastpersistd
+external.py     a save another framework planned (DCP's): the ranks' files, the commit
 restore.py      loading in any job size or layout (resharding)
 
 settle() is the one public name here; torch is imported on its first use.

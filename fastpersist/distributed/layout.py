@@ -91,22 +91,42 @@ def job_manifest(plan: Plan, tree: Any, gathered: list[Any]) -> bytes:
     """The job manifest (schema 2), from every rank's file and tensor records."""
     files: list[FileRecord] = []
     records: list[TensorRecord] = []
-    index_of: dict[str, int] = {}
     for per_rank in gathered:
         for record, tensors in per_rank:
             files.append(record)
-            for t in tensors:
-                index_of[t.name] = len(records)
-                records.append(t)
-    chunks: dict[str, list[Chunk]] = {k: [] for k in plan.keys}
+            records += tensors
+    chunks: dict[str, list[tuple[str, tuple[int, ...]]]] = {k: [] for k in plan.keys}
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     for piece in plan.pieces:
-        chunks[piece.key].append(Chunk(index_of[piece.name], piece.offsets))
+        chunks[piece.key].append((piece.name, piece.offsets))
         meta[piece.key] = (piece.dtype, piece.global_shape)
-    globals_ = tuple(GlobalTensor(k, meta[k][0], meta[k][1], tuple(chunks[k])) for k in plan.keys)
-    return Manifest(files=tuple(files), tensors=tuple(records), tree=tree,
-                    fastpersist_version=__version__, created_unix=time.time(),
-                    schema_version=DISTRIBUTED_SCHEMA_VERSION, globals=globals_).to_json()
+    return global_manifest(files, records,
+                           [(k, meta[k][0], meta[k][1], chunks[k]) for k in plan.keys], tree)
+
+
+# A global tensor as global_manifest takes it: key, dtype, global shape, and
+# its chunks as (tensor record's name, offsets).
+Global = tuple[str, str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]
+
+
+def global_manifest(files: list[FileRecord], records: list[TensorRecord],
+                    globals_: list[Global], tree: Any, *, check: str | None = None) -> bytes:
+    """A distributed manifest (schema 2): the files and tensor records the
+    ranks wrote, and the global tensors whose chunks those records hold.
+    check: validate it as every load will, errors naming `check` (a state
+    whose chunks do not tile its tensors then fails here, not at load)."""
+    index_of = {r.name: i for i, r in enumerate(records)}
+    data = Manifest(
+        files=tuple(files), tensors=tuple(records), tree=tree,
+        fastpersist_version=__version__, created_unix=time.time(),
+        schema_version=DISTRIBUTED_SCHEMA_VERSION,
+        globals=tuple(GlobalTensor(key, dtype, shape,
+                                   tuple(Chunk(index_of[name], offsets)
+                                         for name, offsets in chunks))
+                      for key, dtype, shape, chunks in globals_)).to_json()
+    if check is not None:
+        Manifest.from_json(data, check)
+    return data
 
 
 def tensor_bytes_by_rank(manifest: Manifest) -> dict[int, int]:
@@ -119,5 +139,5 @@ def tensor_bytes_by_rank(manifest: Manifest) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
-__all__ = ["RankView", "domains", "job_manifest", "target_conflict", "tensor_bytes_by_rank",
-           "unaliased", "within"]
+__all__ = ["Global", "RankView", "domains", "global_manifest", "job_manifest", "target_conflict",
+           "tensor_bytes_by_rank", "unaliased", "within"]

@@ -7,8 +7,9 @@
     from fastpersist.integrations.dcp import FastPersistWriter, FastPersistReader  # DCP
     from fastpersist.integrations.torchtitan import FastPersistCheckpointManager  # torchtitan
 
-Each adapter is a module of its own that imports fastpersist's public API and
-its framework, and only when it is imported: `import fastpersist` (and this
+Each adapter is a module of its own that imports fastpersist's public API (and
+fastpersist.adapters, the adapters' contract) and its framework, and only when
+it is imported: `import fastpersist` (and this
 package) never imports a framework, and the frameworks are not dependencies of
 fastpersist. The versions they are tested with are pinned in pyproject.toml's
 `test` extra.

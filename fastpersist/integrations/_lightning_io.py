@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import fastpersist
 from fastpersist import CheckpointError, UnsupportedValueError
-from fastpersist.storage.local_path import checkpoint_path
+from fastpersist.adapters import checkpoint_path, delete_checkpoint, is_checkpoint
 
 if TYPE_CHECKING:
     from fastpersist import SaveFuture
@@ -159,11 +159,9 @@ class FastPersistCheckpointIOBase:
         if p.is_symlink() or p.is_file():  # save_last="link", or a torch.save file
             p.unlink()
         elif p.is_dir():
-            if not (p / "manifest.json").is_file():
+            if not is_checkpoint(p):
                 log.warning("%s is not a fastpersist checkpoint; not removing it", p)
                 return
-            from ..storage.commit import delete_checkpoint
-
             delete_checkpoint(p)
         log.debug("Removed checkpoint: %s", p)
 

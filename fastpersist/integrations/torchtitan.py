@@ -51,8 +51,7 @@ from torchtitan.components.checkpointer.base import purge_thread
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
-from ..format.manifest import MANIFEST_NAME
-from ..storage.commit import delete_checkpoint
+from ..adapters import delete_checkpoint, is_checkpoint
 from .dcp import FastPersistReader, FastPersistWriter
 
 _STEP = re.compile(r"step-(\d+)")  # the whole name (torchtitan's search also matches
@@ -70,18 +69,14 @@ def committed_steps(folder: str) -> dict[int, Path]:
     for name in names:
         match = _STEP.fullmatch(name)
         path = Path(folder) / name
-        if match and (is_fastpersist_checkpoint(path) or (path / ".metadata").is_file()):
+        if match and (is_checkpoint(path) or (path / ".metadata").is_file()):
             out[int(match.group(1))] = path
     return out
 
 
-def is_fastpersist_checkpoint(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / MANIFEST_NAME).is_file()
-
-
 def _remove(path: str) -> None:
     """The purge thread's removal: atomic for a fastpersist checkpoint."""
-    if is_fastpersist_checkpoint(path):
+    if is_checkpoint(path):
         delete_checkpoint(Path(path))
     else:
         filesystem.rmtree(path)
@@ -137,7 +132,7 @@ class FastPersistCheckpointManager(CheckpointManager):
     @torch.no_grad()
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
                  from_quantized: bool) -> None:
-        if from_hf or not is_fastpersist_checkpoint(checkpoint_id):
+        if from_hf or not is_checkpoint(checkpoint_id):
             # HF safetensors, or a DCP checkpoint written before the switch.
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return

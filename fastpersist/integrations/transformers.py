@@ -89,11 +89,9 @@ TRAINING_ARGS_NAME = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_N
 def _new_saver(daemon: str | None) -> Any:
     """A saver of our own, on which a checkpoint's two saves persist together
     (max_in_flight=2) and reuse their staging memory: what Checkpointer does."""
-    from ..api import pipeline_for
-    from ..knobs import current
+    from ..adapters import pipeline_for
 
-    address = current().daemon if daemon is None else daemon
-    return pipeline_for(address, max_in_flight=2, shared=False)
+    return pipeline_for(daemon, max_in_flight=2, shared=False)
 
 
 def write_index(checkpoint_dir: str | os.PathLike[str]) -> Path:

@@ -28,8 +28,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fastpersist.integrations.dcp import FastPersistWriter, _fp, writer
+from fastpersist.distributed.storage import ThroughDaemon
+from fastpersist.integrations.dcp import FastPersistWriter, writer
 from fastpersist.saving import handover
+from fastpersist.storage.commit import Staging
 
 
 def state(version: int) -> dict[str, Any]:
@@ -62,15 +64,15 @@ def install(hook: str) -> None:
 
         writer.FastPersistWriter.finish = finish  # type: ignore[method-assign]
     elif hook == "before_manifest":
-        real_commit = _fp.Staging.commit
+        real_commit = Staging.commit
 
         def commit(self: Any, *args: Any, **kwargs: Any) -> Any:
             hang(hook)
             return real_commit(self, *args, **kwargs)
 
-        _fp.Staging.commit = commit  # type: ignore[method-assign]
+        Staging.commit = commit  # type: ignore[method-assign]
     elif hook in ("before_publish", "after_publish"):
-        real_publish = _fp.Staging._publish
+        real_publish = Staging._publish
 
         def publish(self: Any) -> bool:
             if hook == "before_publish":
@@ -79,7 +81,7 @@ def install(hook: str) -> None:
             hang(hook)
             return replaced
 
-        _fp.Staging._publish = publish  # type: ignore[method-assign]
+        Staging._publish = publish  # type: ignore[method-assign]
     elif hook == "mid_part":
         real_handover_commit = handover.Handover.commit
 
@@ -89,7 +91,7 @@ def install(hook: str) -> None:
 
         handover.Handover.commit = handover_commit  # type: ignore[method-assign]
     elif hook in ("before_commit_job", "after_commit_job"):
-        real_commit_job = _fp.ThroughDaemon.publish
+        real_commit_job = ThroughDaemon.publish
 
         def commit_job(self: Any, *args: Any, **kwargs: Any) -> str:
             if hook == "before_commit_job":
@@ -98,7 +100,7 @@ def install(hook: str) -> None:
             hang(hook)
             return error
 
-        _fp.ThroughDaemon.publish = commit_job  # type: ignore[method-assign]
+        ThroughDaemon.publish = commit_job  # type: ignore[method-assign]
     else:
         raise ValueError(hook)
 

@@ -16,8 +16,6 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from ... import checksum  # torch-free, as this module is (not through _fp)
-
 # A multiple of 4096 and of every element size, so a block boundary is an
 # element boundary and O_DIRECT-friendly within the item.
 CRC_BLOCK = 4 << 20
@@ -29,12 +27,6 @@ def record_name(fqn: str, offsets: Sequence[int] | None) -> str:
     the text after the last single '@' is the chunk's offsets (or "bytes")."""
     where = "bytes" if offsets is None else ",".join(str(o) for o in offsets)
     return f"{fqn.replace('@', '@@')}@{where}"
-
-
-def block_spans(length: int, block: int = CRC_BLOCK) -> list[tuple[int, int]]:
-    """(start, length) of each CRC block of an item of `length` bytes; one
-    span (the whole item) when it is not larger than a block."""
-    return checksum.block_spans(length, block)
 
 
 def contiguous_strides(shape: Sequence[int]) -> list[int]:

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from . import _fp
+from ...adapters import StoredTensor, dtype_name
+from ...errors import UnsupportedValueError
 from .blocks import record_name
 
 
@@ -33,7 +34,7 @@ def files_of(items: list[WriteItem], file_bytes: int) -> list[list[WriteItem]]:
     return [f for f in files if f]
 
 
-def stored_item(item: WriteItem, data: Any, *, host: bool) -> _fp.StoredTensor:
+def stored_item(item: WriteItem, data: Any, *, host: bool) -> StoredTensor:
     """The item (`data`: planner.resolve_data's) as a StoredTensor named by
     record_name: a bytes value's bytes (DCP's torch.save of it) as U8, or the
     tensor; with host=True, as a contiguous CPU tensor (zero-copy when it is
@@ -42,13 +43,12 @@ def stored_item(item: WriteItem, data: Any, *, host: bool) -> _fp.StoredTensor:
         raw = bytearray(data.getbuffer())
         b = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0,
                                                                              dtype=torch.uint8)
-        return _fp.StoredTensor(record_name(item.index.fqn, None), "U8", tuple(b.shape), b,
-                                b.nbytes)
+        return StoredTensor(record_name(item.index.fqn, None), "U8", tuple(b.shape), b, b.nbytes)
     t: torch.Tensor = data.detach()
     if host:
         t = t.to("cpu").contiguous()
-    dtype = _fp.dtypes.to_name(t.dtype)
+    dtype = dtype_name(t.dtype)
     if dtype is None:
-        raise _fp.UnsupportedValueError(f"{item.index.fqn}: dtype {t.dtype} cannot be stored")
-    return _fp.StoredTensor(record_name(item.index.fqn, item.index.offset or ()), dtype,
-                            tuple(t.shape), t, t.numel() * t.element_size())
+        raise UnsupportedValueError(f"{item.index.fqn}: dtype {t.dtype} cannot be stored")
+    return StoredTensor(record_name(item.index.fqn, item.index.offset or ()), dtype,
+                        tuple(t.shape), t, t.numel() * t.element_size())

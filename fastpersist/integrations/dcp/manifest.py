@@ -10,61 +10,39 @@ fastpersist.load returns {fqn: full tensor}.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
 )
 
-from . import _fp
-from .metadata_json import ItemInfo
+from ...adapters import ItemWritten, dtype_name, global_manifest
+from ...errors import UnsupportedValueError
 
 
-@dataclass(frozen=True)
-class Written:
-    """WriteResult.storage_data of one item, as a rank reports it."""
-
-    info: ItemInfo
-    record: _fp.TensorRecord
-    file: _fp.FileRecord
-
-
-def build(metadata: Metadata, written: dict[MetadataIndex, Written], where: str) -> bytes:
-    """The manifest's bytes, validated as any load would validate them."""
+def build(metadata: Metadata, written: dict[MetadataIndex, ItemWritten], where: str) -> bytes:
+    """The manifest's bytes, validated as any load would validate them (a
+    state whose chunks do not tile its tensors fails here, not at load).
+    `written`: WriteResult.storage_data of each item, as the ranks report it."""
     files = {w.file.name: w.file for w in written.values()}
-    records = [w.record for w in written.values()]
-    index_of = {r.name: i for i, r in enumerate(records)}
-    globals_: list[_fp.GlobalTensor] = []
+    # (fqn, dtype, global shape, its chunks as (record name, offsets))
+    globals_: list[tuple[str, str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]] = []
     keys: list[str] = []
     values: list[dict[str, object]] = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             rec = written[MetadataIndex(fqn)].record
-            g = _fp.GlobalTensor(fqn, "U8", rec.shape,
-                                 (_fp.Chunk(index_of[rec.name], (0,)),))
+            globals_.append((fqn, "U8", rec.shape, [(rec.name, (0,))]))
         else:
-            dtype = _fp.dtypes.to_name(md.properties.dtype)
+            dtype = dtype_name(md.properties.dtype)
             if dtype is None:
-                raise _fp.UnsupportedValueError(f"{fqn}: dtype {md.properties.dtype} cannot be "
-                                                "stored (not a safetensors dtype)")
-            chunks = tuple(
-                _fp.Chunk(index_of[written[MetadataIndex(fqn, c.offsets)].record.name],
-                          tuple(c.offsets))
-                for c in md.chunks)
-            g = _fp.GlobalTensor(fqn, dtype, tuple(md.size), chunks)
+                raise UnsupportedValueError(f"{fqn}: dtype {md.properties.dtype} cannot be "
+                                            "stored (not a safetensors dtype)")
+            chunks = [(written[MetadataIndex(fqn, c.offsets)].record.name, tuple(c.offsets))
+                      for c in md.chunks]
+            globals_.append((fqn, dtype, tuple(md.size), chunks))
         keys.append(fqn)
-        values.append({"t": "tensor", "e": len(globals_)})
-        globals_.append(g)
-    manifest = _fp.Manifest(
-        files=tuple(files[n] for n in sorted(files)), tensors=tuple(records),
-        tree={"t": "dict", "k": keys, "v": values}, fastpersist_version=_fp.__version__,
-        created_unix=time.time(), schema_version=_fp.DISTRIBUTED_SCHEMA_VERSION,
-        globals=tuple(globals_))
-    data = manifest.to_json()
-    # What every reader will check, checked before anything is committed (a
-    # state whose chunks do not tile its tensors fails here, not at load).
-    _fp.Manifest.from_json(data, where)
-    return data
+        values.append({"t": "tensor", "e": len(values)})
+    return global_manifest([files[n] for n in sorted(files)],
+                           [w.record for w in written.values()], globals_,
+                           {"t": "dict", "k": keys, "v": values}, check=where)

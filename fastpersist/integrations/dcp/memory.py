@@ -1,23 +1,22 @@
 """Memory: tensor bytes as the engine's segments, and pausing the garbage collector.
 
 bytes_of goes through numpy (a few microseconds a tensor): the same zero-copy
-view as fastpersist.tensors.plan.memory_of, but one that keeps the tensor alive.
-(memory_of once built a ctypes array type per size, ~0.1 ms a tensor; it no
-longer does.)
+view as fastpersist's memory_of, but one that keeps the tensor alive (the
+stager's aliases outlive the call that makes them).
 
 Building or parsing the JSON of a checkpoint with thousands of items makes
 hundreds of thousands of small objects and no cycles; the collector's passes
-over them were half the time of read_metadata (no_gc).
+over them were half the time of read_metadata. no_gc is fastpersist's pause
+(gcpause.paused), which nests with the saves and loads of other threads.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from ...adapters import gc_paused as no_gc
 
 
 def bytes_of(t: torch.Tensor) -> memoryview:
@@ -27,13 +26,4 @@ def bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused (process-wide) for the block."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+__all__ = ["bytes_of", "no_gc"]

@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _fp
+from ...adapters import Manifest, dtype_name, parse_json, plain_tree, plain_value
+from ...errors import CorruptCheckpointError, ManifestError, UnsupportedValueError
 from .blocks import CRC_BLOCK
 
 DCP_METADATA_NAME = "dcp_metadata.json"
@@ -75,8 +76,6 @@ def _canonical(body: Any) -> bytes:
 
 def dumps(metadata: Metadata) -> bytes:
     """The JSON file of `metadata`, whose storage_data maps MetadataIndex -> ItemInfo."""
-    from ...tensors import state  # torch-facing; imported only here
-
     tensors, byte_items = [], []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
@@ -98,9 +97,9 @@ def dumps(metadata: Metadata) -> bytes:
                       "block_crcs": list(info.block_crcs)})
     planner_data = None
     if metadata.planner_data is not None:
-        planner_data, leaves = state.encode(metadata.planner_data)
-        if leaves:
-            raise _fp.UnsupportedValueError("the planner's data holds tensors; FastPersistWriter "
+        planner_data, holds_tensors = plain_tree(metadata.planner_data)
+        if holds_tensors:
+            raise UnsupportedValueError("the planner's data holds tensors; FastPersistWriter "
                                             "stores it as JSON")
     sm = metadata.storage_meta
     storage_meta = None if sm is None else {
@@ -130,35 +129,33 @@ def _ints(value: Any, fqn: str, what: str) -> list[int]:
     return value
 
 
-def loads(data: bytes, manifest: _fp.Manifest, where: str) -> Metadata:
+def loads(data: bytes, manifest: Manifest, where: str) -> Metadata:
     """Metadata from the file's bytes, checked against `manifest` (each item
     names a record of its dtype and shape, each tensor chunk has an item).
     Raises CorruptCheckpointError or ManifestError naming `where`."""
-    doc = _fp.parse_json(data, f"{where}: {DCP_METADATA_NAME}")
+    doc = parse_json(data, f"{where}: {DCP_METADATA_NAME}")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or "body" not in doc:
-        raise _fp.ManifestError(f"{where}: {DCP_METADATA_NAME} is not fastpersist's DCP "
-                                "metadata")
+        raise ManifestError(f"{where}: {DCP_METADATA_NAME} is not fastpersist's DCP metadata")
     if doc.get("version") != VERSION:
-        raise _fp.ManifestError(f"{where}: {DCP_METADATA_NAME} has version "
-                                f"{str(doc.get('version'))[:20]}; this fastpersist reads "
-                                f"{VERSION}")
+        raise ManifestError(f"{where}: {DCP_METADATA_NAME} has version "
+                            f"{str(doc.get('version'))[:20]}; this fastpersist reads {VERSION}")
     body = doc["body"]
     try:
         actual = crc32c.crc32c(_canonical(body))
     except (TypeError, ValueError):
         actual = -1
     if actual != doc.get("crc32c"):
-        raise _fp.CorruptCheckpointError(f"{where}: {DCP_METADATA_NAME} is corrupt (its "
-                                         "CRC32C does not match)")
+        raise CorruptCheckpointError(f"{where}: {DCP_METADATA_NAME} is corrupt (its "
+                                     "CRC32C does not match)")
     try:
         return _metadata(body, manifest, where)
     except _Bad as exc:
-        raise _fp.ManifestError(f"{where}: malformed {DCP_METADATA_NAME}: {exc}") from None
+        raise ManifestError(f"{where}: malformed {DCP_METADATA_NAME}: {exc}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise _fp.ManifestError(f"{where}: malformed {DCP_METADATA_NAME}: {exc!r}") from None
+        raise ManifestError(f"{where}: malformed {DCP_METADATA_NAME}: {exc!r}") from None
 
 
-def _metadata(body: Any, manifest: _fp.Manifest, where: str) -> Metadata:
+def _metadata(body: Any, manifest: Manifest, where: str) -> Metadata:
     # Messages are made only when raised: a checkpoint has many thousands of items.
     _need(isinstance(body, dict), "body is not an object")
     _need(body.get("crc_block") == CRC_BLOCK, "unknown crc_block")
@@ -225,7 +222,7 @@ def _metadata(body: Any, manifest: _fp.Manifest, where: str) -> Metadata:
 
 def _properties(t: dict[str, Any], fqn: str) -> tuple[TensorProperties, str]:
     dtype = getattr(torch, t["dtype"], None) if isinstance(t["dtype"], str) else None
-    name = _fp.dtypes.to_name(dtype) if isinstance(dtype, torch.dtype) else None
+    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
     if name is None:
         raise _Bad(f"{fqn}: dtype {str(t['dtype'])[:40]} cannot be stored")
     if t["layout"] not in _LAYOUTS or t["memory_format"] not in _MEMORY_FORMATS:
@@ -241,14 +238,7 @@ def _planner_data(body: dict[str, Any], where: str) -> Any:
     tree = body["planner_data"]
     if tree is None:
         return None
-    from ...tensors import state
-
-    _fp.check_tree(tree, [], f"{where}: {DCP_METADATA_NAME} planner_data")
-
-    def no_tensor(node: dict[str, Any]) -> torch.Tensor:
-        raise _Bad("planner_data holds a tensor")
-
-    return state.decode(tree, no_tensor, where=f"{where}: {DCP_METADATA_NAME} planner_data")
+    return plain_value(tree, f"{where}: {DCP_METADATA_NAME} planner_data")
 
 
 def _storage_meta(body: dict[str, Any]) -> StorageMeta | None:

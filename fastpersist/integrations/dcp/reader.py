@@ -46,7 +46,18 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from . import _fp, metadata_json
+from ...adapters import (
+    FileRecord,
+    Manifest,
+    Segment,
+    TensorRecord,
+    dtype_of,
+    os_error,
+    settings,
+    source_for,
+)
+from ...errors import ChecksumMismatchError, ManifestError, PickleNotAllowedError
+from . import metadata_json
 from .blocks import CRC_BLOCK, contiguous_strides, is_whole, touched_blocks
 from .memory import bytes_of, no_gc
 from .metadata_json import DCP_METADATA_NAME, ItemInfo
@@ -70,9 +81,9 @@ class FastPersistReader(StorageReader):
         self.allow_pickle = allow_pickle
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, ItemInfo] = {}
-        self._records: dict[str, _fp.TensorRecord] = {}
-        self._files: dict[str, _fp.FileRecord] = {}
-        self._source = _fp.LocalSource(self.path)
+        self._records: dict[str, TensorRecord] = {}
+        self._files: dict[str, FileRecord] = {}
+        self._source = source_for(self.path)
         self.bytes_read = 0  # data bytes read by read_data so far (for tests and benchmarks)
 
     @property
@@ -87,7 +98,7 @@ class FastPersistReader(StorageReader):
         self.storage_data, self._records, self._files = {}, {}, {}
         if checkpoint_id:
             self.path = Path(os.path.abspath(os.fspath(checkpoint_id)))
-        self._source = _fp.LocalSource(self.path)  # (its manifest read anew)
+        self._source = source_for(self.path)  # (its manifest read anew)
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -101,14 +112,14 @@ class FastPersistReader(StorageReader):
             with open(meta_path, "rb") as f:
                 data = f.read(_MAX_METADATA_BYTES + 1)
         except FileNotFoundError:
-            raise _fp.ManifestError(
+            raise ManifestError(
                 f"{self.path} is a fastpersist checkpoint without {DCP_METADATA_NAME}: it was "
                 "not saved through torch.distributed.checkpoint (load it with "
                 "fastpersist.load)") from None
         except OSError as exc:
-            raise _fp.os_error(exc, f"cannot read {meta_path}") from exc
+            raise os_error(exc, f"cannot read {meta_path}") from exc
         if len(data) > _MAX_METADATA_BYTES:
-            raise _fp.ManifestError(f"{meta_path} is larger than {_MAX_METADATA_BYTES} bytes")
+            raise ManifestError(f"{meta_path} is larger than {_MAX_METADATA_BYTES} bytes")
         metadata = metadata_json.loads(data, manifest, str(self.path))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -118,7 +129,7 @@ class FastPersistReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         if metadata.storage_data is None:
-            raise _fp.ManifestError(f"{self.path}: the DCP metadata has no storage_data")
+            raise ManifestError(f"{self.path}: the DCP metadata has no storage_data")
         self.storage_data = metadata.storage_data
         if not self._records:
             self._read_manifest()
@@ -130,7 +141,7 @@ class FastPersistReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        verify = _fp.knobs.current().verify_load if self.verify is None else self.verify
+        verify = settings().verify_load if self.verify is None else self.verify
         by_item: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
             by_item.setdefault(req.storage_index, []).append(req)
@@ -139,7 +150,7 @@ class FastPersistReader(StorageReader):
             info = self.storage_data.get(index)
             if info is None or info.record not in self._records:
                 at = None if index.offset is None else list(index.offset)
-                raise _fp.ManifestError(f"{self.path}: the checkpoint has no item {index.fqn!r} "
+                raise ManifestError(f"{self.path}: the checkpoint has no item {index.fqn!r} "
                                         f"at {at}")
             record = self._records[info.record]
             by_file.setdefault(record.file, []).append(
@@ -156,13 +167,13 @@ class FastPersistReader(StorageReader):
 
     # --- internals -------------------------------------------------------------------
 
-    def _read_manifest(self) -> _fp.Manifest:
+    def _read_manifest(self) -> Manifest:
         manifest = self._source.manifest()
         self._records = {r.name: r for r in manifest.tensors}
         self._files = {f.name: f for f in manifest.files}
         return manifest
 
-    def _read(self, f: _fp.FileRecord, batch: list[_Job], verify: bool) -> None:
+    def _read(self, f: FileRecord, batch: list[_Job], verify: bool) -> None:
         """One read of the batch's segments through the source (the engine:
         O_DIRECT, many in flight), each checked against its CRC32C."""
         segments = [s for job in batch for s in job.segments]
@@ -176,7 +187,7 @@ class FastPersistReader(StorageReader):
             for expected, what in job.expected:
                 actual = next(actual_crcs)
                 if actual != expected:
-                    raise _fp.ChecksumMismatchError(
+                    raise ChecksumMismatchError(
                         f"{self.path}: {what}tensor {job.record.name!r} in {f.name} is corrupt: "
                         f"CRC32C {actual:#010x}, expected {expected:#010x}",
                         file=f.name, tensor=job.record.name)
@@ -187,15 +198,15 @@ class _Job:
     """What to read of one item, the CRC32C each segment must have, and what
     to do with the bytes once they are read and checked."""
 
-    record: _fp.TensorRecord
-    segments: list[_fp.Segment]
+    record: TensorRecord
+    segments: list[Segment]
     expected: list[tuple[int, str]]  # (CRC32C, what for messages) per segment
     temp_bytes: int
     finish: Callable[[LoadPlanner], None]
     keep: list[Any] = field(default_factory=list)  # buffers the segments view
 
 
-def _job(record: _fp.TensorRecord, info: ItemInfo, reqs: list[ReadItem],
+def _job(record: TensorRecord, info: ItemInfo, reqs: list[ReadItem],
          planner: LoadPlanner, allow_pickle: bool, where: str) -> _Job:
     if reqs[0].type == LoadItemType.BYTE_IO:
         raw = bytearray(record.length)
@@ -208,13 +219,13 @@ def _job(record: _fp.TensorRecord, info: ItemInfo, reqs: list[ReadItem],
 
         return _Job(record, [(memoryview(raw), record.offset)], [(record.crc32c, "")],
                     record.length, load_bytes, [raw])
-    dtype = _fp.dtypes.from_name(record.dtype)
+    dtype = dtype_of(record.dtype)
     shape = record.shape
     for req in reqs:
         if len(req.storage_offsets) != len(shape) or any(
                 o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, shape,
                                              strict=True)):
-            raise _fp.ManifestError(f"{record.name}: the plan asks for {list(req.lengths)} at "
+            raise ManifestError(f"{record.name}: the plan asks for {list(req.lengths)} at "
                                     f"{list(req.storage_offsets)} of a chunk of {list(shape)}")
     whole = any(is_whole(shape, r.storage_offsets, r.lengths) for r in reqs)
     blocks: set[int] = set()
@@ -236,13 +247,13 @@ def _check_weights_only(raw: bytearray, fqn: str, where: str) -> None:
             torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, or whatever the data provokes
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise _fp.PickleNotAllowedError(
+        raise PickleNotAllowedError(
             f"{where}: item {fqn!r} is pickled data that torch.load(weights_only=True) refuses "
             f"({first[:200]}); FastPersistReader(..., allow_pickle=True) unpickles it, which "
             "runs code from the checkpoint: only for checkpoints you trust") from None
 
 
-def _whole(record: _fp.TensorRecord, dtype: torch.dtype, reqs: list[ReadItem],
+def _whole(record: TensorRecord, dtype: torch.dtype, reqs: list[ReadItem],
            planner: LoadPlanner) -> _Job:
     shape = record.shape
     if len(reqs) == 1 and is_whole(shape, reqs[0].storage_offsets, reqs[0].lengths):
@@ -268,13 +279,13 @@ def _whole(record: _fp.TensorRecord, dtype: torch.dtype, reqs: list[ReadItem],
                 record.length, copy_out, [buf])
 
 
-def _partial(record: _fp.TensorRecord, info: ItemInfo, dtype: torch.dtype,
+def _partial(record: TensorRecord, info: ItemInfo, dtype: torch.dtype,
              reqs: list[ReadItem], blocks: list[int]) -> _Job:
     lo = blocks[0] * CRC_BLOCK
     hi = min((blocks[-1] + 1) * CRC_BLOCK, record.length)
     buf = torch.empty(hi - lo, dtype=torch.uint8)
     memory = bytes_of(buf)
-    segments: list[_fp.Segment] = []
+    segments: list[Segment] = []
     expected = []
     for b in blocks:
         start = b * CRC_BLOCK
@@ -298,7 +309,7 @@ def _partial(record: _fp.TensorRecord, info: ItemInfo, dtype: torch.dtype,
 def _copy_to(planner: LoadPlanner, req: ReadItem, src: torch.Tensor) -> None:
     dest = planner.resolve_tensor(req).detach()
     if dest.shape != src.shape:
-        raise _fp.ManifestError(f"{req.storage_index.fqn}: the plan's destination is "
+        raise ManifestError(f"{req.storage_index.fqn}: the plan's destination is "
                                 f"{list(dest.shape)}, the stored part {list(src.shape)}")
     dest.copy_(src)
     planner.commit_tensor(req, dest)

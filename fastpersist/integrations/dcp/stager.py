@@ -30,12 +30,12 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor  # imported by the line above already
 
-from . import _fp
+from ...adapters import StagingPool, settings
 from .memory import bytes_of
 
 _ALIGN = 64  # every element size divides it
 
-_shared: _fp.StagingPool | None = None
+_shared: StagingPool | None = None
 _shared_lock = threading.Lock()
 
 
@@ -44,12 +44,12 @@ def _forget(buffer: torch.Tensor) -> None:
     freed when the last tensor over it is."""
 
 
-def shared_pool() -> _fp.StagingPool:
+def shared_pool() -> StagingPool:
     """The process's staging pool for DCP saves."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = _fp.StagingPool(let_go=_forget)
+            _shared = StagingPool(let_go=_forget)
         return _shared
 
 
@@ -82,9 +82,8 @@ class FastPersistStager(AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self, *, staging_budget: int | None = None,
-                 pool: _fp.StagingPool | None = None) -> None:
-        self._budget = _fp.knobs.current().staging_budget if staging_budget is None \
-            else staging_budget
+                 pool: StagingPool | None = None) -> None:
+        self._budget = settings().staging_budget if staging_budget is None else staging_budget
         self._pool = pool if pool is not None else shared_pool()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -244,7 +243,7 @@ def _aliases(buffer: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor
     return alias
 
 
-def _release_when_collected(staged: Any, lease: Lease, pool: _fp.StagingPool) -> None:
+def _release_when_collected(staged: Any, lease: Lease, pool: StagingPool) -> None:
     """Give the buffer back once every staged tensor over it is gone."""
     tensors: list[torch.Tensor] = []
     _collect_views(staged, lease, tensors)

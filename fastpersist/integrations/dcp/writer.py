@@ -26,8 +26,12 @@ also DCP's AsyncStager (stager.py), so dcp.async_save snapshots into reused
 staging buffers, given back as soon as this rank's files are written.
 
 With a daemon (FASTPERSIST_DAEMON, or daemon=), the ranks hand their items to
-fastpersistd instead and the coordinator commits the job there
-(through_daemon.py); the checkpoint is the same.
+fastpersistd instead and the coordinator commits the job there, with
+dcp_metadata.json beside the manifest; the checkpoint is the same. Plan
+caching is refused then: a cached plan would carry an earlier save's job id.
+The staging directory, the data files and the daemon's job are fastpersist's
+(distributed/external.py, through fastpersist.adapters): this module
+translates DCP's calls.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import shutil
 import threading
 import uuid
 import weakref
@@ -45,35 +48,40 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
-)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ...storage.local_path import checkpoint_path
-from . import _fp, in_process, metadata_json, through_daemon
-from .items import files_of
+from ...adapters import (
+    Job,
+    StoredTensor,
+    checkpoint_path,
+    dtype_name,
+    gc_paused,
+    jobs_for,
+    settings,
+    through_link,
+)
+from ...errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
+from . import metadata_json
+from .blocks import CRC_BLOCK
+from .items import files_of, stored_item
 from .manifest import build
-from .memory import no_gc
 from .stager import FastPersistStager, Lease
 
 DCP_VERSION = "1.0.0"  # the Metadata.version DCP's FileSystemWriter writes
-
-_token: str | None = None
 
 
 @dataclasses.dataclass(eq=False)
 class _Claim:
     """A save of a path begun by this process and not finished: by `thread`
-    (the coordinator's) with `writer`, through the daemon as `job` once begun."""
+    (the coordinator's) with `writer`, as `job` once begun."""
 
     key: tuple[str, Path]  # (daemon address or "", target)
     thread: threading.Thread
     writer: weakref.ref[FastPersistWriter]
-    job: str = ""
+    job: Job | None = None
 
     def in_progress(self) -> bool:
         """DCP tells a storage writer nothing when a save fails (finish is not
@@ -90,22 +98,9 @@ _in_flight: dict[tuple[str, Path], _Claim] = {}
 _in_flight_lock = threading.Lock()
 
 
-def process_token() -> str:
-    """PID-RAND@HOST of this process (one per process, as leftover names have)."""
-    global _token
-    if _token is None or not _token.startswith(f"{os.getpid()}-"):
-        _token = _fp.new_token()
-    return _token
-
-
-def staging_path(target: Path, token: str) -> Path:
-    """The staging directory every rank of a save writes into (rank 0's token)."""
-    return target.parent / _fp.leftover_name(target.name, "tmp", token)
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanData:
-    """SavePlan.storage_data: where this rank writes."""
+    """SavePlan.storage_data: where this rank writes (the job's name) as which rank."""
 
     token: str
     rank: int
@@ -151,14 +146,13 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         super().__init__()
         self.path = checkpoint_path(path)
         self.overwrite = overwrite
-        self.daemon = _fp.knobs.current().daemon if daemon is None else daemon
+        self.daemon = settings().daemon if daemon is None else daemon
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = True
         self.rank = 0
         self._stager = stager
         self._lease: Lease | None = None
-        self._staging: _fp.Staging | None = None
-        self._job: str | None = None  # through a daemon: the job begun, not yet committed
+        self._job: Job | None = None  # the coordinator's: begun, not yet committed
         self._claim: _Claim | None = None
 
     # --- pickling (dcp.async_save with a process executor) -------------------
@@ -171,7 +165,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             self._lease.handed_off = True
             self._stager.release(self._lease)
             self._lease = None
-        state.update(_stager=None, _lease=None, _staging=None, _job=None, _claim=None)
+        state.update(_stager=None, _lease=None, _job=None, _claim=None)
         return state
 
     # --- AsyncStager -----------------------------------------------------------
@@ -226,25 +220,22 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         self._abort_pending()
         # A path that is a link to a directory is saved through, as by
         # FileSystemWriter; every rank resolves it, so all name one staging place.
-        self.path = _fp.through_link(self.path)
+        self.path = through_link(self.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         for item in plan.items:  # refuse what cannot be stored before any I/O
-            if item.tensor_data is not None and _fp.dtypes.to_name(
+            if item.tensor_data is not None and dtype_name(
                     item.tensor_data.properties.dtype) is None:
-                raise _fp.UnsupportedValueError(
+                raise UnsupportedValueError(
                     f"{item.index.fqn}: dtype {item.tensor_data.properties.dtype} cannot be "
                     "stored (not a safetensors dtype)")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self.daemon:
-            through_daemon.refuse_cached_plans(plans)
-            token = self._begin_job()
-        else:
-            token = process_token()
-            self._begin(token)
-        return [dataclasses.replace(p, storage_data=PlanData(token, i))
+            _refuse_cached_plans(plans)
+        job = self._begin()
+        return [dataclasses.replace(p, storage_data=PlanData(job.name, i))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -252,69 +243,65 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         if not isinstance(data, PlanData):
             # DCP's plan cache (enable_plan_caching) is one per planner class for
             # the whole process: a plan cached for another storage writer's save.
-            raise _fp.CheckpointError(
+            raise CheckpointError(
                 f"the save plan of {self.path} was made for another storage writer "
                 f"(its storage_data is a {type(data).__name__}): DCP's plan cache is shared "
                 "by every DefaultSavePlanner of a process; with enable_plan_caching, save "
                 "through one storage writer class per process (or use a planner subclass)")
-        files = files_of(plan.items, _fp.knobs.current().file_bytes)
-        results: list[WriteResult] = []
+        by_name: dict[str, WriteItem] = {}
+
+        def stored(items: list[WriteItem]) -> list[StoredTensor]:
+            # In this process, one file's items at a time, as contiguous host
+            # tensors; through the daemon as they are (staging copies them).
+            out = []
+            for item in items:
+                s = stored_item(item, planner.resolve_data(item), host=not self.daemon)
+                by_name[s.name] = item
+                out.append(s)
+            return out
+
+        files = files_of(plan.items, settings().file_bytes)
         try:
-            if self.daemon:
-                results = through_daemon.write(through_daemon.storage_for(self.daemon),
-                                               self.path, data.token, data.rank, files, planner)
-            else:
-                directory = staging_path(self.path, data.token)
-                engine = _fp.get_engine()
-                for n, items in enumerate(files):
-                    name = _fp.part_file_name(data.rank, n)
-                    results += in_process.write_file(engine, directory, name, items, planner)
+            written = jobs_for(self.daemon).write(self.path, data.token, data.rank,
+                                                  map(stored, files), CRC_BLOCK)
         finally:
             self._release_lease()  # written (or failed): the snapshot is no longer read
         future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
+        future.set_result([WriteResult(index=by_name[w.record.name].index,
+                                       size_in_bytes=w.record.length, storage_data=w)
+                           for w in written])
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        staging, job = self._staging, self._job
-        if staging is None and job is None:
-            raise _fp.CheckpointError(f"{self.path}: finish() without prepare_global_plan()")
+        job = self._job
+        if job is None:
+            raise CheckpointError(f"{self.path}: finish() without prepare_global_plan()")
         try:
             written = {wr.index: wr.storage_data for rank in results for wr in rank}
             metadata.version = DCP_VERSION
-            metadata.storage_data = {index: w.info for index, w in written.items()}
+            metadata.storage_data = {index: metadata_json.ItemInfo(w.record.name, w.blocks)
+                                     for index, w in written.items()}
             metadata.storage_meta = self.storage_meta()
-            with no_gc():
+            with gc_paused():
                 manifest = build(metadata, written, str(self.path))
                 meta_json = metadata_json.dumps(metadata)
-            if job is not None:
-                through_daemon.commit(through_daemon.storage_for(self.daemon), job, manifest,
-                                      {metadata_json.DCP_METADATA_NAME: meta_json})
-            else:
-                assert staging is not None
-                staging.write_file(metadata_json.DCP_METADATA_NAME, meta_json)
-                staging.commit(manifest)
-        except OSError as exc:
-            self._abort_pending()
-            raise _fp.os_error(exc, f"cannot commit checkpoint {self.path}") from exc
+            job.commit(manifest, {metadata_json.DCP_METADATA_NAME: meta_json})
         except BaseException:
             self._abort_pending()
             raise
-        self._staging, self._job = None, None
+        self._job = None
         self._drop_claim()
 
     # --- the staging directory or the daemon's job (coordinator) ------------------
 
-    def _begin_job(self) -> str:
+    def _begin(self) -> Job:
         if not self.overwrite and os.path.lexists(self.path):
-            raise _fp.CheckpointExistsError(errno.EEXIST,
-                                            f"{self.path} exists and overwrite=False")
-        storage = through_daemon.storage_for(self.daemon)
+            raise CheckpointExistsError(errno.EEXIST, f"{self.path} exists and overwrite=False")
         failed = self._take_claim()
         try:
-            if failed is not None and failed.job:
-                storage.abort(failed.job)  # else the daemon refuses a new job of the path
-            job = through_daemon.begin(storage, self.path)
+            if failed is not None and failed.job is not None and self.daemon:
+                failed.job.abort()  # else the daemon refuses a new job of the path
+            job = jobs_for(self.daemon).begin(self.path)
         except BaseException:
             self._drop_claim()
             raise
@@ -322,30 +309,13 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         self._claim.job = self._job = job
         return job
 
-    def _begin(self, token: str) -> None:
-        target = self.path
-        if not self.overwrite and os.path.lexists(target):
-            raise _fp.CheckpointExistsError(errno.EEXIST, f"{target} exists and overwrite=False")
-        where = staging_path(target, token)
-        self._take_claim()
-        try:
-            # Ours (this process's token) and not in flight: a failed save's.
-            shutil.rmtree(where, ignore_errors=True)
-            staging = _fp.Staging.create(target)
-            os.rename(staging.path, where)
-        except BaseException:
-            self._drop_claim()
-            raise
-        staging.path = where
-        self._staging = staging
-
     def _take_claim(self) -> _Claim | None:
         """Claim the path for this save; returns a failed save's claim it replaced."""
         key = (self.daemon, self.path)
         with _in_flight_lock:
             held = _in_flight.get(key)
             if held is not None and held.in_progress():
-                raise _fp.CheckpointError(
+                raise CheckpointError(
                     f"another save to {self.path} is in progress in this process (begun by "
                     f"thread {held.thread.name!r}, whose writer is still in use)")
             self._claim = _in_flight[key] = _Claim(key, threading.current_thread(),
@@ -355,7 +325,6 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     def _abort_pending(self) -> None:
         """Drop this writer's unfinished save, unless a later save of the path
         took it over (then what it left is that save's to clear)."""
-        staging, self._staging = self._staging, None
         job, self._job = self._job, None
         claim, self._claim = self._claim, None
         # Under the lock: a save taking the path over meanwhile would make its
@@ -364,10 +333,8 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             if claim is None or _in_flight.get(claim.key) is not claim:
                 return
             try:
-                if staging is not None:
-                    staging.abort()
-                if job is not None:  # (the daemon also drops a job nobody touches)
-                    through_daemon.storage_for(self.daemon).abort(job)
+                if job is not None:
+                    job.abort()
             finally:
                 del _in_flight[claim.key]
 
@@ -376,3 +343,11 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         with _in_flight_lock:
             if claim is not None and _in_flight.get(claim.key) is claim:
                 del _in_flight[claim.key]
+
+
+def _refuse_cached_plans(plans: list[SavePlan]) -> None:
+    if any(not getattr(p, "usable", True) for p in plans):
+        raise CheckpointError(
+            "FastPersistWriter through fastpersistd cannot use cached plans "
+            "(DefaultSavePlanner(enable_plan_caching=True)): each save is a new job of the "
+            "daemon, whose id a cached plan would not carry")
