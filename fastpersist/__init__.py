@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .api import async_save, load, prepare_staging, save
     from .checkpointer import Checkpointer
     from .saving.futures import SaveFuture
+    from .saving.preemption import HandOff, exit_on_preemption, hand_off
 
 # The torch-facing API is imported on first use, so that the parts that need no
 # torch (format, engine, commit) import without it.
@@ -44,6 +45,9 @@ _LAZY = {
     "async_save": ".api",
     "prepare_staging": ".api",
     "SaveFuture": ".saving.futures",
+    "HandOff": ".saving.preemption",
+    "exit_on_preemption": ".saving.preemption",
+    "hand_off": ".saving.preemption",
     "Checkpointer": ".checkpointer",
 }
 
@@ -78,6 +82,7 @@ __all__ = [
     "DaemonUnavailableError",
     "DiskFullError",
     "DistributedCheckpointError",
+    "HandOff",
     "ManifestError",
     "PickleNotAllowedError",
     "PostCommitError",
@@ -89,6 +94,8 @@ __all__ = [
     "UnsupportedValueError",
     "__version__",
     "async_save",
+    "exit_on_preemption",
+    "hand_off",
     "load",
     "prepare_staging",
     "save",

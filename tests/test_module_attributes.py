@@ -13,9 +13,10 @@ PUBLIC = {
     "ChecksumMismatchError", "CorruptCheckpointError", "DaemonError", "DaemonMayStillCommitError",
     "DaemonUnavailableError", "DiskFullError",
     "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "PostCommitError",
-    "SaveFuture", "StateMismatchError", "TierError",
+    "HandOff", "SaveFuture", "StateMismatchError", "TierError",
     "TruncatedFileError", "UnsupportedPathError", "UnsupportedValueError",
-    "__version__", "async_save", "load", "prepare_staging", "save",
+    "__version__", "async_save", "exit_on_preemption", "hand_off", "load", "prepare_staging",
+    "save",
 }
 
 

@@ -24,10 +24,10 @@ pipeline's one background thread):
                reused, or quarantined while a reader may still read them)
     writer  8. resolve the future
 
-Staging is allocated on first use and reused by every later save (the same
-buffers, warm, from the second save of a state on); prepare_staging takes
-them ahead of the first. A failure in 7 is raised by future.result(); if
-nobody asks, the next save raises it.
+Staging is allocated on first use and reused by every later save;
+prepare_staging takes it ahead of the first. A failure in 7 is raised by
+future.result(), or else by the next save. A preemption signal during a save
+exits as it returns (preemption.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import gcpause
 from ..background import lower_this_thread
@@ -46,11 +46,14 @@ from ..errors import CheckpointError
 from ..knobs import current as current_knobs
 from ..storage.local_path import checkpoint_path
 from ..storage.retention import AfterCommit
+from . import preemption
 from .files import StagedFiles
 from .futures import STOP, SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
 from .registry import register
 from .sink import SaveRequest, Sink, SinkJob
 from .snapshot import FilePlan, StagedFile, needs_pinned, stage_file
+
+T = TypeVar("T")
 
 
 class _Owned:
@@ -98,6 +101,17 @@ class SavePipeline:
     def staging_bytes(self) -> int:
         return int(self.sink.pool.allocated_bytes)
 
+    @property
+    def hands_over(self) -> bool:  # safe once fastpersistd owns it (preemption.py)
+        return not self.sink.writes_in_process and not self.sink.collective
+
+    def in_flight(self) -> list[SaveFuture]:  # begun, not yet ended
+        with self._lock:
+            return [f for f in self._in_flight if not f.done()]
+
+    def saving_on(self, thread: int) -> bool:
+        return self._saving_in == thread
+
     # -- the caller's side ----------------------------------------------------
 
     def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
@@ -120,13 +134,12 @@ class SavePipeline:
         (no staging, no copy); otherwise the files are staged and handed over
         each as soon as it is copied."""
         request = self._request(path, allow_pickle, compression, True, after_commit, None)
-        if self.sink.writes_in_process:
-            request = dataclasses.replace(request, inline=True)
-        else:
+        if not self.sink.writes_in_process:
             self._entered(lambda: self._save(obj, request, True)).result()
             return
-        if self._closed:
-            raise CheckpointError("this saver is closed")
+        self._entered(lambda: self._write_inline(obj, dataclasses.replace(request, inline=True)))
+
+    def _write_inline(self, obj: Any, request: SaveRequest) -> None:
         if self.sink.collective:
             self.wait()  # the previous save's collectives end before this one's begin
         with gcpause.paused():  # a state of many tensors makes many objects, no cycles
@@ -146,14 +159,12 @@ class SavePipeline:
         first snapshot otherwise also faults its buffers in: 1.37 s against
         0.10 s for 1.08 GB here).
 
-        Only the shapes, dtypes and devices of obj's tensors matter, not their
-        values. It first waits for the saves in flight (their buffers come back
-        to the pool and are reused, not doubled). Call it before the training
-        loop, not while another thread saves. With a staging budget smaller
-        than one snapshot it prepares as many buffers of the largest file's
-        size as the budget holds, which every file then reuses. Returns the
-        bytes of staging ready: 0 for a sink that learns its share only at
-        each save (a distributed job).
+        Only the shapes, dtypes and devices of obj's tensors matter. It first
+        waits for the saves in flight (their buffers are reused, not doubled).
+        Call it before the training loop, not while another thread saves. Over
+        the staging budget: StagingPool.prepare. Returns the bytes of staging
+        ready: 0 for a sink that learns its share only at each save (a
+        distributed job).
         """
         if self._closed:
             raise CheckpointError("this saver is closed")
@@ -163,25 +174,13 @@ class SavePipeline:
         if files is None:
             return 0
         self.wait()
-        budget = current_knobs().staging_budget
-        sizes = [f.nbytes for f in files if f.staged]
-        if budget and sum(sizes) > budget:
-            # Files are acquired one at a time then, each taking the smallest free
-            # buffer it fits: buffers of the largest size fit every file.
-            largest = max(sizes)
-            sizes = [largest] * min(len(sizes), budget // largest)
         pinned = needs_pinned(t for f in files for t in f.tensors)
-        pool = self.sink.pool
-        buffers = pool.acquire_all(sizes, budget, pinned)
         try:
-            if not pinned:  # cudaHostAlloc'd and registered memory is resident already
-                for buffer in buffers:
-                    buffer.fill_(0)  # first touch, on torch's threads as a copy would
+            return self.sink.pool.prepare([f.nbytes for f in files if f.staged],
+                                          current_knobs().staging_budget, pinned)
         finally:
-            pool.give_back_unused(buffers, pinned)
             if self._closed:  # closed meanwhile: its pool was cleared before these came back
-                pool.clear()
-        return sum(b.numel() for b in buffers)
+                self.sink.pool.clear()
 
     def _request(self, path: str | os.PathLike[str], allow_pickle: bool,
                  compression: str | None, overlap_writes: bool,
@@ -190,9 +189,9 @@ class SavePipeline:
         return SaveRequest(checkpoint_path(path), allow_pickle, compression, overlap_writes,
                            after_commit, on_commit, self._abort.is_set)
 
-    def _entered(self, save: Callable[[], SaveFuture]) -> SaveFuture:
+    def _entered(self, save: Callable[[], T]) -> T:
         """Run one save() call: refused once closed, and marked as running on this
-        thread (see close())."""
+        thread (see close(); a preemption signal defers its exit to the end)."""
         if self._closed:
             raise CheckpointError("this saver is closed")
         self._saving_in = threading.get_ident()
@@ -200,6 +199,7 @@ class SavePipeline:
             return save()
         finally:
             self._saving_in = None
+            preemption.after_save()
 
     def _save(self, obj: Any, request: SaveRequest, wait_for_snapshot: bool) -> SaveFuture:
         self.raise_unobserved_failure()

@@ -25,6 +25,13 @@ class Pipeline(Protocol):
 
     def close(self, *, abort: bool = False) -> None: ...
 
+    def in_flight(self) -> list[Any]: ...
+
+    @property
+    def hands_over(self) -> bool: ...
+
+    def saving_on(self, thread: int) -> bool: ...
+
 
 P = TypeVar("P", bound=Pipeline)
 
@@ -41,6 +48,12 @@ def register(pipeline: Pipeline) -> None:
     """Finish `pipeline`'s saves at exit (held weakly: a pipeline nobody
     holds has been closed or has nothing in flight)."""
     _live.add(pipeline)
+
+
+def live() -> list[Pipeline]:
+    """Every pipeline of the process still held (preemption.py hands their
+    saves off)."""
+    return list(_live)
 
 
 @atexit.register
@@ -75,4 +88,4 @@ def close_shared(*, abort: bool = False) -> None:
             pipeline.close(abort=abort)
 
 
-__all__ = ["close_shared", "register", "shared"]
+__all__ = ["close_shared", "live", "register", "shared"]

@@ -231,3 +231,20 @@ class StagingPool:
         with self._cond:
             for entry in list(self._free):
                 self._drop(entry)
+
+    def prepare(self, sizes: list[int], budget: int, pinned: bool) -> int:
+        """Take and fault in buffers for files of `sizes` (pipeline.prepare_staging),
+        then put them back free; the bytes made ready. Over the budget, as many
+        of the largest size as it holds: acquire() then gives each file the
+        smallest free buffer it fits, and those fit every file."""
+        if budget and sum(sizes) > budget:
+            largest = max(sizes)
+            sizes = [largest] * min(len(sizes), budget // largest)
+        buffers = self.acquire_all(sizes, budget, pinned)
+        try:
+            if not pinned:  # cudaHostAlloc'd and registered memory is resident already
+                for buffer in buffers:
+                    buffer.fill_(0)  # first touch, on torch's threads as a copy would
+        finally:
+            self.give_back_unused(buffers, pinned)
+        return sum(b.numel() for b in buffers)
