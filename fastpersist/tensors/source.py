@@ -78,10 +78,13 @@ class Source(Protocol):
 class LocalSource:
     """The checkpoint directory at `path` (absolute), read with the engine."""
 
-    def __init__(self, path: Path, engine: Engine | None = None) -> None:
+    def __init__(self, path: Path, engine: Engine | None = None,
+                 manifest: Manifest | None = None) -> None:
+        """manifest: the checkpoint's, where it was read already (as the
+        memory tier's copies are given theirs: memory_read.py)."""
         self.path = path
         self._engine = engine
-        self._manifest: Manifest | None = None
+        self._manifest = manifest
 
     @property
     def where(self) -> str:
