@@ -170,6 +170,21 @@ def test_the_sources_ranges_and_file_checks(tier: Daemon) -> None:
         source.check_file(f)
 
 
+def test_tensors_from_memory_are_the_loaders_own(tier: Daemon) -> None:
+    """The tensors map the daemon's copy copy-on-write: writing them changes
+    neither the copy nor the next load's tensors."""
+    ckpt = tier.root / "step-12"
+    saved = state(12)
+    fastpersist.save(saved, ckpt, daemon=tier.address)
+    drop_data_files(ckpt)
+    out = fastpersist.load(ckpt, daemon=tier.address)
+    out["w"].add_(1.0)
+    out["b"].zero_()
+    again = fastpersist.load(ckpt, daemon=tier.address)
+    assert digests(again) == digests(saved)
+    assert not torch.equal(out["w"], again["w"])
+
+
 def test_a_corrupt_copy_is_caught_and_the_disk_is_read(tier: Daemon) -> None:
     """A flipped byte in the daemon's copy fails the tensor's CRC32C: the
     load warns (naming file and tensor) and reads the disk instead."""

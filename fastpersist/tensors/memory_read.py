@@ -8,11 +8,19 @@ at most that) for the checkpoint at a path. The daemon answers with the
 manifest it committed there and the directory in the shared-memory
 directory (FASTPERSIST_SHM_DIR, as for segments) that holds each data file
 byte for byte. The copy is used only if the manifest at the path is still
-that one, byte for byte (read here too: the daemon checked it as well);
-then MemorySource reads the files there exactly as LocalSource reads a
-checkpoint directory, with the same engine and the same checks (sizes,
-headers, every CRC32C: a mismatch is ChecksumMismatchError naming file and
-tensor). The files are tmpfs pages: reading them is a memory copy.
+that one, byte for byte (read here too: the daemon checked it as well).
+
+MemorySource makes the checks a load from disk makes (each file's size,
+its header against its CRC32C and the records, every tensor's CRC32C: a
+mismatch is ChecksumMismatchError naming file and tensor), but reads no
+byte twice: each file is mapped copy-on-write (MAP_PRIVATE) and its
+tensors are views of the mapping, checked in place (the CRC32Cs on
+threads; the GIL is released). The pages stay the daemon's tmpfs pages
+until the trainer writes one (then that page is its own); a copy the
+daemon evicts meanwhile lives on in them until the tensors go. into=
+tensors are filled by the engine's copy, which checksums as it copies.
+check_file and read_ranges read the files as LocalSource reads a
+directory, and a compressed record (the daemon keeps none) too.
 
 A copy may be evicted while it is read (a file gone: CorruptCheckpointError);
 loading.fallback reads the disk then, as for a corrupt copy.
@@ -20,24 +28,35 @@ loading.fallback reads the disk then, as for a corrupt copy.
 
 from __future__ import annotations
 
+import mmap
+import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from .. import knobs
-from ..engine import Engine, Segment
+from ..checksum import crc32c
+from ..engine import Engine, Segment, get_engine
 from ..errors import CheckpointError, ManifestError
+from ..format import dtypes
 from ..format.bounds import MAX_MANIFEST_BYTES
-from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest
+from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ..protocol.client import DaemonClient
 from ..protocol.shm import COPY_NAME
+from .committed import check_size, read_errors, records_by_file
+from .headers import check_against_header
+from .mismatch import Mismatch, raise_for
 from .packed import Span
+from .plan import memory_of
 from .source import LocalSource, Progress
 
 # How long a load waits for the daemon's answer before it reads the disk.
 LOOKUP_TIMEOUT = 2.0
+# Threads that checksum (and copy into into= tensors) at once.
+THREADS = min(8, os.cpu_count() or 1)
 
 
 class MemorySource:
@@ -48,6 +67,7 @@ class MemorySource:
                  engine: Engine | None = None) -> None:
         self.path, self.copy = path, copy
         self._files = LocalSource(copy, engine, manifest)
+        self._engine = engine or get_engine()
 
     @property
     def where(self) -> str:
@@ -59,15 +79,61 @@ class MemorySource:
     def read_tensors(self, manifest: Manifest, *, verify: bool, progress: Progress | None = None,
                      spans: Mapping[int, Span] | None = None,
                      into: Mapping[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
-        return self._files.read_tensors(manifest, verify=verify, progress=progress, spans=spans,
-                                        into=into)
+        if any(r.frames is not None for r in manifest.tensors):
+            return self._files.read_tensors(manifest, verify=verify, progress=progress,
+                                            spans=spans, into=into)
+        return self._mapped(manifest, verify, progress, into or {})
 
     def read_to_device(self, manifest: Manifest, device: torch.device, *, verify: bool,
                        ring_bytes: int, progress: Progress | None = None,
                        into: Mapping[int, torch.Tensor] | None = None
                        ) -> list[torch.Tensor] | None:
-        return self._files.read_to_device(manifest, device, verify=verify, ring_bytes=ring_bytes,
-                                          progress=progress, into=into)
+        return None  # mapped on the CPU, checked there; the load moves them
+
+    def _mapped(self, manifest: Manifest, verify: bool, progress: Progress | None,
+                into: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
+        result: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+        checks: list[tuple[FileRecord, TensorRecord, memoryview, torch.Tensor | None]] = []
+        for f, indices in records_by_file(manifest):
+            check_size(self.copy, f)
+            records = [manifest.tensors[i] for i in indices]
+            check_against_header(self.copy, f, records, verify=verify)
+            with read_errors(self.copy, f), open(self.copy / f.name, "rb") as fh:
+                m = mmap.mmap(fh.fileno(), f.size, access=mmap.ACCESS_COPY)
+            whole = memoryview(m)
+            for i, r in zip(indices, records, strict=True):
+                dtype = dtypes.from_name(r.dtype)
+                view = whole[r.offset:r.offset + r.length]
+                if i in into:
+                    result[i] = into[i]
+                    checks.append((f, r, view, into[i]))
+                    continue
+                t = (torch.frombuffer(m, dtype=dtype, offset=r.offset,
+                                      count=r.length // dtype.itemsize)
+                     if r.length else torch.empty(0, dtype=dtype))
+                result[i] = t.view(r.shape)
+                if verify:
+                    checks.append((f, r, view, None))
+        with ThreadPoolExecutor(THREADS, thread_name_prefix="fastpersist-memory") as pool:
+            crcs = list(pool.map(self._check, checks))
+        raise_for([Mismatch(f.name, r.name, r.crc32c, crc)
+                   for (f, r, _, dest), crc in zip(checks, crcs, strict=True)
+                   if verify and crc != r.crc32c],
+                  str(self.copy))
+        if progress:
+            progress(sum(r.length for r in manifest.tensors))
+        return result  # type: ignore[return-value]  # every record belongs to one file
+
+    def _check(self, item: tuple[FileRecord, TensorRecord, memoryview, torch.Tensor | None]
+               ) -> int:
+        """A record's CRC32C, taken from the mapping; copied into its into=
+        tensor on the way, if it has one."""
+        _, r, view, dest = item
+        if dest is None:
+            return crc32c(view)
+        if not r.length:
+            return 0
+        return self._engine.copy(memory_of(dest), view)
 
     def check_file(self, f: FileRecord) -> None:
         self._files.check_file(f)
