@@ -40,7 +40,7 @@ def state(seed: int, mib: float = 1.0) -> dict[str, object]:
     g = torch.Generator().manual_seed(seed)
     n = int(mib * MIB) // 4
     return {"w": torch.randn(n, generator=g), "b": torch.arange(7 + seed), "step": seed,
-            "half": torch.randn(33, 5, generator=g).half()}
+            "half": torch.randn(33, 5, generator=g).half(), "none": torch.empty(0, 3)}
 
 
 def digests(obj: dict[str, object]) -> dict[str, str]:
@@ -398,7 +398,7 @@ def test_checkpoints_the_tier_does_not_keep(tmp_path: Path,
         assert not held(on, "step-10").directory and not copies(on)
         fastpersist.save(state(11), on.root / "step-11", daemon=on.address)
         m = Manifest.from_json(held(on, "step-11").manifest, "step-11")
-        assert {r.name for r in m.tensors} == {"w", "b", "half"}
+        assert {r.name for r in m.tensors} == {"w", "b", "half", "none"}
     finally:
         from fastpersist.saving.registry import close_shared
 

@@ -77,6 +77,7 @@ class Copy:
     files: set[int] = field(default_factory=set)  # data files copied and checked
     manifest: bytes | None = None
     failed: str = ""
+    busy: bool = False  # a file is being copied into it: prune leaves it alone
 
 
 class MemoryTier:
@@ -106,9 +107,18 @@ class MemoryTier:
 
     def start_file(self, ck: Checkpoint, job: PendingFile, name: str) -> Future[list[int]] | None:
         """Start copying data file `name` of ck (header and data, as on disk)
-        while it is written; None when ck is not kept. finish_file must follow."""
+        while it is written; None when ck is not kept. finish_file must follow.
+        Never raises: the tier must not fail a save."""
         if not self.enabled or ck.job is not None or ck.frame_bytes:
             return None
+        try:
+            return self._start(ck, job, name)
+        except OSError as exc:  # a full or odd --shm-dir
+            logs.error("memory-copy-failed", path=ck.relpath, error=str(exc))
+            self.abandon(ck.id)
+            return None
+
+    def _start(self, ck: Checkpoint, job: PendingFile, name: str) -> Future[list[int]] | None:
         size = job.data_start + job.nbytes
         victims: list[Copy] = []
         with self._lock:
@@ -116,7 +126,8 @@ class MemoryTier:
             if c is not None and c.failed:
                 return None
             if c is None:
-                c = self._building[ck.id] = self._new(ck.relpath)
+                c = self._building[ck.id] = Copy(ck.relpath, "", -1)
+                self._new(c)
             if c.reserved + size > self.budget:
                 self._fail(c, f"it holds over --memory-tier-bytes ({self.budget})")
                 victims.append(c)
@@ -129,6 +140,7 @@ class MemoryTier:
                 else:
                     c.reserved += size
                     self._used += size
+                    c.busy = True
         self._remove(victims)  # before a byte of the new copy is made
         if c.failed:
             return None
@@ -146,6 +158,8 @@ class MemoryTier:
             why = f"data file {index} changed while it was written"
         with self._lock:
             c = self._building.get(ck.id)
+            if c is not None:
+                c.busy = False
             if c is None or c.failed:
                 return
             if written is not None and crcs == written:
@@ -224,7 +238,7 @@ class MemoryTier:
         with registry.cond:
             alive = {c.id for c in registry.checkpoints.values() if not c.terminal}
         with self._lock:
-            gone = [i for i in self._building if i not in alive]
+            gone = [i for i, c in self._building.items() if i not in alive and not c.busy]
         for ident in gone:
             self.abandon(ident)
 
@@ -289,13 +303,14 @@ class MemoryTier:
 
     # -- with the lock held --------------------------------------------------------
 
-    def _new(self, relpath: str) -> Copy:
-        name = COPY_PREFIX + secrets.token_hex(12)
-        os.mkdir(name, 0o750, dir_fd=self.shm_fd)
-        fd = dirs.open_dir(name, self.shm_fd)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        self._give_group(fd, 0o750)
-        return Copy(relpath, name, fd)
+    def _new(self, c: Copy) -> None:
+        """c's directory, made and locked (listed first, so that a failure
+        here is abandoned like any other)."""
+        c.name = COPY_PREFIX + secrets.token_hex(12)
+        os.mkdir(c.name, 0o750, dir_fd=self.shm_fd)
+        c.fd = dirs.open_dir(c.name, self.shm_fd)
+        fcntl.flock(c.fd, fcntl.LOCK_EX)
+        self._give_group(c.fd, 0o750)
 
     def _fail(self, c: Copy, why: str) -> None:
         """Give up c: it stays listed (its next files are not copied) until
@@ -316,6 +331,9 @@ class MemoryTier:
     def _remove(self, victims: list[Copy]) -> None:
         for c in victims:
             if c.fd < 0:
+                if c.name:  # made, not opened
+                    with contextlib.suppress(OSError):
+                        os.rmdir(c.name, dir_fd=self.shm_fd)
                 continue
             try:
                 dirs.remove_tree(c.name, self.shm_fd)
