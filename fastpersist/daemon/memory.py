@@ -12,10 +12,12 @@ not a part of a distributed job, are kept (their bytes are the segments').
 Where the copy is made: on a thread of this module's, while the write
 worker writes the same segment to disk (the client's staging is lent to
 the daemon until the file is written, and reused after: the copy must be
-the daemon's own). It costs a memory copy of the checkpoint, which overlaps
-the disk write; the file counts as written once both are done. Each
-tensor's CRC32C is computed as it is copied and compared with the one the
-write computed: a client that changed its memory meanwhile leaves no copy.
+the daemon's own). The engine writes it, from the same segments as the
+disk file, through the page cache of --shm-dir; it costs a memory copy of
+the checkpoint, which overlaps the disk write, and the file counts as
+written once both are done. Each segment's CRC32C is computed as it is
+copied and compared with the disk write's: a client that changed its
+memory meanwhile leaves no copy.
 
 Budget: the copies (and the ones being made) never hold more than
 --memory-tier-bytes of files; the oldest committed copy is evicted to make
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import mmap
 import os
 import secrets
 import threading
@@ -48,8 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checksum import crc32c
-from ..engine import Engine
+from ..engine import Engine, Segment
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME
 from ..protocol.shm import COPY_NAME, COPY_PREFIX
@@ -169,34 +169,28 @@ class MemoryTier:
         self.abandon(ck.id)
 
     def _copy_file(self, c: Copy, job: PendingFile, name: str, size: int) -> list[int]:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o640, dir_fd=c.fd)
+        """The file as the disk write makes it (the same segments), written
+        by the engine's threads through the page cache; its CRC32Cs. The
+        engine reads the client's memory guarded: a client that truncates
+        its segment fails the copy (EFAULT) instead of killing the daemon."""
+        views = [job.data.view[e.begin:e.end] for e in job.entries]
+        try:
+            segments: list[Segment] = [(job.header, 0)]
+            segments += [(v, job.data_start + e.begin)
+                         for v, e in zip(views, job.entries, strict=True)]
+            result = self.engine.write_file(name, segments, size, fsync=False, dir_fd=c.fd,
+                                            buffered=True)
+            del segments
+        finally:
+            for v in views:
+                v.release()
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=c.fd)
         try:
             self._give_group(fd, 0o640)
-            os.posix_fallocate(fd, 0, size)  # a full tmpfs fails here, not with a SIGBUS
-            m = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        try:
-            dst = memoryview(m)
-            start = job.data_start
-            dst[:start] = job.header
-            crcs = [crc32c(job.header)]
-            for e in job.entries:
-                if e.end == e.begin:
-                    crcs.append(0)
-                    continue
-                # The engine's guarded copy: a client that truncates its segment
-                # fails the copy (EFAULT) instead of killing the daemon.
-                src = job.data.view[e.begin:e.end]
-                try:
-                    crcs.append(self.engine.copy(dst[start + e.begin:start + e.end], src))
-                finally:
-                    src.release()
-            dst.release()
-            return crcs
-        finally:
-            m.close()
+        assert result.crcs is not None
+        return result.crcs
 
     def committed(self, ck: Checkpoint, manifest: bytes) -> None:
         """ck was committed with `manifest`: hold its copy, if every file is
