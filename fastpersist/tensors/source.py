@@ -7,9 +7,9 @@ tensors, decoding the tree. A Source does the rest: it reads the manifest
 (once), and reads the records the load asks for into CPU tensors, checking
 each data file's size and header and every CRC32C, so that a checkpoint is
 verified the same way from any of them. LocalSource is a directory;
-tier_read.TierSource an object store's prefix; the daemon's memory and a
-peer's (hot copies) are the next ones. A DCP reader reads item ranges
-through read_ranges.
+tier_read.TierSource an object store's prefix; memory_read.MemorySource
+fastpersistd's copy in memory; a peer's is the next one. A DCP reader reads
+item ranges through read_ranges.
 """
 
 from __future__ import annotations
