@@ -414,3 +414,35 @@ def test_the_default_budget_fits_the_cgroup() -> None:
     assert default_tier_bytes(8 << 30, own, 512 * MIB) == 192 * MIB
     assert default_tier_bytes(100 * MIB, own, 64 << 30) == 100 * MIB
     assert default_tier_bytes(8 << 30, own, 100 * MIB) == 0
+
+
+def test_memory_copy_over_tcp_takes_the_token(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """MemoryCopy is refused without the token like every call on TCP; with
+    it (a client on the node that uses the TCP address) the load reads memory."""
+    import grpc
+    from test_daemon_tcp import TCP
+
+    from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
+
+    for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    t = TCP(tmp_path).start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(t.daemon.shm_dir))
+    try:
+        ckpt = t.daemon.root / "step-13"
+        fastpersist.save(state(13), ckpt, daemon=t.daemon.address)
+        for token in (None, "not-the-token"):
+            with t.channel(token) as channel, pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.FastPersistStub(channel).MemoryCopy(
+                    pb.MemoryCopyRequest(path="step-13"), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        monkeypatch.setenv("FASTPERSIST_DAEMON_CA_FILE", str(t.files["cert"]))
+        monkeypatch.setenv("FASTPERSIST_DAEMON_TOKEN_FILE", str(t.files["token"]))
+        drop_data_files(ckpt)
+        assert digests(fastpersist.load(ckpt, daemon=t.address)) == digests(state(13))
+    finally:
+        from fastpersist.saving.registry import close_shared
+
+        close_shared(abort=True)
+        t.daemon.cleanup()
