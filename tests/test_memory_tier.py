@@ -99,6 +99,7 @@ def load_in_new_process(d: Daemon, ckpt: Path, daemon: str | None = None
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_restarted_process_loads_from_the_daemons_memory(tier: Daemon) -> None:
     """The trainer that saved is gone; a new process loads the checkpoint
     bit for bit from the daemon's copy, with no data file left on disk."""
@@ -318,6 +319,7 @@ memory.MemoryTier._copy_file = copy_file
 """
 
 
+@pytest.mark.slow
 def test_sigkill_mid_copy_leaves_no_servable_copy(tmp_path: Path) -> None:
     """SIGKILL while the daemon copies step-2 (step-1 held): the next daemon
     serves neither and removes both directories; a load reads the disk."""
@@ -356,6 +358,7 @@ def test_sigkill_mid_copy_leaves_no_servable_copy(tmp_path: Path) -> None:
         d.cleanup()
 
 
+@pytest.mark.slow
 def test_a_daemon_down_or_frozen_costs_the_load_a_timeout(tier: Daemon) -> None:
     ckpt = tier.root / "step-8"
     saved = state(8)
