@@ -23,7 +23,11 @@ Budget: the copies (and the ones being made) never hold more than
 --memory-tier-bytes of files; the oldest committed copy is evicted to make
 room (removed before the next byte is copied), and a checkpoint larger than
 the budget is not kept. At most --memory-tier-count copies are held; the
-oldest goes first.
+oldest goes first. A copy is only ever unlinked, never written again nor
+truncated: a client's tensors map its pages copy-on-write, and keep an
+evicted copy's pages (outside the budget) until they go. Reusing an evicted
+copy's pages for the next one would be faster, and would change those
+tensors under the client.
 
 Identity: a copy is keyed by the checkpoint's path and the bytes of the
 manifest the daemon committed there. MemoryCopy reads the manifest under the
