@@ -78,6 +78,7 @@ def load(
     progress: Callable[[int], None] | None = None,
     like: Any = None,
     into: Any = None,
+    daemon: str | None = None,
 ) -> Any:
     """Load the checkpoint at `path` and return an object equal to what was saved.
 
@@ -103,8 +104,14 @@ def load(
     (into.py); StateMismatchError, before anything is read, if a shape
     differs or `into` has a tensor the checkpoint does not. If the load
     raises, those tensors may hold part of the checkpoint's values.
+
+    With a daemon (`daemon="unix:///PATH"` or FASTPERSIST_DAEMON; "": none),
+    a checkpoint that the daemon on this node committed and still holds in
+    memory (fastpersistd --memory-tier-count) is read from there, with the
+    same checks, and from disk if the daemon is down, slow (2 s), holds no
+    valid copy, or its copy fails a check (a RuntimeWarning says which).
     """
-    return load_from(source_for(path), map_location, allow_pickle=allow_pickle,
+    return load_from(source_for(path, daemon=daemon), map_location, allow_pickle=allow_pickle,
                      verify=verify, progress=progress, like=like, into=into)
 
 

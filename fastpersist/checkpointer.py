@@ -125,6 +125,7 @@ class Checkpointer:
         self._skipped: list[Skipped] = []
         self._saving: dict[int, SaveFuture] = {}  # steps whose save may be in flight
         address = current_knobs().daemon if daemon is None else daemon
+        self._daemon = address  # load_latest reads its memory copies (api.load)
         self.compression = packed.check_compression(compression)
         self._mirror: Mirror | None = None
         self._last_committed: str | None = None
@@ -302,7 +303,8 @@ class Checkpointer:
         if isinstance(path, str) and self._mirror is not None:
             return load_from_tier(path, map_location, allow_pickle=self.allow_pickle,
                                   endpoint_url=self._mirror.s3.endpoint_url, **kwargs)
-        return load(path, map_location, allow_pickle=self.allow_pickle, **kwargs)
+        return load(path, map_location, allow_pickle=self.allow_pickle,
+                    **{"daemon": self._daemon, **kwargs})
 
     # -- the object-store tier ---------------------------------------------
 

@@ -41,7 +41,7 @@ U32, U64 = 2**32 - 1, 2**64 - 1
 METHODS = {"Info": "uu", "Begin": "uu", "Open": "us", "SubmitShm": "uu", "SubmitStream": "su",
            "Commit": "uu", "Abort": "uu", "Wait": "uu", "Watch": "us", "List": "uu",
            "Delete": "uu", "BeginJob": "uu", "CommitJob": "uu", "ResolvePrepared": "uu",
-           "AbortJob": "uu"}
+           "AbortJob": "uu", "MemoryCopy": "uu"}
 
 
 class Stranger:
@@ -196,6 +196,7 @@ class Fuzzer:
                 path=self.path(), prepared=self.prepared_name(), publish=self.rng.random() < 0.5),
                 timeout=t),
             lambda: s.AbortJob(pb.AbortJobRequest(job_id=self.job_id()), timeout=t),
+            lambda: s.MemoryCopy(pb.MemoryCopyRequest(path=self.path()), timeout=t),
             lambda: self._save(),
             lambda: self._save_compressed(),
             lambda: self._stranger(),

@@ -45,6 +45,7 @@ UNSPECIFIC = {Code.UNKNOWN, Code.INTERNAL}
 DEAD = {Code.UNAVAILABLE, Code.CANCELLED, Code.DEADLINE_EXCEEDED}
 RPC_NAMES = ["Info", "Begin", "Open", "SubmitShm", "SubmitStream", "Commit", "Abort", "Wait",
              "Watch", "List", "Delete", "BeginJob", "CommitJob", "ResolvePrepared", "AbortJob",
+             "MemoryCopy",
              "save", "save_zstd", "stranger"]
 # Growth of the daemon's RSS allowed from the end of the warm-up to the end.
 # Measured: see test_the_daemon_survives_fuzzing's report.

@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend", "tier_url", "tier_pending", "tier_failing", "tier_uploaded", "tier_failures", "tier_last_error", "features", "client_budget")
+    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend", "tier_url", "tier_pending", "tier_failing", "tier_uploaded", "tier_failures", "tier_last_error", "features", "client_budget", "memory_tier_count", "memory_tier_budget", "memory_tier_bytes", "memory_tier_copies")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     STAGING_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,10 @@ class InfoResponse(_message.Message):
     TIER_LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CLIENT_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_COPIES_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     staging_budget: int
@@ -43,7 +47,11 @@ class InfoResponse(_message.Message):
     tier_last_error: str
     features: _containers.RepeatedScalarFieldContainer[str]
     client_budget: int
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., client_budget: _Optional[int] = ...) -> None: ...
+    memory_tier_count: int
+    memory_tier_budget: int
+    memory_tier_bytes: int
+    memory_tier_copies: int
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., client_budget: _Optional[int] = ..., memory_tier_count: _Optional[int] = ..., memory_tier_budget: _Optional[int] = ..., memory_tier_bytes: _Optional[int] = ..., memory_tier_copies: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
     __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank", "compression", "frame_bytes")
@@ -311,3 +319,19 @@ class ResolvePreparedRequest(_message.Message):
 class ResolvePreparedResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class MemoryCopyRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class MemoryCopyResponse(_message.Message):
+    __slots__ = ("directory", "manifest", "reason")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    manifest: bytes
+    reason: str
+    def __init__(self, directory: _Optional[str] = ..., manifest: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...

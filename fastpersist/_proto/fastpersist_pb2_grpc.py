@@ -109,6 +109,11 @@ class FastPersistStub:
                 request_serializer=fastpersist__pb2.ResolvePreparedRequest.SerializeToString,
                 response_deserializer=fastpersist__pb2.ResolvePreparedResponse.FromString,
                 _registered_method=True)
+        self.MemoryCopy = channel.unary_unary(
+                '/fastpersist.v1.FastPersist/MemoryCopy',
+                request_serializer=fastpersist__pb2.MemoryCopyRequest.SerializeToString,
+                response_deserializer=fastpersist__pb2.MemoryCopyResponse.FromString,
+                _registered_method=True)
 
 
 class FastPersistServicer:
@@ -207,6 +212,12 @@ class FastPersistServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MemoryCopy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FastPersistServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +295,11 @@ def add_FastPersistServicer_to_server(servicer, server):
                     servicer.ResolvePrepared,
                     request_deserializer=fastpersist__pb2.ResolvePreparedRequest.FromString,
                     response_serializer=fastpersist__pb2.ResolvePreparedResponse.SerializeToString,
+            ),
+            'MemoryCopy': grpc.unary_unary_rpc_method_handler(
+                    servicer.MemoryCopy,
+                    request_deserializer=fastpersist__pb2.MemoryCopyRequest.FromString,
+                    response_serializer=fastpersist__pb2.MemoryCopyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -691,6 +707,33 @@ class FastPersist:
             '/fastpersist.v1.FastPersist/ResolvePrepared',
             fastpersist__pb2.ResolvePreparedRequest.SerializeToString,
             fastpersist__pb2.ResolvePreparedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MemoryCopy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastpersist.v1.FastPersist/MemoryCopy',
+            fastpersist__pb2.MemoryCopyRequest.SerializeToString,
+            fastpersist__pb2.MemoryCopyResponse.FromString,
             options,
             channel_credentials,
             insecure,

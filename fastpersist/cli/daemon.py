@@ -36,6 +36,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                    staging_in_use=info.staging_in_use,
                    checkpoints_in_flight=info.checkpoints_in_flight,
                    in_flight=[as_dict(s) for s in in_flight])
+        if info.memory_tier_count:
+            doc["memory_tier"] = {"count": info.memory_tier_count,
+                                  "budget": info.memory_tier_budget,
+                                  "bytes": info.memory_tier_bytes,
+                                  "copies": info.memory_tier_copies}
         if info.tier_url:
             doc["tier"] = {"url": info.tier_url, "pending": info.tier_pending,
                            "failing": info.tier_failing, "uploaded": info.tier_uploaded,
@@ -51,6 +56,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                   f"({'O_DIRECT' if info.direct_io else 'buffered'}, {info.io_backend})")
             print(f"  staging {human_size(info.staging_in_use)} in use of {budget}; "
                   f"{info.checkpoints_in_flight} checkpoint(s) in flight")
+            if info.memory_tier_count:
+                print(f"  memory tier: {info.memory_tier_copies} of {info.memory_tier_count} "
+                      f"checkpoint(s), {human_size(info.memory_tier_bytes)} of "
+                      f"{human_size(info.memory_tier_budget)}")
             if info.tier_url:
                 print(f"  tier {info.tier_url}: {info.tier_pending} checkpoint(s) to upload"
                       f" ({info.tier_failing} failing), {info.tier_uploaded} uploaded, "

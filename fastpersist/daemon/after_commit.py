@@ -31,6 +31,7 @@ from .metrics import Metrics
 from .requests import invalid
 
 if TYPE_CHECKING:
+    from .memory import MemoryTier
     from .tiering import DaemonTier
 
 
@@ -62,9 +63,11 @@ class AfterCommits:
     """Applies policies, one at a time per directory (two checkpoints of one
     root may finish at once on two write workers), never under the service lock."""
 
-    def __init__(self, metrics: Metrics, tier: DaemonTier | None = None) -> None:
+    def __init__(self, metrics: Metrics, tier: DaemonTier | None = None,
+                 memory: MemoryTier | None = None) -> None:
         self.metrics = metrics
         self.tier = tier
+        self.memory = memory
         self._mutex = threading.Lock()
         self._locks: dict[tuple[int, int], threading.Lock] = {}
 
@@ -76,7 +79,10 @@ class AfterCommits:
     def committed(self, relpath: str) -> None:
         """ROOT/relpath was just committed: queue its upload (with a tier).
         Never raises: the checkpoint is committed, and whoever asked must hear
-        so; a checkpoint not queued is logged, and the next start queues it."""
+        so; a checkpoint not queued is logged, and the next start queues it.
+        The memory tier's copy of a checkpoint it replaced goes."""
+        if self.memory is not None:
+            self.memory.forget(relpath)
         if self.tier is None:
             return
         try:
@@ -103,6 +109,9 @@ class AfterCommits:
             self.metrics.after_commit_failures.inc()
             logs.error("after-commit-failed", path=relpath, error=str(exc))
             return str(exc)
+        if self.memory is not None:
+            for name in done.deleted:
+                self.memory.forget(f"{parent}/{name}" if parent else name)
         # What retention deleted is worth a line: the operator's record of it.
         logs.info("after-commit", path=relpath, latest=done.pointed, deleted=list(done.deleted))
         return ""

@@ -137,6 +137,17 @@ def default_budgets(shm_dir: Path) -> Budgets:
     return Budgets(staging, staging // 2)
 
 
+def default_tier_bytes(quarter: int, own: dict[str, int], limit: int | None) -> int:
+    """--memory-tier-bytes' default: a quarter of the shared-memory file
+    system, and within a cgroup's limit half of what the daemon's own memory
+    leaves of it. The copies are tmpfs pages the daemon wrote: its cgroup is
+    charged for them and cannot reclaim them (only swap them), so a budget
+    over the limit would have the daemon OOM-killed."""
+    if limit is None:
+        return quarter
+    return max(0, min(quarter, (limit - sum(own.values())) // 2))
+
+
 def stream_block() -> int:
     """The size of each of a stream slot's two blocks: the engine's block size."""
     return knobs.current().block_size

@@ -14,6 +14,7 @@ import os
 from ..storage.commit import delete_checkpoint
 from . import logs
 from .checkpoints import Checkpoint
+from .memory import MemoryTier
 from .paths import RequestPath
 from .registry import Registry
 from .requests import RequestError
@@ -21,9 +22,11 @@ from .rootfs import Root, list_entries
 
 
 class Catalog:
-    def __init__(self, registry: Registry, root: Root) -> None:
+    def __init__(self, registry: Registry, root: Root, memory: MemoryTier | None = None
+                 ) -> None:
         self.registry = registry
         self.root = root
+        self.memory = memory
 
     def list(self, path: RequestPath) -> tuple[list[tuple[str, str, int, float]],
                                                list[Checkpoint]]:
@@ -71,4 +74,6 @@ class Catalog:
                         del r.claims[target]
         finally:
             os.close(parent_fd)
+        if self.memory is not None:
+            self.memory.forget(path.text)
         logs.info("deleted", path=path.text)

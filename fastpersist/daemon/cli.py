@@ -4,6 +4,7 @@
                  [--listen HOST:PORT --tls-cert FILE --tls-key FILE --token-file FILE
                   [--tls-client-ca FILE]]
                  [--staging-budget BYTES] [--client-budget BYTES] [--shm-dir DIR]
+                 [--memory-tier-count N] [--memory-tier-bytes BYTES]
                  [--metrics-listen HOST:PORT] [--write-concurrency N] [--max-streams N]
                  [--idle-timeout SECONDS] [--drain-timeout SECONDS]
                  [--tier s3://BUCKET/PREFIX [--tier-keep-last N] [--tier-endpoint URL]
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from .. import knobs
 from .._version import __version__
+from ..engine import get_engine
 from ..errors import CheckpointError
 from ..protocol import shm
 from ..tier.url import TierURL
@@ -39,9 +41,11 @@ from .budgets import (
     Budgets,
     cgroup_memory_limit,
     default_budgets,
+    default_tier_bytes,
     own_memory,
 )
 from .health import NOT_SERVING, Watchdog, health_servicer, set_status
+from .memory import DEFAULT_COUNT, MemoryTier
 from .metrics import Metrics
 from .rootfs import Root
 from .rootlock import lock_root
@@ -124,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-dir", type=Path, default=None,
                    help="where clients' shared-memory segments live (default "
                         "$FASTPERSIST_SHM_DIR or /dev/shm)")
+    p.add_argument("--memory-tier-count", type=int, default=DEFAULT_COUNT, metavar="N",
+                   help="keep the newest N checkpoints this daemon committed in memory (files "
+                        "in --shm-dir), for a trainer restarted on this node to load without "
+                        "reading the disk; only checkpoints handed in as shared memory, "
+                        f"uncompressed and not distributed (default {DEFAULT_COUNT}; 0: off)")
+    p.add_argument("--memory-tier-bytes", type=parse_size, default=None, metavar="BYTES",
+                   help="memory the kept checkpoints may hold, all together; the oldest is "
+                        "evicted to make room, and a checkpoint larger is not kept. tmpfs "
+                        "charges these pages to the daemon's cgroup (default: a quarter of the "
+                        "--shm-dir file system, and under a cgroup memory limit half of what "
+                        "the daemon's own memory leaves of it; 0: off)")
     p.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus metrics over HTTP here")
     p.add_argument("--write-concurrency", type=int, default=2,
@@ -177,6 +192,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} {path} is not a file")
     if args.write_concurrency < 1:
         p.error("--write-concurrency must be at least 1")
+    if args.memory_tier_count < 0:
+        p.error("--memory-tier-count must be 0 (off) or more")
     if args.max_streams < 1:
         p.error("--max-streams must be at least 1")
     if args.tier_keep_last is not None and args.tier_keep_last < 1:
@@ -193,6 +210,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.shm_dir.is_dir():
         p.error(f"--shm-dir {args.shm_dir} is not a directory")
     defaults = default_budgets(args.shm_dir)
+    if args.memory_tier_bytes is None:
+        args.memory_tier_bytes = default_tier_bytes(defaults.staging // 2, own_memory(
+            args.write_concurrency, args.max_streams), cgroup_memory_limit())
     if args.staging_budget is None:
         args.staging_budget = defaults.staging
     if args.client_budget is None:
@@ -212,6 +232,11 @@ def _reclaim(shm_dir: Path, metrics: Metrics) -> None:
     for name in shm.reclaim_orphans(shm_dir):
         metrics.reclaimed_segments.inc()
         logs.info("reclaimed-segment", segment=name)
+
+
+def _swept(memory: MemoryTier) -> None:
+    for name in memory.sweep():
+        logs.info("removed-memory-copy", directory=name)
 
 
 def _limit_malloc_arenas() -> None:
@@ -288,16 +313,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                               compression=args.tier_compression)
         except CheckpointError as exc:  # boto3 missing
             p.error(f"--tier: {exc}")
+    memory = MemoryTier(args.shm_dir, args.memory_tier_count, args.memory_tier_bytes,
+                        get_engine(), metrics, group)
+    _step(metrics, "remove a dead daemon's memory copies", lambda: _swept(memory))
     service = Service(root, args.shm_dir, Budgets(args.staging_budget, args.client_budget),
                       metrics, write_concurrency=args.write_concurrency,
-                      idle_timeout=args.idle_timeout, max_streams=args.max_streams, tier=tier)
+                      idle_timeout=args.idle_timeout, max_streams=args.max_streams, tier=tier,
+                      memory=memory if memory.enabled else None)
     if tier is not None:
         _step(metrics, "queue the checkpoints to upload", tier.start)
-    memory = own_memory(args.write_concurrency, args.max_streams)
+    own = own_memory(args.write_concurrency, args.max_streams)
+    tier_bytes = memory.budget if memory.enabled else 0
     limit = cgroup_memory_limit()
-    if limit is not None and sum(memory.values()) > limit:
-        logs.warning("memory-over-limit", bound=sum(memory.values()), limit=limit, **memory,
-                     hint="lower --max-streams, --write-concurrency or FASTPERSIST_BLOCK_SIZE")
+    if limit is not None and sum(own.values()) + tier_bytes > limit:
+        logs.warning("memory-over-limit", bound=sum(own.values()) + tier_bytes, limit=limit,
+                     **own, memory_tier=tier_bytes,
+                     hint="lower --memory-tier-bytes, --max-streams, --write-concurrency or "
+                          "FASTPERSIST_BLOCK_SIZE")
     servicer = Servicer(service, direct)
     health = health_servicer()
 
@@ -326,18 +358,22 @@ def main(argv: Sequence[str] | None = None) -> int:
               tier=str(args.tier or ""), listen=args.listen or "",
               client_certificates=bool(args.tls_client_ca), direct_io=direct,
               staging_budget=args.staging_budget,
-              client_budget=args.client_budget, memory_bound=sum(memory.values()),
+              client_budget=args.client_budget, memory_bound=sum(own.values()),
+              memory_tier_count=args.memory_tier_count if memory.enabled else 0,
+              memory_tier_bytes=args.memory_tier_bytes if memory.enabled else 0,
               pid=os.getpid(), openat2=root.uses_openat2)
     # Housekeeping until told to stop: idle checkpoints, orphaned segments.
     while not stop.wait(2.0):
         _step(metrics, "reap idle checkpoints", service.reap_idle)
         _step(metrics, "reclaim segments", lambda: _reclaim(args.shm_dir, metrics))
         _step(metrics, "release idle memory", service.writers.release_memory)
+        _step(metrics, "prune memory copies", lambda: memory.prune(service.registry))
 
     logs.info("draining", in_flight=len(service.in_flight()))
     watchdog.stop()
     set_status(health, NOT_SERVING)
     finished = service.drain(args.drain_timeout)
+    memory.close()  # the copies live as long as the daemon
     if tier is not None:
         logs.info("tier-stopped", pending=len(tier.stop()))
     for server in servers:

@@ -54,6 +54,11 @@ class Metrics:
         self.tier_failing = Gauge(
             "fastpersist_tier_failing",
             "Pending checkpoints whose last upload attempt failed", registry=r)
+        self.memory_tier_bytes = Gauge(
+            "fastpersist_memory_tier_bytes",
+            "Bytes of checkpoints the memory tier holds or is copying", registry=r)
+        self.memory_tier_copies = Gauge(
+            "fastpersist_memory_tier_copies", "Checkpoints the memory tier holds", registry=r)
         self.reclaimed_segments = Counter(
             "fastpersist_reclaimed_segments", "Shared-memory segments of dead clients unlinked",
             registry=r)

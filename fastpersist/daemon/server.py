@@ -38,7 +38,7 @@ from .requests import (
 from .service import Service
 
 # InfoResponse.features: what clients may not assume of every daemon.
-FEATURES = ["commit-files"]
+FEATURES = ["commit-files", "memory-copy"]
 # A SubmitStream data chunk (the client library sends 1 MiB ones; earlier ones 4 MiB).
 MAX_STREAM_CHUNK = 4 << 20
 MAX_ERROR_CHARS = 1000
@@ -105,6 +105,9 @@ class Servicer(pb_grpc.FastPersistServicer):
                 direct_io=self.direct_io, io_backend=knobs.current().io_backend,
                 features=FEATURES, client_budget=s.budgets.client,
             )
+            if s.memory is not None:
+                reply.memory_tier_count, reply.memory_tier_budget = s.memory.count, s.memory.budget
+                reply.memory_tier_bytes, reply.memory_tier_copies = s.memory.usage()
             if s.tier is not None:
                 t = s.tier.status()
                 reply.tier_url, reply.tier_pending = t.url, len(t.pending)
@@ -260,6 +263,17 @@ class Servicer(pb_grpc.FastPersistServicer):
             self.service.jobs.resolve_prepared(parse(request.path), request.prepared,
                                                request.publish)
             return pb.ResolvePreparedResponse()
+        return self._guard(context, run)
+
+    def MemoryCopy(self, request: pb.MemoryCopyRequest, context: grpc.ServicerContext
+                   ) -> pb.MemoryCopyResponse:
+        def run() -> pb.MemoryCopyResponse:
+            path, memory = parse(request.path), self.service.memory
+            found = (memory.lookup(path, self.service.root) if memory is not None else
+                     "this fastpersistd keeps no checkpoint in memory (--memory-tier-count 0)")
+            if isinstance(found, str):
+                return pb.MemoryCopyResponse(reason=found)
+            return pb.MemoryCopyResponse(manifest=found[0], directory=found[1])
         return self._guard(context, run)
 
     def AbortJob(self, request: pb.AbortJobRequest, context: grpc.ServicerContext

@@ -28,6 +28,7 @@ from .budgets import DEFAULT_STREAMS, Budgets, parsing, stream_block
 from .catalog import Catalog
 from .checkpoints import TERMINAL, Checkpoint, PendingFile, State
 from .job_service import JobService, create_staging
+from .memory import MemoryTier
 from .metrics import Metrics
 from .paths import RequestPath
 from .registry import Registry
@@ -53,21 +54,20 @@ class Service:
     def __init__(self, root: Root, shm_dir: Path, budgets: Budgets, metrics: Metrics,
                  write_concurrency: int = 2, idle_timeout: float = 300.0,
                  engine: Engine | None = None, max_streams: int = DEFAULT_STREAMS,
-                 tier: DaemonTier | None = None) -> None:
+                 tier: DaemonTier | None = None, memory: MemoryTier | None = None) -> None:
         self.root = root
         self.shm_dir = shm_dir
         # Segments are opened by name in the directory held open (shm.open_range).
         self.shm_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.budgets = budgets
-        self.metrics = metrics
+        self.budgets, self.metrics = budgets, metrics
         self.idle_timeout = idle_timeout
         self.registry = Registry(budgets, metrics)
-        self.tier = tier
-        after_commits = AfterCommits(metrics, tier)
+        self.tier, self.memory = tier, memory  # memory: None when off
+        after_commits = AfterCommits(metrics, tier, self.memory)
         self.jobs = JobService(self.registry, root, after_commits)
-        self.catalog = Catalog(self.registry, root)
+        self.catalog = Catalog(self.registry, root, self.memory)
         self.writers = Writers(self.registry, engine or get_engine(), write_concurrency,
-                               after_commits)
+                               after_commits, self.memory)
         self.streams = Streams(self.registry, Slots(max_streams, stream_block()))
         metrics.staging_budget.set(budgets.staging)
 

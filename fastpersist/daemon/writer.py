@@ -28,14 +28,16 @@ from . import logs
 from .after_commit import AfterCommits, held_parent
 from .checkpoints import Checkpoint, PendingFile, State
 from .jobs import part_json
+from .memory import MemoryTier
 from .registry import Registry
 from .requests import invalid
 
 
 class Writers:
     def __init__(self, registry: Registry, engine: Engine, concurrency: int,
-                 after_commits: AfterCommits) -> None:
+                 after_commits: AfterCommits, memory: MemoryTier | None = None) -> None:
         self.registry = registry
+        self.memory = memory
         self.engine = engine
         self.busy = 0  # workers writing or committing (registry lock)
         self.idle_since = time.monotonic()
@@ -135,6 +137,9 @@ class Writers:
                                                   "moved or removed")
         views = [job.data.view[e.begin:e.end] for e in job.entries]
         started = time.perf_counter()
+        # The memory tier's copy (memory.py) is made meanwhile, from the same segment.
+        copying = self.memory.start_file(ck, job, name) if self.memory is not None else None
+        crcs: list[int] | None = None
         try:
             if ck.frame_bytes:
                 file, records = self._write_packed(name, job, views, ck.frame_bytes, fds.staging)
@@ -157,6 +162,9 @@ class Writers:
         finally:
             for view in views:
                 view.release()
+            if copying is not None:
+                assert self.memory is not None
+                self.memory.finish_file(ck, copying, job.index, crcs)
         seconds = time.perf_counter() - started
         r = self.registry
         r.metrics.write_seconds.observe(seconds)
@@ -166,6 +174,7 @@ class Writers:
             if ck.frame_bytes:
                 ck.record_packed(job.index, file, records)
             else:
+                assert crcs is not None
                 ck.record_file(job.index, size, job.data_start, job.entries, crcs)
         r.metrics.bytes_written.inc(size)
 
@@ -210,6 +219,8 @@ class Writers:
         with held_parent(ck.staging, ck.after_commit) as parent:
             ck.staging.commit(data)
             self.after_commits.committed(ck.relpath)
+            if self.memory is not None:
+                self.memory.committed(ck, data)
             seconds = time.monotonic() - (ck.first_submit or time.monotonic())
             # Logged before the status says so: whoever sees COMMITTED finds the line.
             logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,

@@ -52,14 +52,15 @@ class NativeEngine:
 
     def write_file(
         self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True,
-        dir_fd: int | None = None,
+        dir_fd: int | None = None, buffered: bool = False,
     ) -> IOResult:
+        mode = _engine.DIRECT_OFF if buffered else _DIRECT_MODES[self._mode]
         crcs, direct = _engine.write_file(
-            path, segments, size, self._block_size, self._threads, _DIRECT_MODES[self._mode],
+            path, segments, size, self._block_size, self._threads, mode,
             fsync, backend=self._backend, queue_depth=self._queue_depth,
             dir_fd=_engine.AT_FDCWD if dir_fd is None else dir_fd,
         )
-        if not direct and self._mode == "auto":
+        if not direct and not buffered and self._mode == "auto":
             _warn_buffered(path, dir_fd)
         return IOResult(crcs=crcs, direct=direct)
 

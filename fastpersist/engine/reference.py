@@ -47,8 +47,9 @@ class ReferenceEngine:
 
     def write_file(
         self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True,
-        dir_fd: int | None = None,
+        dir_fd: int | None = None, buffered: bool = False,
     ) -> IOResult:
+        del buffered  # always buffered
         views = [(memoryview(buf).cast("B"), offset) for buf, offset in segments]
         _check(views, size)
         if dir_fd is None:

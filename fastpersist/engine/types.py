@@ -26,9 +26,12 @@ class Engine(Protocol):
 
     def write_file(
         self, path: str, segments: Sequence[Segment], size: int, *, fsync: bool = True,
-        dir_fd: int | None = None,
+        dir_fd: int | None = None, buffered: bool = False,
     ) -> IOResult:
         """Write `size` bytes: each segment at its offset, zeros in gaps.
+
+        buffered: through the page cache, without trying O_DIRECT (a file on
+        a memory file system, such as the daemon's memory tier).
 
         Segments are sorted by offset and do not overlap. With fsync the file's
         data and size are durable on return (its directory entry is not).

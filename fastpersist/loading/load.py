@@ -5,8 +5,8 @@ policy (refused before a tensor byte is read), pairing into= with the
 checkpoint, rebuilding a distributed checkpoint's tensors (like=,
 resharding), streaming to an accelerator where the source can, and
 decoding the tree. The Source reads and verifies the bytes: a local
-directory, the object store; the daemon's memory and peers come next, as
-new sources chosen in source_for.
+directory, the object store, or the daemon's memory (with the disk behind
+it: fallback.py); peers come next, as new sources chosen in source_for.
 """
 
 from __future__ import annotations
@@ -28,17 +28,31 @@ from ..tensors.source import LocalSource, Source
 from ..tier.url import is_tier_url
 
 
-def source_for(path: str | os.PathLike[str], endpoint_url: str | None = None) -> Source:
+def source_for(path: str | os.PathLike[str], endpoint_url: str | None = None,
+               daemon: str | None = None) -> Source:
     """Where the checkpoint at `path` is read from: an object store for
     "s3://BUCKET/PREFIX/NAME" (endpoint_url overrides the standard AWS
-    configuration's endpoint), else the local directory."""
+    configuration's endpoint); else the memory of fastpersistd at `daemon`
+    (None: FASTPERSIST_DAEMON, if set; "": none) if it holds a valid copy
+    of the checkpoint (memory_read.find: a daemon that is down or slow is
+    given LOOKUP_TIMEOUT), the local directory behind it; else the local
+    directory."""
     if is_tier_url(path):
         from ..tensors.tier_read import TierSource
         from ..tier.client import client_for
         from ..tier.url import TierURL
 
         return TierSource(client_for(endpoint_url), TierURL.parse(str(path)))
-    return LocalSource(checkpoint_path(path))
+    local = LocalSource(checkpoint_path(path))
+    address = current_knobs().daemon if daemon is None else daemon
+    if address:
+        from ..tensors import memory_read
+        from .fallback import Fallback
+
+        memory, _ = memory_read.find(address, local.path)
+        if memory is not None:
+            return Fallback(memory, local, "fastpersistd's copy in memory")
+    return local
 
 
 def load_from(source: Source, map_location: MapLocation = None, *, allow_pickle: bool = False,

@@ -105,12 +105,12 @@ class DaemonClient:
 
     # -- calls -------------------------------------------------------------
 
-    def info(self, *, cached: bool = False) -> pb.InfoResponse:
+    def info(self, *, cached: bool = False, timeout: float = CALL_TIMEOUT) -> pb.InfoResponse:
         """The daemon's Info; cached: asked once (root, version, features do not change)."""
         info = self._info
         if not cached or info is None:
             info = self._info = self._call("daemon info", lambda: self.stub.Info(
-                pb.InfoRequest(), timeout=CALL_TIMEOUT))
+                pb.InfoRequest(), timeout=timeout))
         return info
 
     def health(self, timeout: float = 5.0) -> str:
@@ -354,6 +354,14 @@ class DaemonClient:
     def list(self, relative: str = "") -> pb.ListResponse:
         reply: pb.ListResponse = self._call("list", lambda: self.stub.List(
             pb.ListRequest(path=relative), timeout=CALL_TIMEOUT))
+        return reply
+
+    def memory_copy(self, relative: str, timeout: float) -> pb.MemoryCopyResponse:
+        """MemoryCopy: the daemon's copy in memory of the checkpoint at `relative`
+        (directory "" when it holds none)."""
+        reply: pb.MemoryCopyResponse = self._call(
+            f"cannot ask for the memory copy of {relative}", lambda: self.stub.MemoryCopy(
+                pb.MemoryCopyRequest(path=relative), timeout=timeout))
         return reply
 
     def delete(self, relative: str) -> None:

@@ -50,6 +50,11 @@ PREFIX = "fastpersist-"
 NAME = re.compile(r"^fastpersist-[A-Za-z0-9_.-]{1,128}$")
 PAGE = mmap.PAGESIZE
 _TAG_MAGIC = b"fastpersist-seg1"
+# The daemon's memory tier (daemon/memory.py): a directory of its own per
+# checkpoint it keeps, holding the data files as they are on disk. Not a
+# segment name (the prefix differs), so reclaim_orphans never touches one.
+COPY_PREFIX = "fastpersistd-copy-"
+COPY_NAME = re.compile(r"^fastpersistd-copy-[0-9a-f]{1,64}$")
 
 
 def tag_for(checkpoint_id: str) -> bytes:

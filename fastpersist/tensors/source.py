@@ -7,9 +7,9 @@ tensors, decoding the tree. A Source does the rest: it reads the manifest
 (once), and reads the records the load asks for into CPU tensors, checking
 each data file's size and header and every CRC32C, so that a checkpoint is
 verified the same way from any of them. LocalSource is a directory;
-tier_read.TierSource an object store's prefix; the daemon's memory and a
-peer's (hot copies) are the next ones. A DCP reader reads item ranges
-through read_ranges.
+tier_read.TierSource an object store's prefix; memory_read.MemorySource
+fastpersistd's copy in memory; a peer's is the next one. A DCP reader reads
+item ranges through read_ranges.
 """
 
 from __future__ import annotations
@@ -78,10 +78,13 @@ class Source(Protocol):
 class LocalSource:
     """The checkpoint directory at `path` (absolute), read with the engine."""
 
-    def __init__(self, path: Path, engine: Engine | None = None) -> None:
+    def __init__(self, path: Path, engine: Engine | None = None,
+                 manifest: Manifest | None = None) -> None:
+        """manifest: the checkpoint's, where it was read already (as the
+        memory tier's copies are given theirs: memory_read.py)."""
         self.path = path
         self._engine = engine
-        self._manifest: Manifest | None = None
+        self._manifest = manifest
 
     @property
     def where(self) -> str:
