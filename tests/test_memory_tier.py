@@ -433,7 +433,7 @@ def test_memory_copy_over_tcp_takes_the_token(tmp_path: Path,
 
     for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         monkeypatch.delenv(var, raising=False)
-    t = TCP(tmp_path).start()
+    t = TCP(tmp_path, "--memory-tier-count", "1").start()
     monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(t.daemon.shm_dir))
     try:
         ckpt = t.daemon.root / "step-13"
