@@ -8,7 +8,8 @@
 #   run(command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=420)
 #
 # .whl holds wheels the machine lacks or has too old: crc32c (the reference
-# engine), protobuf 7.36, grpcio 1.85 and grpcio-health-checking (the daemon).
+# engine), protobuf 7.36, grpcio 1.85 and grpcio-health-checking (the daemon),
+# zstandard (compression=).
 set -uo pipefail
 out=${OUT:-.bench/gpu}
 mkdir -p "$out"

@@ -100,6 +100,13 @@ def gpu_state(numel: int = 1 << 20) -> dict[str, Any]:
     }
 
 
+def staged_files(future: Any) -> list[Any]:
+    """The staging buffers a save's snapshot copied into (the future waits on them)."""
+    from fastpersist.saving.snapshot import StagedFile
+
+    return [w for w in future._waiters if isinstance(w, StagedFile)]
+
+
 def mutate_on_gpu(state: dict[str, Any]) -> None:
     state["f32"].add_(1)
     state["bf16"].zero_()
@@ -220,7 +227,7 @@ def test_staging_memory_is_pinned(tmp_path: Path) -> None:
     expected = to_cpu(state)
     future = saver.save(state, tmp_path / "ck", wait_for_snapshot=False)
     future.wait_snapshot(timeout=60)
-    staged = future._staged  # the snapshot's staging buffers
+    staged = staged_files(future)  # the snapshot's staging buffers
     assert staged
     for s in staged:
         assert s.buffer is not None and s.buffer.is_pinned() and s.pinned
@@ -244,7 +251,7 @@ def test_prepared_pinned_staging_is_what_the_first_save_uses(tmp_path: Path) -> 
     allocations = saver.pool.allocations
     future = saver.save(state, tmp_path / "ck")
     assert saver.pool.allocations == allocations  # the prepared buffer
-    assert all(s.buffer is not None and s.buffer.is_pinned() for s in future._staged)
+    assert all(s.buffer is not None and s.buffer.is_pinned() for s in staged_files(future))
     future.result(timeout=120)
     saver.close()
     assert_same(fastpersist.load(tmp_path / "ck", map_location="cpu"), expected,
@@ -282,7 +289,7 @@ def test_daemon_save_of_gpu_state(daemon: Any) -> None:
         future.wait_snapshot(timeout=60)
         mutate_on_gpu(state)
         future.result(timeout=120)
-        registered = list(saver._segments._registered.values())
+        registered = list(saver.sink.segments._registered.values())
         assert registered and all(registered)  # pinned shared memory
         assert_same(fastpersist.load(daemon.root / "ck", map_location="cpu"), expected,
                     torch.device("cpu"))
@@ -296,3 +303,44 @@ def test_daemon_save_of_gpu_state(daemon: Any) -> None:
                     torch.device("cpu"))
     finally:
         saver.close()
+
+
+def test_memory_tier_load_to_the_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint of GPU state saved through a daemon with its memory tier
+    on loads back onto the GPU from the daemon's memory alone (the data files
+    are removed first, so a disk read would fail)."""
+    from daemon_support import Daemon
+
+    d = Daemon(tmp_path, "--memory-tier-count", "2", "--memory-tier-bytes", "256M").start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    try:
+        state = gpu_state()
+        expected = to_cpu(state)
+        fastpersist.save(state, d.root / "ck", daemon=d.address)
+        for f in (d.root / "ck").glob("data-*"):
+            f.unlink()
+        restored = fastpersist.load(d.root / "ck", daemon=d.address)
+        assert_same(restored, state)  # each on the device it was saved from
+        on_cpu = fastpersist.load(d.root / "ck", daemon=d.address, map_location="cpu")
+        assert_same(on_cpu, expected, torch.device("cpu"))
+    finally:
+        registry_module.close_shared(abort=True)
+        d.cleanup()
+
+
+def test_hand_off_of_a_gpu_snapshot(daemon: Any) -> None:
+    """hand_off waits for the device-to-host copy of a save that has not
+    finished its snapshot, then for the daemon to own it; the checkpoint
+    holds the values as of the save call."""
+    state = gpu_state()
+    expected = to_cpu(state)
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(100_000_000)  # the copy waits for queued work
+    future = fastpersist.async_save(state, daemon.root / "ck", daemon=daemon.address,
+                                    wait_for_snapshot=False)
+    report = fastpersist.hand_off(timeout=60)
+    assert report.ok and [Path(p) for p in report.safe] == [daemon.root / "ck"], report
+    mutate_on_gpu(state)
+    future.result(timeout=120)
+    assert_same(fastpersist.load(daemon.root / "ck", map_location="cpu"), expected,
+                torch.device("cpu"))

@@ -31,6 +31,7 @@ CPU = torch.device("cpu")
 def _state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(5)
     big = torch.randn(300_000, generator=g)
+    small = torch.randn(4096, generator=g)
     return {
         "big": big,  # 1.2 MB: many slots' worth with the small rings below
         "view": big[10:20],  # a view: stored as its own bytes
@@ -41,6 +42,11 @@ def _state() -> dict[str, Any]:
         "ints": torch.arange(-50, 50, dtype=torch.int64),
         "cplx": torch.randn(17, dtype=torch.complex64, generator=g),
         "step": 7,
+        # Small enough to share a device allocation with its neighbours: the
+        # strided view and its base are views of one stored span, at an
+        # offset in that allocation (the GPU run found them read as zeros).
+        "small": small,
+        "strided": small[10:5000:7],
     }
 
 

@@ -62,19 +62,27 @@ class TensorFactory:
         key = (index, device, "None", None, None)  # as __call__ makes it
         t = self.made.get(key)
         if t is None:
-            t = self.made[key] = self._entry_on(index, device)
+            t = self.made[key] = self._entry_on(index, device, viewed=False)
         return t
 
-    def _entry_on(self, index: int, device: str) -> torch.Tensor:
+    def _entry_on(self, index: int, device: str, viewed: bool) -> torch.Tensor:
         key = (index, device)
         if key not in self.moved:
             try:
-                self.moved[key] = self.entries[index].to(device)
+                t = self.entries[index].to(device)
             except (RuntimeError, AssertionError) as exc:
                 raise CheckpointError(
                     f"{self.where}: cannot place a tensor on {device!r} ({exc}); pass "
                     "map_location='cpu' (or another device) to load"
                 ) from exc
+            # A reader may hand over an entry that lies inside a larger
+            # allocation (device_load shares one among small tensors). Views
+            # count their offsets from the entry's first byte, which must sit
+            # on a 16-byte boundary for every element size: copy it if not.
+            # (An entry with views is only ever used through views.)
+            if viewed and t.storage_offset() * t.element_size() % 16:
+                t = t.clone()
+            self.moved[key] = t
         return self.moved[key]
 
     def __call__(self, node: dict[str, Any]) -> torch.Tensor:
@@ -90,7 +98,7 @@ class TensorFactory:
         key = (index, device, repr(view), node.get("param"), node.get("grad"))
         if key in self.made:
             return self.made[key]
-        base = self._entry_on(index, device)
+        base = self._entry_on(index, device, viewed=view is not None)
         t = base if view is None else self._view(base, view)
         try:
             if node.get("param"):
@@ -111,13 +119,16 @@ class TensorFactory:
             shape, stride, offset = list(view["shape"]), list(view["stride"]), int(view["offset"])
             extent = 0 if 0 in shape else (
                 sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * dtype.itemsize
-            storage = base.untyped_storage()
-            if offset % dtype.itemsize or offset < 0 or offset + extent > storage.nbytes() or any(
+            # Offsets count from the entry's first byte, which need not be its
+            # storage's (see _entry_on).
+            start = base.storage_offset() * base.element_size()
+            if offset % dtype.itemsize or offset < 0 or \
+                    offset + extent > base.numel() * base.element_size() or any(
                 s < 0 for s in stride
             ) or any(n < 0 for n in shape):
-                raise ValueError("view lies outside its storage")
+                raise ValueError("view lies outside its entry")
             return torch.empty(0, dtype=dtype, device=base.device).set_(
-                storage, offset // dtype.itemsize, shape, stride
+                base.untyped_storage(), (start + offset) // dtype.itemsize, shape, stride
             )
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise ManifestError(f"{self.where}: bad view {view!r} ({exc})") from None
