@@ -238,29 +238,23 @@ def print_description(path: Path | str, info: dict[str, Any]) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     path = Path(args.ckpt)
-    manifests: list[Manifest] = []  # read once: for the total, then for the check
-
-    def total() -> int:
-        manifests.append(read_manifest(path))
-        return manifests[0].tensor_bytes
-
-    return run_verify(str(path), path.name, args.json, total,
-                      lambda progress: verify(path, get_engine(), progress=progress,
-                                              decode=not args.no_decode,
-                                              manifest=manifests[0]))
+    return run_verify(str(path), path.name, args.json, lambda: read_manifest(path),
+                      lambda manifest, progress: verify(path, get_engine(), progress=progress,
+                                                        decode=not args.no_decode,
+                                                        manifest=manifest))
 
 
-def run_verify(where: str, name: str, as_json: bool, total: Callable[[], int],
-               check: Callable[[Callable[[int], None]], VerifyReport]) -> int:
-    """fpctl verify of a local or remote checkpoint: total() is the tensor bytes
-    to check (from the manifest), check(progress) re-reads them all."""
+def run_verify(where: str, name: str, as_json: bool, read: Callable[[], Manifest],
+               check: Callable[[Manifest, Callable[[int], None]], VerifyReport]) -> int:
+    """fpctl verify of a local or remote checkpoint: read() its manifest (once),
+    check(manifest, progress) re-reads every tensor it lists."""
     try:
-        expected = total()
+        manifest = read()
         start = time.perf_counter()
         # disable=None: a bar only when stderr is a terminal.
-        with tqdm(total=expected, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
-                  desc=f"verify {name}", file=sys.stderr, leave=False) as bar:
-            report = check(bar.update)
+        with tqdm(total=manifest.tensor_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                  disable=None, desc=f"verify {name}", file=sys.stderr, leave=False) as bar:
+            report = check(manifest, bar.update)
         seconds = time.perf_counter() - start
     except CorruptCheckpointError as exc:  # a malformed manifest: nothing else to check
         if as_json:

@@ -112,16 +112,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     s3, url = _where(args.ckpt)
-    manifests: list[Manifest] = []  # fetched once: for the total, then for the check
-
-    def total() -> int:
-        manifests.append(read_manifest(s3, url)[0])
-        return manifests[0].tensor_bytes
-
-    return run_verify(str(url), url.name, args.json, total,
-                      lambda progress: tier_read.verify(s3, url, progress=progress,
-                                                        decode=not args.no_decode,
-                                                        manifest=manifests[0]))
+    return run_verify(str(url), url.name, args.json, lambda: read_manifest(s3, url)[0],
+                      lambda manifest, progress: tier_read.verify(s3, url, progress=progress,
+                                                                  decode=not args.no_decode,
+                                                                  manifest=manifest))
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
