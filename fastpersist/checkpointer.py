@@ -60,7 +60,7 @@ from .knobs import current as current_knobs
 from .resume import Judge, Skipped, newest_local, not_found, problem, step_dirs
 from .saving.futures import SaveFuture
 from .storage.local_path import checkpoint_path
-from .storage.retention import AfterCommit, apply_at
+from .storage.retention import LATEST, AfterCommit, apply_at
 from .tensors import packed
 from .tensors.factory import MapLocation
 
@@ -253,10 +253,12 @@ class Checkpointer:
     def latest(self) -> Path | str | None:
         """The newest durable checkpoint, or None if there is none yet. With a
         tier, when no committed checkpoint is left under the root (a new
-        node), the newest one in the store: its s3:// URL (load_latest and
-        fastpersist.load take either). A newer checkpoint that cannot be used
-        is passed over with a warning and recorded in `skipped` (strict=True:
-        CorruptCheckpointError).
+        node), or when the step that ROOT/latest names is gone from here but
+        is in the store, that one in the store: its s3:// URL (load_latest and
+        fastpersist.load take either). load_latest reads a local checkpoint
+        that fails its checks from the store's copy, with a warning. A newer
+        checkpoint that cannot be used is passed over with a warning and
+        recorded in `skipped` (strict=True: CorruptCheckpointError).
         """
         judge = Judge(self.strict)
         try:
@@ -266,15 +268,25 @@ class Checkpointer:
 
     def _latest(self, judge: Judge, exclude: set[Path | str]) -> Path | str | None:
         local = newest_local(self.root, judge.usable, exclude)
-        if local is not None or self._mirror is None:
+        if self._mirror is None:
             return local
+        pointed = ""
+        if local is not None:
+            # Only a step that `latest` names and whose directory is gone (a
+            # node lost) is read from the store: one rolled back from is not.
+            try:
+                pointed = (self.root / LATEST).read_text().strip()
+            except OSError:
+                return local
+            if not pointed or (self.root / pointed).exists():
+                return local
         from .tier.remote import entries
 
         found = [e for e in entries(self._mirror.s3, self._mirror.url)
-                 if e.committed and e.step is not None
+                 if e.committed and e.step is not None and (not pointed or e.name == pointed)
                  and str(self._mirror.url.child(e.name)) not in exclude]
         if not found:
-            return None
+            return local
         newest = max(found, key=lambda e: (e.step, e.modified))
         return str(self._mirror.url.child(newest.name))
 
@@ -303,6 +315,8 @@ class Checkpointer:
         if isinstance(path, str) and self._mirror is not None:
             return load_from_tier(path, map_location, allow_pickle=self.allow_pickle,
                                   endpoint_url=self._mirror.s3.endpoint_url, **kwargs)
+        if self._mirror is not None:  # the store's copy behind a corrupt local one
+            kwargs = {"tier": str(self._mirror.url.child(Path(path).name)), **kwargs}
         return load(path, map_location, allow_pickle=self.allow_pickle,
                     **{"daemon": self._daemon, **kwargs})
 

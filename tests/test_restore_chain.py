@@ -1,0 +1,273 @@
+"""Restore from the fastest verified copy (loading/chain.py, copies.py): the
+daemon's memory, then the disk, then the object store, each CRC-checked, a
+failed one warned about and passed over. Real daemons, a real S3 server
+(moto), bytes flipped in real files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from daemon_support import Daemon
+from tier_support import keys
+
+import fastpersist
+from fastpersist.cli import main as fpctl
+from fastpersist.errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+)
+from fastpersist.format.manifest import Manifest
+from fastpersist.tensors import memory_read
+
+MIB = 1 << 20
+
+
+def state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(64 << 10, generator=g), "w": torch.randn(MIB // 4, generator=g),
+            "b": torch.arange(11 + seed), "step": seed}
+
+
+def digests(obj: dict[str, Any]) -> dict[str, str]:
+    return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            if isinstance(v, torch.Tensor) else repr(v) for k, v in obj.items()}
+
+
+def until(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def flip(directory: Path, manifest: Manifest, tensor: str = "w") -> str:
+    """Flip one byte of `tensor` in its data file under `directory`; the file's name."""
+    r = next(r for r in manifest.tensors if r.name == tensor)
+    with open(directory / r.file, "r+b") as f:
+        f.seek(r.offset + 1000)
+        byte = f.read(1)
+        f.seek(r.offset + 1000)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return r.file
+
+
+def disk_manifest(ckpt: Path) -> Manifest:
+    return Manifest.from_json((ckpt / "manifest.json").read_bytes(), str(ckpt))
+
+
+def runtime_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
+
+
+@pytest.fixture
+def node(s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
+    """A daemon with a memory tier and an object-store tier (compressed, the default)."""
+    d = Daemon(tmp_path, "--memory-tier-count", "2", "--memory-tier-bytes", "64M",
+               "--tier", s3.url).start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    try:
+        yield d
+    finally:
+        from fastpersist.saving.registry import close_shared
+
+        close_shared(abort=True)
+        d.cleanup()
+
+
+def saved_everywhere(d: Daemon, s3: Any, name: str, seed: int) -> Path:
+    """A checkpoint saved through the daemon: on disk, in its memory, and uploaded."""
+    ckpt = d.root / name
+    fastpersist.save(state(seed), ckpt, daemon=d.address)
+    until(f"{name} uploaded", lambda: f"ckpts/{name}/manifest.json" in keys(s3.client, s3.bucket))
+    return ckpt
+
+
+@pytest.mark.slow
+def test_memory_then_disk_then_the_store(node: Daemon, s3: Any) -> None:
+    """The memory copy corrupt: the disk is read. The disk corrupt too: the
+    store's (compressed) copy is read, bit for bit, each fall a warning."""
+    ckpt = saved_everywhere(node, s3, "step-1", 1)
+    memory, _ = memory_read.find(node.address, ckpt)
+    assert memory is not None
+    flip(memory.copy, memory.manifest())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert digests(fastpersist.load(ckpt, daemon=node.address)) == digests(state(1))
+    said = runtime_warnings(caught)
+    assert len(said) == 1 and "copy in memory failed" in said[0] and "from disk" in said[0]
+    data_file = flip(ckpt, disk_manifest(ckpt))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fastpersist.load(ckpt, daemon=node.address)
+    assert digests(out) == digests(state(1))
+    said = runtime_warnings(caught)
+    assert len(said) == 2, said  # one a fall
+    assert "copy in memory failed" in said[0] and "reading it from disk" in said[0]
+    assert "disk failed (" in said[1] and f"'w' in {data_file}" in said[1]
+    assert said[1].endswith("reading it from the object store's copy (fastpersistd's tier)")
+
+
+@pytest.mark.slow
+def test_a_lost_node_directory_loads_from_the_store(node: Daemon, s3: Any) -> None:
+    ckpt = saved_everywhere(node, s3, "run/step-2", 2)
+    client = node.client()
+    client.delete("run/step-2")  # the node's copy and the daemon's memory gone
+    client.close()
+    assert not ckpt.exists()
+    with pytest.warns(RuntimeWarning, match="disk failed .*reading it from the object store"):
+        out = fastpersist.load(ckpt, daemon=node.address)
+    assert digests(out) == digests(state(2))
+    # Without a daemon (so no tier known) it is not found, as before.
+    with pytest.raises(CheckpointNotFoundError):
+        fastpersist.load(ckpt, daemon="")
+
+
+@pytest.mark.slow
+def test_every_copy_corrupt_lists_each_copy(node: Daemon, s3: Any) -> None:
+    ckpt = saved_everywhere(node, s3, "step-3", 3)
+    memory, _ = memory_read.find(node.address, ckpt)
+    assert memory is not None
+    flip(memory.copy, memory.manifest())
+    flip(ckpt, disk_manifest(ckpt))
+    remote = f"ckpts/step-3/{disk_manifest(ckpt).files[0].name.removesuffix('.safetensors')}.fpz"
+    body = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=remote)["Body"].read())
+    body[-100] ^= 0x40
+    s3.client.put_object(Bucket=s3.bucket, Key=remote, Body=bytes(body))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CorruptCheckpointError) as raised:
+            fastpersist.load(ckpt, daemon=node.address)
+    message = str(raised.value)
+    assert message.startswith(f"{ckpt}: no copy could be read (")
+    for what in ("fastpersistd's copy in memory: ", "disk: ", "the object store's copy"):
+        assert what in message, message
+    assert message.count("'w'") >= 2, message  # the tensor named for each copy
+
+
+@pytest.mark.slow
+def test_into_filled_in_part_is_filled_again(node: Daemon, s3: Any) -> None:
+    ckpt = saved_everywhere(node, s3, "step-4", 4)
+    flip(ckpt, disk_manifest(ckpt), tensor="w")
+    into = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+            for k, v in state(4).items()}
+    ptrs = {k: v.data_ptr() for k, v in into.items() if isinstance(v, torch.Tensor)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = fastpersist.load(ckpt, daemon="", tier=f"{s3.url}/step-4", into=into)
+    assert digests(out) == digests(state(4))
+    assert {k: v.data_ptr() for k, v in out.items() if isinstance(v, torch.Tensor)} == ptrs
+
+
+def test_a_stopped_daemon_is_timed_out_and_the_disk_read(daemon: Daemon) -> None:
+    """SIGSTOP: the daemon takes the connection and never answers; the load
+    gives it its lookup timeout and reads the disk."""
+    ckpt = daemon.root / "step-5"
+    fastpersist.save(state(5), ckpt, daemon=daemon.address)
+    assert daemon.proc is not None
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            out = fastpersist.load(ckpt, daemon=daemon.address)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert digests(out) == digests(state(5))
+
+
+def test_a_store_copy_of_another_checkpoint_is_not_mixed_in(tmp_path: Path, s3: Any) -> None:
+    """The store holds an older checkpoint of the same name: a corrupt disk
+    copy does not fall through to it, and the error says why."""
+    ck = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url)
+    ck.save(6, state(6))
+    assert ck.wait_for_tier(60)
+    ck.close()
+    path = ck.path_for(6)
+    for f in path.iterdir():
+        f.unlink()
+    path.rmdir()
+    fastpersist.save(state(60), path)  # saved again here, not uploaded
+    flip(path, disk_manifest(path))
+    with pytest.raises(ChecksumMismatchError) as raised:
+        fastpersist.load(path, tier=f"{s3.url}/{path.name}")
+    assert "another checkpoint of that name" in str(raised.value)
+    assert raised.value.tensor == "w"
+
+
+@pytest.mark.slow
+def test_load_latest_reads_the_store_for_a_lost_or_corrupt_step(tmp_path: Path, s3: Any) -> None:
+    ck = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url, tier_compression="none")
+    for step in (1, 2):
+        ck.save(step, state(step))
+    assert ck.wait_for_tier(60)
+    # The newest step's local copy corrupt: read from the store, not passed over.
+    flip(ck.path_for(2), disk_manifest(ck.path_for(2)))
+    with pytest.warns(RuntimeWarning, match="disk failed"):
+        assert digests(ck.load_latest()) == digests(state(2))
+    assert not ck.skipped
+    # Gone: the store's copy of the newest step, not the older local one.
+    for f in ck.path_for(2).iterdir():
+        f.unlink()
+    ck.path_for(2).rmdir()
+    assert ck.latest() == f"{s3.url}/{ck.path_for(2).name}"
+    assert digests(ck.load_latest()) == digests(state(2))
+    ck.close()
+
+
+@pytest.mark.slow
+def test_fpctl_restore_reads_the_store(node: Daemon, s3: Any, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = saved_everywhere(node, s3, "step-7", 7)
+    monkeypatch.setenv("FASTPERSIST_DAEMON", node.address)
+    memory, _ = memory_read.find(node.address, ckpt)
+    assert memory is not None
+    flip(memory.copy, memory.manifest())
+    flip(ckpt, disk_manifest(ckpt))
+    target = tmp_path / "out.pt"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fpctl(["restore", str(ckpt), "--to", str(target)]) == 0
+    said = runtime_warnings(caught)
+    assert "reading it from disk" in said[0]
+    assert "reading it from the object store" in said[-1]
+    assert digests(torch.load(target)) == digests(state(7))
+
+
+def test_fpctl_ls_shows_the_copies(node: Daemon, s3: Any, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    saved_everywhere(node, s3, "step-8", 8)
+    fastpersist.save(state(9), node.root / "step-9", daemon="")  # on disk only
+    capsys.readouterr()
+    assert fpctl(["ls", str(node.root), "--daemon", node.address, "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["step-8"]["copies"] == ["memory", "disk", "s3"]
+    assert rows["step-9"]["copies"] == ["disk"]
+    assert set(rows["step-8"]) == {"name", "path", "state", "bytes", "tensors",
+                                   "created_unix", "latest", "copies"}
+    assert fpctl(["ls", str(node.root), "--daemon", node.address]) == 0
+    text = capsys.readouterr().out
+    assert "COPIES" in text.splitlines()[0]
+    line = next(x for x in text.splitlines() if x.startswith("step-8"))
+    assert "memory,disk,s3" in line
+    # Without the daemon: the disk alone, unless a tier is given.
+    monkeypatch.delenv("FASTPERSIST_DAEMON", raising=False)
+    assert fpctl(["ls", str(node.root), "--json"]) == 0
+    assert {r["name"]: r["copies"] for r in json.loads(capsys.readouterr().out)} == {
+        "step-8": ["disk"], "step-9": ["disk"]}
+    assert fpctl(["ls", str(node.root), "--json", "--tier", s3.url]) == 0
+    assert {r["name"]: r["copies"] for r in json.loads(capsys.readouterr().out)} == {
+        "step-8": ["disk", "s3"], "step-9": ["disk"]}
