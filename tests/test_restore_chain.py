@@ -54,13 +54,13 @@ def until(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def flip(directory: Path, manifest: Manifest, tensor: str = "w") -> str:
-    """Flip one byte of `tensor` in its data file under `directory`; the file's name."""
+def flip(directory: Path, manifest: Manifest, tensor: str = "w", at: int = 1000) -> str:
+    """Flip byte `at` of `tensor` in its data file under `directory`; the file's name."""
     r = next(r for r in manifest.tensors if r.name == tensor)
     with open(directory / r.file, "r+b") as f:
-        f.seek(r.offset + 1000)
+        f.seek(r.offset + at)
         byte = f.read(1)
-        f.seek(r.offset + 1000)
+        f.seek(r.offset + at)
         f.write(bytes([byte[0] ^ 0x40]))
     return r.file
 
@@ -183,9 +183,17 @@ def test_a_stopped_daemon_is_timed_out_and_the_disk_read(daemon: Daemon) -> None
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             out = fastpersist.load(ckpt, daemon=daemon.address)
+        assert digests(out) == digests(state(5))
+        # The disk corrupt too: asking it for its tier times out as well, and
+        # the disk's error is raised, saying so.
+        flip(ckpt, disk_manifest(ckpt))
+        with pytest.raises(ChecksumMismatchError) as raised:
+            fastpersist.load(ckpt, daemon=daemon.address)
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
-    assert digests(out) == digests(state(5))
+    message = str(raised.value)
+    assert message.startswith(f"{ckpt}: no copy could be read (disk: tensor 'w'"), message
+    assert "cannot ask fastpersistd for its tier" in message and "not answering" in message
 
 
 def test_a_store_copy_of_another_checkpoint_is_not_mixed_in(tmp_path: Path, s3: Any) -> None:
@@ -271,3 +279,44 @@ def test_fpctl_ls_shows_the_copies(node: Daemon, s3: Any, monkeypatch: pytest.Mo
     assert fpctl(["ls", str(node.root), "--json", "--tier", s3.url]) == 0
     assert {r["name"]: r["copies"] for r in json.loads(capsys.readouterr().out)} == {
         "step-8": ["disk", "s3"], "step-9": ["disk"]}
+
+
+@pytest.mark.slow
+def test_a_distributed_checkpoint_falls_to_the_stores_compressed_copy(
+        s3: Any, tmp_path: Path) -> None:
+    """Saved by 4 gloo ranks, uploaded compressed: a chunk flipped on disk is
+    read from the store's frames, whole and as a box (the records a
+    resharding asks for, and the raw spans of them)."""
+    from dist_support import full_tensors, ok, run_job
+
+    from fastpersist.distributed import restore
+    from fastpersist.loading.load import source_for
+    from fastpersist.storage import dirs
+    from fastpersist.tier.client import S3
+    from fastpersist.tier.upload import upload_checkpoint
+    from fastpersist.tier.url import TierURL
+
+    ckpt = tmp_path / "ckpt"
+    ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
+               {"path": str(ckpt), "dp": 2, "tp": 2}))
+    url = TierURL.parse(s3.url).child("dist")
+    fd = os.open(ckpt, dirs.DIR_FLAGS)
+    try:
+        upload_checkpoint(S3(), fd, str(ckpt), url, "zstd")
+    finally:
+        os.close(fd)
+    m = disk_manifest(ckpt)
+    assert m.globals is not None
+    for name in ("model.big", "model.embed"):  # embed: in row 11 (of 256 float32s)
+        g = next(g for g in m.globals if g.name == name)
+        first = next(c for c in g.chunks if not any(c.offsets))
+        flip(ckpt, m, tensor=m.tensors[first.tensor].name, at=11 * 1024 + 8)
+    with pytest.warns(RuntimeWarning, match="disk failed .*reading it from the object store"):
+        loaded = fastpersist.load(ckpt, tier=str(url))
+    assert torch.equal(loaded["model"]["big"], full_tensors()["big"])
+    assert torch.equal(loaded["model"]["embed"], full_tensors()["embed"])
+    index = next(i for i, g in enumerate(m.globals) if g.name == "model.embed")
+    with pytest.warns(RuntimeWarning, match="reading it from the object store"):
+        box = restore.read_boxes(source_for(ckpt, tier=str(url), daemon=""), m,
+                                 {index: ((10, 0), (3, 256))}, verify=True)[index]
+    assert torch.equal(box, full_tensors()["embed"][10:13])
