@@ -110,10 +110,13 @@ def test_memory_then_disk_then_the_store(node: Daemon, s3: Any) -> None:
     said = runtime_warnings(caught)
     assert len(said) == 1 and "copy in memory failed" in said[0] and "from disk" in said[0]
     data_file = flip(ckpt, disk_manifest(ckpt))
+    shown: list[int] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = fastpersist.load(ckpt, daemon=node.address)
+        out = fastpersist.load(ckpt, daemon=node.address, progress=shown.append)
     assert digests(out) == digests(state(1))
+    # Bytes read again from the next copy are not reported twice.
+    assert sum(shown) == disk_manifest(ckpt).tensor_bytes, shown
     said = runtime_warnings(caught)
     assert len(said) == 2, said  # one a fall
     assert "copy in memory failed" in said[0] and "reading it from disk" in said[0]
@@ -320,3 +323,25 @@ def test_a_distributed_checkpoint_falls_to_the_stores_compressed_copy(
         box = restore.read_boxes(source_for(ckpt, tier=str(url), daemon=""), m,
                                  {index: ((10, 0), (3, 256))}, verify=True)[index]
     assert torch.equal(box, full_tensors()["embed"][10:13])
+
+
+def test_progress_counts_bytes_read_again_once(tmp_path: Path, s3: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files read from disk before the corrupt one are read again from the
+    store: the caller's progress is not told of them twice."""
+    monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(256 << 10))
+    ck = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url)
+    ck.save(1, state(1))
+    assert ck.wait_for_tier(60)
+    ck.close()
+    path = ck.path_for(1)
+    m = disk_manifest(path)
+    by_name = {r.name: r.file for r in m.tensors}
+    assert [f.name for f in m.files].index(by_name["w"]) > [f.name for f in m.files].index(
+        by_name["a"])  # "a"'s file is read (and counted) before "w"'s fails
+    flip(path, m, tensor="w", at=8)
+    shown: list[int] = []
+    with pytest.warns(RuntimeWarning, match=f"disk failed .*{by_name['w']}"):
+        out = fastpersist.load(path, tier=f"{s3.url}/{path.name}", progress=shown.append)
+    assert digests(out) == digests(state(1))
+    assert sum(shown) == m.tensor_bytes, (sum(shown), m.tensor_bytes)

@@ -31,6 +31,7 @@ copy: read_ranges and check_file pass over one.
 from __future__ import annotations
 
 import hashlib
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -213,9 +214,11 @@ class Chain:
     def read_tensors(self, manifest: Manifest, *, verify: bool, progress: Progress | None = None,
                      spans: Mapping[int, Span] | None = None,
                      into: Mapping[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        shown = _Shown(progress)
+
         def read(s: Source) -> list[torch.Tensor]:
             entries = s.read_tensors(self._as_stored(manifest), verify=verify,
-                                     progress=progress, spans=spans, into=into)
+                                     progress=shown.attempt(), spans=spans, into=into)
             _place(entries, into)
             return entries
 
@@ -225,9 +228,12 @@ class Chain:
                        ring_bytes: int, progress: Progress | None = None,
                        into: Mapping[int, torch.Tensor] | None = None
                        ) -> list[torch.Tensor] | None:
+        shown = _Shown(progress)
+
         def read(s: Source) -> list[torch.Tensor] | None:
             entries = s.read_to_device(self._as_stored(manifest), device, verify=verify,
-                                       ring_bytes=ring_bytes, progress=progress, into=into)
+                                       ring_bytes=ring_bytes, progress=shown.attempt(),
+                                       into=into)
             _place(entries, into)
             return entries
 
@@ -239,6 +245,29 @@ class Chain:
     def read_ranges(self, f: FileRecord, segments: Sequence[Segment], *, checksum: bool
                     ) -> list[int] | None:
         return self._try(lambda s: s.read_ranges(f, segments, checksum=checksum), ranges=True)
+
+
+class _Shown:
+    """A load's progress over attempts: a copy read again after a failed one
+    reports its bytes from 0, and the caller sees only what goes beyond the
+    bytes it was shown (a progress bar never passes its total)."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress, self.shown, self.read = progress, 0, 0
+        self.lock = threading.Lock()  # a source may report from its threads
+
+    def attempt(self) -> Progress | None:
+        if self.progress is None:
+            return None
+        self.read = 0
+        return self._add
+
+    def _add(self, n: int) -> None:
+        with self.lock:
+            self.read += n
+            new, self.shown = self.read - self.shown, max(self.shown, self.read)
+        if new > 0 and self.progress is not None:
+            self.progress(new)
 
 
 def _place(entries: list[torch.Tensor] | None, into: Mapping[int, torch.Tensor] | None
