@@ -345,3 +345,51 @@ def test_progress_counts_bytes_read_again_once(tmp_path: Path, s3: Any,
         out = fastpersist.load(path, tier=f"{s3.url}/{path.name}", progress=shown.append)
     assert digests(out) == digests(state(1))
     assert sum(shown) == m.tensor_bytes, (sum(shown), m.tensor_bytes)
+
+
+@pytest.mark.slow
+def test_load_latest_through_a_daemon_reads_its_tier_for_a_lost_run(node: Daemon,
+                                                                    s3: Any) -> None:
+    """A node's run directory lost: a Checkpointer through the daemon (no
+    tier of its own) finds the newest step in the daemon's --tier."""
+    import shutil
+
+    ck = fastpersist.Checkpointer(node.root / "run", daemon=node.address)
+    for step in (1, 2):
+        ck.save(step, state(step)).result()
+    ck.close()
+    until("both uploaded", lambda: {f"ckpts/run/{ck.path_for(s).name}/manifest.json"
+                                    for s in (1, 2)} <= set(keys(s3.client, s3.bucket)))
+    shutil.rmtree(node.root / "run")
+    again = fastpersist.Checkpointer(node.root / "run", daemon=node.address)
+    assert again.latest() == f"{s3.url}/run/{ck.path_for(2).name}"
+    assert digests(again.load_latest()) == digests(state(2))
+    again.close()
+
+
+def test_the_error_of_the_last_copy_lists_every_copy(tmp_path: Path) -> None:
+    """A Chain whose copies all fail to open: the last one's error, of its
+    class (an OSError's errno kept), naming each copy and why; a copy that
+    is not there is said so, and is not the error raised."""
+    import errno
+
+    from fastpersist.errors import CheckpointIOError
+    from fastpersist.loading.chain import Chain, Copy, NoCopy, Opened
+
+    def raising(exc: Exception) -> Callable[[], Opened]:
+        def open_() -> Opened:
+            raise exc
+        return open_
+
+    where = str(tmp_path / "step-1")
+    chain = Chain(where, [
+        Copy("disk", "disk", raising(CorruptCheckpointError(f"{where}: a bad manifest"))),
+        Copy("the copy on peer p1", "peer", raising(CheckpointIOError(errno.EIO, "p1: EIO"))),
+        Copy("the object store's copy", "s3", raising(NoCopy("no --tier"))),
+    ])
+    with pytest.raises(CheckpointIOError) as raised:
+        chain.manifest()
+    assert raised.value.errno == errno.EIO
+    assert raised.value.strerror == (f"{where}: no copy could be read (disk: a bad manifest; "
+                                     "the copy on peer p1: p1: EIO; not there: the object "
+                                     "store's copy (no --tier))")

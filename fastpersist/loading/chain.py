@@ -102,11 +102,6 @@ class Chain:
     def where(self) -> str:
         return self._where
 
-    @property
-    def used(self) -> str | None:
-        """The copy read from (or being read), once the manifest is read."""
-        return self.copies[self._at].what if self._source is not None else None
-
     def manifest(self) -> Manifest:
         if self._record is None:
             self._advance(None)
@@ -136,7 +131,10 @@ class Chain:
                                                 "(its manifest differs)")
                     continue
                 else:
-                    self._translated = opened.source.manifest() != self._record
+                    stored = opened.source.manifest()
+                    self._translated = stored != self._record
+                    if len(stored.tensors) != len(self._record.tensors):
+                        raise CheckpointError("its records are not the checkpoint's")
             except NoCopy as exc:
                 self.absent.append((copy.what, str(exc)))
                 continue
@@ -161,7 +159,10 @@ class Chain:
         return opened.source.manifest() == self._record
 
     def _fail(self, what: str, exc: CheckpointError | None, why: str = "") -> None:
-        self.failures.append((what, why or str(exc).removeprefix(f"{self._where}: ")))
+        if not why:
+            why = (exc.strerror if isinstance(exc, OSError) and exc.strerror is not None
+                   else str(exc)).removeprefix(f"{self._where}: ")
+        self.failures.append((what, why))
         self._unsaid += 1
         if exc is not None:
             self._last = exc
@@ -174,7 +175,11 @@ class Chain:
         if len(self.failures) + len(self.absent) > 1:
             # The last copy's error, of its class (a caller tells a missing
             # checkpoint from a corrupt one by it), saying what else was tried.
-            exc.args = (f"{self._where}: no copy could be read ({tried})", *exc.args[1:])
+            message = f"{self._where}: no copy could be read ({tried})"
+            if isinstance(exc, OSError) and exc.strerror is not None:
+                exc.strerror = message  # an OSError's str() is "[Errno N] " + strerror
+            else:
+                exc.args = (message, *exc.args[1:])
         return exc
 
     def _try(self, read: Callable[[Source], T], ranges: bool = False) -> T:
@@ -199,8 +204,9 @@ class Chain:
         stored = self._source.manifest()
         records = []
         for r in manifest.tensors:
-            s = stored.tensors[self._index[r]]
-            if (s.name, s.dtype, s.shape, s.length, s.crc32c) != (
+            i = self._index.get(r)
+            s = stored.tensors[i] if i is not None else r
+            if i is None or (s.name, s.dtype, s.shape, s.length, s.crc32c) != (
                     r.name, r.dtype, r.shape, r.length, r.crc32c):
                 raise CheckpointError(f"{self.copies[self._at].what}: record {r.name!r} is "
                                       "not the checkpoint's")
