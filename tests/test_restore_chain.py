@@ -137,6 +137,14 @@ def test_a_lost_node_directory_loads_from_the_store(node: Daemon, s3: Any) -> No
     # Without a daemon (so no tier known) it is not found, as before.
     with pytest.raises(CheckpointNotFoundError):
         fastpersist.load(ckpt, daemon="")
+    # Not in the store either: the disk's error, saying the store has none.
+    with pytest.raises(CheckpointNotFoundError) as raised:
+        fastpersist.load(node.root / "run" / "step-3", daemon=node.address)
+    message = str(raised.value)
+    assert message.startswith(f"{node.root / 'run' / 'step-3'}: no copy could be read (disk: "
+                              "no checkpoint at"), message
+    assert f"not there: the object store's copy (fastpersistd's tier) (no checkpoint at " \
+           f"{s3.url}/run/step-3: it has no manifest.json" in message
 
 
 @pytest.mark.slow
@@ -398,3 +406,21 @@ def test_the_error_of_the_last_copy_lists_every_copy(tmp_path: Path) -> None:
     assert raised.value.strerror == (f"{where}: no copy could be read (disk: a bad manifest; "
                                      "the copy on peer p1: p1: EIO; not there: the object "
                                      "store's copy (no --tier))")
+
+
+def test_load_latest_passes_over_a_corrupt_step_the_store_does_not_hold(
+        tmp_path: Path, s3: Any) -> None:
+    """The newest step corrupt here and not in the store (its upload not
+    finished: the manifest written last is not there): passed over as before,
+    the older step loaded, not a CheckpointNotFoundError from the store."""
+    ck = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url)
+    for step in (1, 2):
+        ck.save(step, state(step))
+    assert ck.wait_for_tier(60)
+    name = ck.path_for(2).name
+    s3.client.delete_object(Bucket=s3.bucket, Key=f"ckpts/{name}/manifest.json")
+    flip(ck.path_for(2), disk_manifest(ck.path_for(2)))
+    assert digests(ck.load_latest()) == digests(state(1))
+    assert [s.path for s in ck.skipped] == [ck.path_for(2)]
+    assert "not there: the object store's copy" in ck.skipped[0].reason
+    ck.close()

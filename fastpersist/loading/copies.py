@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..tensors.committed import read_manifest_bytes
@@ -116,10 +116,9 @@ def _store(url: TierURL, endpoint_url: str | None) -> Opened:
 
     s3 = client_for(endpoint_url)
     got = s3.get_with_metadata(url, MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    if got is None:
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {url}: it has no {MANIFEST_NAME} (not uploaded, or its "
-            "upload has not finished)")
+    if got is None:  # not there: the error of the copies before it stands
+        raise NoCopy(f"no checkpoint at {url}: it has no {MANIFEST_NAME} (not uploaded, or "
+                     "its upload has not finished)")
     data, metadata = got
     made_from = metadata.get(SOURCE_KEY)
     manifest = Manifest.from_json(data, str(url))
