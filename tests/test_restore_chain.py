@@ -424,3 +424,24 @@ def test_load_latest_passes_over_a_corrupt_step_the_store_does_not_hold(
     assert [s.path for s in ck.skipped] == [ck.path_for(2)]
     assert "not there: the object store's copy" in ck.skipped[0].reason
     ck.close()
+
+
+@pytest.mark.slow
+def test_a_store_that_is_down_is_tried_and_named(tmp_path: Path, s3: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk corrupt and the store unreachable (nothing listens at its
+    endpoint): the store's error is raised (the last copy's), naming the
+    disk's corruption too; nothing waits beyond the client's bounded tries."""
+    from tier_support import free_port
+
+    from fastpersist.errors import TierError
+
+    path = tmp_path / "step-1"
+    fastpersist.save(state(1), path)
+    flip(path, disk_manifest(path))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(TierError) as raised:
+        fastpersist.load(path, tier=f"{s3.url}/step-1")
+    message = str(raised.value)
+    assert message.startswith(f"{path}: no copy could be read (disk: tensor 'w'"), message
+    assert f"the object store's copy {s3.url}/step-1: " in message
