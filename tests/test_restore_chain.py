@@ -445,3 +445,19 @@ def test_a_store_that_is_down_is_tried_and_named(tmp_path: Path, s3: Any,
     message = str(raised.value)
     assert message.startswith(f"{path}: no copy could be read (disk: tensor 'w'"), message
     assert f"the object store's copy {s3.url}/step-1: " in message
+
+
+def test_fpctl_ls_with_a_stopped_daemon_shows_the_disk(daemon: Daemon,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    fastpersist.save(state(1), daemon.root / "step-1", daemon=daemon.address)
+    assert daemon.proc is not None
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        capsys.readouterr()
+        assert fpctl(["ls", str(daemon.root), "--daemon", daemon.address, "--json"]) == 0
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    out, err = capsys.readouterr()
+    assert [r["copies"] for r in json.loads(out)] == [["disk"]]
+    assert "copies in fastpersistd's memory not shown" in err and "not answering" in err

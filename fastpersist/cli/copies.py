@@ -7,16 +7,18 @@ checkpoint of that name: fastpersistd's --tier, where ROOT/REL is
 PREFIX/REL, or the URL given with --tier for the ROOT listed).
 
 The daemon and the store are asked once each (a MemoryCopy per
-checkpoint, one listing of the store); one that does not answer is
-warned about and its copies left out, never guessed. Torch-free.
+checkpoint, all within LOOKUP_TIMEOUT; one listing of the store); one that
+does not answer is warned about and its copies left out, never guessed.
+Torch-free.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DaemonUnavailableError
 from ..knobs import current as current_knobs
 from ._output import warn
 
@@ -64,8 +66,14 @@ def _ask_daemon(address: str, root: Path, names: list[str]
             if base.startswith(".."):
                 return held, {}, None  # not the daemon's: none of its copies
             rel = {n: n if base == "." else f"{base}/{n}" for n in names}
+            deadline = time.monotonic() + LOOKUP_TIMEOUT  # for all of them together
             for name, relpath in rel.items():
-                if client.memory_copy(relpath, LOOKUP_TIMEOUT).directory:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DaemonUnavailableError(f"fastpersistd at {address} did not answer "
+                                                 f"for {len(rel)} checkpoints within "
+                                                 f"{LOOKUP_TIMEOUT} s", "DEADLINE_EXCEEDED")
+                if client.memory_copy(relpath, left).directory:
                     held.add(name)
             counts = peer_copies(address, list(rel.values()))
             peers = {n: counts.get(relpath, 0) for n, relpath in rel.items()}
@@ -73,7 +81,7 @@ def _ask_daemon(address: str, root: Path, names: list[str]
             client.close()
     except CheckpointError as exc:
         warn(f"warning: copies in fastpersistd's memory not shown: {exc}")
-        return held, {}, None
+        return set(), {}, None
     if not info.tier_url:
         return held, peers, None
     url = TierURL.parse(info.tier_url)
