@@ -79,6 +79,7 @@ def load(
     like: Any = None,
     into: Any = None,
     daemon: str | None = None,
+    tier: str | None = None,
 ) -> Any:
     """Load the checkpoint at `path` and return an object equal to what was saved.
 
@@ -110,9 +111,17 @@ def load(
     memory (fastpersistd --memory-tier-count) is read from there, with the
     same checks, and from disk if the daemon is down, slow (2 s), holds no
     valid copy, or its copy fails a check (a RuntimeWarning says which).
+
+    Where the local copy is corrupt or gone (a node lost), the checkpoint is
+    read from the object store, with a RuntimeWarning, if the store holds
+    the same checkpoint: at `tier` ("s3://BUCKET/PREFIX/NAME", its URL
+    there), or else under the daemon's --tier (ROOT/REL at PREFIX/REL).
+    Copies are tried fastest first (memory, disk, peers, the store), each
+    verified; if all fail, the error lists each copy and why.
     """
-    return load_from(source_for(path, daemon=daemon), map_location, allow_pickle=allow_pickle,
-                     verify=verify, progress=progress, like=like, into=into)
+    return load_from(source_for(path, daemon=daemon, tier=tier), map_location,
+                     allow_pickle=allow_pickle, verify=verify, progress=progress, like=like,
+                     into=into)
 
 
 def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: bool = False,

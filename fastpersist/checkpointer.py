@@ -57,17 +57,19 @@ from .errors import (
     TierError,
 )
 from .knobs import current as current_knobs
-from .resume import Judge, Skipped, newest_local, not_found, problem, step_dirs
+from .resume import Judge, Skipped, newest_local, newest_stored, not_found, problem, step_dirs
 from .saving.futures import SaveFuture
 from .storage.local_path import checkpoint_path
-from .storage.retention import AfterCommit, apply_at
+from .storage.retention import LATEST, AfterCommit, apply_at
 from .tensors import packed
 from .tensors.factory import MapLocation
 
 if TYPE_CHECKING:
+    from .tier.client import S3
     from .tier.mirror import Mirror
     from .tier.upload import Uploaded
     from .tier.uploader import Job, TierStatus
+    from .tier.url import TierURL
 
 
 class Checkpointer:
@@ -253,10 +255,12 @@ class Checkpointer:
     def latest(self) -> Path | str | None:
         """The newest durable checkpoint, or None if there is none yet. With a
         tier, when no committed checkpoint is left under the root (a new
-        node), the newest one in the store: its s3:// URL (load_latest and
-        fastpersist.load take either). A newer checkpoint that cannot be used
-        is passed over with a warning and recorded in `skipped` (strict=True:
-        CorruptCheckpointError).
+        node), or when the step that ROOT/latest names is gone from here but
+        is in the store, that one in the store: its s3:// URL (load_latest and
+        fastpersist.load take either). load_latest reads a local checkpoint
+        that fails its checks from the store's copy, with a warning. A newer
+        checkpoint that cannot be used is passed over with a warning and
+        recorded in `skipped` (strict=True: CorruptCheckpointError).
         """
         judge = Judge(self.strict)
         try:
@@ -266,17 +270,45 @@ class Checkpointer:
 
     def _latest(self, judge: Judge, exclude: set[Path | str]) -> Path | str | None:
         local = newest_local(self.root, judge.usable, exclude)
-        if local is not None or self._mirror is None:
+        pointed = ""
+        if local is not None:
+            # Only a step that `latest` names and whose directory is gone (a
+            # node lost) is read from the store: one rolled back from is not.
+            try:
+                pointed = (self.root / LATEST).read_text().strip()
+            except OSError:
+                return local
+            if not pointed or (self.root / pointed).exists():
+                return local
+        store = self._store()
+        if store is None:
             return local
-        from .tier.remote import entries
+        try:
+            return newest_stored(*store, pointed, exclude) or local
+        except CheckpointError as exc:
+            if self._mirror is not None:
+                raise
+            # The daemon's store, not this Checkpointer's: looked at only for
+            # a step lost here, and a store that is down does not stop a start.
+            warnings.warn(f"{self.root}: cannot look for checkpoints in fastpersistd's "
+                          f"tier {store[1]}: {exc}", RuntimeWarning, stacklevel=3)
+            return local
 
-        found = [e for e in entries(self._mirror.s3, self._mirror.url)
-                 if e.committed and e.step is not None
-                 and str(self._mirror.url.child(e.name)) not in exclude]
-        if not found:
+    def _store(self) -> tuple[S3, TierURL] | None:
+        """Where the root's checkpoints are in an object store: this
+        Checkpointer's tier, or its daemon's --tier (ROOT/REL at PREFIX/REL)."""
+        if self._mirror is not None:
+            return self._mirror.s3, self._mirror.url
+        if not self._daemon:
             return None
-        newest = max(found, key=lambda e: (e.step, e.modified))
-        return str(self._mirror.url.child(newest.name))
+        from .loading.chain import NoCopy
+        from .loading.copies import daemon_tier
+        from .tier.client import client_for
+
+        try:
+            return client_for(None), daemon_tier(self._daemon, self.root)
+        except NoCopy:
+            return None
 
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         """Load latest(). A checkpoint whose load finds it corrupt (a checksum
@@ -300,9 +332,12 @@ class Checkpointer:
             self._skipped = judge.skipped
 
     def _load(self, path: Path | str, map_location: MapLocation, kwargs: dict[str, Any]) -> Any:
-        if isinstance(path, str) and self._mirror is not None:
+        if isinstance(path, str):  # the store's (latest() says when)
+            endpoint = self._mirror.s3.endpoint_url if self._mirror is not None else None
             return load_from_tier(path, map_location, allow_pickle=self.allow_pickle,
-                                  endpoint_url=self._mirror.s3.endpoint_url, **kwargs)
+                                  endpoint_url=endpoint, **kwargs)
+        if self._mirror is not None:  # the store's copy behind a corrupt local one
+            kwargs = {"tier": str(self._mirror.url.child(Path(path).name)), **kwargs}
         return load(path, map_location, allow_pickle=self.allow_pickle,
                     **{"daemon": self._daemon, **kwargs})
 

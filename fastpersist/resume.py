@@ -19,11 +19,16 @@ import os
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.manifest import MANIFEST_NAME
 from .storage.retention import LATEST, step_of
 from .tensors.committed import damage, read_manifest
+
+if TYPE_CHECKING:
+    from .tier.client import S3
+    from .tier.url import TierURL
 
 log = logging.getLogger("fastpersist.checkpointer")
 
@@ -129,6 +134,21 @@ def newest_local(root: Path, usable: Callable[[Path], bool],
     # No pointer, it names something gone or unusable: the highest usable step.
     return next((e for s, e in reversed(dirs)
                  if (named is None or e != named[1]) and usable(e)), None)
+
+
+def newest_stored(s3: S3, url: TierURL, name: str = "",
+                  exclude: Container[object] = ()) -> str | None:
+    """The URL of the newest step-N checkpoint committed in the store at
+    `url` (only `name`, if given), not in `exclude`; None if none."""
+    from .tier.remote import entries
+
+    found = [e for e in entries(s3, url)
+             if e.committed and e.step is not None and (not name or e.name == name)
+             and str(url.child(e.name)) not in exclude]
+    if not found:
+        return None
+    newest = max(found, key=lambda e: (e.step, e.modified))
+    return str(url.child(newest.name))
 
 
 def not_found(root: Path, skipped: list[Skipped], where: str = "") -> CheckpointNotFoundError:

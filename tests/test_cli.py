@@ -107,7 +107,8 @@ def test_ls_shows_committed_corrupt_and_leftover_states(
     rc, out, _ = run(capsys, "ls", str(root))
     assert rc == 0
     lines = {line.split()[0]: line for line in out.splitlines()[1:]}
-    assert out.splitlines()[0].split() == ["NAME", "SIZE", "TENSORS", "CREATED", "STATE"]
+    assert out.splitlines()[0].split() == ["NAME", "SIZE", "TENSORS", "CREATED", "COPIES",
+                                           "STATE"]
     assert set(lines) == {"step-100", "broken", dead.name, live.name, old.name, deleting.name}
     assert lines["step-100"].endswith("committed")
     assert " 7 " in lines["step-100"]  # seven stored tensors (the tied pair is one)
@@ -125,14 +126,15 @@ def test_ls_shows_committed_corrupt_and_leftover_states(
     assert [e["name"] for e in entries] == sorted(e["name"] for e in entries)
     for e in entries:
         assert set(e) == {"name", "path", "state", "bytes", "tensors", "created_unix",
-                          "latest"}
+                          "latest", "copies"}
     by_name = {e["name"]: e for e in entries}
     m = read_manifest(ckpt)
     assert by_name["step-100"] == {
         "name": "step-100", "path": str(ckpt), "state": "committed",
         "bytes": m.total_bytes, "tensors": 7, "created_unix": m.created_unix,
-        "latest": False,
+        "latest": False, "copies": ["disk"],
     }
+    assert by_name[dead.name]["copies"] == []
     assert by_name["broken"]["state"].startswith("corrupt: ")
     assert by_name[dead.name]["state"].endswith(", dead)")
 

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "and the leftovers of interrupted saves that `gc` would clean.")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.add_argument("--daemon", metavar="ADDR",
+                   help="COPIES: the fastpersistd whose memory (and --tier) to ask "
+                        "(default $FASTPERSIST_DAEMON; \"\": none)")
+    p.add_argument("--tier", metavar="URL",
+                   help="COPIES: the s3:// URL that ROOT is copied to (default: the "
+                        "daemon's --tier)")
     p.set_defaults(func="listing:cmd_ls")
 
     p = sub.add_parser("inspect", help="show a checkpoint's files and tensors",
@@ -98,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")
     p.add_argument("--allow-pickle", action="store_true",
                    help="unpickle pickled values in the checkpoint (only if you trust it)")
+    p.add_argument("--daemon", metavar="ADDR",
+                   help="read the copy in this fastpersistd's memory first, and its --tier "
+                        "last (default $FASTPERSIST_DAEMON; \"\": none)")
+    p.add_argument("--tier", metavar="URL",
+                   help="CKPT's s3:// URL in an object store: read there if the local copy "
+                        "is corrupt or gone")
     p.set_defaults(func="restoring:cmd_restore")
 
     p = sub.add_parser("gc", help="clean up after interrupted saves",

@@ -36,6 +36,8 @@ class Entry:
     tensors: int | None
     created_unix: float | None
     latest: bool = False  # named by its directory's `latest` pointer
+    # Where its copies are, fastest first: "memory", "disk", "peer", "s3" (copies.py)
+    copies: tuple[str, ...] = ()
 
 
 def _root(path: str) -> Path:
@@ -151,6 +153,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         entries = list_entries(root)
     except OSError as exc:
         raise os_error(exc, f"cannot list {root}") from exc
+    from .copies import copies
+
+    readable = [e.name for e in entries if e.created_unix is not None]  # a manifest here
+    where = copies(root, readable, daemon=args.daemon, tier=args.tier,
+                   endpoint_url=args.endpoint_url)
+    entries = [replace(e, copies=tuple(where.get(e.name, ()))) for e in entries]
     if args.json:
         print_json([asdict(e) for e in entries])
         return EXIT_OK
@@ -158,9 +166,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no checkpoints in {root}")
         return EXIT_OK
     rows = [[e.name, human_size(e.bytes), "-" if e.tensors is None else str(e.tensors),
-             local_time(e.created_unix), e.state + (", latest" if e.latest else "")]
+             local_time(e.created_unix), ",".join(e.copies) or "-",
+             e.state + (", latest" if e.latest else "")]
             for e in entries]
-    print_table(["NAME", "SIZE", "TENSORS", "CREATED", "STATE"], rows,
+    print_table(["NAME", "SIZE", "TENSORS", "CREATED", "COPIES", "STATE"], rows,
                 right=[False, True, True])
     return EXIT_OK
 

@@ -163,7 +163,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     _check_target(target, args.force)
     start = time.perf_counter()
     try:
-        source = source_for(args.ckpt)
+        source = source_for(args.ckpt, args.endpoint_url, daemon=args.daemon, tier=args.tier)
     except ValueError as exc:  # a malformed s3:// URL
         raise CheckpointError(str(exc)) from None
     total = source.manifest().tensor_bytes  # read once: the load below takes it

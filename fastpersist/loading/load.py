@@ -5,8 +5,9 @@ policy (refused before a tensor byte is read), pairing into= with the
 checkpoint, rebuilding a distributed checkpoint's tensors (like=,
 resharding), streaming to an accelerator where the source can, and
 decoding the tree. The Source reads and verifies the bytes: a local
-directory, the object store, or the daemon's memory (with the disk behind
-it: fallback.py); peers come next, as new sources chosen in source_for.
+directory, the object store, or a chain of a checkpoint's copies
+(chain.py: the daemon's memory, the disk, peers, the store, in the order
+copies.py gives them).
 """
 
 from __future__ import annotations
@@ -26,33 +27,32 @@ from ..tensors import into as into_state
 from ..tensors.factory import MapLocation, TensorFactory, target_device
 from ..tensors.source import LocalSource, Source
 from ..tier.url import is_tier_url
+from .chain import Chain
+from .copies import copies_for
 
 
 def source_for(path: str | os.PathLike[str], endpoint_url: str | None = None,
-               daemon: str | None = None) -> Source:
+               daemon: str | None = None, tier: str | None = None) -> Source:
     """Where the checkpoint at `path` is read from: an object store for
     "s3://BUCKET/PREFIX/NAME" (endpoint_url overrides the standard AWS
-    configuration's endpoint); else the memory of fastpersistd at `daemon`
-    (None: FASTPERSIST_DAEMON, if set; "": none) if it holds a valid copy
-    of the checkpoint (memory_read.find: a daemon that is down or slow is
-    given LOOKUP_TIMEOUT), the local directory behind it; else the local
-    directory."""
+    configuration's endpoint); else its copies, fastest first
+    (copies.py): the memory of fastpersistd at `daemon` (None:
+    FASTPERSIST_DAEMON, if set; "": none), the local directory, peers,
+    the object store (`tier`: the checkpoint's URL there; else the
+    daemon's tier), each read while it holds up (chain.py). Without a
+    daemon or a tier, the local directory alone."""
     if is_tier_url(path):
         from ..tensors.tier_read import TierSource
         from ..tier.client import client_for
         from ..tier.url import TierURL
 
         return TierSource(client_for(endpoint_url), TierURL.parse(str(path)))
-    local = LocalSource(checkpoint_path(path))
+    local = checkpoint_path(path)
     address = current_knobs().daemon if daemon is None else daemon
-    if address:
-        from ..tensors import memory_read
-        from .fallback import Fallback
-
-        memory, _ = memory_read.find(address, local.path)
-        if memory is not None:
-            return Fallback(memory, local, "fastpersistd's copy in memory")
-    return local
+    copies = copies_for(local, daemon=address or "", tier=tier, endpoint_url=endpoint_url)
+    if len(copies) == 1:
+        return LocalSource(local)
+    return Chain(str(local), copies)
 
 
 def load_from(source: Source, map_location: MapLocation = None, *, allow_pickle: bool = False,

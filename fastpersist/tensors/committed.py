@@ -47,6 +47,12 @@ def _not_found(path: Path) -> CheckpointNotFoundError:
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """The validated manifest of the checkpoint at `path`."""
+    return read_manifest_bytes(path)[0]
+
+
+def read_manifest_bytes(path: str | os.PathLike[str]) -> tuple[Manifest, bytes]:
+    """read_manifest, and the bytes it was read from (which copy is which
+    checkpoint: loading/chain.py)."""
     p = Path(path)
     manifest_path = p / MANIFEST_NAME
     if parse_leftover(p) is not None or not manifest_path.is_file():
@@ -59,7 +65,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         data = manifest_path.read_bytes()
     except OSError as exc:
         raise os_error(exc, f"cannot read {manifest_path}") from exc
-    return Manifest.from_json(data, str(p))
+    return Manifest.from_json(data, str(p)), data
 
 
 # Reads that report progress of compressed files, and verify's reads (to bound
@@ -146,4 +152,4 @@ def batches(items: list[tuple[int, TensorRecord]], limit: int
 
 
 __all__ = ["BATCH_BYTES", "FILES_IN_FLIGHT", "batches", "check_size", "damage", "read_errors",
-           "read_manifest", "records_by_file"]
+           "read_manifest", "read_manifest_bytes", "records_by_file"]

@@ -23,7 +23,7 @@ check_file and read_ranges read the files as LocalSource reads a
 directory, and a compressed record (the daemon keeps none) too.
 
 A copy may be evicted while it is read (a file gone: CorruptCheckpointError);
-loading.fallback reads the disk then, as for a corrupt copy.
+loading/chain.py reads the next copy then (the disk), as for a corrupt copy.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class MemorySource:
     the committed checkpoint at `path`, whose manifest is `manifest`."""
 
     def __init__(self, path: Path, copy: Path, manifest: Manifest,
-                 engine: Engine | None = None) -> None:
-        self.path, self.copy = path, copy
+                 engine: Engine | None = None, manifest_bytes: bytes = b"") -> None:
+        """manifest_bytes: what `manifest` was read from (the committed one's)."""
+        self.path, self.copy, self.manifest_bytes = path, copy, manifest_bytes
         self._files = LocalSource(copy, engine, manifest)
         self._engine = engine or get_engine()
 
@@ -178,7 +179,8 @@ def find(address: str, path: Path, timeout: float = LOOKUP_TIMEOUT
         manifest = Manifest.from_json(here, str(path))
     except ManifestError as exc:
         return None, str(exc)
-    return MemorySource(path, Path(knobs.shm_dir()) / reply.directory, manifest), ""
+    return MemorySource(path, Path(knobs.shm_dir()) / reply.directory, manifest,
+                        manifest_bytes=reply.manifest), ""
 
 
 def _manifest_bytes(path: Path) -> bytes | None:

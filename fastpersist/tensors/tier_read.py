@@ -155,9 +155,10 @@ class TierSource:
     """The checkpoint at `url` in an object store (tensors/source.py's Source):
     ranged GETs, in parallel, straight into the tensors' memory."""
 
-    def __init__(self, s3: S3, url: TierURL) -> None:
+    def __init__(self, s3: S3, url: TierURL, manifest: Manifest | None = None) -> None:
+        """manifest: the checkpoint's, where it was read already."""
         self.s3, self.url = s3, url
-        self._manifest: Manifest | None = None
+        self._manifest = manifest
         self._sizes: dict[str, int] | None = None
 
     @property

@@ -1,0 +1,129 @@
+"""Where the copies of a checkpoint are, fastest first: the one place that
+orders them (chain.py reads them in this order).
+
+1. fastpersistd's memory, if a daemon is configured and holds a valid copy
+   (memory_read.find: a daemon that is down or slow costs LOOKUP_TIMEOUT);
+2. the local disk, the checkpoint of record when it is there;
+3. peers: peer_sources() below, where PeerSource plugs in;
+4. the object store: the checkpoint's URL given (tier=: Checkpointer(tier=)
+   maps ROOT/step-N to TIER/step-N), or else the daemon's tier
+   (fastpersistd --tier, InfoResponse.tier_url), where ROOT/REL is
+   PREFIX/REL (daemon/tiering.py). The daemon is asked for its tier only
+   when the copies before it failed; the store's client is configured the
+   standard AWS way (endpoint_url overrides the endpoint).
+
+A node whose directory is gone (lost, replaced) reads the store: the disk
+fails as not found, with a warning, and the store's copy is read.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from ..errors import CheckpointError
+from ..format.bounds import MAX_MANIFEST_BYTES
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..tensors.committed import read_manifest_bytes
+from ..tensors.source import LocalSource, Source
+from ..tier.url import TierURL
+from .chain import Copy, NoCopy, Opened, identity_of
+
+DISK = "disk"
+
+
+def peer_sources(path: Path, daemon: str | None) -> list[Source]:
+    """The copies of the checkpoint at `path` that peer daemons hold, to be
+    tried after the local disk and before the object store, in order.
+
+    This is where tensors/peer_read.PeerSource plugs in: return one for
+    each peer that the daemon at `daemon` (None: no daemon) knows to hold
+    the checkpoint. A source with a `manifest_bytes` attribute (the bytes
+    its manifest was read from, as MemorySource has) is compared with the
+    checkpoint of record byte for byte; without it, by the parsed manifest.
+    None yet: peer replication is being built."""
+    return []
+
+
+def copies_for(path: Path, *, daemon: str, tier: str | None = None,
+               endpoint_url: str | None = None) -> list[Copy]:
+    """The copies of the checkpoint at `path` (absolute), fastest first;
+    daemon: its address ("" for none); tier: the checkpoint's URL in a
+    store, if known."""
+    copies = []
+    if daemon:
+        from ..tensors import memory_read
+
+        memory, _ = memory_read.find(daemon, path)
+        if memory is not None:
+            copies.append(Copy("fastpersistd's copy in memory", "memory",
+                               functools.partial(_opened, memory)))
+    copies.append(Copy(DISK, DISK, functools.partial(_disk, path)))
+    for peer in peer_sources(path, daemon or None):
+        copies.append(Copy(f"the copy on peer {peer.where}", "peer",
+                           functools.partial(_opened, peer)))
+    if tier is not None:
+        copies.append(Copy(f"the object store's copy {tier}", "s3",
+                           functools.partial(_store, TierURL.parse(tier), endpoint_url)))
+    elif daemon:
+        copies.append(Copy("the object store's copy (fastpersistd's tier)", "s3",
+                           functools.partial(_daemon_store, daemon, path, endpoint_url)))
+    return copies
+
+
+def _opened(source: Source) -> Opened:
+    data = getattr(source, "manifest_bytes", b"")
+    return Opened(source, identity_of(data) if data else frozenset())
+
+
+def _disk(path: Path) -> Opened:
+    manifest, data = read_manifest_bytes(path)
+    return Opened(LocalSource(path, manifest=manifest), identity_of(data))
+
+
+def daemon_tier(daemon: str, path: Path) -> TierURL:
+    """The URL under which fastpersistd's tier keeps the checkpoint at
+    `path` (ROOT/REL: PREFIX/REL); NoCopy if the daemon has no tier or
+    cannot be asked."""
+    from ..protocol.client import DaemonClient
+    from ..tensors.memory_read import LOOKUP_TIMEOUT
+
+    try:
+        client = DaemonClient(daemon)
+        try:
+            info = client.info(cached=True, timeout=LOOKUP_TIMEOUT)
+            relative = client.relative(path)
+        finally:
+            client.close()
+    except CheckpointError as exc:
+        raise NoCopy(f"cannot ask fastpersistd for its tier: {exc}") from None
+    if not info.tier_url:
+        raise NoCopy(f"fastpersistd at {daemon} has no --tier")
+    try:
+        return TierURL.parse(info.tier_url).child(relative)
+    except ValueError as exc:
+        raise NoCopy(f"fastpersistd's tier cannot name {relative}: {exc}") from None
+
+
+def _daemon_store(daemon: str, path: Path, endpoint_url: str | None) -> Opened:
+    return _store(daemon_tier(daemon, path), endpoint_url)
+
+
+def _store(url: TierURL, endpoint_url: str | None) -> Opened:
+    from ..tensors.tier_read import TierSource
+    from ..tier.client import client_for
+    from ..tier.upload import SOURCE_KEY
+
+    s3 = client_for(endpoint_url)
+    got = s3.get_with_metadata(url, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    if got is None:  # not there: the error of the copies before it stands
+        raise NoCopy(f"no checkpoint at {url}: it has no {MANIFEST_NAME} (not uploaded, or "
+                     "its upload has not finished)")
+    data, metadata = got
+    made_from = metadata.get(SOURCE_KEY)
+    manifest = Manifest.from_json(data, str(url))
+    return Opened(TierSource(s3, url, manifest),
+                  identity_of(data, *([made_from] if made_from else [])))
+
+
+__all__ = ["DISK", "copies_for", "daemon_tier", "peer_sources"]
