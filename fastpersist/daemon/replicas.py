@@ -15,7 +15,8 @@ older one.
 
 Budget: --replica-bytes for all replicas, complete and arriving. A replica's
 size is reserved from its header; the oldest complete replicas are evicted
-to make room (before a byte of the new one is written); what does not fit
+to make room (before a byte of the new one is written), the one of the
+same (node, path) that the new one will replace first; what does not fit
 beside the replicas still arriving is refused (RESOURCE_EXHAUSTED), as is
 every replica when the budget is 0. A replica's files are only unlinked,
 never rewritten: a ReadReplica that opened them before an eviction reads
@@ -163,6 +164,11 @@ class ReplicaStore:
                 raise RequestError("RESOURCE_EXHAUSTED",
                                    f"a replica of {r.size} bytes is over --replica-bytes "
                                    f"({self.budget})")
+            # The replica this one replaces goes first: it is of a checkpoint
+            # its node has replaced already.
+            if self._used + r.size > self.budget and r.key in self._held:
+                victims.append(self._held.pop(r.key))
+                self._used -= victims[-1].size
             while self._used + r.size > self.budget and self._held:
                 victims.append(self._held.popitem(last=False)[1])
                 self._used -= victims[-1].size
