@@ -193,7 +193,8 @@ class ReplicaStore:
 
         skip_empty()
         for chunk in chunks:
-            n = len(chunk.data)
+            data = chunk.data  # each access copies the bytes
+            n = len(data)
             if index >= len(order):
                 raise invalid("a replica's chunks go past its last file")
             name, size = order[index]
@@ -201,13 +202,13 @@ class ReplicaStore:
                     or offset + n > size:
                 raise invalid(f"replica {r.path[:80]!r}: expected file {index} at {offset}, "
                               f"got file {chunk.file} at {chunk.offset} ({n} bytes)")
-            if crc32c(chunk.data) != chunk.crc32c:
+            if crc32c(data) != chunk.crc32c:
                 self.metrics.replication_failures.labels(reason="received-crc").inc()
                 raise RequestError("DATA_LOSS", f"replica {r.path[:80]!r}: file {name} at "
                                                 f"{offset}: the chunk's CRC32C does not match")
             fd = r.fds.get(name) if offset else self._open_file(r, name)
             assert fd is not None
-            os.pwrite(fd, chunk.data, offset)
+            os.pwrite(fd, data, offset)
             offset += n
             r.received += n
             self.metrics.replication_bytes.labels(direction="received").inc(n)

@@ -252,19 +252,20 @@ class PeerSource:
         crcs = [0] * len(segments)
         try:
             for chunk in client.stub.ReadReplica(request, timeout=self.timeout):
-                i, n = chunk.file, len(chunk.data)
+                data = chunk.data  # each access copies the bytes
+                i, n = chunk.file, len(data)
                 if i >= len(segments) or chunk.offset != segments[i][1] + got[i] \
                         or got[i] + n > segments[i][0].nbytes:
                     raise CorruptCheckpointError(
                         f"{self.where}: {name}: the peer sent bytes out of order (range {i} "
                         f"at {chunk.offset})")
-                crc = crc32c(chunk.data)
+                crc = crc32c(data)
                 if crc != chunk.crc32c:
                     raise ChecksumMismatchError(
                         f"{self.where}: {name} at {chunk.offset}: a chunk's CRC32C "
                         f"{crc:#010x} is not the one sent with it ({chunk.crc32c:#010x})",
                         file=name, tensor="<chunk>")
-                segments[i][0][got[i]:got[i] + n] = chunk.data
+                segments[i][0][got[i]:got[i] + n] = data
                 crcs[i] = crc32c_combine(crcs[i], crc, n) if got[i] else crc
                 got[i] += n
         except grpc.RpcError as exc:
