@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import tls_support
 import torch
 from daemon_raw import close_remote_savers
 from grpc import StatusCode as Code
@@ -25,6 +26,7 @@ from peer_support import MIB, Node, PeerGroup, chunks, flip_byte, header_of, wai
 import fastpersist
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
+from fastpersist.daemon import peers
 from fastpersist.errors import ChecksumMismatchError
 from fastpersist.format.manifest import MANIFEST_NAME, Manifest
 from fastpersist.loading.load import load_from
@@ -202,6 +204,7 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from peer_support import chunks, header_of
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
+from fastpersist.daemon import peers
 header, blobs = header_of(Path({ck!r}))
 def messages():
     for i, m in enumerate(chunks(header, blobs, size=256 << 10)):
@@ -243,11 +246,12 @@ def test_a_stream_cut_off_leaves_no_visible_replica(
 
 
 @pytest.mark.slow
-def test_a_stopped_peer_does_not_block_a_save(
+def test_a_stopped_or_dead_peer_does_not_block_a_save(
         group: PeerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
     stuck = group.add("n1", "b", "--replica-bytes", "64M")
     live = group.add("n2", "b", "--replica-bytes", "64M")
-    sender = group.add("n0", "a", "--replicas", "1", peers=[stuck, live])
+    dead = f"127.0.0.1:{tls_support.free_port()}"  # nobody listens
+    sender = group.add("n0", "a", "--replicas", "1", "--peer", dead, peers=[stuck, live])
     assert stuck.daemon.proc is not None
     stuck.daemon.proc.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
     try:
@@ -278,3 +282,37 @@ def test_the_oldest_replica_is_evicted_and_a_newer_one_replaces_its_path(
     source, why = peer_read.find([holder.address], "step-3")
     assert source is not None, why
     assert_same(load_from(source), state_of(33))
+
+
+@pytest.mark.slow
+def test_peers_from_dns(group: PeerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--peers-dns NAME:PORT: every A record of NAME is a peer, its certificate
+    checked for NAME (the test certificate's is localhost)."""
+    holder = group.add("n1", "b", "--replica-bytes", "64M")
+    sender = group.add("n0", "a", "--replicas", "1", "--peers-dns", f"localhost:{holder.port}")
+    save(sender, "step-1", state_of(11), monkeypatch)
+    assert replicated(sender, "step-1")["peers"] == ["n1"]
+    assert holder.complete() == [("n0", "step-1")]
+    assert list(sender.daemon.client().info().peers) == [holder.target]
+
+
+def test_the_rate_limit_spaces_the_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--replication-rate: a token bucket of one second's bytes (a fake clock)."""
+    now = [100.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    monkeypatch.setattr(peers.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(peers.time, "sleep", sleep)
+    bucket = peers.TokenBucket(4 * MIB)
+    for _ in range(4):
+        bucket.take(MIB)  # the first second's burst
+    assert slept == []
+    for _ in range(8):
+        bucket.take(MIB)
+    assert sum(slept) == pytest.approx(2.0)
+    peers.TokenBucket(0).take(1 << 40)  # unlimited
+    assert sum(slept) == pytest.approx(2.0)

@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser, size: Callable[[str], int]) -> Non
                    help="a peer daemon's --listen address to replicate to (repeatable)")
     g.add_argument("--peers-dns", type=host_port, metavar="NAME:PORT",
                    help="peers from DNS: every A record of NAME (a Kubernetes headless "
-                        "service), less this node's addresses, resolved at every round; "
-                        "their certificates are checked for NAME")
+                        "service) but this node (told by its --node-name), resolved at every "
+                        "round; their certificates are checked for NAME")
     g.add_argument("--replicas", type=int, default=0, metavar="R",
                    help="send every committed checkpoint (this node's files of it) to R "
                         "peers, outside this node's failure domain first (default 0: off)")

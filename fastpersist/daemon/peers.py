@@ -1,15 +1,16 @@
 """Who this daemon replicates to, and how it reaches them (replication.py sends).
 
 Peers come from --peer HOST:PORT (repeatable) and from --peers-dns NAME:PORT,
-a Kubernetes headless service whose A records are the DaemonSet's pods,
-resolved again at every replication round, less this node's own addresses.
+a Kubernetes headless service whose A records are the DaemonSet's pods (this
+one's among them), resolved again at every replication round.
 A peer is reached the only way fastpersistd serves TCP (transport.py): TLS,
 verified against --peer-tls-ca (default: the system's CAs), and the bearer
 token of --token-file (the peers of one job share it). A DNS peer's
 certificate is checked for NAME, the name the service's pods share. Before
 sending, the sender asks each peer's Info for its node name, failure domain
-and job: itself (a DNS record of its own pod) and a peer of another job are
-left out.
+and job: itself (its own pod's record: the same --node-name, which is how
+"minus self" is decided, whatever address reaches it) and a peer of another
+job are left out.
 
 The rate limit is a token bucket over all sends together: replication
 uses at most --replication-rate bytes a second of the node's network, so that
@@ -56,16 +57,6 @@ class Peer:
     domain: str
 
 
-def _own_addresses() -> set[str]:
-    own = {"127.0.0.1"}
-    try:
-        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-            own.add(str(info[4][0]))
-    except OSError:
-        pass
-    return own
-
-
 def resolve(settings: PeerSettings) -> list[tuple[str, str]]:
     """(target, TLS name override or "") of every configured peer, now."""
     out = [(t, "") for t in settings.static]
@@ -75,8 +66,7 @@ def resolve(settings: PeerSettings) -> list[tuple[str, str]]:
             infos = socket.getaddrinfo(name, int(port), socket.AF_INET, socket.SOCK_STREAM)
         except OSError:
             infos = []
-        own = _own_addresses()
-        for ip in sorted({str(i[4][0]) for i in infos} - own):
+        for ip in sorted({str(i[4][0]) for i in infos}):
             out.append((f"{ip}:{port}", name))
     return out
 
