@@ -72,15 +72,17 @@ class PeerGroup:
         self.nodes: list[Node] = []
 
     def add(self, name: str, domain: str, *args: str, peers: Sequence[Node] = (),
-            job: str = "job-1", token: Path | None = None, start: bool = True) -> Node:
+            job: str = "job-1", token: Path | None = None, start: bool = True,
+            root: Path | None = None) -> Node:
         port = tls_support.free_port()
+        (self.tmp / name).mkdir(parents=True, exist_ok=True)
         peer_args = [a for p in peers for a in ("--peer", p.target)]
         daemon = Daemon(self.tmp / name, "--listen", f"127.0.0.1:{port}",
                         "--tls-cert", str(self.files["cert"]), "--tls-key", str(self.files["key"]),
                         "--token-file", str(token or self.files["token"]),
                         "--peer-tls-ca", str(self.files["cert"]),
                         "--node-name", name, "--failure-domain", domain, "--job", job,
-                        *peer_args, *args)
+                        *peer_args, *args, root=root)
         node = Node(daemon, name, port, self.files)
         self.nodes.append(node)
         if start:

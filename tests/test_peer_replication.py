@@ -316,3 +316,41 @@ def test_the_rate_limit_spaces_the_sends(monkeypatch: pytest.MonkeyPatch) -> Non
     assert sum(slept) == pytest.approx(2.0)
     peers.TokenBucket(0).take(1 << 40)  # unlimited
     assert sum(slept) == pytest.approx(2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+def test_each_node_replicates_its_own_files_of_a_node_local_job(
+        group: PeerGroup, tmp_path: Path) -> None:
+    """A node-local job on nodes a and b (two gloo ranks each, through each node's
+    daemon): rank 0's node commits its part, b publishes its prepared part; each
+    daemon sends its own node's files, which the holder keeps as (node, path)."""
+    from dist_support import ok, run_job
+
+    holder = group.add("c", "rack-c", "--replica-bytes", "256M")
+    nodes = {n: group.add(n, f"rack-{n}", "--replicas", "1", peers=[holder],
+                          root=tmp_path / "disks" / n) for n in ("a", "b")}
+    env = {n: {"FASTPERSIST_DAEMON": d.daemon.address,
+               "FASTPERSIST_SHM_DIR": str(d.daemon.shm_dir)} for n, d in nodes.items()}
+    ok(run_job(tmp_path, "save", ["a", "a", "b", "b"],
+               {"path": str(tmp_path / "disks" / "{node}" / "ckpt"), "node_local": True},
+               env_by_node=env))
+    for node in nodes.values():
+        replicated(node, "ckpt")
+    held = {r.node: r for r in peer_read.replicas(holder.address) if r.complete}
+    assert sorted(held) == ["a", "b"]
+    for n, node in nodes.items():
+        ck = node.daemon.root / "ckpt"
+        manifest = Manifest.from_json((ck / MANIFEST_NAME).read_bytes(), str(ck))
+        mine = {f.name: f.size for f in manifest.files if f.node == n}
+        assert mine and dict(held[n].files) == mine
+        assert held[n].manifest == (ck / MANIFEST_NAME).read_bytes()
+        source = peer_read.PeerSource(held[n])
+        for f in manifest.files:
+            if f.node != n:
+                with pytest.raises(fastpersist.CheckpointError, match="holds no data file"):
+                    source.check_file(f)
+                continue
+            buf = bytearray(f.size)
+            source.read_ranges(f, [(memoryview(buf), 0)], checksum=False)
+            assert bytes(buf) == (ck / f.name).read_bytes()
