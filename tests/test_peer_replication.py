@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +73,13 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    return {name: float(value) for name, _, value in
+            (line.rpartition(" ") for line in text.decode().splitlines())
+            if name and not name.startswith("#")}
+
+
 def replicated(sender: Node, path: str, copies: int = 1) -> dict[str, object]:
     return wait_for(f"{path} replicated", lambda: next(
         (e for e in sender.daemon.events("replicated") if e["path"] == path
@@ -81,13 +89,28 @@ def replicated(sender: Node, path: str, copies: int = 1) -> dict[str, object]:
 @pytest.mark.slow
 def test_replicates_to_r_peers_outside_the_failure_domain_first(
         group: PeerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    ports = [tls_support.free_port() for _ in range(2)]
     same = group.add("n1", "rack-a", "--replica-bytes", "64M")
-    other_b = group.add("n2", "rack-b", "--replica-bytes", "64M")
+    other_b = group.add("n2", "rack-b", "--replica-bytes", "64M",
+                        "--metrics-listen", f"127.0.0.1:{ports[1]}")
     other_c = group.add("n3", "rack-c", "--replica-bytes", "64M")
-    sender = group.add("n0", "rack-a", "--replicas", "2", peers=[same, other_b, other_c])
+    sender = group.add("n0", "rack-a", "--replicas", "2", "--metrics-listen",
+                       f"127.0.0.1:{ports[0]}", peers=[same, other_b, other_c])
     save(sender, "step-1", state_of(1), monkeypatch)
     event = replicated(sender, "step-1", 2)
     assert sorted(event["peers"]) == ["n2", "n3"]  # type: ignore[arg-type]
+    size = sum(p.stat().st_size for p in (sender.daemon.root / "step-1").glob("data-*"))
+    sent, received = metrics(ports[0]), metrics(ports[1])
+    assert sent['fastpersist_replication_bytes_total{direction="sent"}'] == 2 * size
+    assert received['fastpersist_replication_bytes_total{direction="received"}'] == size
+    assert sent["fastpersist_replication_lag_seconds_count"] == 1
+    assert sent["fastpersist_replication_lag_seconds_sum"] > 0
+    assert sent['fastpersist_replication_copies_bucket{le="1.0"}'] == 0
+    assert sent['fastpersist_replication_copies_bucket{le="2.0"}'] == 1
+    assert sent["fastpersist_replication_same_domain_total"] == 0
+    assert sent["fastpersist_replication_pending"] == 0
+    assert received["fastpersist_replica_bytes"] == size
+    assert received["fastpersist_replicas_held"] == 1
     assert other_b.complete() == other_c.complete() == [("n0", "step-1")]
     assert same.replicas() == []
     assert not sender.daemon.events("replication-same-domain")

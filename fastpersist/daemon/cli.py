@@ -326,12 +326,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if tier is not None:
         _step(metrics, "queue the checkpoints to upload", tier.start)
     own = own_memory(args.write_concurrency, args.max_streams)
-    tier_bytes = memory.budget if memory.enabled else 0
+    # tmpfs charges the memory tier's and the replicas' pages to the daemon's cgroup.
+    tier_bytes = (memory.budget if memory.enabled else 0) + args.replica_bytes
     limit = cgroup_memory_limit()
     if limit is not None and sum(own.values()) + tier_bytes > limit:
         logs.warning("memory-over-limit", bound=sum(own.values()) + tier_bytes, limit=limit,
-                     **own, memory_tier=tier_bytes,
-                     hint="lower --memory-tier-bytes, --max-streams, --write-concurrency or "
+                     **own, memory_tier=tier_bytes - args.replica_bytes,
+                     replicas=args.replica_bytes,
+                     hint="lower --memory-tier-bytes, --replica-bytes, --max-streams, "
+                          "--write-concurrency or "
                           "FASTPERSIST_BLOCK_SIZE")
     peering = peer_flags.build(args, root, metrics)
     service.after_commits.replicator = peering[2]

@@ -66,7 +66,8 @@ class Replicator:
         self._pending: dict[str, Pending] = {}
         self._stop = False
         self._peers: list[str] = [t for t, _ in peers.resolve(settings)]
-        self._senders = ThreadPoolExecutor(max(1, settings.replicas),
+        # Sends (R at a time) and Info calls to every peer (all at once).
+        self._senders = ThreadPoolExecutor(max(8, settings.replicas),
                                            thread_name_prefix="fpd-replicate")
         self._thread = threading.Thread(target=self._run, name="fpd-replication", daemon=True)
 
@@ -174,8 +175,9 @@ class Replicator:
         resolved = peers.resolve(self.settings)
         with self._cond:
             self._peers = [t for t, _ in resolved]
-        for target, override in resolved:
-            peer, why = peers.identify(self.settings, target, override)
+        # At once: a peer that is down costs a round peers.INFO_TIMEOUT, not one each.
+        answers = list(self._senders.map(lambda t: peers.identify(self.settings, *t), resolved))
+        for peer, why in answers:
             if peer is None:
                 logs.info("replication-peer-skipped", path=p.relpath, reason=why)
             elif peer.node not in p.done and all(q.node != peer.node for q in found):
