@@ -9,6 +9,7 @@ replica with every CRC32C checked.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from peer_support import MIB, Node, PeerGroup, chunks, flip_byte, header_of, wai
 import fastpersist
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
+from fastpersist.cli import main as fpctl
 from fastpersist.daemon import peers
 from fastpersist.errors import ChecksumMismatchError
 from fastpersist.format.manifest import MANIFEST_NAME, Manifest
@@ -88,7 +90,8 @@ def replicated(sender: Node, path: str, copies: int = 1) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_replicates_to_r_peers_outside_the_failure_domain_first(
-        group: PeerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+        group: PeerGroup, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     ports = [tls_support.free_port() for _ in range(2)]
     same = group.add("n1", "rack-a", "--replica-bytes", "64M")
     other_b = group.add("n2", "rack-b", "--replica-bytes", "64M",
@@ -120,6 +123,11 @@ def test_replicates_to_r_peers_outside_the_failure_domain_first(
     assert sorted(info.peers) == sorted([same.target, other_b.target, other_c.target])
     held = other_b.daemon.client().info()
     assert held.replicas_held == 1 and held.replica_bytes > MIB
+    monkeypatch.setenv("FASTPERSIST_DAEMON", other_b.daemon.address)
+    assert fpctl(["daemon", "status", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["replication"]
+    assert (shown["node"], shown["failure_domain"], shown["held"], shown["held_bytes"]) == (
+        "n2", "rack-b", 1, size)
 
     # With one other rack down, the second copy goes to the sender's own rack, and says so.
     other_c.daemon.kill()
@@ -227,6 +235,7 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from peer_support import chunks, header_of
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
+from fastpersist.cli import main as fpctl
 from fastpersist.daemon import peers
 header, blobs = header_of(Path({ck!r}))
 def messages():
