@@ -386,3 +386,23 @@ def test_each_node_replicates_its_own_files_of_a_node_local_job(
             buf = bytearray(f.size)
             source.read_ranges(f, [(memoryview(buf), 0)], checksum=False)
             assert bytes(buf) == (ck / f.name).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_rotted_on_the_senders_disk_is_not_sent(
+        group: PeerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every span a CRC32C covers is checked as it is read for sending: a
+    peer never holds a replica of bytes that do not match their manifest."""
+    holder = group.add("n1", "b", "--replica-bytes", "64M", start=False)  # down for now
+    sender = group.add("n0", "a", "--replicas", "1", peers=[holder])
+    ck = save(sender, "step-1", state_of(12), monkeypatch)
+    wait_for("a round short of its copy", lambda: sender.daemon.events("replication-short"))
+    manifest = Manifest.from_json((ck / MANIFEST_NAME).read_bytes(), "m")
+    w = next(t for t in manifest.tensors if t.name == "w")
+    flip_byte(ck / w.file, w.offset + 12345)
+    holder.daemon.start()
+    (event,) = wait_for("the corruption found", lambda: sender.daemon.events(
+        "replication-corrupt"), timeout=90)
+    assert (event["file"], event["tensor"]) == (w.file, "w")
+    assert holder.replicas() == [] and holder.replica_dirs() == []
+    assert not sender.daemon.events("replicated")

@@ -13,6 +13,9 @@ not finish within --replication-timeout is given up for this round and the
 next one in order is tried; a round that ends with fewer than R copies is
 tried again after a backoff (1 s, doubling, MAX_ROUNDS rounds), sending only
 to peers that do not hold it yet; then it is given up (logged, counted).
+Every span the manifest has a CRC32C for (header, tensors, frames) is
+checked as it is read for sending (tier/checked.py): a checkpoint that
+rotted on this disk is never sent (`replication-corrupt`, given up).
 A newer checkpoint committed at the same path takes the older one's place in
 the queue. What is queued is lost with the daemon: replication is a copy for
 speed, the disk (and the object store) remain the durable ones.
@@ -36,13 +39,17 @@ from .._proto import fastpersist_pb2_grpc as pb_grpc
 from ..checksum import crc32c
 from ..errors import ManifestError
 from ..format.bounds import MAX_MANIFEST_BYTES
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ..storage import dirs
+from ..tier.checked import CheckedFile, LocalCorruption
 from . import logs, peers
 from .metrics import Metrics
 from .paths import PathError
 from .peers import Peer, PeerSettings, TokenBucket
 from .rootfs import Root
+
+# A data file to send: its descriptor, record and the records of its tensors.
+File = tuple[int, FileRecord, list[TensorRecord]]
 
 CHUNK = 4 << 20
 MAX_ROUNDS = 6
@@ -112,6 +119,11 @@ class Replicator:
         while (p := self._next()) is not None:
             try:
                 finished = self._round(p)
+            except LocalCorruption as exc:  # never sent: a peer must not hold rot
+                logs.error("replication-corrupt", path=p.relpath, file=exc.file,
+                           tensor=exc.tensor, error=str(exc))
+                self.metrics.replication_failures.labels(reason="local-corrupt").inc()
+                finished = True
             except Exception as exc:  # never dies: logged, counted, given up
                 logs.error("replication-failed", path=p.relpath, error=repr(exc))
                 self.metrics.replication_failures.labels(reason="error").inc()
@@ -158,7 +170,7 @@ class Replicator:
                                          reason="too few peers outside this failure domain")
                             self.metrics.replication_same_domain.inc()
         finally:
-            for fd, _ in fds:
+            for fd, _, _ in fds:
                 os.close(fd)
         if need > 0:
             logs.warning("replication-short", path=p.relpath, copies=len(p.done),
@@ -184,7 +196,7 @@ class Replicator:
                 found.append(peer)
         return found
 
-    def _open(self, relpath: str) -> tuple[pb.ReplicaHeader, list[tuple[int, int]]] | None:
+    def _open(self, relpath: str) -> tuple[pb.ReplicaHeader, list[File]] | None:
         """The header and (descriptor, size) of each data file to send; None
         when the checkpoint is gone (deleted, replaced by a directory...)."""
         parts = relpath.split("/")
@@ -203,7 +215,7 @@ class Replicator:
             header = pb.ReplicaHeader(job=self.settings.job, node=self.settings.node,
                                       failure_domain=self.settings.domain, path=relpath,
                                       manifest=data, committed_unix=time.time())
-            fds: list[tuple[int, int]] = []
+            fds: list[File] = []
             try:
                 for f in manifest.files:
                     try:
@@ -213,10 +225,10 @@ class Replicator:
                         if f.node is not None:
                             continue  # another node's file of a node-local checkpoint
                         raise
-                    fds.append((file_fd, f.size))
+                    fds.append((file_fd, f, [t for t in manifest.tensors if t.file == f.name]))
                     header.files.add(name=f.name, size=f.size)
             except BaseException:
-                for file_fd, _ in fds:
+                for file_fd, _, _ in fds:
                     os.close(file_fd)
                 raise
         except (OSError, ManifestError) as exc:
@@ -227,13 +239,16 @@ class Replicator:
             os.close(fd)
         return header, fds
 
-    def _send(self, peer: Peer, header: pb.ReplicaHeader, fds: list[tuple[int, int]]) -> bool:
+    def _send(self, peer: Peer, header: pb.ReplicaHeader, fds: list[File]) -> bool:
         ch = peers.channel(self.settings, peer.target)
+        rot: list[LocalCorruption] = []
         try:
             stub = pb_grpc.FastPersistStub(ch)  # type: ignore[no-untyped-call]
-            stub.Replicate(self._chunks(header, fds), timeout=self.settings.timeout)
+            stub.Replicate(self._chunks(header, fds, rot), timeout=self.settings.timeout)
             return True
         except grpc.RpcError as exc:
+            if rot:  # gRPC cancelled the call for it: the reason is ours
+                raise rot[0] from None
             logs.warning("replication-attempt-failed", path=header.path, peer=peer.target,
                          code=exc.code().name, error=(exc.details() or "")[:500])
             self.metrics.replication_failures.labels(reason="attempt").inc()
@@ -241,19 +256,24 @@ class Replicator:
         finally:
             ch.close()
 
-    def _chunks(self, header: pb.ReplicaHeader, fds: list[tuple[int, int]]
+    def _chunks(self, header: pb.ReplicaHeader, fds: list[File], rot: list[LocalCorruption]
                 ) -> Iterator[pb.ReplicaChunk]:
+        """The header, then each file in order, every span a CRC32C covers
+        checked against the manifest as it is read (tier/checked.py: a file
+        that rotted on this disk is not sent)."""
         yield pb.ReplicaChunk(header=header)
-        for index, (fd, size) in enumerate(fds):
-            offset = 0
-            while offset < size:
-                n = min(CHUNK, size - offset)
-                data = os.pread(fd, n, offset)
-                if len(data) != n:
-                    raise OSError(f"{header.path}: {header.files[index].name} is shorter "
-                                  f"than its manifest says")
-                self.bucket.take(n)
-                yield pb.ReplicaChunk(data=pb.ReplicaData(file=index, offset=offset, data=data,
-                                                          crc32c=crc32c(data)))
-                self.metrics.replication_bytes.labels(direction="sent").inc(n)
-                offset += n
+        for index, (fd, f, records) in enumerate(fds):
+            try:
+                checked = CheckedFile(fd, f, records, header.path)
+                offset = 0
+                while offset < f.size:
+                    n = min(CHUNK, f.size - offset)
+                    data = bytes(checked.read(offset, n))
+                    self.bucket.take(n)
+                    yield pb.ReplicaChunk(data=pb.ReplicaData(file=index, offset=offset,
+                                                              data=data, crc32c=crc32c(data)))
+                    self.metrics.replication_bytes.labels(direction="sent").inc(n)
+                    offset += n
+            except LocalCorruption as exc:
+                rot.append(exc)
+                raise
