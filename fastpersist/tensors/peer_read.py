@@ -44,8 +44,10 @@ from ..checksum import crc32c, crc32c_combine
 from ..engine import Segment
 from ..errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    DaemonUnavailableError,
     ManifestError,
     TruncatedFileError,
 )
@@ -111,23 +113,73 @@ def find(addresses: Sequence[str], path: str, node: str | None = None,
     return PeerSource(max(found, key=lambda r: r.committed_unix)), ""
 
 
+def find_job(addresses: Sequence[str], path: str, timeout: float = LOOKUP_TIMEOUT
+             ) -> tuple[PeerSource | None, str]:
+    """A PeerSource of the whole checkpoint at `path` from the peers' replicas:
+    of a node-local job, every node's files (each node replicated its own),
+    of a single node's save, that node's. Only complete replicas of one
+    manifest count, and only if together they hold every data file it lists:
+    the newest such manifest is chosen, so a checkpoint whose replication was
+    cut off on some node is never read in part. Else (None, why not)."""
+    held: list[PeerReplica] = []
+    why: list[str] = []
+    for address in addresses:
+        try:
+            held += [r for r in replicas(address, timeout) if r.complete and r.path == path]
+        except CheckpointError as exc:
+            why.append(str(exc))
+    by_manifest: dict[bytes, list[PeerReplica]] = {}
+    for r in held:
+        by_manifest.setdefault(r.manifest, []).append(r)
+    for data, group in sorted(by_manifest.items(), reverse=True,
+                              key=lambda kv: max(r.committed_unix for r in kv[1])):
+        try:
+            manifest = Manifest.from_json(data, f"the peers' replica of {path}")
+        except ManifestError as exc:
+            why.append(str(exc))
+            continue
+        missing = [f.name for f in manifest.files if not any(f.name in r.files for r in group)]
+        if not missing:
+            return PeerSource(group), ""
+        why.append(f"the peers' replicas of {path} (nodes "
+                   f"{', '.join(sorted({r.node for r in group}))}) lack {len(missing)} of its "
+                   f"{len(manifest.files)} data files ({missing[0]}, ...): a node's "
+                   "replication did not finish")
+    return None, "; ".join(why) or f"no peer holds a replica of {path}"
+
+
 class PeerSource:
     """A checkpoint's replica on a peer daemon, read over ReadReplica (see the
     module docstring). Build it from a listing: PeerSource(replica) with a
     PeerReplica from replicas(address), or find(addresses, path, node)."""
 
-    def __init__(self, replica: PeerReplica, timeout: float = READ_TIMEOUT) -> None:
-        if not replica.complete:
-            raise ValueError(f"the replica of {replica.path} at {replica.address} is not "
-                             "complete")
-        self.replica, self.timeout = replica, timeout
-        self._sha = hashlib.sha256(replica.manifest).digest()
+    def __init__(self, replica: PeerReplica | Sequence[PeerReplica],
+                 timeout: float = READ_TIMEOUT) -> None:
+        group = [replica] if isinstance(replica, PeerReplica) else list(replica)
+        if not group or len({r.manifest for r in group}) != 1:
+            raise ValueError("a PeerSource needs replicas of one manifest")
+        for r in group:
+            if not r.complete:
+                raise ValueError(f"the replica of {r.path} at {r.address} is not complete")
+        # Several replicas (nodes' parts of a job, or one part on several
+        # peers): each data file is read from the first that holds it, and
+        # from the next one if that peer is down or dropped the replica.
+        self.replicas, self.timeout = group, timeout
+        self.replica = group[0]
+        self.manifest_bytes = group[0].manifest  # the restore chain compares copies by it
+        self._sha = hashlib.sha256(self.manifest_bytes).digest()
         self._manifest: Manifest | None = None
 
     @property
     def where(self) -> str:
         r = self.replica
-        return f"{r.address} (node {r.node}'s replica of {r.path})"
+        if len(self.replicas) == 1:
+            return f"{r.address} (node {r.node}'s replica of {r.path})"
+        return (f"peers {', '.join(sorted({x.address for x in self.replicas}))} (replicas of "
+                f"{r.path} from nodes {', '.join(sorted({x.node for x in self.replicas}))})")
+
+    def _holders(self, name: str) -> list[PeerReplica]:
+        return [r for r in self.replicas if name in r.files]
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
@@ -163,7 +215,8 @@ class PeerSource:
         return None  # received on the CPU, checked there; the load moves them
 
     def check_file(self, f: FileRecord) -> None:
-        size = self.replica.files.get(f.name)
+        holders = self._holders(f.name)
+        size = holders[0].files[f.name] if holders else None
         if size is None:
             written = f" (written on node {f.node})" if f.node else ""
             raise CorruptCheckpointError(f"{self.where}: the replica holds no data file "
@@ -233,18 +286,26 @@ class PeerSource:
 
     def _fetch(self, name: str, segments: list[tuple[memoryview, int]]) -> list[int]:
         """Fill each (buffer, offset) of data file `name`; the CRC32C of each."""
-        crcs: list[int] = []
-        client = DaemonClient(self.replica.address)
-        try:
-            for start in range(0, len(segments), MAX_RANGES):
-                crcs += self._stream(client, name, segments[start:start + MAX_RANGES])
-        finally:
-            client.close()
-        return crcs
+        holders = self._holders(name)
+        if not holders:
+            raise CorruptCheckpointError(f"{self.where}: no replica holds data file {name}")
+        for k, holder in enumerate(holders):
+            crcs: list[int] = []
+            client = DaemonClient(holder.address)
+            try:
+                for start in range(0, len(segments), MAX_RANGES):
+                    crcs += self._stream(client, holder, name,
+                                         segments[start:start + MAX_RANGES])
+                return crcs
+            except (DaemonUnavailableError, CheckpointNotFoundError):
+                if k == len(holders) - 1:
+                    raise  # the peer is down or dropped it, and no other holds it
+            finally:
+                client.close()
+        raise AssertionError("unreachable")  # the last holder returned or raised
 
-    def _stream(self, client: DaemonClient, name: str, segments: list[tuple[memoryview, int]]
-                ) -> list[int]:
-        r = self.replica
+    def _stream(self, client: DaemonClient, r: PeerReplica, name: str,
+                segments: list[tuple[memoryview, int]]) -> list[int]:
         request = pb.ReadReplicaRequest(node=r.node, path=r.path, manifest_sha256=self._sha)
         for buf, off in segments:
             request.ranges.add(file=name, offset=off, length=buf.nbytes)
@@ -278,4 +339,4 @@ class PeerSource:
         return crcs
 
 
-__all__ = ["LOOKUP_TIMEOUT", "PeerReplica", "PeerSource", "find", "replicas"]
+__all__ = ["LOOKUP_TIMEOUT", "PeerReplica", "PeerSource", "find", "find_job", "replicas"]
