@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 from daemon_support import Daemon, root_entries
 from test_memory_tier import copies, copy_bytes, digests, state
+from tier_support import keys
 
 import fastpersist
 from fastpersist import Checkpointer
@@ -267,3 +269,55 @@ def test_what_the_daemon_refuses_and_lists(tier: Daemon) -> None:
         ck.close()
     finally:
         client.close()
+
+
+# -- the object store every M steps -------------------------------------------------
+
+
+def _stored_steps(s3: object) -> list[str]:
+    return sorted(k.split("/")[-2] for k in keys(s3.client, s3.bucket)  # type: ignore[attr-defined]
+                  if k.endswith("/manifest.json"))
+
+
+@pytest.mark.slow
+def test_tier_every_uploads_the_multiples_in_process(tmp_path: Path, s3: object) -> None:
+    """disk_every=2, tier_every=4: every disk step is local, the multiples
+    of 4 alone in the store; a Checkpointer started again on the root (which
+    queues what is not uploaded) does not upload the others either."""
+    root = tmp_path / "ck"
+    url = s3.url  # type: ignore[attr-defined]
+    with Checkpointer(root, tier=url, disk_every=2, tier_every=4) as ck:
+        for s in range(0, 10, 2):
+            ck.save(s, state(s, mib=0.1)).result()
+        assert ck.wait_for_tier(60)
+    assert [p.name for p in sorted(root.glob("step-*"))] == [
+        f"step-{s:08d}" for s in (0, 2, 4, 6, 8)]
+    with Checkpointer(root, tier=url, disk_every=2, tier_every=4) as again:
+        assert again.wait_for_tier(60)
+    assert _stored_steps(s3) == [f"step-{s:08d}" for s in (0, 4, 8)]
+
+
+@pytest.mark.slow
+def test_tier_every_through_the_daemon(tmp_path: Path, s3: object,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """fastpersistd --tier: the Checkpointer's commits say which steps to
+    upload (AfterCommit.skip_tier); memory-only steps never go."""
+    d = Daemon(tmp_path, "--tier", s3.url, "--memory-tier-count", "8",  # type: ignore[attr-defined]
+               "--memory-tier-bytes", "64M").start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    try:
+        with Checkpointer(d.root / "run", daemon=d.address, memory_every=1, disk_every=2,
+                          tier_every=4) as ck:
+            for s in range(9):
+                ck.save(s, state(s, mib=0.1)).result()
+        deadline = time.monotonic() + 60
+        while len(d.events("tier-uploaded")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _stored_steps(s3) == [f"step-{s:08d}" for s in (0, 4, 8)]
+        assert sorted(e["path"] for e in d.events("tier-not-asked")) == [
+            "run/step-00000002", "run/step-00000006"]
+    finally:
+        from fastpersist.saving.registry import close_shared
+
+        close_shared(abort=True)
+        d.cleanup()
