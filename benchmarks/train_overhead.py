@@ -26,6 +26,14 @@ and checkpoints model + optimizer every step and every 10 steps with:
                      moto shares the machine's cores with the trainer, which a
                      remote store would not: it runs at nice 19, and its CPU
                      time is printed.
+    fastpersist memory (--modes ...,memory) Checkpointer(memory_every=1) through
+                     a local fastpersistd (--memory-tier-count 2): every step
+                     a memory-only checkpoint, kept in the daemon's memory tier
+                     and never written to disk; every step only. The daemon
+                     shares the machine's cores with the trainer. Its peak RSS
+                     (VmHWM) and the tier's bytes are printed, with each
+                     round's throughput loss next to the copy floor's (goal:
+                     at most 1.1x the floor's loss, issue 35).
 
 For each mode, in the same run and alternating over repeats: the median stall
 (time the training loop spends inside the checkpoint call) and steps/s, with
@@ -142,6 +150,66 @@ class FastpersistTier(Fastpersist):
         if not self.ckpt.wait_for_tier(timeout=600):
             raise SystemExit(f"uploads did not finish: {self.ckpt.tier_status()}")
         self.drained.append(time.perf_counter() - start)
+
+
+class FastpersistMemory(Fastpersist):
+    name = "fastpersist memory"
+    cadences = (1,)
+    address = ""  # the local fastpersistd (start_daemon)
+    daemon_root = Path()
+
+    def setup(self, root: Path) -> None:
+        Mode.setup(self, root)
+        # Every step memory-only: disk_every names no step the loop reaches.
+        self.ckpt = fastpersist.Checkpointer(self.daemon_root / root.name, daemon=self.address,
+                                             memory_every=1, disk_every=1 << 62)
+
+
+def start_daemon(base: Path, nbytes: int) -> Any:
+    """fastpersistd with its memory tier on (2 copies, 3x the checkpoint's
+    bytes), its segments in a fresh directory of /dev/shm."""
+    import subprocess
+
+    shm = Path(tempfile.mkdtemp(prefix="fp-train-", dir="/dev/shm"))
+    os.environ["FASTPERSIST_SHM_DIR"] = str(shm)
+    root, sock = base / "fpd-root", Path(tempfile.mkdtemp(prefix="fpd-")) / "fpd.sock"
+    root.mkdir(parents=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastpersist.daemon", "--root", str(root), "--socket", str(sock),
+         "--shm-dir", str(shm), "--memory-tier-count", "2", "--memory-tier-bytes",
+         str(3 * nbytes + (64 << 20)), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("fastpersistd did not start")
+        time.sleep(0.05)
+    FastpersistMemory.address, FastpersistMemory.daemon_root = f"unix://{sock}", root
+    proc.shm = shm  # type: ignore[attr-defined]
+    return proc
+
+
+def daemon_memory(proc: Any) -> str:
+    """The daemon's peak RSS and where its memory is now (/proc), and the tier's bytes."""
+    fields = {}
+    with open(f"/proc/{proc.pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                fields[key] = int(value.split()[0]) / 1024
+    from fastpersist.protocol.client import DaemonClient
+
+    client = DaemonClient(FastpersistMemory.address)
+    try:
+        info = client.info()
+    finally:
+        client.close()
+    return (f"fastpersistd: peak RSS (VmHWM) {fields['VmHWM']:.0f} MiB; now RSS "
+            f"{fields['VmRSS']:.0f} MiB (anon {fields['RssAnon']:.0f}, file "
+            f"{fields['RssFile']:.0f}, shmem {fields['RssShmem']:.0f}: the trainer's segments "
+            f"it maps); memory tier {info.memory_tier_bytes / 2**20:.0f} MiB in "
+            f"{info.memory_tier_copies} copies (budget {info.memory_tier_budget / 2**20:.0f} "
+            "MiB, tmpfs pages, not RSS)")
 
 
 class FastpersistTierRaw(FastpersistTier):
@@ -286,7 +354,7 @@ class WriteFloor(Mode):
 MODES: dict[str, Callable[[], Mode]] = {
     "none": NoCheckpoint, "fastpersist": Fastpersist, "torch": TorchSave, "dcp": DcpAsync,
     "copy": CopyFloor, "write": WriteFloor, "tier": FastpersistTier,
-    "tier-raw": FastpersistTierRaw,
+    "tier-raw": FastpersistTierRaw, "memory": FastpersistMemory,
 }
 
 
@@ -344,6 +412,7 @@ def main() -> int:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "x")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "x")
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    daemon = start_daemon(base, nbytes) if "memory" in modes else None
     for name, mode in modes.items():
         (base / name).mkdir(parents=True, exist_ok=True)
         mode.setup(base / name)
@@ -365,6 +434,13 @@ def main() -> int:
                 print(f"  [{rep + 1}/{args.repeats}] every {every:2d}: {name:18s} "
                       f"{rate:.3f} steps/s  stall median {med * 1000:8.1f} ms", flush=True)
     print_report(results, modes, nbytes)
+    if daemon is not None:
+        print_memory_rounds(results)
+        print(daemon_memory(daemon))
+        modes["memory"].ckpt.close()  # type: ignore[attr-defined]
+        daemon.terminate()
+        daemon.wait()
+        shutil.rmtree(daemon.shm, ignore_errors=True)
     for mode in modes.values():
         if isinstance(mode, FastpersistTier):
             mode.ckpt.close()
@@ -416,6 +492,36 @@ def print_report(results: dict[tuple[str, int], list[tuple[float, list[float]]]]
               f"({staging / nbytes:.2f}x the checkpointed bytes)")
     print("targets: stall <= 1.3x copy floor (<= 1.1x from the second save on, issue 14); "
           "loss <= 3% every 10 steps, <= 10% every step; staging <= 1x")
+
+
+def print_memory_rounds(results: dict[tuple[str, int], list[tuple[float, list[float]]]]
+                        ) -> None:
+    """Every step: each round's throughput loss against that round's no
+    checkpointing, for the memory-only mode and the copy floor; medians [min-max]."""
+    if ("none", 1) not in results:
+        return
+    base = [r for r, _ in results[("none", 1)]]
+
+    def losses(name: str) -> list[float]:
+        return [1 - r / b for (r, _), b in zip(results[(name, 1)], base, strict=True)]
+
+    def shown(values: list[float]) -> str:
+        return (f"{statistics.median(values) * 100:5.1f}% "
+                f"[{min(values) * 100:.1f}-{max(values) * 100:.1f}]")
+
+    print(f"\n== every step, loss against no checkpointing, {len(base)} interleaved rounds: "
+          "median [min-max]")
+    floor = losses("copy") if ("copy", 1) in results else None
+    mem = losses("memory") if ("memory", 1) in results else None
+    if floor:
+        print(f"  copy floor            {shown(floor)}")
+    if mem:
+        print(f"  fastpersist memory    {shown(mem)}")
+    if floor and mem and statistics.median(floor) > 0:
+        ratios = [m / f for m, f in zip(mem, floor, strict=True) if f > 0]
+        print(f"  memory / floor loss   {statistics.median(mem) / statistics.median(floor):.2f}x "
+              f"(of medians); per round {statistics.median(ratios):.2f}x "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}]  (goal <= 1.1x)")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from daemon_raw import file_header
 from daemon_support import Daemon, root_entries
 from test_memory_tier import copies, copy_bytes, digests, state
 from tier_support import keys
@@ -249,6 +250,12 @@ def test_what_the_daemon_refuses_and_lists(tier: Daemon) -> None:
     try:
         with pytest.raises(DaemonError, match="kept raw"):
             client.open("a/x", 4096, 1, compression="zstd", durability="memory")
+        # A streamed file is written to disk as it comes: refused for memory-only.
+        header, n = file_header([("w", 4)])
+        ident, stream = client.open("a/streamed", 0, 1, durability="memory")
+        with pytest.raises(DaemonError, match="shared memory only"):
+            client.submit_stream(ident, 0, header, n, [b"\x03" * n])
+        stream.cancel()
         fastpersist.save(state(1, mib=0.1), tier.root / "a" / "disk", daemon=tier.address)
         with pytest.raises(CheckpointExistsError, match="may not shadow it"):
             client.open("a/disk", 4096, 1, durability="memory")

@@ -174,6 +174,9 @@ class Service:
             dup = next((e.name for e in entries if e.name in ck.names), None)
             if dup is not None:
                 raise invalid(f"tensor {dup!r} is already in another data file")
+            if streamed and ck.memory_only:  # a streamed file is written to disk as it comes
+                raise invalid("a memory-only checkpoint takes its files in shared memory only "
+                              "(a tensor larger than the staging budget cannot be memory-only)")
             if not streamed and ck.mapped_bytes + data_length > ck.reserved:
                 raise RequestError(
                     "RESOURCE_EXHAUSTED",
