@@ -165,14 +165,14 @@ class FastpersistMemory(Fastpersist):
                                              memory_every=1, disk_every=1 << 62)
 
 
-def start_daemon(base: Path, nbytes: int) -> Any:
+def start_daemon(base: Path, nbytes: int, shm: Path, mode: type[FastpersistMemory]) -> Any:
     """fastpersistd with its memory tier on (2 copies, 3x the checkpoint's
-    bytes), its segments in a fresh directory of /dev/shm."""
+    bytes), its segments in `shm` (a fresh directory of /dev/shm)."""
     import subprocess
 
-    shm = Path(tempfile.mkdtemp(prefix="fp-train-", dir="/dev/shm"))
     os.environ["FASTPERSIST_SHM_DIR"] = str(shm)
-    root, sock = base / "fpd-root", Path(tempfile.mkdtemp(prefix="fpd-")) / "fpd.sock"
+    root = base / f"fpd-root-{mode.__name__}"
+    sock = Path(tempfile.mkdtemp(prefix="fpd-")) / "fpd.sock"
     root.mkdir(parents=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "fastpersist.daemon", "--root", str(root), "--socket", str(sock),
@@ -184,13 +184,16 @@ def start_daemon(base: Path, nbytes: int) -> Any:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit("fastpersistd did not start")
         time.sleep(0.05)
-    FastpersistMemory.address, FastpersistMemory.daemon_root = f"unix://{sock}", root
-    proc.shm = shm  # type: ignore[attr-defined]
+    mode.address, mode.daemon_root = f"unix://{sock}", root
     return proc
 
 
-def daemon_memory(proc: Any) -> str:
-    """The daemon's peak RSS and where its memory is now (/proc), and the tier's bytes."""
+def daemon_memory(proc: Any, mode: type[FastpersistMemory], saves: int) -> str:
+    """The daemon's peak RSS and where its memory is now (/proc), the tier's
+    bytes, and its CPU time per save (`saves` of them)."""
+    with open(f"/proc/{proc.pid}/stat") as f:
+        ticks = f.read().rpartition(")")[2].split()
+    cpu = (int(ticks[11]) + int(ticks[12])) / os.sysconf("SC_CLK_TCK")
     fields = {}
     with open(f"/proc/{proc.pid}/status") as f:
         for line in f:
@@ -199,17 +202,18 @@ def daemon_memory(proc: Any) -> str:
                 fields[key] = int(value.split()[0]) / 1024
     from fastpersist.protocol.client import DaemonClient
 
-    client = DaemonClient(FastpersistMemory.address)
+    client = DaemonClient(mode.address)
     try:
         info = client.info()
     finally:
         client.close()
-    return (f"fastpersistd: peak RSS (VmHWM) {fields['VmHWM']:.0f} MiB; now RSS "
+    return (f"fastpersistd ({mode.name}): peak RSS (VmHWM) {fields['VmHWM']:.0f} MiB; now RSS "
             f"{fields['VmRSS']:.0f} MiB (anon {fields['RssAnon']:.0f}, file "
             f"{fields['RssFile']:.0f}, shmem {fields['RssShmem']:.0f}: the trainer's segments "
             f"it maps); memory tier {info.memory_tier_bytes / 2**20:.0f} MiB in "
             f"{info.memory_tier_copies} copies (budget {info.memory_tier_budget / 2**20:.0f} "
-            "MiB, tmpfs pages, not RSS)")
+            f"MiB, tmpfs pages, not RSS); CPU {cpu:.1f} s over {saves} saves, "
+            f"{cpu / max(saves, 1) * 1000:.0f} ms a save")
 
 
 class FastpersistTierRaw(FastpersistTier):
@@ -412,7 +416,9 @@ def main() -> int:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "x")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "x")
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    daemon = start_daemon(base, nbytes) if "memory" in modes else None
+    shm = Path(tempfile.mkdtemp(prefix="fp-train-", dir="/dev/shm"))
+    daemons = {name: (start_daemon(base, nbytes, shm, type(mode)), type(mode))
+               for name, mode in modes.items() if isinstance(mode, FastpersistMemory)}
     for name, mode in modes.items():
         (base / name).mkdir(parents=True, exist_ok=True)
         mode.setup(base / name)
@@ -434,13 +440,14 @@ def main() -> int:
                 print(f"  [{rep + 1}/{args.repeats}] every {every:2d}: {name:18s} "
                       f"{rate:.3f} steps/s  stall median {med * 1000:8.1f} ms", flush=True)
     print_report(results, modes, nbytes)
-    if daemon is not None:
-        print_memory_rounds(results)
-        print(daemon_memory(daemon))
-        modes["memory"].ckpt.close()  # type: ignore[attr-defined]
+    print_memory_rounds(results, modes)
+    for name, (daemon, kind) in daemons.items():
+        saves = sum(len(stalls) for _, stalls in results.get((name, 1), [])) + 1
+        print(daemon_memory(daemon, kind, saves))
+        modes[name].ckpt.close()  # type: ignore[attr-defined]
         daemon.terminate()
         daemon.wait()
-        shutil.rmtree(daemon.shm, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
     for mode in modes.values():
         if isinstance(mode, FastpersistTier):
             mode.ckpt.close()
@@ -494,34 +501,39 @@ def print_report(results: dict[tuple[str, int], list[tuple[float, list[float]]]]
           "loss <= 3% every 10 steps, <= 10% every step; staging <= 1x")
 
 
-def print_memory_rounds(results: dict[tuple[str, int], list[tuple[float, list[float]]]]
-                        ) -> None:
+def print_memory_rounds(results: dict[tuple[str, int], list[tuple[float, list[float]]]],
+                        modes: dict[str, Mode]) -> None:
     """Every step: each round's throughput loss against that round's no
-    checkpointing, for the memory-only mode and the copy floor; medians [min-max]."""
-    if ("none", 1) not in results:
+    checkpointing (and the time it adds to a step), for the memory-only modes
+    and the copy floor; medians [min-max] over the rounds."""
+    if ("none", 1) not in results or ("copy", 1) not in results:
         return
     base = [r for r, _ in results[("none", 1)]]
 
     def losses(name: str) -> list[float]:
         return [1 - r / b for (r, _), b in zip(results[(name, 1)], base, strict=True)]
 
-    def shown(values: list[float]) -> str:
-        return (f"{statistics.median(values) * 100:5.1f}% "
-                f"[{min(values) * 100:.1f}-{max(values) * 100:.1f}]")
+    def added_ms(name: str) -> list[float]:
+        return [(1 / r - 1 / b) * 1000 for (r, _), b in zip(results[(name, 1)], base,
+                                                               strict=True)]
 
-    print(f"\n== every step, loss against no checkpointing, {len(base)} interleaved rounds: "
-          "median [min-max]")
-    floor = losses("copy") if ("copy", 1) in results else None
-    mem = losses("memory") if ("memory", 1) in results else None
-    if floor:
-        print(f"  copy floor            {shown(floor)}")
-    if mem:
-        print(f"  fastpersist memory    {shown(mem)}")
-    if floor and mem and statistics.median(floor) > 0:
-        ratios = [m / f for m, f in zip(mem, floor, strict=True) if f > 0]
-        print(f"  memory / floor loss   {statistics.median(mem) / statistics.median(floor):.2f}x "
-              f"(of medians); per round {statistics.median(ratios):.2f}x "
-              f"[{min(ratios):.2f}-{max(ratios):.2f}]  (goal <= 1.1x)")
+    def shown(values: list[float], unit: str, scale: float = 1.0) -> str:
+        return (f"{statistics.median(values) * scale:6.1f}{unit} "
+                f"[{min(values) * scale:.1f} to {max(values) * scale:.1f}]")
+
+    print(f"\n== every step, against no checkpointing, {len(base)} interleaved rounds: "
+          "median [min to max]")
+    floor = losses("copy")
+    names = ["copy"] + [n for n, m in modes.items() if isinstance(m, FastpersistMemory)]
+    for name in names:
+        print(f"  {modes[name].name:22s} loss {shown(losses(name), '%', 100)}   "
+              f"+ms/step {shown(added_ms(name), '')}")
+    for name in names[1:]:
+        mem = losses(name)
+        if statistics.median(floor) > 0:
+            print(f"  {modes[name].name}: loss / copy floor's loss "
+                  f"{statistics.median(mem) / statistics.median(floor):.2f}x (of the medians; "
+                  "goal <= 1.1x)")
 
 
 if __name__ == "__main__":
