@@ -328,3 +328,19 @@ def test_tier_every_through_the_daemon(tmp_path: Path, s3: object,
 
         close_shared(abort=True)
         d.cleanup()
+
+
+# -- memory-only runs, and the spare copy's pages (daemon/memory_copies.py) --------
+
+
+def test_a_run_kept_in_memory_only_is_listed_and_restored(tier: Daemon) -> None:
+    """No disk step yet: the run's directory does not exist, and List still
+    lists its memory-only checkpoints."""
+    root = tier.root / "fresh"
+    with Checkpointer(root, daemon=tier.address, memory_every=1, disk_every=100) as ck:
+        for s in range(1, 4):
+            ck.save(s, state(s, mib=0.1)).result()
+        assert not root.exists()
+        assert ck.memory_steps() == [1, 2, 3]
+        out = ck.load_latest()
+        assert out["step"] == 3 and digests(out) == digests(state(3, mib=0.1))

@@ -215,9 +215,14 @@ class Servicer(pb_grpc.FastPersistServicer):
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         def run() -> pb.ListResponse:
             path = parse(request.path, allow_root=True, checkpoint=False)
-            entries, in_flight = self.service.list(path)
             memory = self.service.memory
             held = memory.memory_only_under(path.text) if memory is not None else []
+            try:
+                entries, in_flight = self.service.list(path)
+            except RequestError as exc:  # a run saved to memory only has no directory yet
+                if exc.code != "NOT_FOUND" or not held:
+                    raise
+                entries, in_flight = [], []
             return pb.ListResponse(
                 memory_only=[pb.ListEntry(name=name, state="memory", bytes=nbytes,
                                           created_unix=created)
