@@ -63,19 +63,25 @@ from .errors import (
     TierError,
 )
 from .knobs import current as current_knobs
-from .resume import Judge, Skipped, newest_local, newest_stored, not_found, problem, step_dirs
+from .resume import (
+    Judge,
+    Skipped,
+    newest_local,
+    newest_with_store,
+    not_found,
+    problem,
+    step_dirs,
+)
 from .saving.futures import SaveFuture
 from .storage.local_path import checkpoint_path
-from .storage.retention import LATEST, AfterCommit, apply_at, step_of
+from .storage.retention import AfterCommit, apply_at, step_of
 from .tensors import packed
 from .tensors.factory import MapLocation
 
 if TYPE_CHECKING:
-    from .tier.client import S3
     from .tier.mirror import Mirror
     from .tier.upload import Uploaded
     from .tier.uploader import Job, TierStatus
-    from .tier.url import TierURL
 
 
 class Checkpointer:
@@ -303,45 +309,8 @@ class Checkpointer:
                  and (local is None or s > (step_of(local.name) or -1))]
         if newer:  # memory-only, newer than any usable disk checkpoint
             return self.path_for(newer[-1])
-        pointed = ""
-        if local is not None:
-            # Only a step that `latest` names and whose directory is gone (a
-            # node lost) is read from the store: one rolled back from is not.
-            try:
-                pointed = (self.root / LATEST).read_text().strip()
-            except OSError:
-                return local
-            if not pointed or (self.root / pointed).exists():
-                return local
-        store = self._store()
-        if store is None:
-            return local
-        try:
-            return newest_stored(*store, pointed, exclude) or local
-        except CheckpointError as exc:
-            if self._mirror is not None:
-                raise
-            # The daemon's store, not this Checkpointer's: looked at only for
-            # a step lost here, and a store that is down does not stop a start.
-            warnings.warn(f"{self.root}: cannot look for checkpoints in fastpersistd's "
-                          f"tier {store[1]}: {exc}", RuntimeWarning, stacklevel=3)
-            return local
-
-    def _store(self) -> tuple[S3, TierURL] | None:
-        """Where the root's checkpoints are in an object store: this
-        Checkpointer's tier, or its daemon's --tier (ROOT/REL at PREFIX/REL)."""
-        if self._mirror is not None:
-            return self._mirror.s3, self._mirror.url
-        if not self._daemon:
-            return None
-        from .loading.chain import NoCopy
-        from .loading.copies import daemon_tier
-        from .tier.client import client_for
-
-        try:
-            return client_for(None), daemon_tier(self._daemon, self.root)
-        except NoCopy:
-            return None
+        mirror = (self._mirror.s3, self._mirror.url) if self._mirror is not None else None
+        return newest_with_store(self.root, local, exclude, mirror, self._daemon)
 
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         """Load latest(). A checkpoint whose load finds it corrupt (a checksum
