@@ -26,6 +26,14 @@ and checkpoints model + optimizer every step and every 10 steps with:
                      moto shares the machine's cores with the trainer, which a
                      remote store would not: it runs at nice 19, and its CPU
                      time is printed.
+    fastpersist memory (--modes ...,memory) Checkpointer(memory_every=1) through
+                     a local fastpersistd (--memory-tier-count 2): every step
+                     a memory-only checkpoint, kept in the daemon's memory tier
+                     and never written to disk; every step only. The daemon
+                     shares the machine's cores with the trainer. Its peak RSS
+                     (VmHWM) and the tier's bytes are printed, with each
+                     round's throughput loss next to the copy floor's (goal:
+                     at most 1.1x the floor's loss, issue 35).
 
 For each mode, in the same run and alternating over repeats: the median stall
 (time the training loop spends inside the checkpoint call) and steps/s, with
@@ -142,6 +150,70 @@ class FastpersistTier(Fastpersist):
         if not self.ckpt.wait_for_tier(timeout=600):
             raise SystemExit(f"uploads did not finish: {self.ckpt.tier_status()}")
         self.drained.append(time.perf_counter() - start)
+
+
+class FastpersistMemory(Fastpersist):
+    name = "fastpersist memory"
+    cadences = (1,)
+    address = ""  # the local fastpersistd (start_daemon)
+    daemon_root = Path()
+
+    def setup(self, root: Path) -> None:
+        Mode.setup(self, root)
+        # Every step memory-only: disk_every names no step the loop reaches.
+        self.ckpt = fastpersist.Checkpointer(self.daemon_root / root.name, daemon=self.address,
+                                             memory_every=1, disk_every=1 << 62)
+
+
+def start_daemon(base: Path, nbytes: int, shm: Path, mode: type[FastpersistMemory]) -> Any:
+    """fastpersistd with its memory tier on (2 copies, 3x the checkpoint's
+    bytes), its segments in `shm` (a fresh directory of /dev/shm)."""
+    import subprocess
+
+    os.environ["FASTPERSIST_SHM_DIR"] = str(shm)
+    root = base / f"fpd-root-{mode.__name__}"
+    sock = Path(tempfile.mkdtemp(prefix="fpd-")) / "fpd.sock"
+    root.mkdir(parents=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastpersist.daemon", "--root", str(root), "--socket", str(sock),
+         "--shm-dir", str(shm), "--memory-tier-count", "2", "--memory-tier-bytes",
+         str(3 * nbytes + (64 << 20)), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("fastpersistd did not start")
+        time.sleep(0.05)
+    mode.address, mode.daemon_root = f"unix://{sock}", root
+    return proc
+
+
+def daemon_memory(proc: Any, mode: type[FastpersistMemory], saves: int) -> str:
+    """The daemon's peak RSS and where its memory is now (/proc), the tier's
+    bytes, and its CPU time per save (`saves` of them)."""
+    with open(f"/proc/{proc.pid}/stat") as f:
+        ticks = f.read().rpartition(")")[2].split()
+    cpu = (int(ticks[11]) + int(ticks[12])) / os.sysconf("SC_CLK_TCK")
+    fields = {}
+    with open(f"/proc/{proc.pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                fields[key] = int(value.split()[0]) / 1024
+    from fastpersist.protocol.client import DaemonClient
+
+    client = DaemonClient(mode.address)
+    try:
+        info = client.info()
+    finally:
+        client.close()
+    return (f"fastpersistd ({mode.name}): peak RSS (VmHWM) {fields['VmHWM']:.0f} MiB; now RSS "
+            f"{fields['VmRSS']:.0f} MiB (anon {fields['RssAnon']:.0f}, file "
+            f"{fields['RssFile']:.0f}, shmem {fields['RssShmem']:.0f}: the trainer's segments "
+            f"it maps); memory tier {info.memory_tier_bytes / 2**20:.0f} MiB in "
+            f"{info.memory_tier_copies} copies (budget {info.memory_tier_budget / 2**20:.0f} "
+            f"MiB, tmpfs pages, not RSS); CPU {cpu:.1f} s over {saves} saves, "
+            f"{cpu / max(saves, 1) * 1000:.0f} ms a save")
 
 
 class FastpersistTierRaw(FastpersistTier):
@@ -286,7 +358,7 @@ class WriteFloor(Mode):
 MODES: dict[str, Callable[[], Mode]] = {
     "none": NoCheckpoint, "fastpersist": Fastpersist, "torch": TorchSave, "dcp": DcpAsync,
     "copy": CopyFloor, "write": WriteFloor, "tier": FastpersistTier,
-    "tier-raw": FastpersistTierRaw,
+    "tier-raw": FastpersistTierRaw, "memory": FastpersistMemory,
 }
 
 
@@ -344,6 +416,9 @@ def main() -> int:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "x")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "x")
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    shm = Path(tempfile.mkdtemp(prefix="fp-train-", dir="/dev/shm"))
+    daemons = {name: (start_daemon(base, nbytes, shm, type(mode)), type(mode))
+               for name, mode in modes.items() if isinstance(mode, FastpersistMemory)}
     for name, mode in modes.items():
         (base / name).mkdir(parents=True, exist_ok=True)
         mode.setup(base / name)
@@ -365,6 +440,14 @@ def main() -> int:
                 print(f"  [{rep + 1}/{args.repeats}] every {every:2d}: {name:18s} "
                       f"{rate:.3f} steps/s  stall median {med * 1000:8.1f} ms", flush=True)
     print_report(results, modes, nbytes)
+    print_memory_rounds(results, modes)
+    for name, (daemon, kind) in daemons.items():
+        saves = sum(len(stalls) for _, stalls in results.get((name, 1), [])) + 1
+        print(daemon_memory(daemon, kind, saves))
+        modes[name].ckpt.close()  # type: ignore[attr-defined]
+        daemon.terminate()
+        daemon.wait()
+    shutil.rmtree(shm, ignore_errors=True)
     for mode in modes.values():
         if isinstance(mode, FastpersistTier):
             mode.ckpt.close()
@@ -416,6 +499,41 @@ def print_report(results: dict[tuple[str, int], list[tuple[float, list[float]]]]
               f"({staging / nbytes:.2f}x the checkpointed bytes)")
     print("targets: stall <= 1.3x copy floor (<= 1.1x from the second save on, issue 14); "
           "loss <= 3% every 10 steps, <= 10% every step; staging <= 1x")
+
+
+def print_memory_rounds(results: dict[tuple[str, int], list[tuple[float, list[float]]]],
+                        modes: dict[str, Mode]) -> None:
+    """Every step: each round's throughput loss against that round's no
+    checkpointing (and the time it adds to a step), for the memory-only modes
+    and the copy floor; medians [min-max] over the rounds."""
+    if ("none", 1) not in results or ("copy", 1) not in results:
+        return
+    base = [r for r, _ in results[("none", 1)]]
+
+    def losses(name: str) -> list[float]:
+        return [1 - r / b for (r, _), b in zip(results[(name, 1)], base, strict=True)]
+
+    def added_ms(name: str) -> list[float]:
+        return [(1 / r - 1 / b) * 1000 for (r, _), b in zip(results[(name, 1)], base,
+                                                               strict=True)]
+
+    def shown(values: list[float], unit: str, scale: float = 1.0) -> str:
+        return (f"{statistics.median(values) * scale:6.1f}{unit} "
+                f"[{min(values) * scale:.1f} to {max(values) * scale:.1f}]")
+
+    print(f"\n== every step, against no checkpointing, {len(base)} interleaved rounds: "
+          "median [min to max]")
+    floor = losses("copy")
+    names = ["copy"] + [n for n, m in modes.items() if isinstance(m, FastpersistMemory)]
+    for name in names:
+        print(f"  {modes[name].name:22s} loss {shown(losses(name), '%', 100)}   "
+              f"+ms/step {shown(added_ms(name), '')}")
+    for name in names[1:]:
+        mem = losses(name)
+        if statistics.median(floor) > 0:
+            print(f"  {modes[name].name}: loss / copy floor's loss "
+                  f"{statistics.median(mem) / statistics.median(floor):.2f}x (of the medians; "
+                  "goal <= 1.1x)")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
 from .loading.load import load_from, source_for
 from .saving import registry as pipelines
@@ -20,9 +21,11 @@ from .saving.futures import SaveFuture
 from .saving.local import LocalSink
 from .saving.pipeline import SavePipeline
 from .saving.sink import Sink
+from .storage.local_path import checkpoint_path
 from .tensors import packed
 from .tensors.factory import MapLocation
-from .tier.url import TierURL
+from .tensors.source import Source
+from .tier.url import TierURL, is_tier_url
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
@@ -118,10 +121,24 @@ def load(
     there), or else under the daemon's --tier (ROOT/REL at PREFIX/REL).
     Copies are tried fastest first (memory, disk, peers, the store), each
     verified; if all fail, the error lists each copy and why.
+
+    Where no checkpoint is on disk at `path`, a memory-only one the daemon
+    holds there (Checkpointer(memory_every=...)) is loaded, with the same
+    checks and no disk behind it.
     """
-    return load_from(source_for(path, daemon=daemon, tier=tier), map_location,
-                     allow_pickle=allow_pickle, verify=verify, progress=progress, like=like,
-                     into=into)
+    source = _memory_only(path, daemon) or source_for(path, daemon=daemon, tier=tier)
+    return load_from(source, map_location, allow_pickle=allow_pickle,
+                     verify=verify, progress=progress, like=like, into=into)
+
+
+def _memory_only(path: str | os.PathLike[str], daemon: str | None) -> Source | None:
+    """The daemon's memory-only checkpoint at `path`, where none is on disk."""
+    address = current_knobs().daemon if daemon is None else daemon
+    if not address or is_tier_url(path) or os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+        return None
+    from .tensors import memory_only
+
+    return memory_only.find(address, checkpoint_path(path))[0]
 
 
 def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: bool = False,

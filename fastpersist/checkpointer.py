@@ -37,6 +37,9 @@ uploads (a few more tries each) and raises TierError naming what is not
 uploaded. Checkpoints committed but not uploaded when the process died are
 uploaded by the next Checkpointer on the same root and tier. In a distributed
 job (process_group) rank 0 does all of this, from the shared root.
+
+Cadences (cadence.py): memory_every, disk_every, tier_every. latest() and
+load_latest() pick the newest step of the memory-only and disk checkpoints.
 """
 
 from __future__ import annotations
@@ -44,32 +47,41 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .api import load, load_from_tier, pipeline_for
+from .cadence import MEMORY, Cadence, load_memory_only, memory_steps
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
+    MemoryTierError,
     PostCommitError,
     TierError,
 )
 from .knobs import current as current_knobs
-from .resume import Judge, Skipped, newest_local, newest_stored, not_found, problem, step_dirs
+from .resume import (
+    Judge,
+    Skipped,
+    newest_local,
+    newest_with_store,
+    not_found,
+    problem,
+    step_dirs,
+)
 from .saving.futures import SaveFuture
 from .storage.local_path import checkpoint_path
-from .storage.retention import LATEST, AfterCommit, apply_at
+from .storage.retention import AfterCommit, apply_at, step_of
 from .tensors import packed
 from .tensors.factory import MapLocation
 
 if TYPE_CHECKING:
-    from .tier.client import S3
     from .tier.mirror import Mirror
     from .tier.upload import Uploaded
     from .tier.uploader import Job, TierStatus
-    from .tier.url import TierURL
 
 
 class Checkpointer:
@@ -105,6 +117,8 @@ class Checkpointer:
         missing or short, a checksum mismatch), instead of falling back to an
         older one with a warning (logger fastpersist.checkpointer) and a
         record in `skipped`.
+    memory_every, disk_every, tier_every: the cadences (cadence.py): steps
+        kept in fastpersistd's memory only, written to disk, and uploaded.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -113,7 +127,9 @@ class Checkpointer:
                  process_group: Any = None, tier: str | None = None,
                  tier_keep_last: int | None = None,
                  tier_endpoint: str | None = None, compression: str | None = None,
-                 tier_compression: str = "zstd", strict: bool = False) -> None:
+                 tier_compression: str = "zstd", strict: bool = False,
+                 memory_every: int | None = None, disk_every: int | None = None,
+                 tier_every: int | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
@@ -128,6 +144,9 @@ class Checkpointer:
         self._saving: dict[int, SaveFuture] = {}  # steps whose save may be in flight
         address = current_knobs().daemon if daemon is None else daemon
         self._daemon = address  # load_latest reads its memory copies (api.load)
+        self.cadence = Cadence(memory_every, disk_every, tier_every)
+        self.cadence.check(daemon=bool(address), distributed=process_group is not None,
+                           tier=tier is not None)
         self.compression = packed.check_compression(compression)
         self._mirror: Mirror | None = None
         self._last_committed: str | None = None
@@ -147,7 +166,7 @@ class Checkpointer:
         return self.root / f"step-{step:08d}"
 
     def save(self, step: int, state: Any, *, wait_for_snapshot: bool = True,
-             overwrite: bool = False) -> SaveFuture:
+             overwrite: bool = False, durability: str | None = None) -> SaveFuture:
         """Start an asynchronous checkpoint of `state` for `step`.
 
         Returns once the snapshot is taken (see fastpersist.async_save); raises
@@ -155,12 +174,22 @@ class Checkpointer:
         is already saved (or being saved) raises CheckpointExistsError, before
         anything is copied: a loop that resumed from step N starts at N + 1.
         overwrite=True replaces it instead (atomically, as fastpersist.save).
+        Where it goes (disk, or fastpersistd's memory only) is the cadences'
+        choice, or `durability`'s ("disk" or "memory"). The future of a
+        memory-only save resolves once the daemon holds the whole copy;
+        steps saved in memory only are not checked for existing.
         """
         if step < 0:
             raise ValueError("step must be >= 0")
+        where = self.cadence.durability(step, durability)
         if not overwrite:
             self._refuse_existing(step)
-        future = self._save(step, state, wait_for_snapshot)
+        if where == MEMORY:  # no `latest`, retention or upload: those are the disk's
+            future = self._pipeline.save(state, self.path_for(step), durability=MEMORY,
+                                         allow_pickle=self.allow_pickle,
+                                         wait_for_snapshot=wait_for_snapshot)
+        else:
+            future = self._save(step, state, wait_for_snapshot)
         self._saving = {s: f for s, f in self._saving.items() if not f.done()}
         self._saving[step] = future
         return future
@@ -179,7 +208,8 @@ class Checkpointer:
         if self._mirror is None:  # whoever commits applies the policy
             return self._pipeline.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                        wait_for_snapshot=wait_for_snapshot,
-                                       after_commit=self.after_commit,
+                                       after_commit=self.after_commit if self.cadence.uploads(
+                                           step) else replace(self.after_commit, upload=False),
                                        compression=self.compression)
         # With a tier, this process (rank 0) applies it: retention must keep
         # what is not in the store yet (_committed).
@@ -246,6 +276,11 @@ class Checkpointer:
         valid manifest, every data file at its size), ascending."""
         return [step for step, entry in step_dirs(self.root) if problem(entry) is None]
 
+    def memory_steps(self) -> list[int]:
+        """Steps of the memory-only checkpoints that fastpersistd holds in the
+        root now, ascending ([] without memory_every, or if it cannot say)."""
+        return memory_steps(self._daemon, self.root) if self.cadence.memory_every else []
+
     @property
     def skipped(self) -> list[Skipped]:
         """The checkpoints that the last latest() or load_latest() passed over
@@ -270,45 +305,12 @@ class Checkpointer:
 
     def _latest(self, judge: Judge, exclude: set[Path | str]) -> Path | str | None:
         local = newest_local(self.root, judge.usable, exclude)
-        pointed = ""
-        if local is not None:
-            # Only a step that `latest` names and whose directory is gone (a
-            # node lost) is read from the store: one rolled back from is not.
-            try:
-                pointed = (self.root / LATEST).read_text().strip()
-            except OSError:
-                return local
-            if not pointed or (self.root / pointed).exists():
-                return local
-        store = self._store()
-        if store is None:
-            return local
-        try:
-            return newest_stored(*store, pointed, exclude) or local
-        except CheckpointError as exc:
-            if self._mirror is not None:
-                raise
-            # The daemon's store, not this Checkpointer's: looked at only for
-            # a step lost here, and a store that is down does not stop a start.
-            warnings.warn(f"{self.root}: cannot look for checkpoints in fastpersistd's "
-                          f"tier {store[1]}: {exc}", RuntimeWarning, stacklevel=3)
-            return local
-
-    def _store(self) -> tuple[S3, TierURL] | None:
-        """Where the root's checkpoints are in an object store: this
-        Checkpointer's tier, or its daemon's --tier (ROOT/REL at PREFIX/REL)."""
-        if self._mirror is not None:
-            return self._mirror.s3, self._mirror.url
-        if not self._daemon:
-            return None
-        from .loading.chain import NoCopy
-        from .loading.copies import daemon_tier
-        from .tier.client import client_for
-
-        try:
-            return client_for(None), daemon_tier(self._daemon, self.root)
-        except NoCopy:
-            return None
+        newer = [s for s in self.memory_steps() if self.path_for(s) not in exclude
+                 and (local is None or s > (step_of(local.name) or -1))]
+        if newer:  # memory-only, newer than any usable disk checkpoint
+            return self.path_for(newer[-1])
+        mirror = (self._mirror.s3, self._mirror.url) if self._mirror is not None else None
+        return newest_with_store(self.root, local, exclude, mirror, self._daemon)
 
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         """Load latest(). A checkpoint whose load finds it corrupt (a checksum
@@ -325,7 +327,7 @@ class Checkpointer:
                     raise not_found(self.root, judge.skipped, where)
                 try:
                     return self._load(path, map_location, kwargs)
-                except CorruptCheckpointError as exc:
+                except (CorruptCheckpointError, MemoryTierError) as exc:
                     judge.skip(path, str(exc), exc)
                     tried.add(path)
         finally:
@@ -336,6 +338,9 @@ class Checkpointer:
             endpoint = self._mirror.s3.endpoint_url if self._mirror is not None else None
             return load_from_tier(path, map_location, allow_pickle=self.allow_pickle,
                                   endpoint_url=endpoint, **kwargs)
+        if self.cadence.memory_every and step_of(Path(path).name) in self.memory_steps():
+            return load_memory_only(self._daemon, Path(path), map_location,
+                                    {"allow_pickle": self.allow_pickle, **kwargs})
         if self._mirror is not None:  # the store's copy behind a corrupt local one
             kwargs = {"tier": str(self._mirror.url.child(Path(path).name)), **kwargs}
         return load(path, map_location, allow_pickle=self.allow_pickle,
@@ -353,7 +358,7 @@ class Checkpointer:
 
         mirror = Mirror(self.root, TierURL.parse(tier), client_for(endpoint),
                         keep_last=keep_last, on_uploaded=self._uploaded,
-                        compression=compression)
+                        compression=compression, uploads=self.cadence.uploads)
         return mirror.start() if uploads else mirror
 
     def tier_status(self) -> TierStatus | None:
@@ -389,7 +394,7 @@ class Checkpointer:
 
     def _committed(self, path: Path) -> None:
         with self._lock:
-            if self._mirror is not None:
+            if self._mirror is not None and self._mirror.due(path.name):
                 self._mirror.add(path)  # pending from now: retention keeps it
             self._last_committed = path.name
             apply_at(self.root, path.name, self.after_commit, protected=self._protected)

@@ -94,6 +94,12 @@ class TierError(CheckpointError):
     upload succeeds."""
 
 
+class MemoryTierError(CheckpointError):
+    """A memory-only save (kept in fastpersistd's memory tier, not written to
+    disk) that the tier cannot hold: the tier is off, or the checkpoint does
+    not fit in its budget (--memory-tier-bytes)."""
+
+
 class DaemonError(CheckpointError):
     """fastpersistd refused a request; `code` is the gRPC status code's name
     (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a staging budget, ...)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,47 @@ def newest_stored(s3: S3, url: TierURL, name: str = "",
         return None
     newest = max(found, key=lambda e: (e.step, e.modified))
     return str(url.child(newest.name))
+
+
+def newest_with_store(root: Path, local: Path | None, exclude: Container[Path | str],
+                      mirror: tuple[S3, TierURL] | None, daemon: str) -> Path | str | None:
+    """latest() where the root's checkpoints may also be in an object store
+    (`mirror`: a Checkpointer's tier; else its daemon's --tier, ROOT/REL at
+    PREFIX/REL): the store's newest step when `latest` names a step whose
+    directory is gone (a node lost; a step rolled back from is not read
+    from the store), or when nothing is usable here; else `local`."""
+    pointed = ""
+    if local is not None:
+        try:
+            pointed = (root / LATEST).read_text().strip()
+        except OSError:
+            return local
+        if not pointed or (root / pointed).exists():
+            return local
+    store = mirror or (_daemon_store(daemon, root) if daemon else None)
+    if store is None:
+        return local
+    try:
+        return newest_stored(*store, pointed, exclude) or local
+    except CheckpointError as exc:
+        if mirror is not None:
+            raise
+        # The daemon's store, not the Checkpointer's: looked at only for a
+        # step lost here, and a store that is down does not stop a start.
+        warnings.warn(f"{root}: cannot look for checkpoints in fastpersistd's tier "
+                      f"{store[1]}: {exc}", RuntimeWarning, stacklevel=4)
+        return local
+
+
+def _daemon_store(daemon: str, root: Path) -> tuple[S3, TierURL] | None:
+    from .loading.chain import NoCopy
+    from .loading.copies import daemon_tier
+    from .tier.client import client_for
+
+    try:
+        return client_for(None), daemon_tier(daemon, root)
+    except NoCopy:
+        return None
 
 
 def not_found(root: Path, skipped: list[Skipped], where: str = "") -> CheckpointNotFoundError:

@@ -45,6 +45,7 @@ ROOMS = {
     "fastpersist.loading": "loading",
     "fastpersist.daemon": "daemon",
     "fastpersist.api": "api", "fastpersist.checkpointer": "api", "fastpersist.resume": "api",
+    "fastpersist.cadence": "api",
     "fastpersist.adapters": "api",  # the adapters' contract (integrations/ import it)
     "fastpersist.cli": "cli",
     "fastpersist.integrations": "integrations",

@@ -72,7 +72,7 @@ class InfoResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., client_budget: _Optional[int] = ..., memory_tier_count: _Optional[int] = ..., memory_tier_budget: _Optional[int] = ..., memory_tier_bytes: _Optional[int] = ..., memory_tier_copies: _Optional[int] = ..., node_name: _Optional[str] = ..., failure_domain: _Optional[str] = ..., job: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., replicas: _Optional[int] = ..., replica_budget: _Optional[int] = ..., replica_bytes: _Optional[int] = ..., replicas_held: _Optional[int] = ..., replication_pending: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank", "compression", "frame_bytes")
+    __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank", "compression", "frame_bytes", "durability")
     PATH_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class BeginRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
     path: str
     client_id: str
     staging_bytes: int
@@ -89,7 +90,8 @@ class BeginRequest(_message.Message):
     rank: int
     compression: str
     frame_bytes: int
-    def __init__(self, path: _Optional[str] = ..., client_id: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., compression: _Optional[str] = ..., frame_bytes: _Optional[int] = ...) -> None: ...
+    durability: str
+    def __init__(self, path: _Optional[str] = ..., client_id: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., compression: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., durability: _Optional[str] = ...) -> None: ...
 
 class BeginResponse(_message.Message):
     __slots__ = ("checkpoint_id",)
@@ -160,14 +162,16 @@ class CommitRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., tree_json: _Optional[str] = ..., tensor_order: _Optional[_Iterable[str]] = ..., after_commit: _Optional[_Union[AfterCommit, _Mapping]] = ...) -> None: ...
 
 class AfterCommit(_message.Message):
-    __slots__ = ("point_latest", "keep_last", "keep_every")
+    __slots__ = ("point_latest", "keep_last", "keep_every", "skip_tier")
     POINT_LATEST_FIELD_NUMBER: _ClassVar[int]
     KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     KEEP_EVERY_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TIER_FIELD_NUMBER: _ClassVar[int]
     point_latest: bool
     keep_last: int
     keep_every: int
-    def __init__(self, point_latest: _Optional[bool] = ..., keep_last: _Optional[int] = ..., keep_every: _Optional[int] = ...) -> None: ...
+    skip_tier: bool
+    def __init__(self, point_latest: _Optional[bool] = ..., keep_last: _Optional[int] = ..., keep_every: _Optional[int] = ..., skip_tier: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ()
@@ -192,7 +196,7 @@ class WaitRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., min_files_written: _Optional[int] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("checkpoint_id", "path", "state", "bytes_written", "bytes_total", "error", "files_written", "files_total", "error_code", "part_json", "after_commit_error", "compression")
+    __slots__ = ("checkpoint_id", "path", "state", "bytes_written", "bytes_total", "error", "files_written", "files_total", "error_code", "part_json", "after_commit_error", "compression", "durability")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[CheckpointStatus.State]
@@ -219,6 +223,7 @@ class CheckpointStatus(_message.Message):
     PART_JSON_FIELD_NUMBER: _ClassVar[int]
     AFTER_COMMIT_ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     path: str
     state: CheckpointStatus.State
@@ -231,7 +236,8 @@ class CheckpointStatus(_message.Message):
     part_json: str
     after_commit_error: str
     compression: str
-    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[CheckpointStatus.State, str]] = ..., bytes_written: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., files_written: _Optional[int] = ..., files_total: _Optional[int] = ..., error_code: _Optional[str] = ..., part_json: _Optional[str] = ..., after_commit_error: _Optional[str] = ..., compression: _Optional[str] = ...) -> None: ...
+    durability: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[CheckpointStatus.State, str]] = ..., bytes_written: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., files_written: _Optional[int] = ..., files_total: _Optional[int] = ..., error_code: _Optional[str] = ..., part_json: _Optional[str] = ..., after_commit_error: _Optional[str] = ..., compression: _Optional[str] = ..., durability: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("path",)
@@ -252,12 +258,14 @@ class ListEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
 
 class ListResponse(_message.Message):
-    __slots__ = ("entries", "in_flight")
+    __slots__ = ("entries", "in_flight", "memory_only")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[ListEntry]
     in_flight: _containers.RepeatedCompositeFieldContainer[CheckpointStatus]
-    def __init__(self, entries: _Optional[_Iterable[_Union[ListEntry, _Mapping]]] = ..., in_flight: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ...) -> None: ...
+    memory_only: _containers.RepeatedCompositeFieldContainer[ListEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[ListEntry, _Mapping]]] = ..., in_flight: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., memory_only: _Optional[_Iterable[_Union[ListEntry, _Mapping]]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("path",)
@@ -345,14 +353,16 @@ class MemoryCopyRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class MemoryCopyResponse(_message.Message):
-    __slots__ = ("directory", "manifest", "reason")
+    __slots__ = ("directory", "manifest", "reason", "memory_only")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     directory: str
     manifest: bytes
     reason: str
-    def __init__(self, directory: _Optional[str] = ..., manifest: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+    memory_only: bool
+    def __init__(self, directory: _Optional[str] = ..., manifest: _Optional[bytes] = ..., reason: _Optional[str] = ..., memory_only: _Optional[bool] = ...) -> None: ...
 
 class ReplicaChunk(_message.Message):
     __slots__ = ("header", "data")

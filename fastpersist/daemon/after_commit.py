@@ -80,8 +80,9 @@ class AfterCommits:
         with self._mutex:
             return self._locks.setdefault((st.st_dev, st.st_ino), threading.Lock())
 
-    def committed(self, relpath: str) -> None:
-        """ROOT/relpath was just committed: queue its upload (with a tier).
+    def committed(self, relpath: str, *, upload: bool = True) -> None:
+        """ROOT/relpath was just committed: queue its upload (with a tier;
+        not when a Checkpointer's tier_every passes it: upload=False).
         Never raises: the checkpoint is committed, and whoever asked must hear
         so; a checkpoint not queued is logged, and the next start queues it.
         The memory tier's copy of a checkpoint it replaced goes."""
@@ -89,6 +90,9 @@ class AfterCommits:
             self.memory.forget(relpath)
         self.published(relpath)
         if self.tier is None:
+            return
+        if not upload:
+            logs.info("tier-not-asked", path=relpath)
             return
         try:
             self.tier.add(relpath)

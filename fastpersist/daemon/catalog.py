@@ -49,6 +49,9 @@ class Catalog:
         """Delete the committed checkpoint at `path` (commit.delete_checkpoint),
         by its name in its directory, held open."""
         not_found = RequestError("NOT_FOUND", f"{path.text} is not a committed checkpoint")
+        if self.memory is not None and self.memory.forget(path.text, memory_only=True):
+            logs.info("deleted", path=path.text, memory_only=True)
+            return  # a memory-only checkpoint: nothing of it is on disk
         try:
             parent_fd = self.root.open_dir(path.parts[:-1])
         except FileNotFoundError:

@@ -75,15 +75,15 @@ class Checkpoint:
     __slots__ = ("after_commit", "after_commit_error", "begun_unix", "busy", "bytes_total",
                  "bytes_written", "cleaned", "client", "error", "error_code", "file_records",
                  "files_total", "files_written", "finished_at", "first_submit", "frame_bytes",
-                 "handed_over",
-                 "id", "job", "last_activity", "mapped_bytes", "names", "part_json", "pending",
+                 "handed_over", "id", "job", "last_activity", "mapped_bytes", "memory_only",
+                 "names", "part_json", "pending",
                  "rank", "relpath", "remove_parents", "reserved", "staging", "state", "streams",
                  "submitted", "target", "tensor_order", "tensor_records", "tree", "watchers")
 
     def __init__(self, ident: str, client: str, target: Path, relpath: str,
                  staging: Staging | None, files_total: int, reserved: int,
-                 job: Job[Checkpoint] | None = None, rank: int = 0, frame_bytes: int = 0
-                 ) -> None:
+                 job: Job[Checkpoint] | None = None, rank: int = 0, frame_bytes: int = 0,
+                 memory_only: bool = False) -> None:
         self.id = ident
         self.job = job  # a part of this distributed checkpoint (jobs.py)
         self.rank = rank  # the part's rank: its files are part_file_name(rank, i)
@@ -99,6 +99,9 @@ class Checkpoint:
         # Begin's compression="zstd": submitted files are packed (compressed)
         # in frames of this many bytes; 0: written as submitted.
         self.frame_bytes = frame_bytes
+        # Begin's durability="memory": kept in the memory tier alone, no staging
+        # directory, nothing written under the root (memory.py copy_only).
+        self.memory_only = memory_only
         self.state = State.RECEIVING
         self.error = ""
         self.error_code = ""
@@ -196,6 +199,7 @@ class Checkpoint:
             "files_total": self.files_total, "error_code": self.error_code,
             "part_json": self.part_json, "after_commit_error": self.after_commit_error,
             "compression": "zstd" if self.frame_bytes else "",
+            "durability": "memory" if self.memory_only else "",
         }
 
 

@@ -3,7 +3,7 @@
 The standard gRPC health service answers from its own table, without the
 daemon's lock: left alone it would say SERVING while every request waits on
 a stuck lock or the root has gone. A watchdog thread asks the service what
-would stop it (service.Service.unable: the root removed, the lock held for
+would stop it (unable(): the root removed, the lock held for
 seconds, a worker dead) every second and sets the table from the answer.
 
 Torch-free: this runs in the daemon.
@@ -49,7 +49,7 @@ class Watchdog:
         reason = ""
         while not self._stop.wait(self.interval):
             try:
-                now = self.service.unable(self.lock_timeout)
+                now = unable(self.service, self.lock_timeout)
             except Exception as exc:  # the check itself failed: report, do not die
                 now = f"the health check failed: {exc!r}"
             if now == reason or self._stop.is_set():
@@ -65,3 +65,23 @@ class Watchdog:
         """Stop watching (before the daemon drains and says NOT_SERVING for good)."""
         self._stop.set()
         self._thread.join()
+
+
+def unable(service: Service, timeout: float) -> str:
+    """Why the daemon cannot serve ("" when it can): the health check's
+    view (health.py). Takes the lock with a timeout: a request that held it
+    this long would stall every other."""
+    if not service.root.alive():
+        return f"its root {service.root.path} is gone"
+    r = service.registry
+    if not r.cond.acquire(timeout=timeout):
+        return f"its lock has been held for over {timeout:.0f} s"
+    try:
+        stopping = r.stopping
+    finally:
+        r.cond.release()
+    if not stopping and not all(t.is_alive() for t in service.writers.threads):
+        return "a write worker stopped"
+    if not stopping and not r.janitor.alive():
+        return "the janitor stopped"
+    return ""

@@ -134,7 +134,8 @@ class JobService:
         job = self._start_commit(job_id, after_commit)
         with held_parent(job.staging, after_commit) as parent:
             self._publish(job, manifest, node, files=files or {})
-            self.after_commits.committed(job.relpath)
+            self.after_commits.committed(job.relpath, upload=after_commit is None
+                                         or after_commit.upload)
             # Jobs of one root commit in order (a distributed save waits for
             # the previous one), hence no `since`.
             return "" if after_commit is None or parent is None else self.after_commits.apply(

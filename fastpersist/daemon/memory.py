@@ -38,6 +38,9 @@ held each copy's directory flocked, so the next one removes the directories
 whose lock it can take at start (sweep). A client learns of a copy only
 from the live daemon that made it, never from the directory's presence.
 
+Memory-only checkpoints (Begin's durability "memory"): copies made with no
+disk write beside them (copy_only), held as the only copy, evicted like any.
+
 Torch-free: this runs in the daemon.
 """
 
@@ -48,22 +51,22 @@ import fcntl
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine import Engine, Segment
-from ..format.bounds import MAX_MANIFEST_BYTES
-from ..format.manifest import MANIFEST_NAME
+from ..errors import MemoryTierError
 from ..protocol.shm import COPY_NAME, COPY_PREFIX
 from ..storage import dirs
 from . import logs
 from .checkpoints import Checkpoint, PendingFile
 from .metrics import Metrics
-from .paths import PathError, RequestPath
+from .paths import RequestPath
 from .registry import Registry
-from .rootfs import Root
+from .rootfs import Root, manifest_at
 
 # Off unless asked for: the copy beside each disk write made a durable save
 # through the daemon 2x slower on this project's 2-vCPU machine (docs/guides/daemon.md).
@@ -84,6 +87,8 @@ class Copy:
     manifest: bytes | None = None
     failed: str = ""
     busy: bool = False  # a file is being copied into it: prune leaves it alone
+    memory_only: bool = False  # the only copy: nothing of it is on disk
+    created: float = 0.0  # time.time() when held
 
 
 class MemoryTier:
@@ -152,6 +157,22 @@ class MemoryTier:
             return None
         return self._copiers.submit(self._copy_file, c, job, name, size)
 
+    def copy_only(self, ck: Checkpoint, job: PendingFile, name: str) -> list[int]:
+        """Data file `name` of memory-only checkpoint ck, copied with no disk
+        write beside it; its CRC32Cs, header first (MemoryTierError: not kept)."""
+        copying = self.start_file(ck, job, name)
+        error = copying.exception() if copying is not None else None
+        crcs = copying.result() if copying is not None and error is None else None
+        if copying is not None:
+            self.finish_file(ck, copying, job.index, crcs)
+        with self._lock:
+            c = self._building.get(ck.id)
+            if crcs is not None and c is not None and job.index in c.files:
+                return crcs
+            why = str(error) if error else (c.failed if c is not None and c.failed else
+                                            "its copy was dropped (see the daemon's log)")
+        raise MemoryTierError(f"memory-only checkpoint {ck.relpath} is not kept in memory: {why}")
+
     def finish_file(self, ck: Checkpoint, copying: Future[list[int]], index: int,
                     written: list[int] | None) -> None:
         """The write of data file `index` is over (written: its CRC32Cs, header
@@ -198,14 +219,16 @@ class MemoryTier:
         assert result.crcs is not None
         return result.crcs
 
-    def committed(self, ck: Checkpoint, manifest: bytes) -> None:
-        """ck was committed with `manifest`: hold its copy, if every file is
-        in it, as the newest; the oldest beyond --memory-tier-count go."""
+    def committed(self, ck: Checkpoint, manifest: bytes, *, memory_only: bool = False) -> str:
+        """ck was committed with `manifest` (memory_only: in memory alone):
+        hold its copy, if every file is in it, as the newest; the oldest
+        beyond --memory-tier-count go. Returns why it is not held ("": it is)."""
         with self._lock:
             c = self._building.pop(ck.id, None)
             if c is None:
-                return
+                return "its copy was dropped"
             victims = []
+            c.memory_only, c.created = memory_only, time.time()
             if c.failed or len(c.files) != ck.files_total:
                 c.failed = c.failed or "not every data file came in shared memory"
                 victims.append(self._release(c))
@@ -218,8 +241,9 @@ class MemoryTier:
                     victims.append(self._drop(next(iter(self._held))))
         self._remove(victims)
         if not c.failed:
-            logs.info("memory-copy", path=ck.relpath, bytes=c.reserved)
+            logs.info("memory-copy", path=ck.relpath, bytes=c.reserved, memory_only=memory_only)
         self._gauges()
+        return c.failed
 
     def abandon(self, ident: str) -> None:
         """Drop the copy being made for checkpoint `ident` (it failed, or ended)."""
@@ -244,14 +268,16 @@ class MemoryTier:
 
     # -- serving and forgetting ------------------------------------------------
 
-    def lookup(self, path: RequestPath, root: Root) -> tuple[bytes, str] | str:
-        """(the committed manifest, the copy's directory name) for the
-        checkpoint at `path` if the copy is still that checkpoint's; else why not."""
+    def lookup(self, path: RequestPath, root: Root) -> tuple[bytes, str, bool] | str:
+        """(the committed manifest, the copy's directory name, whether it is
+        memory-only) for the checkpoint at `path` if the copy is still that
+        checkpoint's; else why not. A memory-only copy is that checkpoint's
+        while no checkpoint is committed on disk at the path."""
         with self._lock:
             c = self._held.get(path.text)
         if c is None:
             return "fastpersistd holds no copy of it in memory"
-        if _manifest_at(root, path) != c.manifest:
+        if manifest_at(root, path) != (None if c.memory_only else c.manifest):
             with self._lock:
                 victim = self._drop(path.text) if self._held.get(path.text) is c else None
             self._remove([victim] if victim else [])
@@ -259,15 +285,26 @@ class MemoryTier:
                       reason="the checkpoint was replaced or deleted")
             return "the checkpoint at the path is not the one held in memory any more"
         assert c.manifest is not None
-        return c.manifest, c.name
+        return c.manifest, c.name, c.memory_only
 
-    def forget(self, relpath: str) -> None:
-        """The checkpoint at relpath was deleted or replaced: drop its copy."""
+    def memory_only_under(self, directory: str) -> list[tuple[str, int, float]]:
+        """(name, bytes, created) of the memory-only copies held directly
+        in `directory` (a path relative to the root; "" for the root)."""
         with self._lock:
-            victim = self._drop(relpath) if relpath in self._held else None
+            return [(p.rpartition("/")[2], c.reserved, c.created) for p, c in self._held.items()
+                    if c.memory_only and p.rpartition("/")[0] == directory]
+
+    def forget(self, relpath: str, *, memory_only: bool = False) -> bool:
+        """The checkpoint at relpath was deleted or replaced: drop its copy
+        (memory_only: only a memory-only one). Whether one was dropped."""
+        with self._lock:
+            held = self._held.get(relpath)
+            victim = (self._drop(relpath) if held is not None
+                      and (held.memory_only or not memory_only) else None)
         if victim is not None:
             self._remove([victim])
             logs.info("memory-copy-dropped", path=relpath, reason="deleted or replaced")
+        return victim is not None
 
     def close(self) -> None:
         """Shutdown: every copy goes."""
@@ -353,23 +390,3 @@ class MemoryTier:
         used, held = self.usage()
         self.metrics.memory_tier_bytes.set(used)
         self.metrics.memory_tier_copies.set(held)
-
-
-def _manifest_at(root: Root, path: RequestPath) -> bytes | None:
-    """The manifest of the committed checkpoint at `path` now, None if none."""
-    try:
-        parent = root.open_dir(path.parts[:-1])
-    except (OSError, PathError):
-        return None
-    try:
-        fd = root.checkpoint_dir(parent, path.parts[-1])
-    except (OSError, PathError):
-        return None
-    finally:
-        os.close(parent)
-    try:
-        return dirs.read_regular(MANIFEST_NAME, fd, MAX_MANIFEST_BYTES)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)

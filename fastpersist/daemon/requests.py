@@ -208,3 +208,21 @@ def code_for(exc: CheckpointError) -> str:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
+
+
+def check_durability(durability: str, job_id: str, frame_bytes: int, memory_on: bool) -> bool:
+    """Begin's durability: whether the checkpoint is memory-only ("memory")."""
+    if not durability:
+        return False
+    if durability != "memory":
+        raise invalid(f"durability must be \"memory\" or \"\" (disk), not {shown(durability)}")
+    if not memory_on:
+        raise RequestError("FAILED_PRECONDITION",
+                           "a memory-only checkpoint is kept in fastpersistd's memory tier, "
+                           "which is off: start fastpersistd with --memory-tier-count N "
+                           "(and --memory-tier-bytes), or save to disk")
+    if job_id:
+        raise invalid("a part of a distributed job cannot be memory-only")
+    if frame_bytes:
+        raise invalid("a memory-only checkpoint is kept raw: save it without compression")
+    return True

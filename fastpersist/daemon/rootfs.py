@@ -25,11 +25,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import ManifestError
+from ..format.bounds import MAX_MANIFEST_BYTES as READ_LIMIT
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage import dirs
 from ..storage.leftovers import collect, leftover_name, leftover_of
 from . import logs
-from .paths import PathError
+from .paths import PathError, RequestPath
 
 # A manifest the daemon reads (List) is at most this large: a bigger one would
 # take more memory to parse than the daemon may use.
@@ -272,3 +273,23 @@ def _path_error(exc: OSError, parts: Sequence[str]) -> OSError | PathError:
     if exc.errno == errno.ENOTDIR:
         return PathError(f"{shown}: something on the path is not a directory")
     return exc
+
+
+def manifest_at(root: Root, path: RequestPath) -> bytes | None:
+    """The manifest of the committed checkpoint at `path` now, None if none."""
+    try:
+        parent = root.open_dir(path.parts[:-1])
+    except (OSError, PathError):
+        return None
+    try:
+        fd = root.checkpoint_dir(parent, path.parts[-1])
+    except (OSError, PathError):
+        return None
+    finally:
+        os.close(parent)
+    try:
+        return dirs.read_regular(MANIFEST_NAME, fd, READ_LIMIT)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

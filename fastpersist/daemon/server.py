@@ -40,7 +40,7 @@ from .requests import (
 from .service import Service
 
 # InfoResponse.features: what clients may not assume of every daemon.
-FEATURES = ["commit-files", "memory-copy", "replicas"]
+FEATURES = ["commit-files", "memory-copy", "memory-only", "replicas"]
 # A SubmitStream data chunk (the client library sends 1 MiB ones; earlier ones 4 MiB).
 MAX_STREAM_CHUNK = 4 << 20
 MAX_ERROR_CHARS = 1000
@@ -141,7 +141,8 @@ class Servicer(pb_grpc.FastPersistServicer):
                                     request.staging_bytes, request.file_count,
                                     request.job_id, request.rank,
                                     compression=request.compression,
-                                    frame_bytes=request.frame_bytes)
+                                    frame_bytes=request.frame_bytes,
+                                    durability=request.durability)
             return pb.BeginResponse(checkpoint_id=ck.id)
         return self._guard(context, run)
 
@@ -152,7 +153,8 @@ class Servicer(pb_grpc.FastPersistServicer):
                                       request.staging_bytes, request.file_count,
                                       request.job_id, request.rank, leased=True,
                                       compression=request.compression,
-                                      frame_bytes=request.frame_bytes)
+                                      frame_bytes=request.frame_bytes,
+                                      durability=request.durability)
         ck = self._guard(context, run)
         # The lease ends with the call, however it ends (done, cancelled, the
         # client's connection gone): gRPC's termination callback, rather than
@@ -229,9 +231,19 @@ class Servicer(pb_grpc.FastPersistServicer):
 
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         def run() -> pb.ListResponse:
-            entries, in_flight = self.service.list(parse(request.path, allow_root=True,
-                                                         checkpoint=False))
+            path = parse(request.path, allow_root=True, checkpoint=False)
+            memory = self.service.memory
+            held = memory.memory_only_under(path.text) if memory is not None else []
+            try:
+                entries, in_flight = self.service.list(path)
+            except RequestError as exc:  # a run saved to memory only has no directory yet
+                if exc.code != "NOT_FOUND" or not held:
+                    raise
+                entries, in_flight = [], []
             return pb.ListResponse(
+                memory_only=[pb.ListEntry(name=name, state="memory", bytes=nbytes,
+                                          created_unix=created)
+                             for name, nbytes, created in held],
                 entries=[pb.ListEntry(name=name, state=state, bytes=nbytes, created_unix=created)
                          for name, state, nbytes, created in entries],
                 # Without ids: an id is the capability to submit to, commit or abort a
@@ -290,7 +302,8 @@ class Servicer(pb_grpc.FastPersistServicer):
                      "this fastpersistd keeps no checkpoint in memory (--memory-tier-count 0)")
             if isinstance(found, str):
                 return pb.MemoryCopyResponse(reason=found)
-            return pb.MemoryCopyResponse(manifest=found[0], directory=found[1])
+            return pb.MemoryCopyResponse(manifest=found[0], directory=found[1],
+                                         memory_only=found[2])
         return self._guard(context, run)
 
     def Replicate(self, request_iterator: Iterator[pb.ReplicaChunk],
@@ -357,4 +370,5 @@ def _after_commit(request: pb.CommitRequest | pb.CommitJobRequest) -> AfterCommi
     if not request.HasField("after_commit"):
         return None
     a = request.after_commit
-    return AfterCommit(a.point_latest, a.keep_last or None, a.keep_every or None)
+    return AfterCommit(a.point_latest, a.keep_last or None, a.keep_every or None,
+                       upload=not a.skip_tier)

@@ -36,12 +36,13 @@ from .requests import (
     RequestError,
     check_client,
     check_compression,
+    check_durability,
     check_file_count,
     invalid,
     parse_data_file,
     parse_tree,
 )
-from .rootfs import Root
+from .rootfs import Root, manifest_at
 from .stream_file import Slots
 from .streams import Streams
 from .tiering import DaemonTier
@@ -82,38 +83,25 @@ class Service:
         with self.registry.cond:
             return self.registry.in_flight()
 
-    def unable(self, timeout: float) -> str:
-        """Why the daemon cannot serve ("" when it can): the health check's
-        view (health.py). Takes the lock with a timeout: a request that held it
-        this long would stall every other."""
-        if not self.root.alive():
-            return f"its root {self.root.path} is gone"
-        r = self.registry
-        if not r.cond.acquire(timeout=timeout):
-            return f"its lock has been held for over {timeout:.0f} s"
-        try:
-            stopping = r.stopping
-        finally:
-            r.cond.release()
-        if not stopping and not all(t.is_alive() for t in self.writers.threads):
-            return "a write worker stopped"
-        if not stopping and not r.janitor.alive():
-            return "the janitor stopped"
-        return ""
-
     # -- Begin ---------------------------------------------------------------
 
     def begin(self, path: RequestPath, client: str, staging_bytes: int,
               file_count: int, job_id: str = "", rank: int = 0, *, leased: bool = False,
-              compression: str = "", frame_bytes: int = 0) -> Checkpoint:
+              compression: str = "", frame_bytes: int = 0, durability: str = "") -> Checkpoint:
         """Reserve the target and the staging under the lock; make the staging
         directory without it (a slow disk must not stall other requests); then
         hand out the id, unless the daemon began to drain meanwhile. leased:
         the request's stream is the client's lease (Open): the checkpoint is
-        born watched, and watch_ended() must follow when the stream ends."""
+        born watched, and watch_ended() must follow when the stream ends.
+        durability="memory": kept in the memory tier alone (memory.py)."""
         check_client(client)
         check_file_count(file_count)
         frame_bytes = check_compression(compression, frame_bytes)
+        memory_only = check_durability(durability, job_id, frame_bytes,
+                                       self.memory is not None and self.memory.enabled)
+        if memory_only and manifest_at(self.root, path) is not None:
+            raise RequestError("ALREADY_EXISTS", f"a checkpoint is committed on disk at {path.text}"
+                                                 "; a memory-only save may not shadow it")
         target, relpath = path.under(self.root.path), path.text
         r = self.registry
         joined = self.jobs.open_unknown(path, job_id) if job_id else None
@@ -130,7 +118,7 @@ class Service:
                     raise invalid(f"rank {rank} already has a part in job {job.id}")
                 ck = Checkpoint(secrets.token_hex(12), client, target, relpath,
                                 job.staging if job else None, file_count, staging_bytes, job,
-                                rank, frame_bytes)
+                                rank, frame_bytes, memory_only)
                 if job is not None:
                     if job is joined:
                         r.jobs[job.id] = job
@@ -144,7 +132,7 @@ class Service:
         finally:
             if joined is not None:  # not taken on: refused, or another request was first
                 joined.close()
-        if ck.staging is None:
+        if ck.staging is None and not memory_only:
             self._make_staging(ck, path)
         logs.info("begin", checkpoint=ck.id, client=client, path=relpath, files=file_count,
                   staging_bytes=staging_bytes, **({"job": job.id, "rank": rank} if job else {}))
@@ -186,6 +174,9 @@ class Service:
             dup = next((e.name for e in entries if e.name in ck.names), None)
             if dup is not None:
                 raise invalid(f"tensor {dup!r} is already in another data file")
+            if streamed and ck.memory_only:  # a streamed file is written to disk as it comes
+                raise invalid("a memory-only checkpoint takes its files in shared memory only "
+                              "(a tensor larger than the staging budget cannot be memory-only)")
             if not streamed and ck.mapped_bytes + data_length > ck.reserved:
                 raise RequestError(
                     "RESOURCE_EXHAUSTED",

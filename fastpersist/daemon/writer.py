@@ -20,7 +20,7 @@ import time
 
 from .._version import __version__
 from ..engine import Engine, Segment
-from ..errors import CheckpointIOError
+from ..errors import CheckpointIOError, MemoryTierError
 from ..format.manifest import FileRecord, Manifest, TensorRecord
 from ..storage import dirs
 from ..storage.commit import os_error
@@ -129,6 +129,13 @@ class Writers:
 
     def _write(self, ck: Checkpoint, job: PendingFile) -> None:
         name = ck.file_name(job.index, packed=bool(ck.frame_bytes))
+        if ck.memory_only:  # into the memory tier alone: no staging directory
+            assert self.memory is not None
+            copied = self.memory.copy_only(ck, job, name)
+            with self.registry.cond:
+                ck.record_file(job.index, job.data_start + job.nbytes, job.data_start,
+                               job.entries, copied)
+            return
         assert ck.staging is not None and ck.staging.fds is not None
         fds = ck.staging.fds
         if not dirs.is_entry(ck.staging.path.name, fds.parent, fds.staging):
@@ -215,10 +222,14 @@ class Writers:
             data = manifest.to_json()
         except ValueError as exc:  # NaN in a client's tree, say
             raise invalid(f"the tree cannot be written as JSON: {exc}") from None
+        if ck.memory_only:
+            self._memory_only(ck, data)
+            return
         assert ck.staging is not None
         with held_parent(ck.staging, ck.after_commit) as parent:
             ck.staging.commit(data)
-            self.after_commits.committed(ck.relpath)
+            self.after_commits.committed(ck.relpath, upload=ck.after_commit is None
+                                         or ck.after_commit.upload)
             if self.memory is not None:
                 self.memory.committed(ck, data)
             seconds = time.monotonic() - (ck.first_submit or time.monotonic())
@@ -236,6 +247,19 @@ class Writers:
             r.finish(ck, State.COMMITTED, "", "")
             if seconds > 0:
                 r.metrics.throughput.set(ck.bytes_written / seconds)
+
+    def _memory_only(self, ck: Checkpoint, manifest: bytes) -> None:
+        """Held by the memory tier as the only copy: nothing goes to disk, and
+        no `latest`, retention or tier upload applies (they are the disk's)."""
+        assert self.memory is not None
+        why = self.memory.committed(ck, manifest, memory_only=True)
+        if why:
+            raise MemoryTierError(f"memory-only checkpoint {ck.relpath} is not kept in "
+                                  f"memory: {why}")
+        logs.info("committed", checkpoint=ck.id, path=ck.relpath, bytes=ck.bytes_written,
+                  memory_only=True)
+        with self.registry.cond:
+            self.registry.finish(ck, State.COMMITTED, "", "")
 
     def _part_durable(self, ck: Checkpoint) -> None:
         """A part's files are durable in its job's directory: report their

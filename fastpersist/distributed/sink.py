@@ -99,6 +99,8 @@ class DistributedSink:
         return None  # a rank learns its share at each save
 
     def begin(self, planned: Any, request: SaveRequest) -> DistributedJob:
+        if request.durability != "disk":
+            raise ValueError("a distributed save cannot be memory-only")
         job = Save(self.co, planned, request.target, self.storage, node_local=self.node_local,
                    allow_pickle=request.allow_pickle, aborted=request.aborted,
                    after_commit=request.after_commit, compression=request.compression)

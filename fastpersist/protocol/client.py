@@ -152,19 +152,21 @@ class DaemonClient:
         return str(reply.checkpoint_id)
 
     def open(self, relative: str, staging_bytes: int, file_count: int, *, job_id: str = "",
-             rank: int = 0, compression: str = "", frame_bytes: int = 0) -> tuple[str, Any]:
+             rank: int = 0, compression: str = "", frame_bytes: int = 0,
+             durability: str = "") -> tuple[str, Any]:
         """Begin a checkpoint with Open: (its id, the stream of its statuses that
         follow). The open stream is this process's lease on the checkpoint: if
         it ends before Commit (this process died, or cancelled it), the daemon
         aborts the checkpoint at once. compression="zstd": the daemon packs the
         files in frames of frame_bytes (0: its default); one that would not
-        (too old: it ignores the field) is refused here."""
+        (too old: it ignores the field) is refused here; so is one that would
+        not keep a durability="memory" checkpoint in memory only."""
         part = f"the part of rank {rank} of " if job_id else ""
         what = f"cannot begin {part}checkpoint {relative}"
         call = self.stub.Open(pb.BeginRequest(
             path=relative, client_id=CLIENT_ID, staging_bytes=staging_bytes,
             file_count=file_count, job_id=job_id, rank=rank, compression=compression,
-            frame_bytes=frame_bytes))
+            frame_bytes=frame_bytes, durability=durability))
         # The first message is Begin's answer and gets its time limit; the rest
         # of the stream lasts as long as the checkpoint.
         timer = threading.Timer(CALL_TIMEOUT, call.cancel)
@@ -177,6 +179,7 @@ class DaemonClient:
                 raise self.error(exc, what) from None
             # A daemon older than Open (and than compression): Begin, and Watch.
             self._check_compresses(what, compression, "")
+            self._check_durability(what, durability, "")
             ident = self.begin(relative, staging_bytes, file_count, job_id=job_id, rank=rank)
             return ident, self.stub.Watch(pb.WaitRequest(checkpoint_id=ident))
         except StopIteration:
@@ -187,7 +190,17 @@ class DaemonClient:
         if first.compression != compression:
             call.cancel()  # (ends the lease: the daemon aborts the checkpoint)
             self._check_compresses(what, compression, first.compression)
+        if first.durability != durability:
+            call.cancel()
+            self._check_durability(what, durability, first.durability)
         return str(first.checkpoint_id), call
+
+    def _check_durability(self, what: str, asked: str, answered: str) -> None:
+        if asked != answered:
+            raise DaemonError(f"{what}: fastpersistd at {self.address} does not keep "
+                              f"memory-only checkpoints (asked for durability {asked!r}, it "
+                              f"answered {answered!r}): upgrade it or save to disk",
+                              "FAILED_PRECONDITION")
 
     def _check_compresses(self, what: str, asked: str, answered: str) -> None:
         if asked != answered:
@@ -351,9 +364,9 @@ class DaemonClient:
                 f"fastpersistd at {self.address} cannot say how checkpoint {ident} ended "
                 f"({exc}): it may have committed it", getattr(exc, "code", "")) from exc
 
-    def list(self, relative: str = "") -> pb.ListResponse:
+    def list(self, relative: str = "", timeout: float = CALL_TIMEOUT) -> pb.ListResponse:
         reply: pb.ListResponse = self._call("list", lambda: self.stub.List(
-            pb.ListRequest(path=relative), timeout=CALL_TIMEOUT))
+            pb.ListRequest(path=relative), timeout=timeout))
         return reply
 
     def memory_copy(self, relative: str, timeout: float) -> pb.MemoryCopyResponse:
@@ -373,5 +386,5 @@ def _after_commit(policy: AfterCommit | None) -> pb.AfterCommit | None:
     if policy is None:
         return None
     return pb.AfterCommit(point_latest=policy.point_latest, keep_last=policy.keep_last or 0,
-                          keep_every=policy.keep_every or 0)
+                          keep_every=policy.keep_every or 0, skip_tier=not policy.upload)
 

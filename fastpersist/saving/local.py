@@ -80,6 +80,8 @@ class LocalSink:
         return cut(planned[1], request)[0]
 
     def begin(self, planned: Planned, request: SaveRequest) -> LocalJob:
+        if request.durability != "disk":
+            raise ValueError("a memory-only save is kept by fastpersistd: save through it")
         tree, stored = planned
         files, budget = cut(stored, request)
         writer = CheckpointWriter.begin(request.target, tree, stored, request.compression)

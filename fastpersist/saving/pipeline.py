@@ -24,10 +24,9 @@ pipeline's one background thread):
                reused, or quarantined while a reader may still read them)
     writer  8. resolve the future
 
-Staging is allocated on first use and reused by every later save;
-prepare_staging takes it ahead of the first. A failure in 7 is raised by
-future.result(), or else by the next save. A preemption signal during a save
-exits as it returns (preemption.py).
+Staging is allocated on first use and reused by every later save; prepare_staging
+takes it ahead of the first. A failure in 7 is raised by future.result(), or else
+by the next save. A preemption signal during a save exits as it returns (preemption.py).
 """
 
 from __future__ import annotations
@@ -117,13 +116,14 @@ class SavePipeline:
     def save(self, obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              wait_for_snapshot: bool = True, compression: str | None = None,
              overlap_writes: bool = False, after_commit: AfterCommit | None = None,
-             on_commit: Callable[[Path], None] | None = None) -> SaveFuture:
+             on_commit: Callable[[Path], None] | None = None, durability: str = "disk"
+             ) -> SaveFuture:
         """See fastpersist.async_save; the module docstring for the steps.
         after_commit: a Checkpointer's policy, applied by whoever commits.
         on_commit(path) runs after the commit (a distributed job: on rank 0);
         a failure of either fails the future, the checkpoint committed."""
         request = self._request(path, allow_pickle, compression, overlap_writes, after_commit,
-                                on_commit)
+                                on_commit, durability)
         return self._entered(lambda: self._save(obj, request, wait_for_snapshot))
 
     def save_blocking(self, obj: Any, path: str | os.PathLike[str], *,
@@ -184,10 +184,10 @@ class SavePipeline:
 
     def _request(self, path: str | os.PathLike[str], allow_pickle: bool,
                  compression: str | None, overlap_writes: bool,
-                 after_commit: AfterCommit | None,
-                 on_commit: Callable[[Path], None] | None) -> SaveRequest:
+                 after_commit: AfterCommit | None, on_commit: Callable[[Path], None] | None,
+                 durability: str = "disk") -> SaveRequest:
         return SaveRequest(checkpoint_path(path), allow_pickle, compression, overlap_writes,
-                           after_commit, on_commit, self._abort.is_set)
+                           after_commit, on_commit, self._abort.is_set, durability=durability)
 
     def _entered(self, save: Callable[[], T]) -> T:
         """Run one save() call: refused once closed, and marked as running on this

@@ -130,7 +130,8 @@ class DaemonSink:
         compression = request.compression
         ident, stream = self.client.open(
             relative, reserve, len(files), compression=compression or "",
-            frame_bytes=current_knobs().frame_bytes if compression else 0)
+            frame_bytes=current_knobs().frame_bytes if compression else 0,
+            durability="memory" if request.durability == "memory" else "")
         handover = Handover(self.client, self.segments, ident, str(request.target), stream)
         return DaemonJob(handover, files, budget, tree_json, [t.name for t in stored], request)
 

@@ -66,6 +66,9 @@ class SaveRequest:
     # Written from the live tensors in the caller's thread (save_blocking):
     # nothing staged, so the files are cut without a staging budget.
     inline: bool = False
+    # "memory": kept in fastpersistd's memory tier only, not written to disk
+    # (a daemon sink only; Checkpointer's memory_every).
+    durability: str = "disk"
 
 
 class SinkJob(Protocol):

@@ -68,6 +68,7 @@ class AfterCommit:
     point_latest: bool = True
     keep_last: int | None = None  # None: keep everything
     keep_every: int | None = None  # also keep the steps that are multiples of this
+    upload: bool = True  # to the object-store tier, if any (False: tier_every passes it)
 
 
 def step_of(name: str) -> int | None:

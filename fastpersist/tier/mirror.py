@@ -22,8 +22,10 @@ from .url import TierURL
 class Mirror:
     def __init__(self, root: Path, url: TierURL, s3: S3, *, keep_last: int | None = None,
                  on_uploaded: Callable[[Job, Uploaded], None] | None = None,
-                 events: Events = log_event, compression: str | None = "zstd") -> None:
+                 events: Events = log_event, compression: str | None = "zstd",
+                 uploads: Callable[[int], bool] | None = None) -> None:
         self.root, self.url, self.s3 = root, url, s3
+        self._uploads = uploads  # which steps go to the store (a Checkpointer's tier_every)
         self.uploader = Uploader(s3, url, keep_last=keep_last, events=events,
                                  on_uploaded=on_uploaded, compression=compression)
 
@@ -36,7 +38,8 @@ class Mirror:
         if fd >= 0:
             try:
                 for _, name in checkpoints(fd):
-                    self.add(self.root / name)
+                    if self.due(name):
+                        self.add(self.root / name)
             finally:
                 os.close(fd)
         self.uploader.start()
@@ -53,6 +56,11 @@ class Mirror:
 
         self.uploader.add(Job(str(path), self.url.child(path.name), open_dir, group=self.url,
                               step=step_of(path.name)))
+
+    def due(self, name: str) -> bool:
+        """Whether ROOT/name goes to the store (tier_every passes over the others)."""
+        step = step_of(name)
+        return self._uploads is None or step is None or self._uploads(step)
 
     def is_pending(self, name: str) -> bool:
         """Whether ROOT/name is not in the store yet (local retention keeps it)."""
