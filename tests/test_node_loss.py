@@ -143,7 +143,9 @@ def lose(node: Node, disks: Path) -> None:
     shutil.rmtree(disks / node.name)
 
 
-def test_a_replacement_node_restores_the_job_from_its_peers(tmp_path: Path) -> None:
+def test_a_replacement_node_restores_the_job_from_its_peers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     disks = tmp_path / "disks"
     group = PeerGroup(tmp_path)
     try:
@@ -160,6 +162,14 @@ def test_a_replacement_node_restores_the_job_from_its_peers(tmp_path: Path) -> N
             assert n not in peers, (n, peers)
             assert any(DOMAINS[p] != DOMAINS[n] for p in peers), (n, peers)
         expected = gathered(tmp_path, disks, "ckpt")
+        # fpctl ls on node a: its checkpoint is on its disk and on peers.
+        monkeypatch.setenv("FASTPERSIST_DAEMON_CA_FILE", str(group.files["cert"]))
+        monkeypatch.setenv("FASTPERSIST_DAEMON_TOKEN_FILE", str(group.files["token"]))
+        capsys.readouterr()
+        assert fpctl(["ls", str(disks / "a"), "--daemon", nodes["a"].daemon.address,
+                      "--json"]) == 0
+        rows = {r["name"]: r["copies"] for r in json.loads(capsys.readouterr().out)}
+        assert rows == {"ckpt": ["disk", "peer"]}, rows
 
         lose(nodes["c"], disks)
         replacement = group.add("c", DOMAINS["c"], "--replicas", str(REPLICAS),
