@@ -2,7 +2,9 @@
 orders them (chain.py reads them in this order).
 
 1. fastpersistd's memory, if a daemon is configured and holds a valid copy
-   (memory_read.find: a daemon that is down or slow costs LOOKUP_TIMEOUT);
+   (memory_read.find: a daemon that is down or slow costs LOOKUP_TIMEOUT),
+   or, where no checkpoint is on disk at the path, a memory-only one
+   (memory_only.find: Checkpointer(memory_every=));
 2. the local disk, the checkpoint of record when it is there;
 3. the replicas the daemon's peers hold (peers_copy below: fastpersistd
    --replicas, tensors/peer_read.py), a node's lost files from other nodes;
@@ -70,6 +72,10 @@ def copies_for(path: Path, *, daemon: str, tier: str | None = None,
         from ..tensors import memory_read
 
         memory, _ = memory_read.find(daemon, path)
+        if memory is None:  # a memory-only checkpoint (Checkpointer(memory_every=))?
+            from ..tensors import memory_only
+
+            memory, _ = memory_only.find(daemon, path)
         if memory is not None:
             copies.append(Copy("fastpersistd's copy in memory", "memory",
                                functools.partial(_opened, memory)))
