@@ -62,7 +62,7 @@ REQUEST_BYTES = {
     "Commit": MAX_MESSAGE_BYTES,  # the tree and every tensor's name
     "CommitJob": MAX_MESSAGE_BYTES,  # the job's manifest
     "Replicate": MAX_MESSAGE_BYTES,  # the header holds the manifest; chunks <= 4 MiB
-    "ReadReplica": 1 << 20,  # up to 4,096 ranges
+    "ReadReplica": 2 << 20,  # up to 4,096 ranges of plain names
 }
 
 
