@@ -13,7 +13,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .format.manifest import MANIFEST_NAME
 from .knobs import current as current_knobs
 from .loading.load import load_from, source_for
 from .saving import registry as pipelines
@@ -21,11 +20,9 @@ from .saving.futures import SaveFuture
 from .saving.local import LocalSink
 from .saving.pipeline import SavePipeline
 from .saving.sink import Sink
-from .storage.local_path import checkpoint_path
 from .tensors import packed
 from .tensors.factory import MapLocation
-from .tensors.source import Source
-from .tier.url import TierURL, is_tier_url
+from .tier.url import TierURL
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
@@ -126,19 +123,9 @@ def load(
     holds there (Checkpointer(memory_every=...)) is loaded, with the same
     checks and no disk behind it.
     """
-    source = _memory_only(path, daemon) or source_for(path, daemon=daemon, tier=tier)
-    return load_from(source, map_location, allow_pickle=allow_pickle,
-                     verify=verify, progress=progress, like=like, into=into)
-
-
-def _memory_only(path: str | os.PathLike[str], daemon: str | None) -> Source | None:
-    """The daemon's memory-only checkpoint at `path`, where none is on disk."""
-    address = current_knobs().daemon if daemon is None else daemon
-    if not address or is_tier_url(path) or os.path.lexists(os.path.join(path, MANIFEST_NAME)):
-        return None
-    from .tensors import memory_only
-
-    return memory_only.find(address, checkpoint_path(path))[0]
+    return load_from(source_for(path, daemon=daemon, tier=tier), map_location,
+                     allow_pickle=allow_pickle, verify=verify, progress=progress, like=like,
+                     into=into)
 
 
 def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: bool = False,

@@ -16,10 +16,13 @@ named as segments.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
 import socket
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -32,6 +35,7 @@ from daemon_support import Daemon
 
 from fastpersist import _engine
 from fastpersist._proto import fastpersist_pb2 as pb
+from fastpersist.format.manifest import MANIFEST_NAME
 from fastpersist.protocol.shm import Segment
 from fastpersist.storage.commit import leftover_name
 
@@ -41,7 +45,20 @@ U32, U64 = 2**32 - 1, 2**64 - 1
 METHODS = {"Info": "uu", "Begin": "uu", "Open": "us", "SubmitShm": "uu", "SubmitStream": "su",
            "Commit": "uu", "Abort": "uu", "Wait": "uu", "Watch": "us", "List": "uu",
            "Delete": "uu", "BeginJob": "uu", "CommitJob": "uu", "ResolvePrepared": "uu",
-           "AbortJob": "uu", "MemoryCopy": "uu"}
+           "AbortJob": "uu", "MemoryCopy": "uu", "Replicate": "su", "Replicas": "uu",
+           "ReadReplica": "us"}
+
+
+def _regular_bytes(path: Path) -> bytes:
+    """A regular file's bytes; OSError for anything else (a planted FIFO would block)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 class Stranger:
@@ -197,6 +214,9 @@ class Fuzzer:
                 timeout=t),
             lambda: s.AbortJob(pb.AbortJobRequest(job_id=self.job_id()), timeout=t),
             lambda: s.MemoryCopy(pb.MemoryCopyRequest(path=self.path()), timeout=t),
+            lambda: self._replicate(),
+            lambda: s.Replicas(pb.ReplicasRequest(), timeout=t),
+            lambda: self._read_replica(),
             lambda: self._save(),
             lambda: self._save_compressed(),
             lambda: self._stranger(),
@@ -349,6 +369,68 @@ class Fuzzer:
         self.raw.commit(ident, json.dumps({"t": "dict", "k": ["a", "b"], "v": [
             {"t": "tensor", "e": 0}, {"t": "tensor", "e": 1}]}), ["a", "b"])
         self.raw.wait(ident)
+
+    def _committed(self) -> Path | None:
+        """A checkpoint committed under the root now, if any."""
+        found = []
+        for top, dirs, files in os.walk(self.d.root):  # never through the planted links
+            dirs[:] = [n for n in dirs if not n.startswith(".")]
+            if MANIFEST_NAME in files and not os.path.islink(top):
+                found.append(Path(top))
+        return self.pick(found) if found else None
+
+    def _replicate(self) -> None:
+        """A replica from a peer (the socket needs no token): a committed
+        checkpoint's files, sent whole, cut, out of order, with wrong CRCs or
+        sizes; or a header of odd names, jobs and manifests."""
+        r = self.rng
+        ck = self._committed()
+        header = pb.ReplicaHeader(job=self.pick(["", "", "", "other", "x" * 600]),
+                                  node=self.pick(["n0", "n1", "", "x" * 600, self.text()]),
+                                  path=self.path(), failure_domain=self.pick(["", "r", "x" * 700]))
+        blobs: list[bytes] = []
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            if ck is not None and r.random() < 0.7:
+                header.manifest = _regular_bytes(ck / MANIFEST_NAME)
+                for f in json.loads(header.manifest)["files"]:
+                    blobs.append(_regular_bytes(ck / f["name"]))
+                    header.files.add(name=f["name"], size=self.pick([f["size"]] * 4 + [
+                        f["size"] + 1, 0, self.u64()]))
+        if not blobs:
+            header.manifest = self.manifest()
+            for _ in range(self.pick([0, 1, 2, 3])):
+                header.files.add(name=self.pick(["data-r000000-000.safetensors", "../x", ".h",
+                                                 self.text()]), size=self.u64())
+        chunks = [pb.ReplicaChunk(header=header)] if r.random() < 0.95 else []
+        for i, blob in enumerate(blobs):
+            for off in range(0, len(blob), 1 << 16):
+                data = blob[off:off + (1 << 16)]
+                crc = _engine.crc32c(data) if r.random() < 0.97 else self.u32()
+                chunks.append(pb.ReplicaChunk(data=pb.ReplicaData(
+                    file=i if r.random() < 0.97 else self.u32(), offset=off, data=data,
+                    crc32c=crc)))
+        if chunks and r.random() < 0.2:
+            chunks = chunks[:r.randrange(1, len(chunks) + 1)]  # cut off
+        if r.random() < 0.05:
+            chunks.append(pb.ReplicaChunk(header=header))  # a second header
+        self.raw.stub.Replicate(iter(chunks), timeout=10)
+
+    def _read_replica(self) -> None:
+        """Ranges of a held replica, or of none: in and out of its files."""
+        held = list(self.raw.stub.Replicas(pb.ReplicasRequest(), timeout=10).replicas)
+        request = pb.ReadReplicaRequest(node=self.pick(["n0", "", self.text()]),
+                                        path=self.path(), manifest_sha256=self.rng.randbytes(32))
+        names = [self.text(), "data-r000000-000.safetensors"]
+        if held and self.rng.random() < 0.7:
+            h = self.pick(held)
+            request.node, request.path = h.node, h.path
+            request.manifest_sha256 = hashlib.sha256(h.manifest).digest()
+            names = [f.name for f in h.files] or names
+        for _ in range(self.pick([0, 1, 3, 5000])):
+            request.ranges.add(file=self.pick(names), offset=self.pick([0, 0, 4096, self.u64()]),
+                               length=self.pick([0, 1, 4096, 1 << 20, self.u64()]))
+        for _ in self.raw.stub.ReadReplica(request, timeout=10):
+            pass
 
     def _stranger(self) -> None:
         """Any method over TCP without the token, its request any bytes, up to 4 MiB."""

@@ -45,7 +45,7 @@ UNSPECIFIC = {Code.UNKNOWN, Code.INTERNAL}
 DEAD = {Code.UNAVAILABLE, Code.CANCELLED, Code.DEADLINE_EXCEEDED}
 RPC_NAMES = ["Info", "Begin", "Open", "SubmitShm", "SubmitStream", "Commit", "Abort", "Wait",
              "Watch", "List", "Delete", "BeginJob", "CommitJob", "ResolvePrepared", "AbortJob",
-             "MemoryCopy",
+             "MemoryCopy", "Replicate", "Replicas", "ReadReplica",
              "save", "save_zstd", "stranger"]
 # Growth of the daemon's RSS allowed from the end of the warm-up to the end.
 # Measured: see test_the_daemon_survives_fuzzing's report.
@@ -134,7 +134,8 @@ def campaign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fuzzer
         port = tls_support.free_port()
         tcp = ["--listen", f"127.0.0.1:{port}", "--tls-cert", str(files["cert"]),
                "--tls-key", str(files["key"]), "--token-file", str(files["token"])]
-    d = Daemon(tmp_path / "d", "--idle-timeout", "3", "--staging-budget", "256M", *tcp)
+    d = Daemon(tmp_path / "d", "--idle-timeout", "3", "--staging-budget", "256M",
+               "--replica-bytes", "8M", *tcp)
     d.start()
     monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
     for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):

@@ -143,7 +143,8 @@ def test_a_lost_node_directory_loads_from_the_store(node: Daemon, s3: Any) -> No
     message = str(raised.value)
     assert message.startswith(f"{node.root / 'run' / 'step-3'}: no copy could be read (disk: "
                               "no checkpoint at"), message
-    assert f"not there: the object store's copy (fastpersistd's tier) (no checkpoint at " \
+    assert "not there: the peers' replicas (fastpersistd at " in message  # it has no peers
+    assert f"the object store's copy (fastpersistd's tier) (no checkpoint at " \
            f"{s3.url}/run/step-3: it has no manifest.json" in message
 
 

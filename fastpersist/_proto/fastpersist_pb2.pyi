@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend", "tier_url", "tier_pending", "tier_failing", "tier_uploaded", "tier_failures", "tier_last_error", "features", "client_budget", "memory_tier_count", "memory_tier_budget", "memory_tier_bytes", "memory_tier_copies")
+    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend", "tier_url", "tier_pending", "tier_failing", "tier_uploaded", "tier_failures", "tier_last_error", "features", "client_budget", "memory_tier_count", "memory_tier_budget", "memory_tier_bytes", "memory_tier_copies", "node_name", "failure_domain", "job", "peers", "replicas", "replica_budget", "replica_bytes", "replicas_held", "replication_pending")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     STAGING_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,15 @@ class InfoResponse(_message.Message):
     MEMORY_TIER_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TIER_COPIES_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_HELD_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_PENDING_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     staging_budget: int
@@ -51,7 +60,16 @@ class InfoResponse(_message.Message):
     memory_tier_budget: int
     memory_tier_bytes: int
     memory_tier_copies: int
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., client_budget: _Optional[int] = ..., memory_tier_count: _Optional[int] = ..., memory_tier_budget: _Optional[int] = ..., memory_tier_bytes: _Optional[int] = ..., memory_tier_copies: _Optional[int] = ...) -> None: ...
+    node_name: str
+    failure_domain: str
+    job: str
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    replicas: int
+    replica_budget: int
+    replica_bytes: int
+    replicas_held: int
+    replication_pending: int
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., client_budget: _Optional[int] = ..., memory_tier_count: _Optional[int] = ..., memory_tier_budget: _Optional[int] = ..., memory_tier_bytes: _Optional[int] = ..., memory_tier_copies: _Optional[int] = ..., node_name: _Optional[str] = ..., failure_domain: _Optional[str] = ..., job: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., replicas: _Optional[int] = ..., replica_budget: _Optional[int] = ..., replica_bytes: _Optional[int] = ..., replicas_held: _Optional[int] = ..., replication_pending: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
     __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank", "compression", "frame_bytes", "durability")
@@ -345,3 +363,109 @@ class MemoryCopyResponse(_message.Message):
     reason: str
     memory_only: bool
     def __init__(self, directory: _Optional[str] = ..., manifest: _Optional[bytes] = ..., reason: _Optional[str] = ..., memory_only: _Optional[bool] = ...) -> None: ...
+
+class ReplicaChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ReplicaHeader
+    data: ReplicaData
+    def __init__(self, header: _Optional[_Union[ReplicaHeader, _Mapping]] = ..., data: _Optional[_Union[ReplicaData, _Mapping]] = ...) -> None: ...
+
+class ReplicaHeader(_message.Message):
+    __slots__ = ("job", "node", "failure_domain", "path", "manifest", "files", "committed_unix")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node: str
+    failure_domain: str
+    path: str
+    manifest: bytes
+    files: _containers.RepeatedCompositeFieldContainer[ReplicaFile]
+    committed_unix: float
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., failure_domain: _Optional[str] = ..., path: _Optional[str] = ..., manifest: _Optional[bytes] = ..., files: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ..., committed_unix: _Optional[float] = ...) -> None: ...
+
+class ReplicaFile(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ReplicaData(_message.Message):
+    __slots__ = ("file", "offset", "data", "crc32c")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    file: int
+    offset: int
+    data: bytes
+    crc32c: int
+    def __init__(self, file: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("node", "path", "bytes", "complete", "manifest", "failure_domain", "committed_unix", "files")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    path: str
+    bytes: int
+    complete: bool
+    manifest: bytes
+    failure_domain: str
+    committed_unix: float
+    files: _containers.RepeatedCompositeFieldContainer[ReplicaFile]
+    def __init__(self, node: _Optional[str] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., failure_domain: _Optional[str] = ..., committed_unix: _Optional[float] = ..., files: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ...) -> None: ...
+
+class ReplicasResponse(_message.Message):
+    __slots__ = ("replicas", "node", "failure_domain")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    node: str
+    failure_domain: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., node: _Optional[str] = ..., failure_domain: _Optional[str] = ...) -> None: ...
+
+class ReadRange(_message.Message):
+    __slots__ = ("file", "offset", "length")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    offset: int
+    length: int
+    def __init__(self, file: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ReadReplicaRequest(_message.Message):
+    __slots__ = ("node", "path", "manifest_sha256", "ranges")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    path: str
+    manifest_sha256: bytes
+    ranges: _containers.RepeatedCompositeFieldContainer[ReadRange]
+    def __init__(self, node: _Optional[str] = ..., path: _Optional[str] = ..., manifest_sha256: _Optional[bytes] = ..., ranges: _Optional[_Iterable[_Union[ReadRange, _Mapping]]] = ...) -> None: ...

@@ -114,6 +114,21 @@ class FastPersistStub:
                 request_serializer=fastpersist__pb2.MemoryCopyRequest.SerializeToString,
                 response_deserializer=fastpersist__pb2.MemoryCopyResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.stream_unary(
+                '/fastpersist.v1.FastPersist/Replicate',
+                request_serializer=fastpersist__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=fastpersist__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+        self.Replicas = channel.unary_unary(
+                '/fastpersist.v1.FastPersist/Replicas',
+                request_serializer=fastpersist__pb2.ReplicasRequest.SerializeToString,
+                response_deserializer=fastpersist__pb2.ReplicasResponse.FromString,
+                _registered_method=True)
+        self.ReadReplica = channel.unary_stream(
+                '/fastpersist.v1.FastPersist/ReadReplica',
+                request_serializer=fastpersist__pb2.ReadReplicaRequest.SerializeToString,
+                response_deserializer=fastpersist__pb2.ReplicaData.FromString,
+                _registered_method=True)
 
 
 class FastPersistServicer:
@@ -218,6 +233,26 @@ class FastPersistServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request_iterator, context):
+        """Peer replication (see "Replicas" above): a peer daemon sends a committed
+        checkpoint; what this daemon holds for other nodes; a held replica's bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicas(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FastPersistServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -300,6 +335,21 @@ def add_FastPersistServicer_to_server(servicer, server):
                     servicer.MemoryCopy,
                     request_deserializer=fastpersist__pb2.MemoryCopyRequest.FromString,
                     response_serializer=fastpersist__pb2.MemoryCopyResponse.SerializeToString,
+            ),
+            'Replicate': grpc.stream_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=fastpersist__pb2.ReplicaChunk.FromString,
+                    response_serializer=fastpersist__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'Replicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicas,
+                    request_deserializer=fastpersist__pb2.ReplicasRequest.FromString,
+                    response_serializer=fastpersist__pb2.ReplicasResponse.SerializeToString,
+            ),
+            'ReadReplica': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadReplica,
+                    request_deserializer=fastpersist__pb2.ReadReplicaRequest.FromString,
+                    response_serializer=fastpersist__pb2.ReplicaData.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -734,6 +784,87 @@ class FastPersist:
             '/fastpersist.v1.FastPersist/MemoryCopy',
             fastpersist__pb2.MemoryCopyRequest.SerializeToString,
             fastpersist__pb2.MemoryCopyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fastpersist.v1.FastPersist/Replicate',
+            fastpersist__pb2.ReplicaChunk.SerializeToString,
+            fastpersist__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastpersist.v1.FastPersist/Replicas',
+            fastpersist__pb2.ReplicasRequest.SerializeToString,
+            fastpersist__pb2.ReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fastpersist.v1.FastPersist/ReadReplica',
+            fastpersist__pb2.ReadReplicaRequest.SerializeToString,
+            fastpersist__pb2.ReplicaData.FromString,
             options,
             channel_credentials,
             insecure,

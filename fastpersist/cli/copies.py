@@ -1,10 +1,11 @@
 """`fpctl ls`'s COPIES column: where each checkpoint's copies are, fastest
 first, in the order a load tries them (loading/copies.py): "memory"
 (fastpersistd on this node holds a valid copy: MemoryCopy, which checks
-the manifest at the path), "disk" (the manifest is here), "peer" (peers:
-peer_copies below) and "s3" (the object store holds a committed
-checkpoint of that name: fastpersistd's --tier, where ROOT/REL is
-PREFIX/REL, or the URL given with --tier for the ROOT listed).
+the manifest at the path), "disk" (the manifest is here), "peer" (a peer
+of the daemon holds a complete replica: peer_copies below) and "s3" (the
+object store holds a committed checkpoint of that name: fastpersistd's
+--tier, where ROOT/REL is PREFIX/REL, or the URL given with --tier for the
+ROOT listed).
 
 The daemon and the store are asked once each (a MemoryCopy per
 checkpoint, all within LOOKUP_TIMEOUT; one listing of the store); one that
@@ -26,11 +27,36 @@ from ._output import warn
 LOOKUP_TIMEOUT = 2.0
 
 
-def peer_copies(daemon: str, relpaths: list[str]) -> dict[str, int]:
-    """How many peers hold a copy of each checkpoint (ROOT-relative path)
-    that the daemon at `daemon` replicates: where peer replication plugs
-    in (ls shows "peer" for each one held). None yet."""
-    return {}
+def peer_copies(peers: list[str], relpaths: list[str], deadline: float) -> dict[str, int]:
+    """How many of `peers` (a daemon's --peer list, as its Info says) hold a
+    complete replica of each checkpoint (ROOT-relative path): of this node's
+    files, or of any node's part of a job. A peer that does not answer by
+    the deadline is warned about and not counted."""
+    import grpc
+
+    from .._proto import fastpersist_pb2 as pb
+    from ..protocol.client import DaemonClient
+
+    holders: dict[str, set[str]] = {}
+    wanted = set(relpaths)
+    for peer in peers:
+        address = peer if "://" in peer else f"https://{peer}"
+        try:
+            client = DaemonClient(address)
+            try:
+                left = max(0.05, deadline - time.monotonic())
+                reply = client.stub.Replicas(pb.ReplicasRequest(), timeout=left)
+            except grpc.RpcError as exc:
+                raise client.error(exc, "cannot list the peer's replicas") from None
+            finally:
+                client.close()
+        except CheckpointError as exc:
+            warn(f"warning: copies on peer {peer} not shown: {exc}")
+            continue
+        for r in reply.replicas:
+            if r.complete and r.path in wanted:
+                holders.setdefault(r.path, set()).add(peer)
+    return {path: len(held) for path, held in holders.items()}
 
 
 def copies(root: Path, names: list[str], *, daemon: str | None, tier: str | None,
@@ -75,7 +101,8 @@ def _ask_daemon(address: str, root: Path, names: list[str]
                                                  f"{LOOKUP_TIMEOUT} s", "DEADLINE_EXCEEDED")
                 if client.memory_copy(relpath, left).directory:
                     held.add(name)
-            counts = peer_copies(address, list(rel.values()))
+            counts = peer_copies(list(info.peers), list(rel.values()),
+                                 time.monotonic() + LOOKUP_TIMEOUT)
             peers = {n: counts.get(relpath, 0) for n, relpath in rel.items()}
         finally:
             client.close()

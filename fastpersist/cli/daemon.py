@@ -41,6 +41,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                                   "budget": info.memory_tier_budget,
                                   "bytes": info.memory_tier_bytes,
                                   "copies": info.memory_tier_copies}
+        if info.replicas or info.replica_budget:
+            doc["replication"] = {"node": info.node_name,
+                                  "failure_domain": info.failure_domain, "job": info.job,
+                                  "replicas": info.replicas, "peers": list(info.peers),
+                                  "pending": info.replication_pending,
+                                  "held": info.replicas_held, "held_bytes": info.replica_bytes,
+                                  "budget": info.replica_budget}
         if info.tier_url:
             doc["tier"] = {"url": info.tier_url, "pending": info.tier_pending,
                            "failing": info.tier_failing, "uploaded": info.tier_uploaded,
@@ -60,6 +67,12 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                 print(f"  memory tier: {info.memory_tier_copies} of {info.memory_tier_count} "
                       f"checkpoint(s), {human_size(info.memory_tier_bytes)} of "
                       f"{human_size(info.memory_tier_budget)}")
+            if info.replicas or info.replica_budget:
+                print(f"  node {info.node_name} (failure domain {info.failure_domain or '-'}, "
+                      f"job {info.job or '-'}): {info.replicas} replica(s) of each checkpoint "
+                      f"to {len(info.peers)} peer(s), {info.replication_pending} pending; "
+                      f"holds {info.replicas_held} replica(s) for others, "
+                      f"{human_size(info.replica_bytes)} of {human_size(info.replica_budget)}")
             if info.tier_url:
                 print(f"  tier {info.tier_url}: {info.tier_pending} checkpoint(s) to upload"
                       f" ({info.tier_failing} failing), {info.tier_uploaded} uploaded, "

@@ -9,7 +9,9 @@ rules are retention.py's, the same as in-process. A failure does not undo
 the commit; it is logged, counted and reported with the COMMITTED status.
 
 With a tier (tiering.py), every checkpoint the daemon commits is queued for
-upload here (committed()), and retention keeps those not uploaded yet.
+upload here (committed()), and retention keeps those not uploaded yet. With
+peer replication (replication.py), it is queued to be sent to the peers, as
+is a node-local job's part that this node publishes (published()).
 
 Torch-free: this runs in the daemon.
 """
@@ -32,6 +34,7 @@ from .requests import invalid
 
 if TYPE_CHECKING:
     from .memory import MemoryTier
+    from .replication import Replicator
     from .tiering import DaemonTier
 
 
@@ -68,6 +71,7 @@ class AfterCommits:
         self.metrics = metrics
         self.tier = tier
         self.memory = memory
+        self.replicator: Replicator | None = None  # set by the daemon's main, with --replicas
         self._mutex = threading.Lock()
         self._locks: dict[tuple[int, int], threading.Lock] = {}
 
@@ -84,6 +88,7 @@ class AfterCommits:
         The memory tier's copy of a checkpoint it replaced goes."""
         if self.memory is not None:
             self.memory.forget(relpath)
+        self.published(relpath)
         if self.tier is None:
             return
         if not upload:
@@ -94,6 +99,17 @@ class AfterCommits:
         except Exception as exc:  # reported, never a failed commit
             self.metrics.tier_uploads.labels(result="not-queued").inc()
             logs.error("tier-not-queued", path=relpath, error=str(exc))
+
+    def published(self, relpath: str) -> None:
+        """ROOT/relpath holds this node's committed files: queue them for the
+        peers (with --replicas). Never raises, as committed()."""
+        if self.replicator is None:
+            return
+        try:
+            self.replicator.add(relpath)
+        except Exception as exc:  # reported, never a failed commit
+            self.metrics.replication_failures.labels(reason="not-queued").inc()
+            logs.error("replication-not-queued", path=relpath, error=repr(exc))
 
     def apply(self, dir_fd: int, target: Path, relpath: str, policy: AfterCommit,
               since: float | None = None) -> str:

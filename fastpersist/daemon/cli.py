@@ -9,7 +9,8 @@
                  [--idle-timeout SECONDS] [--drain-timeout SECONDS]
                  [--tier s3://BUCKET/PREFIX [--tier-keep-last N] [--tier-endpoint URL]
                   [--tier-compression zstd|none]]
-                 [--log-format json|text] [--log-level LEVEL]
+                 [--replicas R --peer HOST:PORT... | --peers-dns NAME:PORT] [--replica-bytes B]
+                 [--log-format json|text] [--log-level LEVEL]   (peers: peer_flags.py)
 
 SIGTERM or SIGINT: stop taking checkpoints, abort the ones not handed over,
 finish (commit) the handed-over ones, then exit 0.
@@ -35,7 +36,7 @@ from ..engine import get_engine
 from ..errors import CheckpointError
 from ..protocol import shm
 from ..tier.url import TierURL
-from . import logs
+from . import logs, peer_flags
 from .budgets import (
     DEFAULT_STREAMS,
     Budgets,
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier-endpoint", metavar="URL",
                    help="the store's endpoint URL (default: the standard AWS configuration, "
                         "e.g. AWS_ENDPOINT_URL)")
+    peer_flags.add_arguments(p, parse_size)
     p.add_argument("--log-format", choices=("json", "text"), default="json")
     p.add_argument("--log-level", default="info")
     p.add_argument("--version", action="version", version=f"fastpersistd {__version__}")
@@ -217,6 +219,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.staging_budget = defaults.staging
     if args.client_budget is None:
         args.client_budget = args.staging_budget // 2 if args.staging_budget else 0
+    peer_flags.check(p, args)
 
 
 def _step(metrics: Metrics, what: str, step: Callable[[], object]) -> None:
@@ -323,14 +326,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if tier is not None:
         _step(metrics, "queue the checkpoints to upload", tier.start)
     own = own_memory(args.write_concurrency, args.max_streams)
-    tier_bytes = memory.budget if memory.enabled else 0
+    # tmpfs charges the memory tier's and the replicas' pages to the daemon's cgroup.
+    tier_bytes = (memory.budget if memory.enabled else 0) + args.replica_bytes
     limit = cgroup_memory_limit()
     if limit is not None and sum(own.values()) + tier_bytes > limit:
         logs.warning("memory-over-limit", bound=sum(own.values()) + tier_bytes, limit=limit,
-                     **own, memory_tier=tier_bytes,
-                     hint="lower --memory-tier-bytes, --max-streams, --write-concurrency or "
+                     **own, memory_tier=tier_bytes - args.replica_bytes,
+                     replicas=args.replica_bytes,
+                     hint="lower --memory-tier-bytes, --replica-bytes, --max-streams, "
+                          "--write-concurrency or "
                           "FASTPERSIST_BLOCK_SIZE")
-    servicer = Servicer(service, direct)
+    peering = peer_flags.build(args, root, metrics)
+    service.after_commits.replicator = peering[2]
+    servicer = Servicer(service, direct, peering)
     health = health_servicer()
 
     servers = []
@@ -361,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               client_budget=args.client_budget, memory_bound=sum(own.values()),
               memory_tier_count=args.memory_tier_count if memory.enabled else 0,
               memory_tier_bytes=args.memory_tier_bytes if memory.enabled else 0,
+              node_name=args.node_name, failure_domain=args.failure_domain, job=args.job,
+              replicas=args.replicas, replica_bytes=args.replica_bytes,
               pid=os.getpid(), openat2=root.uses_openat2)
     # Housekeeping until told to stop: idle checkpoints, orphaned segments.
     while not stop.wait(2.0):
@@ -374,10 +384,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_status(health, NOT_SERVING)
     finished = service.drain(args.drain_timeout)
     memory.close()  # the copies live as long as the daemon
+    if peering[2] is not None:
+        peering[2].close()  # what is not replicated yet is not (the disk holds it)
     if tier is not None:
         logs.info("tier-stopped", pending=len(tier.stop()))
     for server in servers:
         server.stop(grace=2.0).wait()
+    peering[1].close()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.socket)
     logs.info("stopped", finished=finished)

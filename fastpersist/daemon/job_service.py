@@ -267,6 +267,8 @@ class JobService:
                       path=path.text, prepared=name)
             if replaced is not None:
                 _remove_later(replaced, parent_fd)
+            if publish:
+                self.after_commits.published(path.text)
         finally:
             os.close(parent_fd)
 

@@ -59,6 +59,34 @@ class Metrics:
             "Bytes of checkpoints the memory tier holds or is copying", registry=r)
         self.memory_tier_copies = Gauge(
             "fastpersist_memory_tier_copies", "Checkpoints the memory tier holds", registry=r)
+        self.replication_bytes = Counter(
+            "fastpersist_replication_bytes",
+            "Bytes of data files replicated to peers (sent) or from them (received)",
+            ["direction"], registry=r)
+        self.replication_lag = Histogram(
+            "fastpersist_replication_lag_seconds",
+            "Seconds from a checkpoint's commit to the last peer's acknowledgement of it",
+            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800), registry=r)
+        self.replication_copies = Histogram(
+            "fastpersist_replication_copies",
+            "Peers holding each committed checkpoint when its replication ended",
+            buckets=(0, 1, 2, 3, 4, 6, 8), registry=r)
+        self.replication_failures = Counter(
+            "fastpersist_replication_failures",
+            "Replication failures by reason (a send attempt to a peer, a checkpoint given "
+            "up, a chunk received with a wrong CRC32C)", ["reason"], registry=r)
+        self.replication_same_domain = Counter(
+            "fastpersist_replication_same_domain",
+            "Replicas placed in the sender's own failure domain (too few peers outside it)",
+            registry=r)
+        self.replication_pending = Gauge(
+            "fastpersist_replication_pending",
+            "Committed checkpoints not yet replicated to --replicas peers", registry=r)
+        self.replica_bytes = Gauge(
+            "fastpersist_replica_bytes",
+            "Bytes of replicas held for other nodes, complete and arriving", registry=r)
+        self.replicas_held = Gauge(
+            "fastpersist_replicas_held", "Complete replicas held for other nodes", registry=r)
         self.reclaimed_segments = Counter(
             "fastpersist_reclaimed_segments", "Shared-memory segments of dead clients unlinked",
             registry=r)

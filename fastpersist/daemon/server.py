@@ -24,9 +24,11 @@ from ..errors import CheckpointError
 from ..protocol import shm
 from ..storage.commit import os_error
 from ..storage.retention import AfterCommit
-from . import logs
+from . import logs, replicas
 from .checkpoints import Checkpoint
 from .paths import PathError, parse
+from .peers import PeerSettings
+from .replication import Replicator
 from .requests import (
     MAX_ID_BYTES,
     RequestError,
@@ -38,7 +40,7 @@ from .requests import (
 from .service import Service
 
 # InfoResponse.features: what clients may not assume of every daemon.
-FEATURES = ["commit-files", "memory-copy", "memory-only"]
+FEATURES = ["commit-files", "memory-copy", "memory-only", "replicas"]
 # A SubmitStream data chunk (the client library sends 1 MiB ones; earlier ones 4 MiB).
 MAX_STREAM_CHUNK = 4 << 20
 MAX_ERROR_CHARS = 1000
@@ -51,9 +53,14 @@ def _status(d: dict[str, Any]) -> pb.CheckpointStatus:
 
 
 class Servicer(pb_grpc.FastPersistServicer):
-    def __init__(self, service: Service, direct_io: bool) -> None:
+    def __init__(self, service: Service, direct_io: bool,
+                 peering: tuple[PeerSettings, replicas.ReplicaStore, Replicator | None]
+                 | None = None) -> None:
+        """peering: this daemon's settings, the replicas it holds for others,
+        and its sender (None: --replicas 0); None: neither (a test's servicer)."""
         self.service = service
         self.direct_io = direct_io
+        self.peering = peering
 
     # Each handler body runs through _guard: errors become status codes.
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
@@ -108,6 +115,16 @@ class Servicer(pb_grpc.FastPersistServicer):
             if s.memory is not None:
                 reply.memory_tier_count, reply.memory_tier_budget = s.memory.count, s.memory.budget
                 reply.memory_tier_bytes, reply.memory_tier_copies = s.memory.usage()
+            if self.peering is not None:
+                settings, store, sender = self.peering
+                reply.node_name, reply.failure_domain = settings.node, settings.domain
+                reply.job, reply.replicas = settings.job, settings.replicas
+                reply.replica_budget = store.budget
+                reply.replica_bytes, reply.replicas_held = store.usage()
+                if sender is not None:
+                    peers, pending = sender.status()
+                    reply.peers.extend(peers)
+                    reply.replication_pending = pending
             if s.tier is not None:
                 t = s.tier.status()
                 reply.tier_url, reply.tier_pending = t.url, len(t.pending)
@@ -289,6 +306,41 @@ class Servicer(pb_grpc.FastPersistServicer):
                                          memory_only=found[2])
         return self._guard(context, run)
 
+    def Replicate(self, request_iterator: Iterator[pb.ReplicaChunk],
+                  context: grpc.ServicerContext) -> pb.ReplicateResponse:
+        def run() -> pb.ReplicateResponse:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("part") != "header":
+                raise invalid("a Replicate stream must start with a header chunk")
+            self._store().receive(first.header, _replica_chunks(request_iterator))
+            return pb.ReplicateResponse()
+        return self._guard(context, run)
+
+    def Replicas(self, request: pb.ReplicasRequest, context: grpc.ServicerContext
+                 ) -> pb.ReplicasResponse:
+        def run() -> pb.ReplicasResponse:
+            reply = pb.ReplicasResponse()
+            if self.peering is not None:
+                reply.node, reply.failure_domain = self.peering[0].node, self.peering[0].domain
+            for r in self._store().listing():
+                info = reply.replicas.add(node=r.node, path=r.path, bytes=r.size,
+                                          complete=r.complete, failure_domain=r.domain,
+                                          committed_unix=r.committed_unix,
+                                          manifest=r.manifest if r.complete else b"")
+                for name, size in r.files:
+                    info.files.add(name=name, size=size)
+            return reply
+        return self._guard(context, run)
+
+    def ReadReplica(self, request: pb.ReadReplicaRequest, context: grpc.ServicerContext
+                    ) -> Iterator[pb.ReplicaData]:
+        yield from self._guard(context, lambda: replicas.read(self._store(), request))
+
+    def _store(self) -> replicas.ReplicaStore:
+        if self.peering is None:
+            raise RequestError("RESOURCE_EXHAUSTED", "this fastpersistd keeps no replicas")
+        return self.peering[1]
+
     def AbortJob(self, request: pb.AbortJobRequest, context: grpc.ServicerContext
                  ) -> pb.AbortJobResponse:
         def run() -> pb.AbortJobResponse:
@@ -305,6 +357,13 @@ def _data_chunks(chunks: Iterator[pb.StreamChunk]) -> Iterator[memoryview]:
             raise invalid(f"a data chunk of {len(chunk.data)} bytes is over the "
                           f"{MAX_STREAM_CHUNK}-byte limit")
         yield memoryview(chunk.data)
+
+
+def _replica_chunks(chunks: Iterator[pb.ReplicaChunk]) -> Iterator[pb.ReplicaData]:
+    for chunk in chunks:
+        if chunk.WhichOneof("part") != "data":
+            raise invalid("only data chunks may follow a Replicate's header chunk")
+        yield chunk.data
 
 
 def _after_commit(request: pb.CommitRequest | pb.CommitJobRequest) -> AfterCommit | None:

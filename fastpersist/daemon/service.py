@@ -64,7 +64,7 @@ class Service:
         self.idle_timeout = idle_timeout
         self.registry = Registry(budgets, metrics)
         self.tier, self.memory = tier, memory  # memory: None when off
-        after_commits = AfterCommits(metrics, tier, self.memory)
+        self.after_commits = after_commits = AfterCommits(metrics, tier, self.memory)
         self.jobs = JobService(self.registry, root, after_commits)
         self.catalog = Catalog(self.registry, root, self.memory)
         self.writers = Writers(self.registry, engine or get_engine(), write_concurrency,

@@ -61,6 +61,8 @@ REQUEST_BYTES = {
     "SubmitStream": MAX_HEADER_BYTES + SMALL_REQUEST_BYTES,  # a chunk: header, or <= 4 MiB
     "Commit": MAX_MESSAGE_BYTES,  # the tree and every tensor's name
     "CommitJob": MAX_MESSAGE_BYTES,  # the job's manifest
+    "Replicate": MAX_MESSAGE_BYTES,  # the header holds the manifest; chunks <= 4 MiB
+    "ReadReplica": 2 << 20,  # up to 4,096 ranges of plain names
 }
 
 

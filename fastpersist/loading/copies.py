@@ -2,9 +2,12 @@
 orders them (chain.py reads them in this order).
 
 1. fastpersistd's memory, if a daemon is configured and holds a valid copy
-   (memory_read.find: a daemon that is down or slow costs LOOKUP_TIMEOUT);
+   (memory_read.find: a daemon that is down or slow costs LOOKUP_TIMEOUT),
+   or, where no checkpoint is on disk at the path, a memory-only one
+   (memory_only.find: Checkpointer(memory_every=));
 2. the local disk, the checkpoint of record when it is there;
-3. peers: peer_sources() below, where PeerSource plugs in;
+3. the replicas the daemon's peers hold (peers_copy below: fastpersistd
+   --replicas, tensors/peer_read.py), a node's lost files from other nodes;
 4. the object store: the checkpoint's URL given (tier=: Checkpointer(tier=)
    maps ROOT/step-N to TIER/step-N), or else the daemon's tier
    (fastpersistd --tier, InfoResponse.tier_url), where ROOT/REL is
@@ -32,17 +35,31 @@ from .chain import Copy, NoCopy, Opened, identity_of
 DISK = "disk"
 
 
-def peer_sources(path: Path, daemon: str | None) -> list[Source]:
-    """The copies of the checkpoint at `path` that peer daemons hold, to be
-    tried after the local disk and before the object store, in order.
+def peers_copy(daemon: str, path: Path) -> Opened:
+    """The checkpoint at `path` from the replicas that the peers of the
+    daemon at `daemon` hold (its --peer list, as its Info reports it; the
+    path relative to its root, as each peer keeps it): a node whose disk
+    is gone, or its replacement, restores from them. NoCopy where the
+    daemon has no peers or none holds a complete copy of it."""
+    from ..protocol.client import DaemonClient
+    from ..tensors import peer_read
 
-    This is where tensors/peer_read.PeerSource plugs in: return one for
-    each peer that the daemon at `daemon` (None: no daemon) knows to hold
-    the checkpoint. A source with a `manifest_bytes` attribute (the bytes
-    its manifest was read from, as MemorySource has) is compared with the
-    checkpoint of record byte for byte; without it, by the parsed manifest.
-    None yet: peer replication is being built."""
-    return []
+    try:
+        client = DaemonClient(daemon)
+        try:
+            info = client.info(cached=True, timeout=peer_read.LOOKUP_TIMEOUT)
+            relative = client.relative(path)
+        finally:
+            client.close()
+    except CheckpointError as exc:
+        raise NoCopy(f"cannot ask fastpersistd for its peers: {exc}") from None
+    if not info.peers:
+        raise NoCopy(f"fastpersistd at {daemon} has no peers")
+    addresses = [p if "://" in p else f"https://{p}" for p in info.peers]
+    source, why = peer_read.find_job(addresses, relative)
+    if source is None:
+        raise NoCopy(f"no peer holds a complete copy: {why}")
+    return _opened(source)
 
 
 def copies_for(path: Path, *, daemon: str, tier: str | None = None,
@@ -55,13 +72,17 @@ def copies_for(path: Path, *, daemon: str, tier: str | None = None,
         from ..tensors import memory_read
 
         memory, _ = memory_read.find(daemon, path)
+        if memory is None:  # a memory-only checkpoint (Checkpointer(memory_every=))?
+            from ..tensors import memory_only
+
+            memory, _ = memory_only.find(daemon, path)
         if memory is not None:
             copies.append(Copy("fastpersistd's copy in memory", "memory",
                                functools.partial(_opened, memory)))
     copies.append(Copy(DISK, DISK, functools.partial(_disk, path)))
-    for peer in peer_sources(path, daemon or None):
-        copies.append(Copy(f"the copy on peer {peer.where}", "peer",
-                           functools.partial(_opened, peer)))
+    if daemon:  # asked only once the copies before them failed
+        copies.append(Copy("the peers' replicas", "peer",
+                           functools.partial(peers_copy, daemon, path)))
     if tier is not None:
         copies.append(Copy(f"the object store's copy {tier}", "s3",
                            functools.partial(_store, TierURL.parse(tier), endpoint_url)))
@@ -126,4 +147,4 @@ def _store(url: TierURL, endpoint_url: str | None) -> Opened:
                   identity_of(data, *([made_from] if made_from else [])))
 
 
-__all__ = ["DISK", "copies_for", "daemon_tier", "peer_sources"]
+__all__ = ["DISK", "copies_for", "daemon_tier", "peers_copy"]
