@@ -17,7 +17,11 @@ FileSystemWriter) beside it. Then in each round, in rotated order, a new process
 - store:  fastpersist.load_from_tier("s3://..."): parallel ranged GETs, every
   CRC32C checked (moto is one Python process: its ceiling, not S3's);
 - dcp:    torch.distributed.checkpoint.load into a state of the right shapes (as a
-  trainer resuming with DCP does), from its files in --dir.
+  trainer resuming with DCP does), from its files in --dir;
+- peer:   a node whose disk is gone: the daemon (--replicas 1) sent a second save of
+  the state to a peer daemon over TCP with TLS (loopback), whose replica in memory
+  is what fastpersist.load(path, daemon=ADDRESS) reads once the local directory is
+  deleted (the restore chain: memory, disk, then the peers), every CRC32C checked.
 The page cache is dropped before each (`sync; echo 3 > /proc/sys/vm/drop_caches` as
 root, else each file evicted with fadvise; with --drop data only the checkpoints'
 files are evicted; the daemon's tmpfs copy is not page cache and stays either way).
@@ -57,7 +61,7 @@ from _system import GIB, drop_page_cache, evict, machine_facts
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 GOAL = 5.0
-METHODS = ("memory", "disk", "store", "dcp")
+METHODS = ("memory", "disk", "store", "dcp", "peer")
 BUCKET = "fastpersist-resume"
 
 # The children: load, time it, check the result against the seeded spec (untimed).
@@ -81,6 +85,10 @@ LOADS = {
             "state = build_skeleton(spec)\n"
             "t1 = time.perf_counter()\n"
             "dcp.load(state, checkpoint_id={dcp_path!r})"),
+    # The local directory is gone: the chain warns and reads the peer's replica.
+    "peer": ("import warnings\n"
+             "warnings.filterwarnings('ignore', message='.*reading it from the peers')\n"
+             "state = fastpersist.load({peer_path!r}, daemon={address!r})"),
 }
 EPILOGUE = """
 t2 = time.perf_counter()
@@ -110,12 +118,11 @@ def wait_for(proc: subprocess.Popen[bytes], ready: Any, what: str) -> None:
         time.sleep(0.05)
 
 
-def start_daemon(root: Path, shm: Path, sock: Path, tier_bytes: int, env: dict[str, str]
+def start_daemon(root: Path, shm: Path, sock: Path, env: dict[str, str], *args: str
                  ) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "fastpersist.daemon", "--root", str(root), "--socket", str(sock),
-         "--shm-dir", str(shm), "--memory-tier-count", "1",
-         "--memory-tier-bytes", str(tier_bytes), "--log-level", "warning"],
+         "--shm-dir", str(shm), "--log-level", "warning", *args],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(proc, sock.exists, "fastpersistd")
     return proc
@@ -143,6 +150,34 @@ def start_moto(log: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes],
     return proc, endpoint
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tls_files(work: Path) -> tuple[Path, Path, Path]:
+    """A self-signed certificate for 127.0.0.1, its key, and the job's token."""
+    cert, key, token = work / "peer.pem", work / "peer.key", work / "token"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    token.write_text(os.urandom(16).hex() + "\n")
+    return cert, key, token
+
+
+def wait_replicated(peer: str, relpath: str, env: dict[str, str]) -> None:
+    code = ("import sys, time\nfrom fastpersist.tensors import peer_read\n"
+            "for _ in range(6000):\n"
+            f"    if any(r.complete and r.path == {relpath!r} "
+            f"for r in peer_read.replicas({peer!r})):\n"
+            "        sys.exit(0)\n"
+            "    time.sleep(0.1)\n"
+            "sys.exit('the peer never held a complete replica')\n")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=900)
+
+
 def prepare(methods: list[str], ckpt: Path, dcp_path: Path, url: str, endpoint: str,
             address: str, nbytes: int, env: dict[str, str]) -> None:
     """One save through the daemon, its upload, the DCP save: in a child, as a trainer."""
@@ -151,8 +186,11 @@ def prepare(methods: list[str], ckpt: Path, dcp_path: Path, url: str, endpoint: 
         f"sys.path.insert(0, {str(HERE)!r})",
         "from _state import build_state, make_spec",
         f"state = build_state(make_spec({nbytes}, seed=0))",
-        f"fastpersist.save(state, {str(ckpt)!r}, daemon={address!r})",
     ]
+    if "peer" in methods:  # first: the memory tier keeps the newest, ckpt
+        code.append(f"fastpersist.save(state, {str(ckpt.parent / 'step-peer')!r}, "
+                    f"daemon={address!r})")
+    code.append(f"fastpersist.save(state, {str(ckpt)!r}, daemon={address!r})")
     if "store" in methods:
         code += [
             "from fastpersist.tier.client import S3",
@@ -208,16 +246,35 @@ def main(argv: list[str]) -> int:
     root = work / "root"
     root.mkdir()
     facts = machine_facts(work)
-    daemon = start_daemon(root, shm, sockdir / "fpd.sock", 2 * nbytes + GIB, env)
+    memory_tier = ["--memory-tier-count", "1", "--memory-tier-bytes", str(2 * nbytes + GIB)]
+    peer_daemon = None
+    peer_args: list[str] = []
+    if "peer" in methods:
+        cert, key, token = tls_files(work)
+        env.update(FASTPERSIST_DAEMON_CA_FILE=str(cert), FASTPERSIST_DAEMON_TOKEN_FILE=str(token))
+        tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--token-file", str(token),
+               "--peer-tls-ca", str(cert), "--job", "resume"]
+        peer_port = free_port()
+        (work / "peer-root").mkdir()
+        peer_shm = Path(tempfile.mkdtemp(prefix="fp-resume-peer-", dir="/dev/shm"))
+        peer_daemon = start_daemon(work / "peer-root", peer_shm, sockdir / "peer.sock", env,
+                                   "--listen", f"127.0.0.1:{peer_port}", *tls,
+                                   "--node-name", "b", "--replica-bytes", str(3 * nbytes + GIB))
+        peer_args = ["--listen", f"127.0.0.1:{free_port()}", *tls, "--node-name", "a",
+                     "--replicas", "1", "--peer", f"127.0.0.1:{peer_port}"]
+    daemon = start_daemon(root, shm, sockdir / "fpd.sock", env, *memory_tier, *peer_args)
     moto, endpoint = start_moto(work / "moto.log", env) if "store" in methods else (None, "")
     address = f"unix://{sockdir / 'fpd.sock'}"
     ckpt, dcp_path = root / "step-1", work / "dcp-step-1"
     url = f"s3://{BUCKET}/resume/step-1"
     where = {"path": str(ckpt), "address": address, "url": url, "endpoint": endpoint,
-             "dcp_path": str(dcp_path), "nbytes": nbytes}
+             "dcp_path": str(dcp_path), "peer_path": str(root / "step-peer"), "nbytes": nbytes}
     rounds: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     try:
         prepare(methods, ckpt, dcp_path, url, endpoint, address, nbytes, env)
+        if peer_daemon is not None:  # then node a loses the copy the peer replicated
+            wait_replicated(f"https://127.0.0.1:{peer_port}", "step-peer", env)
+            shutil.rmtree(root / "step-peer")
         state_bytes = sum(f.stat().st_size for f in ckpt.glob("data-*"))
         mechanism = ""
         for r in range(args.repeats):
@@ -237,6 +294,10 @@ def main(argv: list[str]) -> int:
         if moto is not None:
             moto.kill()
             moto.wait(60)
+        if peer_daemon is not None:
+            peer_daemon.terminate()
+            peer_daemon.wait(60)
+            shutil.rmtree(peer_shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(sockdir, ignore_errors=True)
