@@ -188,9 +188,13 @@ def _daemon_store(daemon: str, root: Path) -> tuple[S3, TierURL] | None:
     from .tier.client import client_for
 
     try:
-        return client_for(None), daemon_tier(daemon, root)
+        url = daemon_tier(daemon, root)
     except NoCopy:
         return None
+    # Only now: making a client looks for credentials (a cloud's metadata
+    # service, where none are configured), which a daemon without a tier
+    # must not cost a latest().
+    return client_for(None), url
 
 
 def not_found(root: Path, skipped: list[Skipped], where: str = "") -> CheckpointNotFoundError:
