@@ -66,8 +66,8 @@ from .knobs import current as current_knobs
 from .resume import (
     Judge,
     Skipped,
+    newest_anywhere,
     newest_local,
-    newest_with_store,
     not_found,
     problem,
     step_dirs,
@@ -310,7 +310,7 @@ class Checkpointer:
         if newer:  # memory-only, newer than any usable disk checkpoint
             return self.path_for(newer[-1])
         mirror = (self._mirror.s3, self._mirror.url) if self._mirror is not None else None
-        return newest_with_store(self.root, local, exclude, mirror, self._daemon)
+        return newest_anywhere(self.root, local, exclude, mirror, self._daemon)
 
     def load_latest(self, map_location: MapLocation = None, **kwargs: Any) -> Any:
         """Load latest(). A checkpoint whose load finds it corrupt (a checksum

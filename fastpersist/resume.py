@@ -182,6 +182,18 @@ def newest_with_store(root: Path, local: Path | None, exclude: Container[Path | 
         return local
 
 
+def newest_anywhere(root: Path, local: Path | None, exclude: Container[Path | str],
+                    mirror: tuple[S3, TierURL] | None, daemon: str) -> Path | str | None:
+    """newest_with_store, or where nothing is found here or in a store, the
+    newest step the daemon's peers hold whole (a node whose disk is gone)."""
+    found = newest_with_store(root, local, exclude, mirror, daemon)
+    if found is None and daemon:
+        from .loading.copies import newest_on_peers
+
+        found = newest_on_peers(daemon, root, exclude)
+    return found
+
+
 def _daemon_store(daemon: str, root: Path) -> tuple[S3, TierURL] | None:
     from .loading.chain import NoCopy
     from .loading.copies import daemon_tier

@@ -10,6 +10,7 @@ replica with every CRC32C checked.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,6 +157,29 @@ def test_a_peer_source_loads_bit_exact_with_the_local_files_gone(
     step2 = next(r for r in peer_read.replicas(holder.address) if r.path == "step-2")
     assert any(t.frames for t in Manifest.from_json(step2.manifest, "step-2").tensors)
     assert peer_read.find([holder.address], "step-9")[0] is None
+
+
+@pytest.mark.slow
+def test_a_checkpointer_on_a_node_whose_disk_is_gone_resumes_from_its_peers(
+        group: PeerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpointer.latest()/load_latest() through a daemon whose root lost
+    the run: the newest step the peers hold whole, read from them."""
+    holder = group.add("n1", "b", "--replica-bytes", "64M")
+    sender = group.add("n0", "a", "--replicas", "1", peers=[holder])
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(sender.daemon.shm_dir))
+    run = sender.daemon.root / "run"
+    with fastpersist.Checkpointer(run, daemon=sender.daemon.address) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state_of(step)).result()
+    replicated(sender, "run/step-00000002")
+    shutil.rmtree(run)  # the node's disk is gone
+    again = fastpersist.Checkpointer(run, daemon=sender.daemon.address)
+    try:
+        assert again.latest() == run / "step-00000002"
+        with pytest.warns(RuntimeWarning, match="reading it from the peers' replicas"):
+            assert_same(again.load_latest(), state_of(2))
+    finally:
+        again.close()
 
 
 @pytest.mark.slow

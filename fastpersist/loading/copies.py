@@ -22,11 +22,13 @@ fails as not found, with a warning, and the store's copy is read.
 from __future__ import annotations
 
 import functools
+from collections.abc import Container
 from pathlib import Path
 
 from ..errors import CheckpointError
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..storage.retention import step_of
 from ..tensors.committed import read_manifest_bytes
 from ..tensors.source import LocalSource, Source
 from ..tier.url import TierURL
@@ -35,12 +37,10 @@ from .chain import Copy, NoCopy, Opened, identity_of
 DISK = "disk"
 
 
-def peers_copy(daemon: str, path: Path) -> Opened:
-    """The checkpoint at `path` from the replicas that the peers of the
-    daemon at `daemon` hold (its --peer list, as its Info reports it; the
-    path relative to its root, as each peer keeps it): a node whose disk
-    is gone, or its replacement, restores from them. NoCopy where the
-    daemon has no peers or none holds a complete copy of it."""
+def _peers_of(daemon: str, path: Path) -> tuple[list[str], str]:
+    """The addresses of the peers of the daemon at `daemon` (its --peer
+    list, as its Info reports it), and `path` relative to its root, as each
+    peer keeps it; NoCopy where there are none or it cannot be asked."""
     from ..protocol.client import DaemonClient
     from ..tensors import peer_read
 
@@ -55,11 +55,40 @@ def peers_copy(daemon: str, path: Path) -> Opened:
         raise NoCopy(f"cannot ask fastpersistd for its peers: {exc}") from None
     if not info.peers:
         raise NoCopy(f"fastpersistd at {daemon} has no peers")
-    addresses = [p if "://" in p else f"https://{p}" for p in info.peers]
+    return [p if "://" in p else f"https://{p}" for p in info.peers], relative
+
+
+def peers_copy(daemon: str, path: Path) -> Opened:
+    """The checkpoint at `path` from the replicas that the daemon's peers
+    hold: a node whose disk is gone, or its replacement, restores from them.
+    NoCopy where the daemon has no peers or none holds a complete copy."""
+    from ..tensors import peer_read
+
+    addresses, relative = _peers_of(daemon, path)
     source, why = peer_read.find_job(addresses, relative)
     if source is None:
         raise NoCopy(f"no peer holds a complete copy: {why}")
     return _opened(source)
+
+
+def newest_on_peers(daemon: str, root: Path, exclude: Container[Path | str]) -> Path | None:
+    """The newest step-N checkpoint under `root` (a Checkpointer's) that the
+    daemon's peers hold whole (complete replicas of every data file): what
+    latest() finds on a node whose disk is gone. None where there is none."""
+    from ..tensors import peer_read
+
+    try:
+        addresses, base = _peers_of(daemon, root)
+    except NoCopy:
+        return None
+    found, _ = peer_read.held(addresses)
+    prefix = "" if base in ("", ".") else base.rstrip("/") + "/"
+    names = {r.path[len(prefix):] for r in found if r.path.startswith(prefix)}
+    steps = sorted((s, n) for n in names if "/" not in n and (s := step_of(n)) is not None)
+    for _, name in reversed(steps):
+        if root / name not in exclude and peer_read.choose(found, prefix + name)[0]:
+            return root / name
+    return None
 
 
 def copies_for(path: Path, *, daemon: str, tier: str | None = None,
@@ -147,4 +176,4 @@ def _store(url: TierURL, endpoint_url: str | None) -> Opened:
                   identity_of(data, *([made_from] if made_from else [])))
 
 
-__all__ = ["DISK", "copies_for", "daemon_tier", "peers_copy"]
+__all__ = ["DISK", "copies_for", "daemon_tier", "newest_on_peers", "peers_copy"]

@@ -113,24 +113,41 @@ def find(addresses: Sequence[str], path: str, node: str | None = None,
     return PeerSource(max(found, key=lambda r: r.committed_unix)), ""
 
 
+def held(addresses: Sequence[str], timeout: float = LOOKUP_TIMEOUT
+         ) -> tuple[list[PeerReplica], list[str]]:
+    """The complete replicas the daemons at `addresses` hold, and why the
+    ones that did not answer did not."""
+    found: list[PeerReplica] = []
+    why: list[str] = []
+    for address in addresses:
+        try:
+            found += [r for r in replicas(address, timeout) if r.complete]
+        except CheckpointError as exc:
+            why.append(str(exc))
+    return found, why
+
+
 def find_job(addresses: Sequence[str], path: str, timeout: float = LOOKUP_TIMEOUT
              ) -> tuple[PeerSource | None, str]:
     """A PeerSource of the whole checkpoint at `path` from the peers' replicas:
     of a node-local job, every node's files (each node replicated its own),
-    of a single node's save, that node's. Only complete replicas of one
-    manifest count, and only if together they hold every data file it lists:
-    the newest such manifest is chosen, so a checkpoint whose replication was
-    cut off on some node is never read in part. Else (None, why not)."""
-    held: list[PeerReplica] = []
+    of a single node's save, that node's; else (None, why not). See choose."""
+    found, why = held(addresses, timeout)
+    source, reason = choose(found, path)
+    return source, "; ".join([*why, reason]) if source is None else ""
+
+
+def choose(found: Sequence[PeerReplica], path: str) -> tuple[PeerSource | None, str]:
+    """Of the complete replicas `found`, those of `path` as one PeerSource:
+    only replicas of one manifest count, and only if together they hold
+    every data file it lists. The newest such manifest is chosen, so a
+    checkpoint whose replication was cut off on some node is never read in
+    part. Else (None, why not)."""
     why: list[str] = []
-    for address in addresses:
-        try:
-            held += [r for r in replicas(address, timeout) if r.complete and r.path == path]
-        except CheckpointError as exc:
-            why.append(str(exc))
     by_manifest: dict[bytes, list[PeerReplica]] = {}
-    for r in held:
-        by_manifest.setdefault(r.manifest, []).append(r)
+    for r in found:
+        if r.complete and r.path == path:
+            by_manifest.setdefault(r.manifest, []).append(r)
     for data, group in sorted(by_manifest.items(), reverse=True,
                               key=lambda kv: max(r.committed_unix for r in kv[1])):
         try:
@@ -339,4 +356,5 @@ class PeerSource:
         return crcs
 
 
-__all__ = ["LOOKUP_TIMEOUT", "PeerReplica", "PeerSource", "find", "find_job", "replicas"]
+__all__ = ["LOOKUP_TIMEOUT", "PeerReplica", "PeerSource", "choose", "find", "find_job", "held",
+           "replicas"]
