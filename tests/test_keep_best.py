@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -144,3 +145,23 @@ def test_should_save_agrees_with_the_cadence(tmp_path: Path) -> None:
                     ckpt.save(step, state(step))
         assert [s for s in range(10) if ckpt.should_save(s)] == []
     assert on_disk(tmp_path) == [0, 3, 6, 9]
+
+
+def test_with_a_tier_the_best_stay_after_the_uploads(s3: Any, tmp_path: Path) -> None:
+    """Retention after each upload (the uploader's thread) keeps the best too."""
+    from test_tier_checkpointer import Gate
+
+    from fastpersist.tier.client import client_for
+
+    gate = Gate(client_for().client)
+    root = tmp_path / "run"
+    ckpt = Checkpointer(root, keep_best=1, best_metric="val_loss", tier=s3.url)
+    try:
+        for step, loss in ((1, 0.1), (2, 0.5), (3, 0.9)):
+            ckpt.save(step, state(step), metrics={"val_loss": loss}).result(timeout=30)
+        assert on_disk(root) == [1, 2, 3]  # none uploaded yet: all kept
+    finally:
+        gate.open()
+    assert ckpt.wait_for_tier(60)
+    ckpt.close()
+    assert on_disk(root) == [1, 3]  # uploaded: the best and the newest stay
