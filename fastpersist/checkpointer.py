@@ -156,7 +156,7 @@ class Checkpointer(CheckpointerBase):
         self.cadence.check(daemon=bool(address), distributed=process_group is not None,
                            tier=tier is not None)
         self.metrics = Metrics.create(self.root, keep_best, best_metric, best_mode,
-                                      daemon=bool(address), distributed=process_group is not None)
+                                      daemon=bool(address))
         self._saved: set[int] | None = None  # should_save's steps saved, once it is asked
         self.compression = packed.check_compression(compression)
         self._mirror: Mirror | None = None
@@ -166,6 +166,7 @@ class Checkpointer(CheckpointerBase):
                              "give the daemon the tier (fastpersistd --tier)")
         self._pipeline = pipeline_for(address, process_group, max_in_flight=max_in_flight,
                                       shared=False)
+        self.metrics.writes = self._pipeline.sink.leader  # rank 0 records, applies retention
         if tier is not None:
             # In a distributed job, rank 0 uploads (every rank's files are on
             # the shared storage); the others serve latest() from the store.

@@ -20,10 +20,11 @@ keep_best set, a disk save without it raises ValueError before anything is
 written. Only committed checkpoints count: a better one still in flight
 pushes nothing out until it is durable.
 
-In-process only: the trainer writes metrics.json, and the Checkpointer's
-writer thread applies retention. Through fastpersistd, which owns the root
-(the trainer may only read it), and in a distributed job, metrics= and
-keep_best raise ValueError.
+In-process: the trainer writes metrics.json, and the Checkpointer's writer
+thread applies retention; in a distributed job, rank 0 does both (every rank
+checks its metrics=, rank 0's are recorded). Through fastpersistd, which owns
+the root (the trainer may only read it), metrics= and keep_best raise
+ValueError.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ class Metrics:
         self.keep_best = keep_best
         self.best_metric = best_metric
         self.best_mode = best_mode
-        self.recorded = recorded  # False: through fastpersistd, or distributed
+        self.recorded = recorded  # False: through fastpersistd
+        self.writes = True  # False: a distributed job's rank other than 0
         self._lock = threading.Lock()
         self._by_step = self._read() if recorded else {}
 
     @classmethod
     def create(cls, root: Path, keep_best: int | None, best_metric: str | None,
-               best_mode: str, *, daemon: bool, distributed: bool) -> Metrics:
+               best_mode: str, *, daemon: bool) -> Metrics:
         """The Checkpointer's Metrics; ValueError for settings that cannot work."""
         if keep_best is not None and (isinstance(keep_best, bool) or not isinstance(
                 keep_best, int) or keep_best < 1):
@@ -74,11 +76,10 @@ class Metrics:
             raise ValueError("keep_best= and best_metric= go together: keep_best=3, "
                              "best_metric='val_loss' keeps the 3 checkpoints with the best "
                              "val_loss")
-        if daemon or distributed:
+        if daemon:
             if keep_best is not None:
-                raise ValueError("keep_best= is applied by this process: not through "
-                                 "fastpersistd (daemon=) nor in a distributed job "
-                                 "(process_group=)")
+                raise ValueError("keep_best= is applied by this process (rank 0 of a "
+                                 "distributed job): not through fastpersistd (daemon=)")
             return cls(root, None, None, best_mode, recorded=False)
         return cls(root, keep_best, best_metric, best_mode)
 
@@ -89,15 +90,15 @@ class Metrics:
         """Record step's metrics (durably, before its save begins). disk: the
         save goes to disk (retention counts it: keep_best needs its metric)."""
         if not self.recorded and metrics is not None:
-            raise ValueError("metrics= are recorded by this process: not through fastpersistd "
-                             "(daemon=) nor in a distributed job (process_group=)")
+            raise ValueError("metrics= are recorded by this process (rank 0 of a distributed "
+                             "job): not through fastpersistd (daemon=)")
         values = _numbers(step, metrics)
         if self.best_metric is not None and disk and self.best_metric not in values:
             given = ", ".join(sorted(values)) or "none"
             raise ValueError(f"save of step {step}: keep_best ranks checkpoints by "
                              f"{self.best_metric!r}, which its metrics= do not give (given: "
                              f"{given}); pass metrics={{{self.best_metric!r}: value}}")
-        if not values:
+        if not values or not self.writes:
             return
         with self._lock:
             present = {s for s, _ in step_dirs(self.root)} | set(in_flight)
