@@ -189,6 +189,16 @@ def test_async_failure_of_the_last_save_is_raised_by_teardown(
     io.teardown()  # raised once
 
 
+@pytest.fixture
+def _lightning_loader() -> Any:
+    """Lightning's pl_load as it was, after the test (enable_load_from_checkpoint patches it)."""
+    from lightning.pytorch.core import saving
+
+    original = saving.pl_load
+    yield
+    saving.pl_load = original
+
+
 def test_values_that_need_pickle_are_refused_by_name(tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpts"
     t = trainer(1, FastPersistCheckpointIO(), [ModelCheckpoint(dirpath=ckpts)])
@@ -198,6 +208,7 @@ def test_values_that_need_pickle_are_refused_by_name(tmp_path: Path) -> None:
     assert not ckpts.exists() or names(ckpts) == []  # nothing was written
 
 
+@pytest.mark.usefixtures("_lightning_loader")
 def test_allow_pickle_stores_them(tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpts"
     io = FastPersistCheckpointIO(allow_pickle=True)
@@ -209,16 +220,12 @@ def test_allow_pickle_stores_them(tmp_path: Path) -> None:
     assert io.load_checkpoint(path)["hyper_parameters"]["extra"] == Path("/data")
     with pytest.raises(fastpersist.PickleNotAllowedError):  # as torch.load(weights_only=True)
         io.load_checkpoint(path, weights_only=True)
+    from fastpersist.integrations.lightning import enable_load_from_checkpoint
 
-
-@pytest.fixture
-def _lightning_loader() -> Any:
-    """Lightning's pl_load as it was, after the test (enable_load_from_checkpoint patches it)."""
-    from lightning.pytorch.core import saving
-
-    original = saving.pl_load
-    yield
-    saving.pl_load = original
+    enable_load_from_checkpoint()  # load_from_checkpoint: pickle only with weights_only=False
+    with pytest.raises(fastpersist.PickleNotAllowedError):
+        Tiny.load_from_checkpoint(path)
+    assert Tiny.load_from_checkpoint(path, weights_only=False).hparams.extra == Path("/data")
 
 
 @pytest.mark.usefixtures("_lightning_loader")

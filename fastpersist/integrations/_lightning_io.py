@@ -249,8 +249,10 @@ def install_loader(saving: Any, io_class: type[FastPersistCheckpointIOBase]) -> 
     def pl_load(path_or_url: Any, map_location: Any = None,
                 weights_only: bool | None = None) -> Any:
         if isinstance(path_or_url, (str, os.PathLike)) and is_checkpoint(path_or_url):
-            return io_class().load_checkpoint(path_or_url, map_location,
-                                              weights_only=weights_only)
+            # Pickled values only where the caller says weights_only=False, as
+            # torch.load (whose default, which Lightning passes on, is True).
+            return io_class(allow_pickle=weights_only is False).load_checkpoint(
+                path_or_url, map_location, weights_only=weights_only)
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     pl_load._fastpersist = True  # type: ignore[attr-defined]
