@@ -14,6 +14,10 @@ tier_every=M: of the disk checkpoints, the multiples of M also go to the
     object store (Checkpointer tier=, or the daemon's --tier); the others
     stay local. M must be a multiple of N.
 
+save_every=S (without memory_every and disk_every): the interval of
+    Checkpointer.should_save(step); save() itself takes any step. With the
+    cadences, should_save(step) is true on either of them instead.
+
 Without memory_every and disk_every every save() goes to disk. With them,
 save() of a step on neither cadence raises ValueError, unless it says where
 (durability="disk" or "memory"; say, the last step of a run). A memory-only
@@ -40,16 +44,21 @@ class Cadence:
     memory_every: int | None = None
     disk_every: int | None = None
     tier_every: int | None = None
+    save_every: int | None = None  # should_save's interval where the cadences are unset
 
     def check(self, *, daemon: bool, distributed: bool, tier: bool) -> None:
         """ValueError for settings that cannot work. daemon: saves go through
         fastpersistd; tier: an object store is configured here (tier=)."""
-        for name in ("memory_every", "disk_every", "tier_every"):
+        for name in ("memory_every", "disk_every", "tier_every", "save_every"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be a whole number of steps >= 1 (or None), "
                                  f"not {value!r}")
+        if self.save_every is not None and self.set:
+            raise ValueError("save_every= is the interval of should_save() where memory_every "
+                             "and disk_every are unset; with them, they are (should_save is "
+                             "true on either)")
         if self.memory_every is not None:
             if not daemon:
                 raise ValueError("memory_every= keeps checkpoints in fastpersistd's memory "
@@ -89,6 +98,14 @@ class Cadence:
             f"step {step} is on neither cadence (memory_every={self.memory_every}, "
             f"disk_every={self.disk_every}); pass durability='disk' or 'memory' to save it "
             "anyway")
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is on the interval: save_every's, or either cadence
+        (the steps save() takes without durability=); every step without any."""
+        if self.save_every is not None:
+            return step % self.save_every == 0
+        return not self.set or any(every is not None and step % every == 0
+                                   for every in (self.disk_every, self.memory_every))
 
     def uploads(self, step: int) -> bool:
         """Whether the disk checkpoint of `step` goes to the object store."""

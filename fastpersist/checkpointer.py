@@ -38,8 +38,9 @@ uploaded. Checkpoints committed but not uploaded when the process died are
 uploaded by the next Checkpointer on the same root and tier. In a distributed
 job (process_group) rank 0 does all of this, from the shared root.
 
-Cadences (cadence.py): memory_every, disk_every, tier_every. latest() and
-load_latest() pick the newest step of the memory-only and disk checkpoints.
+Cadences (cadence.py): memory_every, disk_every, tier_every; should_save().
+latest() and load_latest() pick the newest step of the memory-only and disk
+checkpoints. keep_best and metrics= (keep_best.py): keep the best by a metric.
 """
 
 from __future__ import annotations
@@ -47,21 +48,22 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .api import load, load_from_tier, pipeline_for
 from .cadence import MEMORY, Cadence, load_memory_only, memory_steps
+from .checkpointer_base import CheckpointerBase
 from .errors import (
-    CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
     MemoryTierError,
     PostCommitError,
     TierError,
 )
+from .keep_best import Metrics
 from .knobs import current as current_knobs
 from .resume import (
     Judge,
@@ -84,7 +86,7 @@ if TYPE_CHECKING:
     from .tier.uploader import Job, TierStatus
 
 
-class Checkpointer:
+class Checkpointer(CheckpointerBase):
     """Asynchronous, retained checkpoints under `root`; see the module docstring.
 
     keep_last: keep this many newest checkpoints (None: keep all).
@@ -119,6 +121,9 @@ class Checkpointer:
         record in `skipped`.
     memory_every, disk_every, tier_every: the cadences (cadence.py): steps
         kept in fastpersistd's memory only, written to disk, and uploaded.
+    save_every: should_save()'s interval, without memory_every/disk_every.
+    keep_best, best_metric, best_mode ("min"/"max"): also keep the keep_best
+        checkpoints with the best metrics=[best_metric] (keep_best.py).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -129,7 +134,9 @@ class Checkpointer:
                  tier_endpoint: str | None = None, compression: str | None = None,
                  tier_compression: str = "zstd", strict: bool = False,
                  memory_every: int | None = None, disk_every: int | None = None,
-                 tier_every: int | None = None) -> None:
+                 tier_every: int | None = None, save_every: int | None = None,
+                 keep_best: int | None = None, best_metric: str | None = None,
+                 best_mode: str = "min") -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
@@ -137,16 +144,20 @@ class Checkpointer:
         self.root = checkpoint_path(root, "a Checkpointer's root")
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self.after_commit = AfterCommit(True, keep_last, keep_every)
+        # keep_best alone keeps the newest checkpoint too (keep_last=1).
+        self.after_commit = AfterCommit(True, keep_last or (keep_best and 1), keep_every)
         self.allow_pickle = allow_pickle
         self.strict = strict
         self._skipped: list[Skipped] = []
         self._saving: dict[int, SaveFuture] = {}  # steps whose save may be in flight
         address = current_knobs().daemon if daemon is None else daemon
         self._daemon = address  # load_latest reads its memory copies (api.load)
-        self.cadence = Cadence(memory_every, disk_every, tier_every)
+        self.cadence = Cadence(memory_every, disk_every, tier_every, save_every)
         self.cadence.check(daemon=bool(address), distributed=process_group is not None,
                            tier=tier is not None)
+        self.metrics = Metrics.create(self.root, keep_best, best_metric, best_mode,
+                                      daemon=bool(address))
+        self._saved: set[int] | None = None  # should_save's steps saved, once it is asked
         self.compression = packed.check_compression(compression)
         self._mirror: Mirror | None = None
         self._last_committed: str | None = None
@@ -155,6 +166,7 @@ class Checkpointer:
                              "give the daemon the tier (fastpersistd --tier)")
         self._pipeline = pipeline_for(address, process_group, max_in_flight=max_in_flight,
                                       shared=False)
+        self.metrics.writes = self._pipeline.sink.leader  # rank 0 records, applies retention
         if tier is not None:
             # In a distributed job, rank 0 uploads (every rank's files are on
             # the shared storage); the others serve latest() from the store.
@@ -166,7 +178,8 @@ class Checkpointer:
         return self.root / f"step-{step:08d}"
 
     def save(self, step: int, state: Any, *, wait_for_snapshot: bool = True,
-             overwrite: bool = False, durability: str | None = None) -> SaveFuture:
+             overwrite: bool = False, durability: str | None = None,
+             metrics: Mapping[str, Any] | None = None) -> SaveFuture:
         """Start an asynchronous checkpoint of `state` for `step`.
 
         Returns once the snapshot is taken (see fastpersist.async_save); raises
@@ -177,13 +190,15 @@ class Checkpointer:
         Where it goes (disk, or fastpersistd's memory only) is the cadences'
         choice, or `durability`'s ("disk" or "memory"). The future of a
         memory-only save resolves once the daemon holds the whole copy;
-        steps saved in memory only are not checked for existing.
+        steps saved in memory only are not checked for existing. metrics: numbers
+        by name, recorded for keep_best (keep_best.py) before the save begins.
         """
         if step < 0:
             raise ValueError("step must be >= 0")
         where = self.cadence.durability(step, durability)
         if not overwrite:
             self._refuse_existing(step)
+        self.metrics.record(step, metrics, disk=where != MEMORY, in_flight=self._saving)
         if where == MEMORY:  # no `latest`, retention or upload: those are the disk's
             future = self._pipeline.save(state, self.path_for(step), durability=MEMORY,
                                          allow_pickle=self.allow_pickle,
@@ -192,7 +207,20 @@ class Checkpointer:
             future = self._save(step, state, wait_for_snapshot)
         self._saving = {s: f for s, f in self._saving.items() if not f.done()}
         self._saving[step] = future
+        if self._saved is not None:
+            self._saved.add(step)
         return future
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save `step`: it is on the interval (save_every, or either
+        cadence: cadence.py) and not saved yet (under the root, in fastpersistd's
+        memory, or by this Checkpointer), so that save() would take it."""
+        if not self.cadence.due(step):
+            return False
+        if self._saved is None:
+            self._saved = ({s for s, _ in step_dirs(self.root)} | set(self.memory_steps())
+                           | set(self._saving))
+        return step not in self._saved
 
     def _refuse_existing(self, step: int) -> None:
         existing = [e for s, e in step_dirs(self.root) if s == step]
@@ -205,7 +233,7 @@ class Checkpointer:
                 "the step after the one it loaded; pass overwrite=True to replace it")
 
     def _save(self, step: int, state: Any, wait_for_snapshot: bool) -> SaveFuture:
-        if self._mirror is None:  # whoever commits applies the policy
+        if self._mirror is None and not self.metrics.keep_best:  # whoever commits applies it
             return self._pipeline.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                        wait_for_snapshot=wait_for_snapshot,
                                        after_commit=self.after_commit if self.cadence.uploads(
@@ -216,20 +244,6 @@ class Checkpointer:
         return self._pipeline.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                    wait_for_snapshot=wait_for_snapshot,
                                    on_commit=self._committed, compression=self.compression)
-
-    def prepare_staging(self, state: Any) -> int:
-        """Allocate and fault in the staging memory that saves of `state` take
-        (in this process's shared memory with fastpersistd), so that the first
-        save() stalls no longer than the later ones; see SavePipeline.prepare_staging.
-        Call it once before the training loop, with the state you will save
-        (its values do not matter). Returns the bytes of staging ready: 0 for
-        a distributed job, whose ranks learn their parts only at each save."""
-        return self._pipeline.prepare_staging(state, allow_pickle=self.allow_pickle)
-
-    def wait(self) -> None:
-        """Block until every save so far is durable; raise if one failed."""
-        self._pipeline.wait()
-        self._pipeline.raise_unobserved_failure()
 
     def close(self, *, abort: bool = False) -> None:
         """Finish the in-flight save (or with abort=True abandon it cleanly) and
@@ -249,27 +263,6 @@ class Checkpointer:
                 f"not uploaded to {self._mirror.url} (the local copies are kept, and the next "
                 f"Checkpointer uploads them): {', '.join(left)}; last error: "
                 f"{self._mirror.status().last_error}")
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        # Leaving on an error: abandon the save on KeyboardInterrupt/SystemExit,
-        # finish it otherwise, and let the original error propagate.
-        try:
-            self.close(abort=not issubclass(exc_type, Exception))
-        except CheckpointError as close_error:
-            warnings.warn(f"checkpoint save failed while leaving on an error: {close_error}",
-                          RuntimeWarning, stacklevel=2)
-
-    @property
-    def staging_bytes(self) -> int:
-        """Host memory held for snapshots (reused by the next save)."""
-        return self._pipeline.staging_bytes
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints under root that look whole (a
@@ -374,17 +367,22 @@ class Checkpointer:
     def _protected(self, name: str) -> bool:
         return self._mirror is not None and self._mirror.is_pending(name)
 
+    def _protector(self) -> Callable[[str], bool]:
+        """Retention's `protected`: pending uploads and the best (keep_best)."""
+        best = frozenset(p.name for p in self.metrics.best())
+        return lambda name: name in best or self._protected(name)
+
     def _uploaded(self, job: Job, done: Uploaded) -> None:
         """On the uploader's thread: what retention kept for the upload may go now."""
-        if self.keep_last is None:
+        if self.after_commit.keep_last is None:
             return
         with self._lock:
             newest = self._last_committed
             if newest is None:
                 return
             try:
-                apply_at(self.root, newest, AfterCommit(False, self.keep_last, self.keep_every),
-                         protected=self._protected)
+                apply_at(self.root, newest, replace(self.after_commit, point_latest=False),
+                         protected=self._protector())
             except PostCommitError as exc:
                 warnings.warn(f"retention after an upload failed: {exc}", RuntimeWarning,
                               stacklevel=1)
@@ -397,4 +395,4 @@ class Checkpointer:
             if self._mirror is not None and self._mirror.due(path.name):
                 self._mirror.add(path)  # pending from now: retention keeps it
             self._last_committed = path.name
-            apply_at(self.root, path.name, self.after_commit, protected=self._protected)
+            apply_at(self.root, path.name, self.after_commit, protected=self._protector())

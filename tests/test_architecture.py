@@ -45,7 +45,8 @@ ROOMS = {
     "fastpersist.loading": "loading",
     "fastpersist.daemon": "daemon",
     "fastpersist.api": "api", "fastpersist.checkpointer": "api", "fastpersist.resume": "api",
-    "fastpersist.cadence": "api",
+    "fastpersist.cadence": "api", "fastpersist.keep_best": "api",
+    "fastpersist.checkpointer_base": "api",
     "fastpersist.adapters": "api",  # the adapters' contract (integrations/ import it)
     "fastpersist.cli": "cli",
     "fastpersist.integrations": "integrations",

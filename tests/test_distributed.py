@@ -291,6 +291,15 @@ def test_ranks_that_share_storage_must_name_one_path(tmp_path: Path) -> None:
 # --- async_save and Checkpointer -------------------------------------------------------------
 
 
+def test_keep_best_over_a_process_group(tmp_path: Path) -> None:
+    reports = run_job(tmp_path, "keep_best", ["n0", "n0", "n1", "n1"], {"path": str(tmp_path)})
+    ok(reports)
+    assert all(r["steps"] == [1, 3] for r in reports), reports  # the best, the newest
+    assert all("do not give (given: none)" in r["missing"] for r in reports), reports
+    recorded = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    assert recorded["1"] == {"val_loss": 0.1} and set(recorded) <= {"0", "1", "2", "3"}
+
+
 def test_async_save_and_checkpointer_over_a_process_group(tmp_path: Path) -> None:
     reports = run_job(tmp_path, "async", ["n0", "n0", "n1", "n1"], {"path": str(tmp_path)})
     ok(reports)

@@ -75,7 +75,8 @@ def train(out: Path, *, cls: type = FastPersistTrainer, seed: int = 0, stop: int
                              learning_rate=1e-3, warmup_steps=2, logging_steps=100,
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **best)
     trainer = cls(model=LlamaForCausalLM(config()), args=args, train_dataset=Tokens(),
-                  callbacks=[StopAt(stop)] if stop else None, **kwargs)
+                  callbacks=([StopAt(stop)] if stop else []) + kwargs.pop("callbacks", []),
+                  **kwargs)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -123,7 +124,9 @@ def test_checkpoints_and_bit_exact_resume(tmp_path: Path, uninterrupted: dict[st
     # HF's small files as HF writes them; the weights and the optimizer through fastpersist.
     assert {MODEL_DIR, TRAINER_DIR, "model.safetensors.index.json", "config.json",
             "trainer_state.json", "rng_state.pth", "training_args.bin"} <= set(files)
-    assert not {"model.safetensors", "optimizer.pt", "scheduler.pt"} & set(files)
+    assert "model.safetensors" not in files
+    # optimizer.pt and scheduler.pt: refusals for a plain Trainer, not the state.
+    assert all(os.path.getsize(ckpt / n) < 1024 for n in ("optimizer.pt", "scheduler.pt"))
     weights = fastpersist.load(ckpt / MODEL_DIR)
     assert_bit_equal(weights, first.model.state_dict())
     assert set(fastpersist.load(ckpt / TRAINER_DIR)) == {"optimizer", "scheduler"}
@@ -152,6 +155,41 @@ def test_a_plain_trainer_checkpoint_resumes_bit_exactly(tmp_path: Path,
     assert (tmp_path / "checkpoint-9" / MODEL_DIR / "manifest.json").is_file()
 
 
+class Captured(TrainerCallback):
+    """The optimizer state and step as training (re)starts, after any resume."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        import copy
+
+        self.optimizer = copy.deepcopy(kwargs["optimizer"].state_dict())
+        self.scheduler = copy.deepcopy(kwargs["lr_scheduler"].state_dict())
+        self.step = state.global_step
+
+
+def test_resume_restores_the_optimizer_or_refuses(tmp_path: Path) -> None:
+    """A fastpersist checkpoint resumes with the optimizer's state as saved; a
+    plain Trainer, which cannot read it, refuses the checkpoint instead of
+    starting the optimizer afresh."""
+    first = train(tmp_path, stop=6)
+    saved = fastpersist.load(tmp_path / "checkpoint-6" / TRAINER_DIR)
+    assert_bit_equal(saved["optimizer"], first.optimizer.state_dict())
+    assert saved["optimizer"]["state"][0]["exp_avg"].abs().sum() > 0  # AdamW moved
+
+    with pytest.raises(Exception, match=r"resume it with FastPersistTrainer") as info:
+        train(tmp_path, cls=Trainer, seed=1, resume=str(tmp_path / "checkpoint-6"))
+    assert "fastpersist-trainer/" in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-6"]
+    for name in ("optimizer.pt", "scheduler.pt"):  # whatever reads them: nothing runs
+        with pytest.raises(ModuleNotFoundError, match="fastpersist: the optimizer"):
+            torch.load(tmp_path / "checkpoint-6" / name, weights_only=False)
+
+    captured = Captured()
+    train(tmp_path, seed=1, resume=str(tmp_path / "checkpoint-6"), callbacks=[captured])
+    assert captured.step == 6
+    assert_bit_equal(captured.optimizer, saved["optimizer"])
+    assert_bit_equal(captured.scheduler, saved["scheduler"])
+
+
 def test_background_failure_is_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     inject_enospc(monkeypatch, TRAINER_DIR)
     with pytest.raises(fastpersist.CheckpointError) as info:
@@ -167,7 +205,7 @@ def test_background_failure_is_raised(tmp_path: Path, monkeypatch: pytest.Monkey
 def accelerate_run(ckpt: Path, *, seed: int = 0, save_at: int | None = None,
                    resume: bool = False, async_save: bool = False) -> dict[str, Any]:
     accelerate = pytest.importorskip("accelerate")
-    from fastpersist.integrations.accelerate import register
+    from fastpersist.integrations.accelerate import OPTIMIZER_DIR, register
 
     accelerator = accelerate.Accelerator(cpu=True)
     hooks = register(accelerator, async_save=async_save)
@@ -193,7 +231,12 @@ def accelerate_run(ckpt: Path, *, seed: int = 0, save_at: int | None = None,
         opt.zero_grad()
         if not resume and step + 1 == save_at:
             accelerator.save_state(str(ckpt))
+            hooks.wait()
+            saved_opt = fastpersist.load(ckpt / OPTIMIZER_DIR)
+            assert_bit_equal(saved_opt, {"optimizers": [opt.state_dict()],
+                                         "schedulers": [sched.state_dict()]})
     hooks.remove()
+    assert "save_state" not in vars(accelerator)  # the class's own again
     return {"model": model.state_dict(), "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict()}
 
@@ -205,14 +248,52 @@ def test_accelerate_save_state_and_load_state(tmp_path: Path, async_save: bool) 
     ckpt = tmp_path / "ckpt"
     saved = accelerate_run(ckpt, save_at=3, async_save=async_save)
     assert_bit_equal(saved, expected)  # saving changed nothing
-    files = set(os.listdir(ckpt))
-    assert "fastpersist-model" in files and "model.safetensors" not in files
-    assert "optimizer.bin" in files  # accelerate's own (see the module docstring)
+    # The weights, the optimizer's and the scheduler's state through fastpersist;
+    # no torch.save file of accelerate's holds any of them.
+    assert set(os.listdir(ckpt)) == {"fastpersist-model", "fastpersist-optimizer",
+                                     "random_states_0.pkl"}
     with safe_open(str(next((ckpt / "fastpersist-model").glob("data-*.safetensors"))),
                    "pt") as f:
         assert set(f.keys()) == {"0.weight", "0.bias", "3.weight", "3.bias"}
     resumed = accelerate_run(ckpt, seed=1, save_at=3, resume=True)
     assert_bit_equal(resumed, expected)
+
+
+def test_accelerate_without_the_hooks_and_a_mismatch(tmp_path: Path) -> None:
+    """A directory accelerate saved itself loads with the hooks (its own files);
+    one whose optimizers do not match this Accelerator's is refused by name."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from fastpersist.integrations.accelerate import register
+
+    def prepared(n: int, step: bool = False) -> tuple[Any, list[Any]]:
+        acc = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opts = [torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) for _ in range(n)]
+        model, *opts = acc.prepare(model, *opts)
+        if step:
+            model(torch.ones(2, 4)).sum().backward()
+            opts[0].step()
+        return acc, opts
+
+    acc, (opt,) = prepared(1, step=True)
+    acc.save_state(str(tmp_path / "plain"))  # no hooks: accelerate's files
+    assert (tmp_path / "plain" / "optimizer.bin").is_file()
+    saved = opt.state_dict()
+    acc, (opt,) = prepared(1)
+    register(acc)
+    acc.load_state(str(tmp_path / "plain"))
+    assert_bit_equal(opt.state_dict(), saved)
+    assert acc._optimizers == [opt]  # put back after load_state
+    acc.save_state(str(tmp_path / "one"))
+    acc, _ = prepared(2)
+    register(acc)
+    with pytest.raises(fastpersist.CheckpointError, match=r"fastpersist-optimizer holds the "
+                       r"state of 1 optimizers, but this Accelerator has prepared 2"):
+        acc.load_state(str(tmp_path / "one"))
+    assert len(acc._optimizers) == 2  # put back after the failure too
 
 
 def test_example_runs() -> None:

@@ -189,26 +189,97 @@ def test_async_failure_of_the_last_save_is_raised_by_teardown(
     io.teardown()  # raised once
 
 
+@pytest.fixture
+def _lightning_loader() -> Any:
+    """Lightning's pl_load as it was, after the test (enable_load_from_checkpoint patches it)."""
+    from lightning.pytorch.core import saving
+
+    original = saving.pl_load
+    yield
+    saving.pl_load = original
+
+
 def test_values_that_need_pickle_are_refused_by_name(tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpts"
     t = trainer(1, FastPersistCheckpointIO(), [ModelCheckpoint(dirpath=ckpts)])
-    with pytest.raises(UnsupportedValueError, match=r"hyper_parameters\.extra.*Namespace"
+    with pytest.raises(UnsupportedValueError, match=r"hyper_parameters\.extra.*PosixPath"
                        r".*allow_pickle=True"):
-        t.fit(model(extra=argparse.Namespace(depth=3)), data())
+        t.fit(model(extra=Path("/data")), data())
     assert not ckpts.exists() or names(ckpts) == []  # nothing was written
 
 
+@pytest.mark.usefixtures("_lightning_loader")
 def test_allow_pickle_stores_them(tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpts"
     io = FastPersistCheckpointIO(allow_pickle=True)
     t = trainer(1, io, [ModelCheckpoint(dirpath=ckpts)])
-    t.fit(model(extra=argparse.Namespace(depth=3)), data())
+    t.fit(model(extra=Path("/data")), data())
     path = ckpts / "epoch=0-step=4.ckpt"
     with pytest.raises(fastpersist.PickleNotAllowedError):
         fastpersist.load(path)
-    assert io.load_checkpoint(path)["hyper_parameters"]["extra"] == argparse.Namespace(depth=3)
+    assert io.load_checkpoint(path)["hyper_parameters"]["extra"] == Path("/data")
     with pytest.raises(fastpersist.PickleNotAllowedError):  # as torch.load(weights_only=True)
         io.load_checkpoint(path, weights_only=True)
+    from fastpersist.integrations.lightning import enable_load_from_checkpoint
+
+    enable_load_from_checkpoint()  # load_from_checkpoint: pickle only with weights_only=False
+    with pytest.raises(fastpersist.PickleNotAllowedError):
+        Tiny.load_from_checkpoint(path)
+    assert Tiny.load_from_checkpoint(path, weights_only=False).hparams.extra == Path("/data")
+
+
+@pytest.mark.usefixtures("_lightning_loader")
+def test_namespace_hparams_are_stored_as_mappings(tmp_path: Path) -> None:
+    """A Namespace among the hyperparameters (a module taking `args`) is saved
+    without pickle and comes back a Namespace, on resume and in load_from_checkpoint."""
+    args = argparse.Namespace(depth=3, opt=argparse.Namespace(name="adamw", betas=[0.9, 0.99]))
+    ckpts = tmp_path / "ckpts"
+    io = FastPersistCheckpointIO()
+    t = trainer(1, io, [ModelCheckpoint(dirpath=ckpts)])
+    t.fit(model(extra=args), data())
+    path = ckpts / "epoch=0-step=4.ckpt"
+    raw = fastpersist.load(path)  # no pickle in it
+    assert raw["hyper_parameters"]["extra"] == {
+        "__argparse.Namespace__": {"depth": 3, "opt": {"__argparse.Namespace__": {
+            "name": "adamw", "betas": [0.9, 0.99]}}}}
+    loaded = io.load_checkpoint(path, weights_only=True)
+    assert loaded["hyper_parameters"]["extra"] == args
+    assert type(loaded["hyper_parameters"]["extra"].opt) is argparse.Namespace
+    t2 = trainer(2, FastPersistCheckpointIO(), [ModelCheckpoint(dirpath=ckpts)])
+    resumed = model(seed=1, extra=args)
+    t2.fit(resumed, data(), ckpt_path=path)
+    assert t2.global_step == 8 and resumed.hparams.extra == args
+    from fastpersist.integrations.lightning import enable_load_from_checkpoint
+
+    enable_load_from_checkpoint()
+    restored = Tiny.load_from_checkpoint(path)
+    assert restored.hparams.extra == args and type(restored.hparams.extra) is argparse.Namespace
+
+
+@pytest.mark.usefixtures("_lightning_loader")
+@pytest.mark.parametrize("save_last", [True, "link"], ids=["copy", "link"])
+def test_load_from_checkpoint(tmp_path: Path, save_last: Any) -> None:
+    """Model.load_from_checkpoint("last.ckpt"), unchanged, on a fastpersist checkpoint."""
+    from fastpersist.integrations.lightning import enable_load_from_checkpoint
+
+    enable_load_from_checkpoint()
+    enable_load_from_checkpoint()  # idempotent
+    ckpts = tmp_path / "ckpts"
+    t = trainer(2, FastPersistCheckpointIO(async_save=True),
+                [ModelCheckpoint(dirpath=ckpts, save_last=save_last)])
+    trained = model(lr=0.02)
+    t.fit(trained, data())
+    last = ckpts / "last.ckpt"
+    assert (last / "manifest.json").is_file()
+    restored = Tiny.load_from_checkpoint(str(last))
+    assert restored.hparams.lr == 0.02  # hyperparameters from the checkpoint
+    assert_bit_equal(restored.state_dict(), trained.state_dict())
+    on_cpu = Tiny.load_from_checkpoint(last, map_location="cpu", lr=0.5)
+    assert on_cpu.hparams.lr == 0.5 and next(on_cpu.parameters()).device.type == "cpu"
+    # A torch.save file still goes to Lightning's own loader.
+    torch_file = tmp_path / "torch.ckpt"
+    torch.save(fastpersist.load(last, map_location="cpu"), torch_file)
+    assert_bit_equal(Tiny.load_from_checkpoint(torch_file).state_dict(), trained.state_dict())
 
 
 def test_attribute_dicts_are_stored_as_dicts(tmp_path: Path) -> None:
@@ -289,6 +360,17 @@ def test_pytorch_lightning_package(tmp_path: Path) -> None:
     assert t.global_step == 12
     # Lightning never removes the checkpoint it resumed from.
     assert names(tmp_path) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    from pytorch_lightning.core import saving
+
+    from fastpersist.integrations.pytorch_lightning import enable_load_from_checkpoint
+
+    original = saving.pl_load
+    try:
+        enable_load_from_checkpoint()
+        restored = PtlTiny.load_from_checkpoint(tmp_path / "epoch=2-step=12.ckpt")
+    finally:
+        saving.pl_load = original
+    assert_bit_equal(restored.state_dict(), t.lightning_module.state_dict())
 
 
 def test_example_runs() -> None:

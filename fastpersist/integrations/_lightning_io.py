@@ -6,6 +6,7 @@ the class below with their framework's CheckpointIO base class.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from collections import OrderedDict
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 
 # Deeper than fastpersist stores; save() then raises, naming the key.
 _MAX_DEPTH = 100
+# An argparse.Namespace is stored as {NAMESPACE: {its attributes}}, a plain
+# mapping (no pickle), and load_checkpoint turns it back into a Namespace: a
+# LightningModule whose __init__ takes `args: Namespace` gets one again.
+NAMESPACE = "__argparse.Namespace__"
 
 
 def plain(obj: Any, safe_dicts: tuple[type[dict[Any, Any]], ...], depth: int = 0) -> Any:
@@ -32,6 +37,8 @@ def plain(obj: Any, safe_dicts: tuple[type[dict[Any, Any]], ...], depth: int = 0
     objects: tensors keep their sharing, state dicts their _metadata)."""
     if depth > _MAX_DEPTH:
         return obj
+    if type(obj) is argparse.Namespace:
+        return {NAMESPACE: plain(dict(vars(obj)), safe_dicts, depth + 1)}
     if isinstance(obj, safe_dicts):
         return {k: plain(v, safe_dicts, depth + 1) for k, v in obj.items()}
     if type(obj) in (dict, OrderedDict):
@@ -45,6 +52,32 @@ def plain(obj: Any, safe_dicts: tuple[type[dict[Any, Any]], ...], depth: int = 0
         return converted
     if type(obj) in (list, tuple):
         values = [plain(v, safe_dicts, depth + 1) for v in obj]
+        if all(a is b for a, b in zip(values, obj, strict=True)):
+            return obj
+        return values if type(obj) is list else tuple(values)
+    return obj
+
+
+def namespaces(obj: Any, depth: int = 0) -> Any:
+    """`obj` with every mapping that plain() made of an argparse.Namespace
+    turned back into one; containers with none are returned as they are."""
+    if depth > _MAX_DEPTH:
+        return obj
+    if type(obj) in (dict, OrderedDict):
+        if list(obj) == [NAMESPACE] and type(obj[NAMESPACE]) is dict:
+            inner = namespaces(obj[NAMESPACE], depth + 1)
+            if all(type(k) is str for k in inner):
+                return argparse.Namespace(**inner)
+        items = {k: namespaces(v, depth + 1) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
+        converted: dict[Any, Any] = OrderedDict(items) if type(obj) is OrderedDict else items
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            converted._metadata = meta  # type: ignore[attr-defined]
+        return converted
+    if type(obj) in (list, tuple):
+        values = [namespaces(v, depth + 1) for v in obj]
         if all(a is b for a, b in zip(values, obj, strict=True)):
             return obj
         return values if type(obj) is list else tuple(values)
@@ -70,9 +103,11 @@ class FastPersistCheckpointIOBase:
     allow_pickle=False (default): a checkpoint holds only what fastpersist
         stores without pickle (tensors, numbers, strings, None, bytes, lists,
         tuples, dicts). Lightning's AttributeDict is stored as a dict (which is
-        what Lightning itself writes for hyper_parameters); any other value
-        (an argparse.Namespace or a Path among the hyperparameters, a numpy
-        scalar in a callback's state) raises fastpersist.UnsupportedValueError
+        what Lightning itself writes for hyper_parameters), an argparse.Namespace
+        as a dict of its attributes that load_checkpoint (and
+        load_from_checkpoint) turn back into a Namespace; any other value (a
+        Path among the hyperparameters, a numpy scalar in a callback's
+        state) raises fastpersist.UnsupportedValueError
         naming its key, before anything is written. allow_pickle=True pickles
         such values; loading such a checkpoint then unpickles, which can run
         arbitrary code (load_checkpoint(weights_only=True) refuses it).
@@ -125,8 +160,9 @@ class FastPersistCheckpointIOBase:
             raise UnsupportedValueError(
                 f"Lightning checkpoint {target}: {exc}. FastPersistCheckpointIO stores "
                 "tensors, numbers, strings, None, bytes, lists, tuples and dicts (and "
-                "AttributeDict, as a dict); make the value one of those (e.g. save_hyperparameters "
-                "with plain values) or pass FastPersistCheckpointIO(allow_pickle=True)"
+                "AttributeDict and argparse.Namespace, as dicts); make the value one of those "
+                "(e.g. save_hyperparameters with plain values) or pass "
+                "FastPersistCheckpointIO(allow_pickle=True)"
             ) from exc
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
@@ -144,10 +180,9 @@ class FastPersistCheckpointIOBase:
                                                 weights_only=not allow_pickle)
             return loaded
         if callable(location):
-            raise TypeError(f"{type(self).__name__}.load_checkpoint takes a device or a dict "
-                            "from saved device to device as map_location, not a function")
-        result: dict[str, Any] = fastpersist.load(target, location, allow_pickle=allow_pickle,
-                                                  verify=self.verify)
+            location = _default_location(location, type(self).__name__)
+        result: dict[str, Any] = namespaces(fastpersist.load(
+            target, location, allow_pickle=allow_pickle, verify=self.verify))
         return result
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -188,6 +223,43 @@ class FastPersistCheckpointIOBase:
         _raise_first(mine)
 
 
+def _default_location(location: Any, who: str) -> Any:
+    """map_location for Lightning's own default function (load_from_checkpoint
+    passes it when the caller gives none): tensors back where they were saved,
+    CUDA tensors to the CPU where there is no CUDA. Other functions: TypeError."""
+    if getattr(location, "__name__", None) == "_default_map_location" and getattr(
+            location, "__module__", None) in ("lightning.pytorch.core.saving",
+                                              "pytorch_lightning.core.saving"):
+        import torch
+
+        return None if torch.cuda.is_available() else "cpu"
+    raise TypeError(f"{who}.load_checkpoint takes a device or a dict from saved device to "
+                    f"device as map_location, not a function ({location!r})")
+
+
+def install_loader(saving: Any, io_class: type[FastPersistCheckpointIOBase]) -> None:
+    """Make `saving` (lightning.pytorch.core.saving, or pytorch_lightning's)
+    read a fastpersist checkpoint directory in load_from_checkpoint: its
+    `pl_load` is wrapped; any other path, URL or file object goes to the
+    original, unchanged. Idempotent."""
+    original = saving.pl_load
+    if getattr(original, "_fastpersist", False):
+        return
+
+    def pl_load(path_or_url: Any, map_location: Any = None,
+                weights_only: bool | None = None) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and is_checkpoint(path_or_url):
+            # Pickled values only where the caller says weights_only=False, as
+            # torch.load (whose default, which Lightning passes on, is True).
+            return io_class(allow_pickle=weights_only is False).load_checkpoint(
+                path_or_url, map_location, weights_only=weights_only)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._fastpersist = True  # type: ignore[attr-defined]
+    pl_load.__wrapped__ = original  # type: ignore[attr-defined]
+    saving.pl_load = pl_load
+
+
 def _absolute(path: str | os.PathLike[str]) -> str:
     return str(checkpoint_path(path))
 
@@ -207,4 +279,4 @@ def _raise_first(futures: list[SaveFuture]) -> None:
         raise first
 
 
-__all__ = ["FastPersistCheckpointIOBase", "plain"]
+__all__ = ["NAMESPACE", "FastPersistCheckpointIOBase", "install_loader", "namespaces", "plain"]

@@ -10,10 +10,10 @@
 
 Each checkpoint is a fastpersist checkpoint directory (named as Lightning
 names the file, `.ckpt` included) that `fastpersist.load` and `fpctl` open.
-`LightningModule.load_from_checkpoint` reads torch.save files only: load the
-dict with `FastPersistCheckpointIO().load_checkpoint(path)` and call
-`model.load_state_dict(ckpt["state_dict"])`, or write a torch file with
-`fpctl restore CKPT --to model.ckpt --format torch`. See
+`LightningModule.load_from_checkpoint(path)` reads them, unchanged, once
+`enable_load_from_checkpoint()` has run in the process (it wraps the loader
+that pytorch_lightning.core.saving uses, for fastpersist checkpoint directories only;
+anything else still goes to Lightning's own). See
 FastPersistCheckpointIOBase for the options and the pickle policy.
 For the `lightning` package, use fastpersist.integrations.lightning.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.utilities.data import AttributeDict
 
-from ._lightning_io import FastPersistCheckpointIOBase
+from ._lightning_io import FastPersistCheckpointIOBase, install_loader
 
 
 class FastPersistCheckpointIO(FastPersistCheckpointIOBase, CheckpointIO):
@@ -31,4 +31,14 @@ class FastPersistCheckpointIO(FastPersistCheckpointIOBase, CheckpointIO):
     _safe_dicts = (AttributeDict,)
 
 
-__all__ = ["FastPersistCheckpointIO"]
+def enable_load_from_checkpoint() -> None:
+    """Let `LightningModule.load_from_checkpoint(path)` (and the
+    LightningDataModule's) open a fastpersist checkpoint directory, with the
+    same call; torch.save files and URLs still load as before. Once per
+    process; calling it again does nothing."""
+    from pytorch_lightning.core import saving
+
+    install_loader(saving, FastPersistCheckpointIO)
+
+
+__all__ = ["FastPersistCheckpointIO", "enable_load_from_checkpoint"]

@@ -24,7 +24,11 @@ for the bulk of it, which is written by fastpersist:
       config.json, generation_config.json, training_args.bin, trainer_state.json,
       rng_state.pth, tokenizer files        HF's own files, written by HF as before
 
-instead of model.safetensors, optimizer.pt, scheduler.pt and scaler.pt. Each
+instead of model.safetensors, optimizer.pt, scheduler.pt and scaler.pt
+(optimizer.pt and scheduler.pt are left as refusals of a few hundred bytes,
+write_refusals: a plain Trainer resuming the checkpoint would otherwise find
+no optimizer.pt and silently start the optimizer afresh; torch.load of them
+raises an error that says to resume with FastPersistTrainer). Each
 fastpersist directory appears atomically once durable. With fastpersist_async
 (default), both are snapshotted when the Trainer checkpoints and written while
 training goes on (they persist together: neither waits for the other); the next
@@ -84,6 +88,11 @@ MODEL_DIR = "fastpersist-model"
 TRAINER_DIR = "fastpersist-trainer"
 INDEX_NAME = "model.safetensors.index.json"
 TRAINING_ARGS_NAME = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME
+# transformers.trainer.OPTIMIZER_NAME and SCHEDULER_NAME: where a plain Trainer looks.
+REFUSED_NAMES = ("optimizer.pt", "scheduler.pt")
+REFUSAL = ("fastpersist: the optimizer and scheduler state of this checkpoint are in its "
+           f"{TRAINER_DIR}/ directory, which a plain transformers Trainer cannot read; resume "
+           "it with FastPersistTrainer (fastpersist.integrations.transformers)")
 
 
 def _new_saver(daemon: str | None) -> Any:
@@ -111,6 +120,28 @@ def write_index(checkpoint_dir: str | os.PathLike[str]) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, target)
     return target
+
+
+def write_refusals(checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Write checkpoint_dir/optimizer.pt and scheduler.pt as files that torch.load
+    refuses with REFUSAL in its message (with or without weights_only), so that a
+    plain Trainer resuming this checkpoint stops there instead of starting the
+    optimizer afresh without a word (it skips a missing optimizer.pt silently).
+    Each is a torch zip archive whose pickle names a global that does not exist
+    (the message): nothing in it can run, whatever loads it."""
+    import zipfile
+
+    pickle = b"\x80\x02c" + REFUSAL.encode() + b"\nrefused\n."
+    for name in REFUSED_NAMES:
+        target = os.path.join(checkpoint_dir, name)
+        tmp = os.path.join(checkpoint_dir, f".{name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
+                archive.writestr("archive/data.pkl", pickle)
+                archive.writestr("archive/version", "3\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
 
 
 class FastPersistTrainerMixin:
@@ -188,6 +219,7 @@ class FastPersistTrainerMixin:
         if t.args.should_save:
             self._fp_staged["optimizer"] = t.optimizer.state_dict()
             self._fp_staged["scheduler"] = t.lr_scheduler.state_dict()
+            write_refusals(output_dir)
 
     def _save_scaler(self, output_dir: str) -> None:
         if self._fp_staged is None:
@@ -318,4 +350,4 @@ class FastPersistTrainer(FastPersistTrainerMixin, Trainer):
     docstring."""
 
 
-__all__ = ["FastPersistTrainer", "FastPersistTrainerMixin", "write_index"]
+__all__ = ["FastPersistTrainer", "FastPersistTrainerMixin", "write_index", "write_refusals"]

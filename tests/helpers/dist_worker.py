@@ -225,6 +225,19 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
             result["latest"] = str(ckpt.latest())
             result["staging_bytes_after_close"] = ckpt.staging_bytes
             result["ok"] = True
+        elif scenario == "keep_best":
+            # Rank 0 records the metrics and keeps the best; every rank checks its metrics=.
+            state = build_state(args)
+            ckpt = fastpersist.Checkpointer(path, keep_best=1, best_metric="val_loss",
+                                            process_group=dist.group.WORLD)
+            for step, loss in enumerate([0.5, 0.1, 0.7, 0.9]):
+                ckpt.save(step, state, metrics={"val_loss": loss})
+            try:
+                ckpt.save(4, state)
+            except ValueError as exc:
+                result["missing"] = str(exc)
+            ckpt.close()
+            result.update(ok=True, steps=ckpt.steps())
         elif scenario == "tier_checkpointer":
             # Three steps with a tier; the last one's model is full_tensors().
             state = build_state(args)
