@@ -1,0 +1,88 @@
+"""torch.save's own format, for `.pt`/`.pth`/`.bin` names and file objects.
+
+Loading follows torch.load: weights_only=True (torch's allowlist of
+tensors, containers, numbers, strings, dtypes, devices, sizes) unless the
+caller passes allow_pickle=True, and map_location goes straight to
+torch.load (a device, a dict, or a callable). Saving writes with torch.save,
+after checking that what is saved needs no pickle to load back (unless
+allow_pickle=True), so that a file fastpersist wrote loads with
+weights_only=True: a value that would need pickle (an object, a numpy
+array, which torch pickles) is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import zipfile
+from typing import IO, Any
+
+import torch
+
+from ..errors import (
+    CorruptCheckpointError,
+    PickleNotAllowedError,
+    TruncatedFileError,
+    UnsupportedValueError,
+)
+from ..tensors import state
+from ..tensors.factory import MapLocation
+from .kinds import Kind
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+# torch's words for a file that ends early (zip: no central directory; the
+# legacy format: an unpickler's EOF).
+_TRUNCATED = ("central directory", "unexpected EOF", "Ran out of input", "truncated",
+              "failed reading file")
+
+
+def check_storable(obj: Any, allow_pickle: bool, where: str) -> None:
+    """UnsupportedValueError, naming the value's path, for anything in `obj`
+    that torch.load(weights_only=True) would refuse."""
+    if allow_pickle:
+        return
+    try:
+        tree, _ = state.encode(obj)  # refuses objects that need pickle, naming them
+    except UnsupportedValueError as exc:
+        raise UnsupportedValueError(f"{where}: {exc}") from None
+    for node in state.tree_nodes(tree):
+        if node.get("t") == "tensor" and "np" in node:
+            raise UnsupportedValueError(
+                f"{where}: a numpy value in the state needs pickle in a torch.save file (torch "
+                "pickles numpy arrays, and torch.load(weights_only=True) refuses them); save it "
+                "as a tensor, save to a checkpoint directory or a .safetensors name instead, "
+                "or pass allow_pickle=True")
+
+
+def save(obj: Any, out: str | IO[bytes], allow_pickle: bool, where: str) -> None:
+    """torch.save(obj, out) after check_storable."""
+    check_storable(obj, allow_pickle, where)
+    torch.save(obj, out)
+
+
+def load(src: str | IO[bytes], kind: Kind, map_location: MapLocation, allow_pickle: bool,
+         where: str) -> Any:
+    """torch.load of a torch.save file or stream, its failures as CheckpointErrors
+    that name `where`."""
+    try:
+        return torch.load(src, map_location=map_location,  # type: ignore[arg-type]
+                          weights_only=not allow_pickle)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if not allow_pickle and ("Unsupported" in text or "WeightsUnpickler" in text):
+            names = sorted(set(_GLOBAL.findall(text)))
+            holds = f"pickled objects ({', '.join(names)})" if names else "pickled objects"
+            raise PickleNotAllowedError(
+                f"{where}: {kind.value} that holds {holds}, which torch.load(weights_only=True) "
+                "refuses; unpickling can run arbitrary code, so pass allow_pickle=True only if "
+                "you trust the file") from None
+        raise _corrupt(where, kind, exc) from None
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+        raise _corrupt(where, kind, exc) from None
+
+
+def _corrupt(where: str, kind: Kind, exc: BaseException) -> CorruptCheckpointError:
+    text = str(exc).split("\n")[0][:300]
+    if isinstance(exc, EOFError) or any(t in text for t in _TRUNCATED):
+        return TruncatedFileError(f"{where}: {kind.value} that is truncated or corrupt ({text})")
+    return CorruptCheckpointError(f"{where}: {kind.value} that torch.load cannot read ({text})")
