@@ -35,10 +35,10 @@ def check_replaceable(target: Path, kind: Kind) -> None:
     prefix = read_prefix(target)
     found = kind_of(prefix)
     if found is None or found.is_torch != kind.is_torch:
-        what = found.value if found is not None else f"neither kind ({describe(prefix)})"
+        what = f"it is {found.value}" if found is not None else describe(prefix)
         raise CheckpointExistsError(
-            errno.EEXIST, f"{target} exists and is not {kind.value} (it is {what}), so it "
-            "will not be replaced; remove it or choose another name")
+            errno.EEXIST, f"{target} exists and is not a checkpoint or {kind.value} ({what}), "
+            "so it will not be replaced; remove it or choose another name")
 
 
 def replace_atomically(target: Path, kind: Kind, write: Callable[[Path], None]) -> None:

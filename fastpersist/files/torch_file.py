@@ -12,6 +12,8 @@ array, which torch pickles) is refused before anything is written.
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
 import re
 import zipfile
@@ -25,6 +27,7 @@ from ..errors import (
     TruncatedFileError,
     UnsupportedValueError,
 )
+from ..storage.commit import os_error
 from ..tensors import state
 from ..tensors.factory import MapLocation
 from .kinds import Kind
@@ -64,6 +67,8 @@ def load(src: str | IO[bytes], kind: Kind, map_location: MapLocation, allow_pick
          where: str) -> Any:
     """torch.load of a torch.save file or stream, its failures as CheckpointErrors
     that name `where`."""
+    if kind is Kind.TORCH_ZIP:
+        _check_zip_end(src, kind, where)
     try:
         return torch.load(src, map_location=map_location,  # type: ignore[arg-type]
                           weights_only=not allow_pickle)
@@ -79,6 +84,34 @@ def load(src: str | IO[bytes], kind: Kind, map_location: MapLocation, allow_pick
         raise _corrupt(where, kind, exc) from None
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
         raise _corrupt(where, kind, exc) from None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # torch's zip reader seeking past a cut end
+            raise _corrupt(where, kind, exc) from None
+        raise os_error(exc, f"cannot read {where}") from None
+
+
+# A zip archive ends with its central directory's end record: the 4 bytes
+# below, then 18 bytes and a comment of at most 65,535 bytes.
+_ZIP_END = b"PK\x05\x06"
+_ZIP_TAIL = 22 + 65535
+
+
+def _check_zip_end(src: str | IO[bytes], kind: Kind, where: str) -> None:
+    """TruncatedFileError for a zip without its end record (a file cut short,
+    which torch's reader reports as a seek error or a miniz message)."""
+    f = open(src, "rb") if isinstance(src, str) else src  # noqa: SIM115
+    try:
+        start = f.tell()
+        size = f.seek(0, os.SEEK_END) - start
+        f.seek(start + max(0, size - _ZIP_TAIL))
+        tail = f.read()
+        f.seek(start)
+    finally:
+        if isinstance(src, str):
+            f.close()
+    if _ZIP_END not in tail:
+        raise TruncatedFileError(f"{where}: {kind.value} that is truncated or corrupt (its zip "
+                                 "archive has no end record)")
 
 
 def _corrupt(where: str, kind: Kind, exc: BaseException) -> CorruptCheckpointError:
