@@ -75,7 +75,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     UnsupportedValueError unless allow_pickle=True); either is replaced
     atomically and durable on return. A name that already is a directory
     stays a checkpoint directory. An open binary file or io.BytesIO gets
-    torch.save's format, written buffered and not fsynced.
+    torch.save's format, written buffered and not fsynced. Single files are
+    written by this process (not a daemon) and take none of daemon,
+    process_group, node_local or compression (TypeError if given).
     """
     kind = save_kind(path)
     if kind is not None:

@@ -94,11 +94,17 @@ def header_of(path: Path) -> tuple[int, dict[str, Any]]:
 # -- torch.save files --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
-def test_load_reads_a_torch_save_file(tmp_path: Path, legacy: bool) -> None:
+@pytest.mark.parametrize("legacy,protocol", [(False, 2), (True, 2), (True, 5)],
+                         ids=["zip", "legacy", "legacy-protocol-5"])
+def test_load_reads_a_torch_save_file(tmp_path: Path, legacy: bool, protocol: int) -> None:
     state = trained_state()
     f = tmp_path / "model.pt"
-    torch.save(state, f, _use_new_zipfile_serialization=not legacy)
+    torch.save(state, f, _use_new_zipfile_serialization=not legacy, pickle_protocol=protocol)
+    if protocol > 2:  # torch's weights_only unpickler reads protocol 2 only
+        with pytest.warns(UserWarning), pytest.raises(PickleNotAllowedError, match="opcode"):
+            fastpersist.load(f)
+        assert same(fastpersist.load(f, allow_pickle=True), state)
+        return
     assert same(fastpersist.load(f), torch.load(f))
     assert same(fastpersist.load(f, map_location="cpu")["model"], state["model"])
 
@@ -428,6 +434,7 @@ def test_sigkill_during_a_single_file_save(big_tmp: Path, name: str) -> None:
     before = target.read_bytes()
     _kill_mid_save(target, 2)  # the old file stays whole
     assert target.read_bytes() == before
+    assert [p for p in big_tmp.iterdir() if p.name.startswith(f".{name}.fp-tmp-")]  # mid-write
     assert same(fastpersist.load(target), old)
     visible = [p.name for p in big_tmp.iterdir() if not p.name.startswith(".")]
     assert visible == [name]

@@ -14,8 +14,8 @@ from ..errors import CheckpointIOError, UnknownFileFormatError
 from ..format.safetensors_file import MAX_HEADER_BYTES
 
 # torch.save's zip format (torch >= 1.6) is a zip archive; its legacy format
-# starts with the pickled magic number 0x1950a86a20f9469cfc6c (protocol 2: a
-# PROTO opcode, then LONG1 of 10 bytes).
+# starts with the pickled magic number 0x1950a86a20f9469cfc6c (a PROTO opcode,
+# then LONG1 of 10 bytes).
 ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_MAGIC = b"\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 PREFIX_BYTES = 64  # enough of a file to tell its kind
@@ -39,7 +39,9 @@ def kind_of(prefix: bytes) -> Kind | None:
     it, or all of a shorter file), or None."""
     if prefix.startswith(ZIP_MAGIC):
         return Kind.TORCH_ZIP
-    if prefix[:1] == b"\x80" and prefix[2:2 + len(LEGACY_MAGIC)] == LEGACY_MAGIC:
+    # (protocol 4 and later put a FRAME opcode and its 8-byte length between)
+    if prefix[:1] == b"\x80" and LEGACY_MAGIC in (prefix[2:2 + len(LEGACY_MAGIC)],
+                                                  prefix[11:11 + len(LEGACY_MAGIC)]):
         return Kind.TORCH_LEGACY
     # safetensors: a u64 header length, then the header's JSON object (its
     # own writer emits no leading space; ours neither).

@@ -33,6 +33,7 @@ from ..tensors.factory import MapLocation
 from .kinds import Kind
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_OPERAND = re.compile(r"Unsupported operand (\d+)")
 # torch's words for a file that ends early (zip: no central directory; the
 # legacy format: an unpickler's EOF).
 _TRUNCATED = ("central directory", "unexpected EOF", "Ran out of input", "truncated",
@@ -76,7 +77,10 @@ def load(src: str | IO[bytes], kind: Kind, map_location: MapLocation, allow_pick
         text = str(exc)
         if not allow_pickle and ("Unsupported" in text or "WeightsUnpickler" in text):
             names = sorted(set(_GLOBAL.findall(text)))
-            holds = f"pickled objects ({', '.join(names)})" if names else "pickled objects"
+            operand = _OPERAND.search(text)
+            holds = (f"pickled objects ({', '.join(names)})" if names else
+                     f"pickle opcode {operand.group(1)} (a pickle protocol above 2)"
+                     if operand else "pickled objects")
             raise PickleNotAllowedError(
                 f"{where}: {kind.value} that holds {holds}, which torch.load(weights_only=True) "
                 "refuses; unpickling can run arbitrary code, so pass allow_pickle=True only if "
