@@ -131,6 +131,25 @@ def test_a_truncated_torch_file_is_named(tmp_path: Path, legacy: bool) -> None:
     assert str(f) in str(info.value)
 
 
+@pytest.mark.parametrize("kind", ["zip", "legacy", "safetensors"])
+def test_every_cut_of_a_file_is_an_error(tmp_path: Path, kind: str) -> None:
+    """A file cut at any byte raises a CheckpointError (truncated, corrupt, or
+    of no known kind), never another exception and never a load."""
+    state = {"w": torch.randn(40, 10), "b": torch.arange(7)}
+    full = tmp_path / ("full.safetensors" if kind == "safetensors" else "full.pt")
+    if kind == "safetensors":
+        fastpersist.save(state, full)
+    else:
+        torch.save({**state, "meta": {"x": (1, 2.5, "s")}}, full,
+                   _use_new_zipfile_serialization=kind == "zip")
+    raw = full.read_bytes()
+    cut = tmp_path / ("cut" + full.suffix)
+    for n in sorted({*range(0, 200), *range(200, len(raw), 7), len(raw) - 1}):
+        cut.write_bytes(raw[:n])
+        with pytest.raises((CorruptCheckpointError, UnknownFileFormatError)):
+            fastpersist.load(cut)
+
+
 @pytest.mark.parametrize("contents", [b"not a checkpoint, nor a model", b""])
 def test_a_file_of_no_known_kind(tmp_path: Path, contents: bytes) -> None:
     f = tmp_path / "weights.pt"
@@ -227,6 +246,19 @@ def test_save_writes_one_standard_safetensors_file(tmp_path: Path) -> None:
     assert same_tensors(fastpersist.load(f), state)
     buffer = io.BytesIO(raw)  # the same bytes through a file object
     assert same_tensors(fastpersist.load(buffer), state)
+
+
+def test_safetensors_file_bytes_are_the_same_from_either_engine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C engine (O_DIRECT where it can) and the buffered reference engine,
+    its oracle, write the same file, byte for byte."""
+    written = []
+    for engine in ("native", "python"):
+        monkeypatch.setenv("FASTPERSIST_ENGINE", engine)
+        f = tmp_path / f"{engine}.safetensors"
+        fastpersist.save(flat(), f)
+        written.append(f.read_bytes())
+    assert written[0] == written[1]
 
 
 def test_safetensors_save_takes_tied_and_strided_tensors(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import errno
 import os
 import pickle
 import re
+import struct
+import sys
 import zipfile
 from typing import IO, Any
 
@@ -75,8 +77,11 @@ def load(src: str | IO[bytes], kind: Kind, map_location: MapLocation, allow_pick
                           weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
         text = str(exc)
+        names = sorted(set(_GLOBAL.findall(text)))
+        if any(_missing(n) for n in names):  # a name cut short: a truncated file
+            raise _corrupt(where, kind, EOFError(f"it names {', '.join(names)}, which does "
+                                                 "not exist")) from None
         if not allow_pickle and ("Unsupported" in text or "WeightsUnpickler" in text):
-            names = sorted(set(_GLOBAL.findall(text)))
             operand = _OPERAND.search(text)
             holds = (f"pickled objects ({', '.join(names)})" if names else
                      f"pickle opcode {operand.group(1)} (a pickle protocol above 2)"
@@ -86,7 +91,8 @@ def load(src: str | IO[bytes], kind: Kind, map_location: MapLocation, allow_pick
                 "refuses; unpickling can run arbitrary code, so pass allow_pickle=True only if "
                 "you trust the file") from None
         raise _corrupt(where, kind, exc) from None
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, IndexError,
+            struct.error) as exc:  # (the last two: torch's unpickler at a cut end)
         raise _corrupt(where, kind, exc) from None
     except OSError as exc:
         if exc.errno == errno.EINVAL:  # torch's zip reader seeking past a cut end
@@ -116,6 +122,17 @@ def _check_zip_end(src: str | IO[bytes], kind: Kind, where: str) -> None:
     if _ZIP_END not in tail:
         raise TruncatedFileError(f"{where}: {kind.value} that is truncated or corrupt (its zip "
                                  "archive has no end record)")
+
+
+def _missing(name: str) -> bool:
+    """Whether `name` (module.attribute) is certainly not a real global: its
+    module is imported and lacks it. Modules not imported are not imported here
+    (that could run code from a name in the file)."""
+    module, _, attr = name.rpartition(".")
+    if not module or not attr:  # a GLOBAL always names both
+        return True
+    loaded = sys.modules.get(module)
+    return loaded is not None and not hasattr(loaded, attr)
 
 
 def _corrupt(where: str, kind: Kind, exc: BaseException) -> CorruptCheckpointError:
