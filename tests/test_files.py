@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import pytest
 import safetensors.torch
 import torch
 from crc32c import crc32c
+from support import Mounter
 
 import fastpersist
 from fastpersist.errors import (
@@ -34,6 +36,7 @@ from fastpersist.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    DiskFullError,
     PickleNotAllowedError,
     TruncatedFileError,
     UnknownFileFormatError,
@@ -335,6 +338,36 @@ def test_a_corrupt_safetensors_header(tmp_path: Path) -> None:
     f.write_bytes(struct.pack("<Q", len(text)) + text + bytes(raw[data_start:]))
     with pytest.raises(CorruptCheckpointError, match="'w' lies at"):
         fastpersist.load(f)
+
+
+@pytest.fixture(params=["tmpfs", "ext4"])
+def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A 16 MiB filesystem: tmpfs (which refuses O_DIRECT: the buffered
+    fallback) or ext4 on a loop device (O_DIRECT). Root only; skips without."""
+    m = Mounter([])
+    mnt = tmp_path / "mnt"
+    if request.param == "tmpfs":
+        m.tmpfs(mnt, "16m")
+    else:
+        m.ext4(mnt, tmp_path / "fs.img", 16)
+    yield mnt
+    m.unmount_all()
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_disk_full_keeps_the_old_file(small_fs: Path, name: str) -> None:
+    target = small_fs / name
+    old = {"w": torch.arange(256 * 1024, dtype=torch.float32)}  # 1 MiB: fits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # tmpfs: buffered, said once
+        fastpersist.save(old, target)
+        before = target.read_bytes()
+        with pytest.raises(DiskFullError) as info:
+            fastpersist.save({"w": torch.ones(6 << 20)}, target)  # 24 MiB: does not
+    assert str(target) in str(info.value)
+    assert target.read_bytes() == before
+    assert sorted(p.name for p in small_fs.iterdir() if p.name != "lost+found") == [name]
+    assert same(fastpersist.load(target), old)
 
 
 # -- file objects ----------------------------------------------------------------

@@ -57,7 +57,7 @@ def save_file(obj: Any, target: Any, kind: Kind, *, allow_pickle: bool,
         replace_atomically(path, kind, lambda tmp: single_safetensors.write(tensors, tmp))
     else:
         torch_file.check_storable(obj, allow_pickle, where)
-        replace_atomically(path, kind, lambda tmp: torch_file.save(obj, str(tmp), True, where))
+        replace_atomically(path, kind, lambda tmp: torch_file.write_file(obj, tmp, where))
 
 
 def load_kind(source: Any) -> Kind | None:

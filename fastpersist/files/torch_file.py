@@ -19,11 +19,13 @@ import re
 import struct
 import sys
 import zipfile
+from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from ..errors import (
+    CheckpointIOError,
     CorruptCheckpointError,
     PickleNotAllowedError,
     TruncatedFileError,
@@ -64,6 +66,22 @@ def save(obj: Any, out: str | IO[bytes], allow_pickle: bool, where: str) -> None
     """torch.save(obj, out) after check_storable."""
     check_storable(obj, allow_pickle, where)
     torch.save(obj, out)
+
+
+def write_file(obj: Any, path: Path, where: str) -> None:
+    """torch.save(obj) into a new file at `path` (checked already), through a
+    Python file object: torch's own file writer turns a failed write (a full
+    disk) into a RuntimeError without its errno, Python's file keeps the OSError."""
+    with open(path, "xb") as f:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as exc:
+            cause = exc.__cause__ or exc.__context__
+            while cause is not None and not isinstance(cause, OSError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is not None:
+                raise cause from None
+            raise CheckpointIOError(errno.EIO, f"{where}: torch.save failed: {exc}") from exc
 
 
 def load(src: str | IO[bytes], kind: Kind, map_location: MapLocation, allow_pickle: bool,
