@@ -442,6 +442,8 @@ def test_callable_map_location_on_every_kind(tmp_path: Path) -> None:
         for k, v in expected.items():
             got = loaded[k]
             assert np.array_equal(got, v) if isinstance(v, np.ndarray) else torch.equal(got, v)
+        for device in ("meta", {"cpu": "meta"}):  # a device, a dict: as before, every kind
+            assert fastpersist.load(source, map_location=device)["b"].device.type == "meta"
         # None: the saved device, as torch.load does.
         assert same(fastpersist.load(source, map_location=lambda s, loc: None)["b"],
                     expected["b"])

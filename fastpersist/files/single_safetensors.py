@@ -87,7 +87,9 @@ def write(tensors: list[StoredTensor], path: Path) -> None:
     assert len(header) == file_record.data_start  # only hex digits changed
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        os.pwrite(fd, header, 0)
+        view = memoryview(header)
+        while view:  # (a regular file takes it whole; a short write is not an error)
+            view = view[os.pwrite(fd, view, len(header) - len(view)):]
         os.fsync(fd)
     finally:
         os.close(fd)
