@@ -14,8 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import UnsupportedPathError
-from .files.dispatch import load_file, load_kind, save_file, save_kind
-from .files.kinds import is_file_object
+from .files.dispatch import is_file_source, is_file_target, load_file, save_file
 from .knobs import current as current_knobs
 from .loading.load import load_from, source_for
 from .saving import registry as pipelines
@@ -79,9 +78,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     written by this process (not a daemon) and take none of daemon,
     process_group, node_local or compression (TypeError if given).
     """
-    kind = save_kind(path)
-    if kind is not None:
-        save_file(obj, path, kind, allow_pickle=allow_pickle, options={
+    if is_file_target(path):
+        save_file(obj, path, allow_pickle=allow_pickle, options={
             "daemon": daemon, "process_group": process_group, "node_local": node_local,
             "compression": compression})
         return
@@ -153,12 +151,9 @@ def load(
     may hold either. map_location also takes torch's callable,
     (storage, location) -> storage, for every kind of source.
     """
-    if is_file_object(path) or (kind := load_kind(path)) is not None:
-        return load_file(path, None if is_file_object(path) else kind, map_location,
-                         allow_pickle=allow_pickle,
-                         verify=current_knobs().verify_load if verify is None else verify,
-                         options={"progress": progress, "like": like, "into": into,
-                                  "daemon": daemon, "tier": tier})
+    if is_file_source(path):
+        return load_file(path, map_location, allow_pickle=allow_pickle, verify=verify, options={
+            "progress": progress, "like": like, "into": into, "daemon": daemon, "tier": tier})
     return load_from(source_for(path, daemon=daemon, tier=tier), map_location,
                      allow_pickle=allow_pickle, verify=verify, progress=progress, like=like,
                      into=into)
@@ -262,7 +257,7 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     the daemon) compresses, the caller's stall is the snapshot's copy as
     without it.
     """
-    if save_kind(path) is not None:
+    if is_file_target(path):
         raise UnsupportedPathError(
             f"async_save writes checkpoint directories; {path!r} names a single file "
             "(a file object or a .pt/.pth/.bin/.safetensors name): use save() for it, or "

@@ -10,15 +10,20 @@ whatever its suffix.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
+from ..knobs import current as current_knobs
 from ..storage.local_path import checkpoint_path
 from ..tensors.factory import MapLocation, target_device
 from ..tier.url import is_tier_url
 from . import file_objects, single_safetensors, torch_file
 from .kinds import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, Kind, file_kind, is_file_object
 from .replace import replace_atomically
+
+
+def is_file_target(target: Any) -> bool:
+    """Whether save(obj, target) writes a single file (else a checkpoint directory)."""
+    return save_kind(target) is not None
 
 
 def save_kind(target: Any) -> Kind | None:
@@ -35,10 +40,11 @@ def save_kind(target: Any) -> Kind | None:
     return Kind.SAFETENSORS if suffix == SAFETENSORS_SUFFIX else Kind.TORCH_ZIP
 
 
-def save_file(obj: Any, target: Any, kind: Kind, *, allow_pickle: bool,
-              options: dict[str, Any]) -> None:
+def save_file(obj: Any, target: Any, *, allow_pickle: bool, options: dict[str, Any]) -> None:
     """save() to one file (or file object); `options`: save's other
     arguments, which a single file cannot take."""
+    kind = save_kind(target)
+    assert kind is not None, "save_file of a checkpoint directory"
     given = sorted(k for k, v in options.items() if v)
     if given:
         raise TypeError(f"{', '.join(given)}: not for a single file (a file object or a "
@@ -50,9 +56,7 @@ def save_file(obj: Any, target: Any, kind: Kind, *, allow_pickle: bool,
     path = checkpoint_path(target, "a file")
     where = str(path)
     if kind is Kind.SAFETENSORS:
-        if allow_pickle:
-            raise TypeError(f"{where}: a .safetensors file holds no pickled values; "
-                            "allow_pickle=True is for .pt names and directories")
+        # (allow_pickle permits nothing here: a safetensors file holds tensors only)
         tensors = single_safetensors.stored_tensors(obj, where)
         replace_atomically(path, kind, lambda tmp: single_safetensors.write(tensors, tmp))
     else:
@@ -60,31 +64,30 @@ def save_file(obj: Any, target: Any, kind: Kind, *, allow_pickle: bool,
         replace_atomically(path, kind, lambda tmp: torch_file.write_file(obj, tmp, where))
 
 
-def load_kind(source: Any) -> Kind | None:
-    """What load(source) reads: a file's kind, None for a checkpoint
-    directory (or an object store URL, or nothing: the directory load says
-    so). UnknownFileFormatError for a file of no known kind."""
-    if is_file_object(source) or is_tier_url(source):
-        return None
-    path = checkpoint_path(source)
-    if not path.is_file():
-        return None
-    return file_kind(path)
+def is_file_source(source: Any) -> bool:
+    """Whether load(source) reads a single file: a file object or a regular
+    file (else a checkpoint directory, an object store URL, or nothing there,
+    which the directory load reports)."""
+    if is_file_object(source):
+        return True
+    return not is_tier_url(source) and checkpoint_path(source).is_file()
 
 
-def load_file(source: Any, kind: Kind | None, map_location: MapLocation, *,
-              allow_pickle: bool, verify: bool, options: dict[str, Any]) -> Any:
-    """load() of a file or file object (kind None: a file object)."""
+def load_file(source: Any, map_location: MapLocation, *, allow_pickle: bool,
+              verify: bool | None, options: dict[str, Any]) -> Any:
+    """load() of a file or file object, by its first bytes (a regular file of
+    no known kind: UnknownFileFormatError)."""
     given = sorted(k for k, v in options.items() if v is not None)
     if given:
         raise TypeError(f"{', '.join(given)}: load of a single file (a torch.save or "
                         "safetensors file, or a file object) takes map_location, allow_pickle "
                         "and verify only")
     target_device(map_location, "cpu")  # a bad map_location fails before any I/O
+    verify = current_knobs().verify_load if verify is None else verify
     if is_file_object(source):
         return file_objects.load(source, map_location, allow_pickle, verify)
-    assert kind is not None
-    path = Path(checkpoint_path(source))
+    path = checkpoint_path(source)
+    kind = file_kind(path)
     if kind is Kind.SAFETENSORS:
         return single_safetensors.load(path, map_location, verify, str(path))
     return torch_file.load(str(path), kind, map_location, allow_pickle, str(path))
