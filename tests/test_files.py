@@ -134,6 +134,17 @@ def test_a_truncated_torch_file_is_named(tmp_path: Path, legacy: bool) -> None:
     assert str(f) in str(info.value)
 
 
+def test_a_zip_that_is_not_a_torch_file(tmp_path: Path) -> None:
+    import zipfile
+
+    f = tmp_path / "model.pt"
+    with zipfile.ZipFile(f, "w") as z:
+        z.writestr("notes.txt", "not a model")
+    with pytest.raises(CorruptCheckpointError, match=r"torch\.load cannot read") as info:
+        fastpersist.load(f)
+    assert str(f) in str(info.value)
+
+
 @pytest.mark.parametrize("kind", ["zip", "legacy", "safetensors"])
 def test_every_cut_of_a_file_is_an_error(tmp_path: Path, kind: str) -> None:
     """A file cut at any byte raises a CheckpointError (truncated, corrupt, or
