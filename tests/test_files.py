@@ -112,6 +112,15 @@ def test_load_reads_a_torch_save_file(tmp_path: Path, legacy: bool, protocol: in
     assert same(fastpersist.load(f, map_location="cpu")["model"], state["model"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_machine_lacks_is_not_called_corruption(tmp_path: Path) -> None:
+    f = tmp_path / "model.pt"
+    torch.save(flat(), f)
+    with pytest.raises(CheckpointError, match="map_location='cpu'") as info:
+        fastpersist.load(f, map_location="cuda:0")
+    assert not isinstance(info.value, CorruptCheckpointError) and str(f) in str(info.value)
+
+
 def test_a_pickle_in_a_torch_file_needs_allow_pickle(tmp_path: Path) -> None:
     f = tmp_path / "model.bin"
     torch.save({"w": torch.ones(2), "extra": Opaque(3)}, f)

@@ -25,6 +25,7 @@ from typing import IO, Any
 import torch
 
 from ..errors import (
+    CheckpointError,
     CheckpointIOError,
     CorruptCheckpointError,
     PickleNotAllowedError,
@@ -111,6 +112,11 @@ def load(src: str | IO[bytes], kind: Kind, map_location: MapLocation, allow_pick
         raise _corrupt(where, kind, exc) from None
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, IndexError,
             struct.error) as exc:  # (the last two: torch's unpickler at a cut end)
+        text = str(exc).split("\n")[0]
+        if isinstance(exc, RuntimeError) and "device" in text.lower():
+            # A place this process has no device for: the file is fine.
+            raise CheckpointError(f"{where}: cannot place its tensors ({text}); pass "
+                                  "map_location='cpu' (or another device) to load") from None
         raise _corrupt(where, kind, exc) from None
     except OSError as exc:
         if exc.errno == errno.EINVAL:  # torch's zip reader seeking past a cut end
