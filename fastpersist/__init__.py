@@ -27,6 +27,7 @@ from .errors import (
     StateMismatchError,
     TierError,
     TruncatedFileError,
+    UnknownFileFormatError,
     UnsupportedPathError,
     UnsupportedValueError,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "StateMismatchError",
     "TierError",
     "TruncatedFileError",
+    "UnknownFileFormatError",
     "UnsupportedPathError",
     "UnsupportedValueError",
     "__version__",

@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .errors import UnsupportedPathError
+from .files.dispatch import is_file_source, is_file_target, load_file, save_file
 from .knobs import current as current_knobs
 from .loading.load import load_from, source_for
 from .saving import registry as pipelines
@@ -63,7 +65,24 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     this process, each rank, or the daemon); the data files are then packed
     files (data-NNNNN.fpz), not safetensors. Loads decode them transparently,
     checking the same CRC32Cs (README "Compression").
+
+    A single file instead (docs/guides/files.md): `path` named *.safetensors
+    is written as one standard safetensors file (a flat dict of tensors; the
+    engine's direct I/O, 4 KiB-aligned data, each tensor's CRC32C in its
+    __metadata__), and *.pt, *.pth or *.bin as one torch.save file (loadable
+    by torch.load(weights_only=True): a value that would need pickle raises
+    UnsupportedValueError unless allow_pickle=True); either is replaced
+    atomically and durable on return. A name that already is a directory
+    stays a checkpoint directory. An open binary file or io.BytesIO gets
+    torch.save's format, written buffered and not fsynced. Single files are
+    written by this process (not a daemon) and take none of daemon,
+    process_group, node_local or compression (TypeError if given).
     """
+    if is_file_target(path):
+        save_file(obj, path, allow_pickle=allow_pickle, options={
+            "daemon": daemon, "process_group": process_group, "node_local": node_local,
+            "compression": compression})
+        return
     packed.check_compression(compression)
     pipeline_for(daemon, process_group, node_local).save_blocking(
         obj, path, allow_pickle=allow_pickle, compression=compression)
@@ -122,7 +141,19 @@ def load(
     Where no checkpoint is on disk at `path`, a memory-only one the daemon
     holds there (Checkpointer(memory_every=...)) is loaded, with the same
     checks and no disk behind it.
+
+    A file rather than a directory (docs/guides/files.md), told by its first
+    bytes: a torch.save file (.pt, .bin; zip or legacy format) is read by
+    torch.load with weights_only=True unless allow_pickle=True (a file that
+    holds other objects raises PickleNotAllowedError naming them); a
+    safetensors file gives the dict of its tensors, each CRC32C checked
+    where fastpersist wrote it. A file object (open binary file, io.BytesIO)
+    may hold either. map_location also takes torch's callable,
+    (storage, location) -> storage, for every kind of source.
     """
+    if is_file_source(path):
+        return load_file(path, map_location, allow_pickle=allow_pickle, verify=verify, options={
+            "progress": progress, "like": like, "into": into, "daemon": daemon, "tier": tier})
     return load_from(source_for(path, daemon=daemon, tier=tier), map_location,
                      allow_pickle=allow_pickle, verify=verify, progress=progress, like=like,
                      into=into)
@@ -226,6 +257,11 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     the daemon) compresses, the caller's stall is the snapshot's copy as
     without it.
     """
+    if is_file_target(path):
+        raise UnsupportedPathError(
+            f"async_save writes checkpoint directories; {path!r} names a single file "
+            "(a file object or a .pt/.pth/.bin/.safetensors name): use save() for it, or "
+            "a directory name")
     packed.check_compression(compression)
     return pipeline_for(daemon, process_group, node_local).save(
         obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot,

@@ -12,6 +12,11 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The path holds no committed checkpoint."""
 
 
+class UnknownFileFormatError(CheckpointNotFoundError):
+    """load() was given a file that is neither a torch.save file, a safetensors
+    file nor a checkpoint directory; the message names it and its first bytes."""
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """The target path exists and is not a checkpoint, so it will not be replaced."""
 

@@ -43,6 +43,7 @@ ROOMS = {
     "fastpersist.saving": "saving",
     "fastpersist.distributed": "distributed",
     "fastpersist.loading": "loading",
+    "fastpersist.files": "files",
     "fastpersist.daemon": "daemon",
     "fastpersist.api": "api", "fastpersist.checkpointer": "api", "fastpersist.resume": "api",
     "fastpersist.cadence": "api", "fastpersist.keep_best": "api",
@@ -74,7 +75,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "loading": _WITH_CODEC | {"tensors", "distributed", "loading"},
     # The daemon runs without torch and never plans or stages a save.
     "daemon": _WITH_CODEC | {"daemon"},
-    "api": _WITH_CODEC | {"tensors", "saving", "distributed", "loading", "api"},
+    # Single files (torch.save, one safetensors file, file objects) for api's save/load.
+    "files": _WITH_CODEC | {"tensors", "files"},
+    "api": _WITH_CODEC | {"tensors", "saving", "distributed", "loading", "files", "api"},
     # Adapters on the public API (the package's names, errors) and adapters.py, in
     # the api room: nothing below it (integration_imports_past_the_contract).
     "integrations": {"base", "api", "package", "integrations"},

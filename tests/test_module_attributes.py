@@ -14,7 +14,8 @@ PUBLIC = {
     "DaemonUnavailableError", "DiskFullError",
     "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "PostCommitError",
     "HandOff", "SaveFuture", "StateMismatchError", "TierError",
-    "TruncatedFileError", "UnsupportedPathError", "UnsupportedValueError",
+    "TruncatedFileError", "UnknownFileFormatError", "UnsupportedPathError",
+    "UnsupportedValueError",
     "__version__", "async_save", "exit_on_preemption", "hand_off", "load", "prepare_staging",
     "save",
 }

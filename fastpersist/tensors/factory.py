@@ -14,7 +14,11 @@ import torch
 from ..errors import CheckpointError, ManifestError
 from ..format import dtypes
 
-MapLocation = None | str | torch.device | Mapping[str, str]
+# torch.load's callable map_location: called with each tensor's storage as read
+# (on the CPU) and the device it was saved from ("cuda:0"); returns the storage
+# to use, or None for the saved device.
+StorageMap = Callable[[torch.UntypedStorage, str], Any]
+MapLocation = None | str | torch.device | Mapping[str, str] | StorageMap
 # What decode calls for each tensor node (a TensorFactory, or a wrapper of one).
 Factory = Callable[[dict[str, Any]], torch.Tensor]
 
@@ -28,10 +32,35 @@ def target_device(map_location: MapLocation, saved: str) -> str:
         return str(map_location)
     if isinstance(map_location, Mapping):
         return str(map_location.get(saved, saved))
+    if callable(map_location):
+        return saved  # the callable places it (TensorFactory.placed)
     raise TypeError(
-        "map_location must be None, a device (str or torch.device) or a dict mapping saved "
-        f"devices to devices, not {type(map_location).__name__}"
+        "map_location must be None, a device (str or torch.device), a dict mapping saved "
+        "devices to devices, or a callable (storage, location) -> storage, not "
+        f"{type(map_location).__name__}"
     )
+
+
+def placed(t: torch.Tensor, storage_map: StorageMap, saved: str, where: str) -> torch.Tensor:
+    """`t` (a CPU tensor as read) where torch.load's callable map_location puts
+    it: storage_map(storage, saved) returns a storage (on any device) that
+    the tensor is rebuilt on, or None for torch's default, the saved device."""
+    if t.storage_offset() or t.untyped_storage().nbytes() != t.nbytes:
+        t = t.clone()  # the callable sees exactly this tensor's bytes, as torch's does
+    try:
+        result = storage_map(t.untyped_storage(), saved)
+        if result is None:
+            return t.to(saved)
+        if isinstance(result, torch.TypedStorage):
+            result = result.untyped()  # type: ignore[no-untyped-call]
+        if not isinstance(result, torch.UntypedStorage) or result.nbytes() != t.nbytes:
+            raise TypeError(f"it returned {type(result).__name__}, not the storage it was "
+                            f"given (or a copy of it: an UntypedStorage of {t.nbytes} bytes)")
+        return torch.empty(0, dtype=t.dtype, device=result.device).set_(
+            result, 0, t.shape, t.stride())
+    except (RuntimeError, AssertionError, TypeError) as exc:
+        raise CheckpointError(f"{where}: map_location(storage, {saved!r}) failed for a "
+                              f"tensor: {exc}") from exc
 
 
 class TensorFactory:
@@ -48,6 +77,8 @@ class TensorFactory:
         self.moved: dict[tuple[int, str], torch.Tensor] = {}
         self.made: dict[Any, torch.Tensor] = {}
         self._plain_device = target_device(map_location, "cpu")  # of a {"t", "e"} node
+        self._storage_map = None if map_location is None or isinstance(
+            map_location, (str, torch.device, Mapping)) else map_location
 
     def _plain(self, index: Any) -> torch.Tensor:
         """The tensor of a node that is only {"t": "tensor", "e": index}."""
@@ -55,7 +86,7 @@ class TensorFactory:
             raise ManifestError(f"{self.where}: tensor node refers to entry {index!r}")
         device = self._plain_device
         entry = self.entries[index]
-        if device == "cpu" == entry.device.type:
+        if device == "cpu" == entry.device.type and self._storage_map is None:
             # The entry itself, as __call__ would give it (.to of a CPU tensor to the
             # CPU is the tensor): the same object for every node of this entry.
             return entry
@@ -65,11 +96,14 @@ class TensorFactory:
             t = self.made[key] = self._entry_on(index, device, viewed=False)
         return t
 
-    def _entry_on(self, index: int, device: str, viewed: bool) -> torch.Tensor:
-        key = (index, device)
+    def _entry_on(self, index: int, device: str, viewed: bool,
+                  mapped: bool = True) -> torch.Tensor:
+        storage_map = self._storage_map if mapped else None
+        key = (index, device if storage_map is None else "map:" + device)
         if key not in self.moved:
             try:
-                t = self.entries[index].to(device)
+                t = (self.entries[index].to(device) if storage_map is None else
+                     placed(self.entries[index], storage_map, device, self.where))
             except (RuntimeError, AssertionError) as exc:
                 raise CheckpointError(
                     f"{self.where}: cannot place a tensor on {device!r} ({exc}); pass "
@@ -98,7 +132,7 @@ class TensorFactory:
         key = (index, device, repr(view), node.get("param"), node.get("grad"))
         if key in self.made:
             return self.made[key]
-        base = self._entry_on(index, device, viewed=view is not None)
+        base = self._entry_on(index, device, viewed=view is not None, mapped="np" not in node)
         t = base if view is None else self._view(base, view)
         try:
             if node.get("param"):
