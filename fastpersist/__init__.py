@@ -25,6 +25,8 @@ from .errors import (
     PickleNotAllowedError,
     PostCommitError,
     StateMismatchError,
+    TensorIndexError,
+    TensorNotFoundError,
     TierError,
     TruncatedFileError,
     UnsupportedPathError,
@@ -32,7 +34,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .api import async_save, load, prepare_staging, save
+    from .api import async_save, load, open, prepare_staging, save
     from .checkpointer import Checkpointer
     from .saving.futures import SaveFuture
     from .saving.preemption import HandOff, exit_on_preemption, hand_off
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 # torch (format, engine, commit) import without it.
 _LAZY = {
     "load": ".api",
+    "open": ".api",
     "save": ".api",
     "async_save": ".api",
     "prepare_staging": ".api",
@@ -88,6 +91,8 @@ __all__ = [
     "PostCommitError",
     "SaveFuture",
     "StateMismatchError",
+    "TensorIndexError",
+    "TensorNotFoundError",
     "TierError",
     "TruncatedFileError",
     "UnsupportedPathError",
@@ -97,6 +102,7 @@ __all__ = [
     "exit_on_preemption",
     "hand_off",
     "load",
+    "open",
     "prepare_staging",
     "save",
 ]

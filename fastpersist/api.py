@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .knobs import current as current_knobs
+from .loading.handle import open as open  # fastpersist.open: partial and lazy reads
 from .loading.load import load_from, source_for
 from .saving import registry as pipelines
 from .saving.futures import SaveFuture

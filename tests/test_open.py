@@ -1,0 +1,336 @@
+"""fastpersist.open: one tensor, or rows of one, read without the rest of the
+checkpoint; from a directory, the object store (moto), the daemon's memory
+(a real fastpersistd) and a distributed checkpoint's chunks. What is read is
+counted at the engine (a local directory) or at the S3 client's ranged GETs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from daemon_support import Daemon
+from hostile_support import distributed_checkpoint, grid
+from support import flip_bit
+
+import fastpersist
+from fastpersist.engine import get_engine
+from fastpersist.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    TensorIndexError,
+    TensorNotFoundError,
+)
+from fastpersist.format.manifest import Manifest
+from fastpersist.loading.handle import CheckpointHandle, TensorInfo
+from fastpersist.tensors.checkpoint import read_manifest
+from fastpersist.tensors.source import LocalSource
+
+Reads = list[tuple[str, int, int]]  # (file name, offset, length)
+
+
+class CountingEngine:
+    """The engine, recording every (file, offset, length) it reads."""
+
+    def __init__(self, reads: Reads) -> None:
+        self._engine, self.reads = get_engine(), reads
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def read_file(self, path: str, segments: Any, **kwargs: Any) -> Any:
+        for seg in segments:
+            n = seg[2] if seg[0] is None else memoryview(seg[0]).nbytes
+            self.reads.append((Path(path).name, seg[1], n))
+        return self._engine.read_file(path, segments, **kwargs)
+
+
+def counted(ckpt: Path, **kwargs: Any) -> tuple[CheckpointHandle, Reads]:
+    reads: Reads = []
+    return CheckpointHandle(LocalSource(ckpt, engine=CountingEngine(reads)), **kwargs), reads
+
+
+def data_bytes(reads: Reads, manifest: Manifest) -> int:
+    """The bytes read past the files' headers (the data sections)."""
+    start = {f.name: f.data_start for f in manifest.files}
+    return sum(max(0, off + n - max(off, start[name])) for name, off, n in reads)
+
+
+def touched(reads: Reads, manifest: Manifest) -> set[str]:
+    """The records any read overlapped."""
+    return {r.name for r in manifest.tensors for name, off, n in reads
+            if name == r.file and off < r.offset + r.stored_span and r.offset < off + n}
+
+
+def trained_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    g = torch.Generator().manual_seed(1)
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": 5,
+            "emb": torch.randn(1000, 16, generator=g), "tag": "run-1"}
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    state = trained_state()
+    fastpersist.save(state, tmp_path / "c")
+    return tmp_path / "c", state
+
+
+def test_keys_metadata_and_every_tensor(saved: tuple[Path, dict[str, Any]]) -> None:
+    ckpt, state = saved
+    with fastpersist.open(ckpt) as h:
+        assert h.keys() == [
+            "model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias",
+            *[f"optim.state.{i}.{k}" for i in range(4) for k in ("step", "exp_avg",
+                                                                  "exp_avg_sq")],
+            "emb"]
+        meta = h.metadata()
+        assert meta["step"] == 5 and meta["tag"] == "run-1"
+        assert meta["optim"]["param_groups"] == state["optim"]["param_groups"]
+        assert meta["emb"] == TensorInfo("emb", torch.float32, (1000, 16))
+        assert meta["optim"]["state"][2]["exp_avg"].name == "optim.state.2.exp_avg"
+        loaded = fastpersist.load(ckpt)
+        for name in h:
+            parts = name.split(".")
+            expected = loaded
+            for p in parts if parts[0] != "model" else ["model", ".".join(parts[1:])]:
+                expected = expected[int(p) if p.isdigit() and parts[0] == "optim" else p]
+            assert torch.equal(h.get_tensor(name), expected), name
+    with pytest.raises(CheckpointError, match="closed"):
+        h.get_tensor("emb")
+
+
+def test_get_tensor_reads_only_that_tensor(saved: tuple[Path, dict[str, Any]]) -> None:
+    ckpt, state = saved
+    manifest = read_manifest(ckpt)
+    h, reads = counted(ckpt)
+    w = h.get_tensor("model.0.weight")
+    assert torch.equal(w, state["model"]["0.weight"])
+    assert touched(reads, manifest) == {r.name for r in manifest.tensors if r.name.endswith(
+        "model.0.weight")} and data_bytes(reads, manifest) == w.nbytes
+
+
+def test_slices_match_torch_indexing(saved: tuple[Path, dict[str, Any]]) -> None:
+    ckpt, state = saved
+    emb = state["emb"]
+    for verify in (True, False):
+        with fastpersist.open(ckpt, verify=verify) as h:
+            s = h.get_slice("emb")
+            assert s.get_shape() == [1000, 16] and s.dtype == torch.float32
+            for index in (slice(10, 20), 7, -1, slice(None, None, 333), (slice(5, 9), 3),
+                          (..., slice(2, 4)), (slice(990, None), ...), slice(500, 500),
+                          (3, slice(1, 16, 5)), ...):
+                assert torch.equal(s[index], emb[index]), index
+            assert torch.equal(h.get_slice("optim.state.0.step")[...],
+                               state["optim"]["state"][0]["step"])
+
+
+def test_a_raw_slice_reads_its_record_when_verified_and_only_its_rows_when_not(
+        saved: tuple[Path, dict[str, Any]]) -> None:
+    """A raw record has one CRC32C: verifying a slice needs all of it."""
+    ckpt, state = saved
+    manifest = read_manifest(ckpt)
+    (emb,) = [r for r in manifest.tensors if r.name.endswith("emb")]
+    h, reads = counted(ckpt)
+    assert torch.equal(h.get_slice("emb")[100:110], state["emb"][100:110])
+    assert touched(reads, manifest) == {emb.name} and data_bytes(reads, manifest) == emb.length
+    h, reads = counted(ckpt, verify=False)
+    assert torch.equal(h.get_slice("emb")[100:110], state["emb"][100:110])
+    assert reads == [(emb.file, emb.offset + 100 * 64, 10 * 64)]
+
+
+def test_a_compressed_slice_reads_and_checks_only_its_frames(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTPERSIST_FRAME_BYTES", str(4096))
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(256, 64, generator=g)  # 64 KiB: 16 frames of 16 rows
+    other = torch.randn(4096, generator=g)
+    fastpersist.save({"big": big, "other": other}, tmp_path / "c", compression="zstd")
+    manifest = read_manifest(tmp_path / "c")
+    (rec,) = [r for r in manifest.tensors if r.name.endswith("big")]
+    assert rec.frames is not None and len(rec.frames) == 16
+    h, reads = counted(tmp_path / "c")
+    assert torch.equal(h.get_slice("big")[40:50, 3], big[40:50, 3])  # rows in frames 2 and 3
+    frames = rec.frames[2:4]
+    assert reads == [(rec.file, rec.offset + frames[0].stored_offset,
+                      sum(f.stored_length for f in frames))]
+    # A bit flipped in frame 10: a slice over it names the file and tensor; other
+    # rows are still read (each frame has its CRC32C); the whole tensor fails.
+    flip_bit(tmp_path / "c" / rec.file, rec.offset + rec.frames[10].stored_offset + 5)
+    with fastpersist.open(tmp_path / "c") as h:
+        with pytest.raises(ChecksumMismatchError, match="big") as info:
+            h.get_slice("big")[160:161]
+        assert info.value.file == rec.file and info.value.tensor == rec.name
+        assert torch.equal(h.get_slice("big")[:160], big[:160])
+        with pytest.raises(ChecksumMismatchError):
+            h.get_tensor("big")
+        assert torch.equal(h.get_tensor("other"), other)
+
+
+def test_a_corrupt_raw_record_fails_any_verified_slice_of_it(
+        saved: tuple[Path, dict[str, Any]]) -> None:
+    ckpt, state = saved
+    manifest = read_manifest(ckpt)
+    (emb,) = [r for r in manifest.tensors if r.name.endswith("emb")]
+    flip_bit(ckpt / emb.file, emb.offset + 900 * 64)  # row 900
+    with fastpersist.open(ckpt) as h:
+        with pytest.raises(ChecksumMismatchError) as info:
+            h.get_slice("emb")[:10]
+        assert info.value.file == emb.file and info.value.tensor == emb.name
+        assert str(ckpt) in str(info.value) and emb.file in str(info.value)
+        assert torch.equal(h.get_tensor("model.1.bias"), state["model"]["1.bias"])
+    with fastpersist.open(ckpt, verify=False) as h:  # unchecked: only the rows asked for
+        assert torch.equal(h.get_slice("emb")[:10], state["emb"][:10])
+
+
+def test_bad_names_and_indices_fail_before_any_read(saved: tuple[Path, dict[str, Any]]
+                                                    ) -> None:
+    ckpt, _ = saved
+    h, reads = counted(ckpt)
+    with pytest.raises(TensorNotFoundError, match=r"'model\.0\.wieght'.*'model\.0\.weight'"
+                       ) as info:
+        h.get_tensor("model.0.wieght")
+    assert isinstance(info.value, KeyError) and str(ckpt) in str(info.value)
+    with pytest.raises(KeyError):
+        h.get_slice("nope")
+    s = h.get_slice("emb")
+    for index, what in [(slice(990, 1010), r"slice 990:1010 is out of range for dimension 0 "
+                                           r"\(size 1000\)"),
+                        (1000, r"index 1000 is out of range for dimension 0"),
+                        (-1001, "index -1001"),
+                        ((0, 16), r"index 16 is out of range for dimension 1 \(size 16\)"),
+                        ((0, 0, 0), "3 indices for 2 dimensions"),
+                        (slice(None, None, -1), "slice step -1 along dimension 0: only positive"),
+                        ((..., ...), r"an index can have only one `\.\.\.`")]:
+        with pytest.raises(TensorIndexError, match=f"^{re.escape(str(ckpt))}: "
+                           r"tensor 'emb' of shape \[1000, 16\]: " + what):
+            s[index]
+    with pytest.raises(IndexError):
+        s[2000]
+    with pytest.raises(TypeError, match="not str"):
+        s["a"]
+    assert reads == []
+
+
+def test_map_location_and_parameters(tmp_path: Path) -> None:
+    p = torch.nn.Parameter(torch.arange(12.0).reshape(4, 3))
+    fastpersist.save({"p": p, "v": p.detach()[1:3]}, tmp_path / "c")
+    with fastpersist.open(tmp_path / "c", map_location="meta") as h:
+        t = h.get_tensor("p")
+        assert isinstance(t, torch.nn.Parameter) and t.device.type == "meta"
+        assert h.get_slice("v")[0].device.type == "meta"
+    with fastpersist.open(tmp_path / "c") as h:
+        assert torch.equal(h.get_tensor("v"), p.detach()[1:3])  # a view, read whole and cut
+        assert torch.equal(h.get_slice("v")[1], p.detach()[2])
+        assert "p" in h and list(h) == ["p", "v"]
+
+
+def test_a_distributed_checkpoint_reads_only_the_chunks_over_the_rows(tmp_path: Path) -> None:
+    """A schema-2 manifest as a job's rank 0 writes it (hostile_support.py):
+    `w` stored as a 4x2 grid of chunks, rows 0-1, 2-4, 5-6, 7-9."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(10, 6, generator=g)
+    expected = distributed_checkpoint(tmp_path / "c", {
+        "w": (w, grid((10, 6), [[2, 5, 7], [3]])),
+        "b": (torch.arange(5.0), grid((5,), [[2]]))}, values={"step": 3})
+    manifest = read_manifest(tmp_path / "c")
+    h, reads = counted(tmp_path / "c")
+    assert h.keys() == ["w", "b"] and h.metadata()["step"] == 3
+    assert torch.equal(h.get_tensor("w"), expected["w"])
+    assert touched(reads, manifest) == {r.name for r in manifest.tensors
+                                        if r.name.startswith("w@")}
+    reads.clear()
+    assert torch.equal(h.get_slice("w")[3:6, 4], w[3:6, 4])
+    assert touched(reads, manifest) == {"w@2,0", "w@2,3", "w@5,0", "w@5,3"}
+    with pytest.raises(TensorIndexError, match=r"tensor 'w' of shape \[10, 6\]"):
+        h.get_slice("w")[8:11]
+
+
+# -- the object store and the daemon's memory -----------------------------------------
+
+
+@pytest.fixture
+def ranged_gets(monkeypatch: pytest.MonkeyPatch) -> Reads:
+    """Every ranged GET the tier's client sends: (object name, offset, length)."""
+    from fastpersist.tier.client import S3
+
+    gets: Reads = []
+    original = S3.read_range
+
+    def read_range(self: S3, url: Any, name: str, offset: int, length: int, fn: Any) -> Any:
+        gets.append((name, offset, length))
+        return original(self, url, name, offset, length, fn)
+
+    monkeypatch.setattr(S3, "read_range", read_range)
+    return gets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_from_the_object_store(s3: Any, tmp_path: Path, ranged_gets: Reads,
+                               monkeypatch: pytest.MonkeyPatch, compression: str) -> None:
+    monkeypatch.setenv("FASTPERSIST_FRAME_BYTES", str(4096))
+    state = trained_state()
+    ckpt = fastpersist.Checkpointer(tmp_path / "run", tier=s3.url, tier_compression=compression)
+    ckpt.save(7, state)
+    ckpt.close()  # waits for the upload
+    url = f"{s3.url}/step-00000007"
+    ranged_gets.clear()
+    with fastpersist.open(url) as h:
+        assert h.metadata()["step"] == 5
+        assert torch.equal(h.get_tensor("model.1.weight"), state["model"]["1.weight"])
+        assert torch.equal(h.get_slice("emb")[500:520], state["emb"][500:520])
+    from fastpersist.tier.client import client_for
+    from fastpersist.tier.remote import read_manifest as remote_manifest
+    from fastpersist.tier.url import TierURL
+
+    stored = remote_manifest(client_for(None), TierURL.parse(url))[0]
+    data = [(n, o, ln) for n, o, ln in ranged_gets
+            if o >= {f.name: f.data_start for f in stored.files}.get(n, 1 << 62)]
+    assert touched(data, stored) <= {r.name for r in stored.tensors
+                                     if r.name.endswith(("model.1.weight", "emb"))}
+    emb = next(r for r in stored.tensors if r.name.endswith("emb"))
+    emb_bytes = sum(ln for n, o, ln in data if n == emb.file and emb.offset <= o
+                    < emb.offset + emb.stored_span)
+    if emb.frames is not None:  # only the frames over rows 500..520 (64 rows a frame)
+        assert emb_bytes == emb.frames[7].stored_length + emb.frames[8].stored_length
+    else:  # verified: the raw record whole
+        assert emb_bytes == emb.length
+
+
+@pytest.fixture
+def memory_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
+    d = Daemon(tmp_path, "--memory-tier-count", "2", "--memory-tier-bytes", "64M").start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    try:
+        yield d
+    finally:
+        from fastpersist.saving.registry import close_shared
+
+        close_shared(abort=True)
+        d.cleanup()
+
+
+@pytest.mark.slow
+def test_from_the_daemons_memory(memory_daemon: Daemon) -> None:
+    """The data files are removed: only the daemon's copy holds the tensors."""
+    ckpt = memory_daemon.root / "step-1"
+    state = trained_state()
+    fastpersist.save(state, ckpt, daemon=memory_daemon.address)
+    for f in ckpt.glob("data-*"):
+        f.unlink()
+    with fastpersist.open(ckpt, daemon=memory_daemon.address) as h:
+        assert torch.equal(h.get_tensor("optim.state.3.exp_avg"),
+                           state["optim"]["state"][3]["exp_avg"])
+        assert torch.equal(h.get_slice("emb")[3:5], state["emb"][3:5])
+    with fastpersist.open(ckpt, daemon=memory_daemon.address, verify=False) as h:
+        assert torch.equal(h.get_slice("emb")[-2:], state["emb"][-2:])
+    with fastpersist.open(ckpt, daemon="") as h, pytest.raises(CheckpointError, match="data"):
+        h.get_tensor("emb")
