@@ -105,7 +105,10 @@ def load(
     straight into, as is a GPU tensor on the device a load streams to
     (into.py); StateMismatchError, before anything is read, if a shape
     differs or `into` has a tensor the checkpoint does not. If the load
-    raises, those tensors may hold part of the checkpoint's values.
+    raises, those tensors may hold part of the checkpoint's values. Only the
+    part of the checkpoint that `into` (or `like`) names is read and
+    returned: into={"model": ...} leaves the optimizer's tensors unread
+    and out of the result (plain values stay; tensors/into.py says exactly).
 
     With a daemon (`daemon="unix:///PATH"` or FASTPERSIST_DAEMON; "": none),
     a checkpoint that the daemon on this node committed and still holds in

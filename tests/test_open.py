@@ -26,6 +26,7 @@ from fastpersist.errors import (
 )
 from fastpersist.format.manifest import Manifest
 from fastpersist.loading.handle import CheckpointHandle, TensorInfo
+from fastpersist.loading.load import load_from
 from fastpersist.tensors.checkpoint import read_manifest
 from fastpersist.tensors.source import LocalSource
 
@@ -232,6 +233,24 @@ def test_map_location_and_parameters(tmp_path: Path) -> None:
         assert "p" in h and list(h) == ["p", "v"]
 
 
+def test_numpy_values_a_bare_tensor_and_odd_keys(tmp_path: Path) -> None:
+    import numpy as np
+
+    arr = np.arange(6, dtype=np.int32).reshape(2, 3)
+    fastpersist.save({"np": arr, 3: [torch.ones(2), {"x": torch.zeros(1)}]}, tmp_path / "a")
+    with fastpersist.open(tmp_path / "a") as h:
+        assert h.keys() == ["np", "3.0", "3.1.x"]
+        meta = h.metadata()
+        assert meta["np"] == TensorInfo("np", torch.int32, (2, 3))
+        assert meta[3][1]["x"].name == "3.1.x"
+        assert torch.equal(h.get_tensor("np"), torch.from_numpy(arr))
+        assert torch.equal(h.get_slice("np")[1], torch.from_numpy(arr[1]))
+    fastpersist.save(torch.arange(5), tmp_path / "b")
+    with fastpersist.open(tmp_path / "b") as h:
+        assert h.keys() == ["<root>"] and torch.equal(h.get_slice("<root>")[1:3],
+                                                       torch.arange(1, 3))
+
+
 def test_a_distributed_checkpoint_reads_only_the_chunks_over_the_rows(tmp_path: Path) -> None:
     """A schema-2 manifest as a job's rank 0 writes it (hostile_support.py):
     `w` stored as a 4x2 grid of chunks, rows 0-1, 2-4, 5-6, 7-9."""
@@ -251,6 +270,20 @@ def test_a_distributed_checkpoint_reads_only_the_chunks_over_the_rows(tmp_path: 
     assert touched(reads, manifest) == {"w@2,0", "w@2,3", "w@5,0", "w@5,3"}
     with pytest.raises(TensorIndexError, match=r"tensor 'w' of shape \[10, 6\]"):
         h.get_slice("w")[8:11]
+
+
+def test_into_of_a_distributed_checkpoint_reads_only_the_globals_it_names(tmp_path: Path
+                                                                         ) -> None:
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(10, 6, generator=g), torch.randn(7, generator=g)
+    distributed_checkpoint(tmp_path / "c", {"w": (w, grid((10, 6), [[4]])),
+                                            "b": (b, grid((7,), [[3]]))}, values={"step": 3})
+    manifest = read_manifest(tmp_path / "c")
+    reads: Reads = []
+    into = {"b": torch.zeros(7)}
+    loaded = load_from(LocalSource(tmp_path / "c", engine=CountingEngine(reads)), into=into)
+    assert loaded == {"b": into["b"], "step": 3} and torch.equal(into["b"], b)
+    assert touched(reads, manifest) == {"b@0", "b@3"}
 
 
 # -- the object store and the daemon's memory -----------------------------------------

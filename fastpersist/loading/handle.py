@@ -5,7 +5,8 @@ Names are the dotted paths into the saved tree, as str(key) for a dict key
 and the position for a list or tuple item: {"model": {"fc.weight": w}} has
 "model.fc.weight", an optimizer's state "optim.state.0.exp_avg" (the root
 tensor of a bare saved tensor is "<root>"). Tied tensors are listed under
-each of their paths.
+each of their paths. A numpy array saved in the state is read as the
+tensor it is stored as.
 
 What a read costs, by how the tensor is stored (manifest: one CRC32C per
 raw record, one per frame of a compressed one, a global tensor stored as
@@ -43,7 +44,7 @@ from ..format.manifest import Manifest
 from ..format.tree import key_text
 from ..knobs import current as current_knobs
 from ..tensors import state
-from ..tensors.factory import MapLocation, TensorFactory, target_device
+from ..tensors.factory import MapLocation, SomeEntries, TensorFactory, target_device
 from ..tensors.plan import memory_of
 from ..tensors.source import Source
 from . import slicing
@@ -68,7 +69,8 @@ def open(path: str | os.PathLike[str], map_location: MapLocation = None, *,
     get_slice(name)[...], metadata(). Reads the manifest only; each call reads
     the bytes it asks for (the module's docstring says which), verified
     unless verify=False (default: FASTPERSIST_VERIFY_LOAD). map_location,
-    daemon and tier are load's. Use it as a context manager, or close()."""
+    daemon and tier are load's; metadata() unpickles a pickled value only
+    with allow_pickle=True. Use it as a context manager, or close()."""
     target_device(map_location, "cpu")  # a bad map_location fails before any I/O
     return CheckpointHandle(source_for(path, daemon=daemon, tier=tier), map_location,
                             verify=current_knobs().verify_load if verify is None else verify,
@@ -120,26 +122,23 @@ class CheckpointHandle:
         """The saved object without its tensors: each one a TensorInfo.
         Nothing but the manifest is read."""
         where = self._open().where
-        by_node = {id(node): name for name, node in self._nodes.items()}
-        made: dict[tuple[int, str], TensorInfo] = {}
+        names = {id(node): name for name, node in self._nodes.items()}
 
-        def placeholder(node: dict[str, Any]) -> Any:
-            name = by_node.get(id(node), "")
-            if (id(node), name) not in made:
-                dtype, shape = self._dtype_shape(node)
-                made[id(node), name] = TensorInfo(name, dtypes.from_name(dtype), shape)
-            return made[id(node), name]
+        def info(node: dict[str, Any]) -> Any:
+            dtype, shape = self._dtype_shape(node)
+            return TensorInfo(node["name"], dtypes.from_name(dtype), shape)
 
-        return state.decode(self._manifest.tree, placeholder, allow_pickle=self._allow_pickle,
-                            where=where)
+        return state.decode(_named(self._manifest.tree, names), info,
+                            allow_pickle=self._allow_pickle, where=where)
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Tensor `name`, as load would return it there (its device, or
         map_location's; a parameter where it was one); reads only its bytes."""
         node = self._node(name)
         e = node["e"]
-        entries = _Entries(len(self._entry_count()), e, self._read_entry(e, None))
-        return TensorFactory(entries, self._map_location, self.where)(node)  # type: ignore[arg-type]
+        entries = SomeEntries(len(self._entry_count()), {e: self._read_entry(e, None)},
+                              self.where)
+        return TensorFactory(entries, self._map_location, self.where)(node)
 
     def get_slice(self, name: str) -> TensorSlice:
         """A slice of tensor `name`: index it (get_slice(name)[2:5]) to read
@@ -211,8 +210,9 @@ class CheckpointHandle:
     def _read_rows(self, node: dict[str, Any], cut: slicing.Cut) -> torch.Tensor:
         e = node["e"]
         if "view" in node or cut.rows is None:  # a view's rows are not its entry's
-            entries = _Entries(len(self._entry_count()), e, self._read_entry(e, None))
-            whole = TensorFactory(entries, "cpu", self.where)(  # type: ignore[arg-type]
+            entries = SomeEntries(len(self._entry_count()), {e: self._read_entry(e, None)},
+                                  self.where)
+            whole = TensorFactory(entries, "cpu", self.where)(
                 {k: v for k, v in node.items() if k not in ("param", "grad", "device")})
             return whole[cut.rest] if cut.rows is None else whole[
                 cut.rows[0]:cut.rows[1]][cut.rest]
@@ -247,21 +247,6 @@ class TensorSlice:
         return t if device == "cpu" else t.to(device)
 
 
-class _Entries:
-    """The entries list a TensorFactory indexes, holding only entry `e`."""
-
-    def __init__(self, n: int, e: int, tensor: torch.Tensor) -> None:
-        self._n, self._e, self._tensor = n, e, tensor
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if i != self._e:
-            raise CheckpointError(f"entry {i} was not read")
-        return self._tensor
-
-
 def _only(m: Manifest, e: int) -> Manifest:
     """The manifest cut to record e (and its file)."""
     r = m.tensors[e]
@@ -290,6 +275,21 @@ def _tensor_nodes(tree: Any) -> Iterator[tuple[str, dict[str, Any]]]:
             stack += reversed(items)
         elif tag in ("list", "tuple"):
             stack += reversed([(v, _join(path, i)) for i, v in enumerate(node["v"])])
+
+
+def _named(node: Any, names: dict[int, str]) -> Any:
+    """The tree with each tensor node replaced by one that carries its name
+    (and no numpy mark: metadata shows a TensorInfo for a numpy value too)."""
+    if isinstance(node, list):
+        return [_named(v, names) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("t") == "tensor":
+        named = {"t": "tensor", "e": node["e"], "name": names.get(id(node), "")}
+        if "view" in node:
+            named["view"] = node["view"]
+        return named
+    return {k: _named(v, names) for k, v in node.items()}
 
 
 def _join(parent: str, key: object) -> str:
