@@ -270,6 +270,14 @@ def test_a_distributed_checkpoint_reads_only_the_chunks_over_the_rows(tmp_path: 
     assert touched(reads, manifest) == {"w@2,0", "w@2,3", "w@5,0", "w@5,3"}
     with pytest.raises(TensorIndexError, match=r"tensor 'w' of shape \[10, 6\]"):
         h.get_slice("w")[8:11]
+    # A bit flipped in chunk w@7,3: only a read over its rows finds it, and names it.
+    (bad,) = [r for r in manifest.tensors if r.name == "w@7,3"]
+    flip_bit(tmp_path / "c" / bad.file, bad.offset + 3)
+    with fastpersist.open(tmp_path / "c") as h:
+        assert torch.equal(h.get_slice("w")[:7], w[:7])
+        with pytest.raises(ChecksumMismatchError) as info:
+            h.get_slice("w")[9]
+        assert info.value.file == bad.file and info.value.tensor == "w@7,3"
 
 
 def test_into_of_a_distributed_checkpoint_reads_only_the_globals_it_names(tmp_path: Path
