@@ -294,6 +294,28 @@ def test_into_of_a_distributed_checkpoint_reads_only_the_globals_it_names(tmp_pa
     assert touched(reads, manifest) == {"b@0", "b@3"}
 
 
+@pytest.mark.slow
+def test_a_checkpoint_two_ranks_saved_with_dtensors(tmp_path: Path) -> None:
+    """Real ranks (gloo): tp.rows is saved row-sharded over 2 ranks, tp.cols
+    column-sharded; a slice of rows reads only the chunk that holds them."""
+    from dist_support import ok, run_job, worker_module
+
+    ckpt = tmp_path / "ckpt"
+    ok(run_job(tmp_path, "save", ["n0", "n0"], {"path": str(ckpt), "dp": 1, "tp": 2}))
+    manifest = read_manifest(ckpt)
+    assert manifest.globals is not None
+    full = worker_module().sharded_tensors()
+    h, reads = counted(ckpt)
+    assert {"tp.rows", "tp.cols", "model.embed", "model.tied"} <= set(h.keys())
+    assert torch.equal(h.get_tensor("tp.cols"), full["cols"])
+    (rows,) = [g for g in manifest.globals if g.name == "tp.rows"]
+    assert len(rows.chunks) == 2
+    reads.clear()
+    assert torch.equal(h.get_slice("tp.rows")[40:45, :5], full["rows"][40:45, :5])
+    (second,) = [c for c in rows.chunks if c.offsets[0] == 32]
+    assert touched(reads, manifest) == {manifest.tensors[second.tensor].name}
+
+
 # -- the object store and the daemon's memory -----------------------------------------
 
 
