@@ -292,6 +292,21 @@ def test_into_of_a_distributed_checkpoint_reads_only_the_globals_it_names(tmp_pa
     loaded = load_from(LocalSource(tmp_path / "c", engine=CountingEngine(reads)), into=into)
     assert loaded == {"b": into["b"], "step": 3} and torch.equal(into["b"], b)
     assert touched(reads, manifest) == {"b@0", "b@3"}
+    reads.clear()  # like= names a part the same way
+    loaded = load_from(LocalSource(tmp_path / "c", engine=CountingEngine(reads)),
+                       like={"w": torch.zeros(10, 6)})
+    assert set(loaded) == {"w", "step"} and torch.equal(loaded["w"], w)
+    assert touched(reads, manifest) == {"w@0,0", "w@4,0"}
+
+
+def test_pickled_values_are_unpickled_only_when_allowed(tmp_path: Path) -> None:
+    fastpersist.save({"w": torch.ones(3), "obj": {1, 2}}, tmp_path / "c", allow_pickle=True)
+    with fastpersist.open(tmp_path / "c") as h:
+        assert h.keys() == ["w"] and torch.equal(h.get_tensor("w"), torch.ones(3))
+        with pytest.raises(fastpersist.PickleNotAllowedError):
+            h.metadata()
+    with fastpersist.open(tmp_path / "c", allow_pickle=True) as h:
+        assert h.metadata()["obj"] == {1, 2}
 
 
 @pytest.mark.slow
