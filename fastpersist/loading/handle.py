@@ -18,7 +18,7 @@ chunks that are records of their own):
   only in the frames that hold those rows, each frame's CRC32C checked. A
   raw record has one CRC32C for the whole tensor: with verification the
   whole record is read and checked, then cut (a slice of a huge raw tensor
-  costs the read of the tensor); with verify=False only the rows' bytes are
+  costs the read of the tensor, and its memory for that while); with verify=False only the rows' bytes are
   read, unchecked. A global tensor is read only in the chunks that overlap
   the rows, each checked as a whole (or in its frames). A tensor that is a
   view of another's storage is read whole and cut.
