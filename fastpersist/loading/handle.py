@@ -18,10 +18,11 @@ chunks that are records of their own):
   only in the frames that hold those rows, each frame's CRC32C checked. A
   raw record has one CRC32C for the whole tensor: with verification the
   whole record is read and checked, then cut (a slice of a huge raw tensor
-  costs the read of the tensor, and its memory for that while); with verify=False only the rows' bytes are
-  read, unchecked. A global tensor is read only in the chunks that overlap
-  the rows, each checked as a whole (or in its frames). A tensor that is a
-  view of another's storage is read whole and cut.
+  costs the read of the tensor, and its memory for that while); with
+  verify=False only the rows' bytes are read, unchecked. A global tensor
+  is read only in the chunks that overlap the rows, each checked as a
+  whole (or in its frames). A tensor that is a view of another's storage
+  is read whole and cut.
 
 The bytes come from the Source that load chooses (source_for): the daemon's
 copy in memory where it holds one, the directory, the object store.
@@ -136,7 +137,7 @@ class CheckpointHandle:
         map_location's; a parameter where it was one); reads only its bytes."""
         node = self._node(name)
         e = node["e"]
-        entries = SomeEntries(len(self._entry_count()), {e: self._read_entry(e, None)},
+        entries = SomeEntries(self._entry_count(), {e: self._read_entry(e, None)},
                               self.where)
         return TensorFactory(entries, self._map_location, self.where)(node)
 
@@ -166,9 +167,9 @@ class CheckpointHandle:
             raise TensorNotFoundError(f"{self.where}: no tensor named {name!r}{hint}")
         return node
 
-    def _entry_count(self) -> range:
+    def _entry_count(self) -> int:
         m = self._manifest
-        return range(len(m.globals) if m.globals is not None else len(m.tensors))
+        return len(m.globals) if m.globals is not None else len(m.tensors)
 
     def _dtype_shape(self, node: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
         view = node.get("view")
@@ -210,7 +211,7 @@ class CheckpointHandle:
     def _read_rows(self, node: dict[str, Any], cut: slicing.Cut) -> torch.Tensor:
         e = node["e"]
         if "view" in node or cut.rows is None:  # a view's rows are not its entry's
-            entries = SomeEntries(len(self._entry_count()), {e: self._read_entry(e, None)},
+            entries = SomeEntries(self._entry_count(), {e: self._read_entry(e, None)},
                                   self.where)
             whole = TensorFactory(entries, "cpu", self.where)(
                 {k: v for k, v in node.items() if k not in ("param", "grad", "device")})
@@ -243,7 +244,9 @@ class TensorSlice:
         t = self._handle._read_rows(self._node, cut)
         device = target_device(self._handle._map_location,
                                self._node.get("device", "cpu"))
-        t = t.contiguous()
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
+            # Its own memory: not a view that keeps a whole tensor read for it alive.
+            t = t.clone(memory_format=torch.contiguous_format)
         return t if device == "cpu" else t.to(device)
 
 
