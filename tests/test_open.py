@@ -5,6 +5,7 @@ counted at the engine (a local directory) or at the S3 client's ranged GETs."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,8 @@ import pytest
 import torch
 from daemon_support import Daemon
 from hostile_support import distributed_checkpoint, grid
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support import flip_bit
 
 import fastpersist
@@ -131,6 +134,69 @@ def test_slices_match_torch_indexing(saved: tuple[Path, dict[str, Any]]) -> None
                 assert torch.equal(s[index], emb[index]), index
             assert torch.equal(h.get_slice("optim.state.0.step")[...],
                                state["optim"]["state"][0]["step"])
+
+
+@pytest.fixture(scope="module")
+def shapes_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    shapes = [(0,), (5,), (1, 3), (4, 0), (6, 2), (3, 4, 2), ()]
+    tensors = {f"t{i}": torch.arange(math.prod(s), dtype=torch.int32).reshape(s)
+               for i, s in enumerate(shapes)}
+    path = tmp_path_factory.mktemp("shapes") / "c"
+    fastpersist.save(tensors, path)
+    return path, tensors
+
+
+def _index_item(draw: Any, n: int) -> Any:
+    kind = draw(st.sampled_from(["int", "slice", "ellipsis"]))
+    bound = st.one_of(st.none(), st.integers(-n - 2, n + 2))
+    if kind == "int":
+        return draw(st.integers(-n - 2, n + 1))
+    if kind == "slice":
+        return slice(draw(bound), draw(bound), draw(st.one_of(st.none(), st.integers(1, 3))))
+    return ...
+
+
+@st.composite
+def _indexed(draw: Any) -> tuple[int, Any]:
+    which = draw(st.integers(0, 6))
+    shape = [(0,), (5,), (1, 3), (4, 0), (6, 2), (3, 4, 2), ()][which]
+    items = tuple(_index_item(draw, shape[d] if d < len(shape) else 1)
+                  for d in range(draw(st.integers(0, len(shape) + 1))))
+    return which, items if draw(st.booleans()) or len(items) != 1 else items[0]
+
+
+def _in_range(index: Any, shape: tuple[int, ...]) -> bool:
+    """Whether slicing.cut accepts `index` (its rule: Python's, with no clipping)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if sum(i is ... for i in items) > 1 or sum(i is not ... for i in items) > len(shape):
+        return False
+    if ... in items:
+        at = items.index(...)
+        items = items[:at] + (slice(None),) * (len(shape) - len(items) + 1) + items[at + 1:]
+    for item, n in zip(items, shape, strict=False):
+        if isinstance(item, int) and not -n <= item < n:
+            return False
+        if isinstance(item, slice) and not all(b is None or -n <= b <= n
+                                               for b in (item.start, item.stop)):
+            return False
+    return True
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_indexed(), verify=st.booleans())
+def test_any_index_is_torchs_or_a_clear_error(shapes_ckpt: tuple[Path, dict[str, Any]],
+                                              case: tuple[int, Any], verify: bool) -> None:
+    path, tensors = shapes_ckpt
+    which, index = case
+    t = tensors[f"t{which}"]
+    with fastpersist.open(path, verify=verify) as h:
+        s = h.get_slice(f"t{which}")
+        if _in_range(index, tuple(t.shape)):
+            assert torch.equal(s[index], t[index]), index
+        else:
+            with pytest.raises(TensorIndexError, match=f"tensor 't{which}' of shape"):
+                s[index]
 
 
 def test_a_raw_slice_reads_its_record_when_verified_and_only_its_rows_when_not(
