@@ -284,6 +284,8 @@ def test_bad_names_and_indices_fail_before_any_read(saved: tuple[Path, dict[str,
     with pytest.raises(TypeError, match="not str"):
         s["a"]
     assert reads == []
+    with pytest.raises(fastpersist.CheckpointNotFoundError):
+        fastpersist.open(ckpt.parent / "nothing-here")
 
 
 def test_map_location_and_parameters(tmp_path: Path) -> None:
