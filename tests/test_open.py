@@ -451,6 +451,21 @@ def test_from_the_object_store(s3: Any, tmp_path: Path, ranged_gets: Reads,
         assert emb_bytes == emb.frames[7].stored_length + emb.frames[8].stored_length
     else:  # verified: the raw record whole
         assert emb_bytes == emb.length
+    # One bit flipped in the stored bytes of rows 640..703 (frame 10, compressed).
+    key = url.removeprefix(f"s3://{s3.bucket}/") + "/" + emb.file
+    data = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+    at = emb.offset + (emb.frames[10].stored_offset + 3 if emb.frames is not None else 650 * 64)
+    data[at] ^= 1
+    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data))
+    with fastpersist.open(url) as h:
+        with pytest.raises(ChecksumMismatchError) as info:
+            h.get_slice("emb")[650]
+        assert info.value.file == emb.file and info.value.tensor == emb.name
+        if emb.frames is not None:  # other frames still read, each checked
+            assert torch.equal(h.get_slice("emb")[:640], state["emb"][:640])
+        else:  # one CRC32C for the raw record: every verified slice of it fails
+            with pytest.raises(ChecksumMismatchError):
+                h.get_slice("emb")[:10]
 
 
 @pytest.fixture
