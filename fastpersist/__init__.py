@@ -25,6 +25,8 @@ from .errors import (
     PickleNotAllowedError,
     PostCommitError,
     StateMismatchError,
+    TensorIndexError,
+    TensorNotFoundError,
     TierError,
     TruncatedFileError,
     UnknownFileFormatError,
@@ -33,7 +35,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .api import async_save, load, prepare_staging, save
+    from .api import async_save, load, open, prepare_staging, save
     from .checkpointer import Checkpointer
     from .saving.futures import SaveFuture
     from .saving.preemption import HandOff, exit_on_preemption, hand_off
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 # torch (format, engine, commit) import without it.
 _LAZY = {
     "load": ".api",
+    "open": ".api",
     "save": ".api",
     "async_save": ".api",
     "prepare_staging": ".api",
@@ -89,6 +92,8 @@ __all__ = [
     "PostCommitError",
     "SaveFuture",
     "StateMismatchError",
+    "TensorIndexError",
+    "TensorNotFoundError",
     "TierError",
     "TruncatedFileError",
     "UnknownFileFormatError",
@@ -99,6 +104,7 @@ __all__ = [
     "exit_on_preemption",
     "hand_off",
     "load",
+    "open",
     "prepare_staging",
     "save",
 ]

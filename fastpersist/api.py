@@ -16,6 +16,7 @@ from typing import Any
 from .errors import UnsupportedPathError
 from .files.dispatch import is_file_source, is_file_target, load_file, save_file
 from .knobs import current as current_knobs
+from .loading.handle import open as open  # fastpersist.open: partial and lazy reads
 from .loading.load import load_from, source_for
 from .saving import registry as pipelines
 from .saving.futures import SaveFuture
@@ -123,7 +124,10 @@ def load(
     straight into, as is a GPU tensor on the device a load streams to
     (into.py); StateMismatchError, before anything is read, if a shape
     differs or `into` has a tensor the checkpoint does not. If the load
-    raises, those tensors may hold part of the checkpoint's values.
+    raises, those tensors may hold part of the checkpoint's values. Only the
+    part of the checkpoint that `into` (or `like`) names is read and
+    returned: into={"model": ...} leaves the optimizer's tensors unread
+    and out of the result (plain values stay; tensors/into.py says exactly).
 
     With a daemon (`daemon="unix:///PATH"` or FASTPERSIST_DAEMON; "": none),
     a checkpoint that the daemon on this node committed and still holds in

@@ -79,6 +79,21 @@ class StateMismatchError(CheckpointError, ValueError):
     anything is read or written."""
 
 
+class TensorNotFoundError(CheckpointError, KeyError):
+    """fastpersist.open(...).get_tensor(name) (or get_slice) of a name the
+    checkpoint does not have; the message lists the nearest names it has."""
+
+    def __str__(self) -> str:
+        # KeyError's str() is the repr of its argument: keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class TensorIndexError(CheckpointError, IndexError):
+    """get_slice(name)[index] with an index outside the tensor's shape (or
+    one a partial read does not support); names the tensor and its shape.
+    Raised before anything is read."""
+
+
 class CheckpointAbortedError(CheckpointError):
     """An asynchronous save was aborted (close(abort=True)) before it committed."""
 

@@ -222,6 +222,29 @@ def test_load_into_takes_the_ring_for_an_accelerator(saved: Path,
     assert loaded["step"] == 7
 
 
+def test_a_partial_into_streams_only_its_records(saved: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """load(into=) of part of the state through the ring (the CPU standing in):
+    the ring is given only the records `into` names, its destinations
+    numbered as those records."""
+    seen: list[tuple[list[str], list[int]]] = []
+    real = device_load.read_to_device
+
+    def spy(path: Any, manifest: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(([r.name for r in manifest.tensors], sorted(kwargs["dests"] or {})))
+        return real(path, manifest, *args, **kwargs)
+
+    monkeypatch.setattr(device_load, "enabled", lambda *a: CPU)
+    monkeypatch.setattr(device_load, "read_to_device", spy)
+    state = _state()
+    into = {"bf16": torch.zeros(33, 7, dtype=torch.bfloat16), "ints": torch.zeros(100,
+                                                                               dtype=torch.int64)}
+    loaded = fastpersist.load(saved, into=into)
+    assert seen == [(["bf16", "ints"], [0, 1])]
+    assert set(loaded) == {"bf16", "ints", "step"}
+    assert all(loaded[k] is into[k] and torch.equal(into[k], state[k]) for k in into)
+
+
 def test_when_the_ring_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fastpersist.save({"a": torch.ones(4096)}, tmp_path / "raw")
     fastpersist.save({"a": torch.ones(4096)}, tmp_path / "zstd", compression="zstd")

@@ -47,7 +47,8 @@ FENCE = re.compile(r"^```(\S*)\s*$")
 # Pages that take more than a few seconds (frameworks, daemons, an S3 server).
 SLOW = {"README.md", "docs/guides/frameworks.md", "docs/guides/dcp.md",
         "docs/guides/daemon.md", "docs/guides/tier.md", "docs/guides/distributed.md",
-        "docs/guides/training-loop.md", "docs/guides/compression.md", "docs/reference/api.md",
+        "docs/guides/training-loop.md", "docs/guides/compression.md",
+        "docs/guides/partial-reads.md", "docs/reference/api.md",
         "docs/reference/fpctl.md"}
 
 

@@ -13,11 +13,12 @@ PUBLIC = {
     "ChecksumMismatchError", "CorruptCheckpointError", "DaemonError", "DaemonMayStillCommitError",
     "DaemonUnavailableError", "DiskFullError",
     "DistributedCheckpointError", "ManifestError", "PickleNotAllowedError", "PostCommitError",
-    "HandOff", "SaveFuture", "StateMismatchError", "TierError",
+    "HandOff", "SaveFuture", "StateMismatchError", "TensorIndexError", "TensorNotFoundError",
+    "TierError",
     "TruncatedFileError", "UnknownFileFormatError", "UnsupportedPathError",
     "UnsupportedValueError",
-    "__version__", "async_save", "exit_on_preemption", "hand_off", "load", "prepare_staging",
-    "save",
+    "__version__", "async_save", "exit_on_preemption", "hand_off", "load", "open",
+    "prepare_staging", "save",
 }
 
 
@@ -32,6 +33,9 @@ def test_api_functions_are_functions_even_after_their_modules_import() -> None:
 
     assert callable(fastpersist.async_save) and fastpersist.async_save.__name__ == "async_save"
     assert callable(fastpersist.save) and callable(fastpersist.load)
+    import fastpersist.loading.handle  # the module of fastpersist.open
+
+    assert callable(fastpersist.open) and fastpersist.open.__name__ == "open"
 
 
 def test_format_engine_and_commit_import_without_torch() -> None:

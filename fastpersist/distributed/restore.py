@@ -30,7 +30,8 @@ from ..errors import ManifestError
 from ..format import dtypes
 from ..format.manifest import GlobalTensor, Manifest
 from ..tensors import state
-from ..tensors.factory import Factory, TensorFactory
+from ..tensors.factory import Factory, SomeEntries, TensorFactory
+from ..tensors.into import entries_in
 from ..tensors.source import Source
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
@@ -148,13 +149,16 @@ def load(source: Source, manifest: Manifest, map_location: Any, like: Any, *,
         if name not in index_of:
             raise ManifestError(f"{path}: `like` holds a DTensor at {name!r}, which the "
                                 "checkpoint does not have")
-    wanted: dict[int, Box] = {i: ((0,) * len(g.shape), g.shape) for i, g in enumerate(globals_)}
+    # Only the globals the tree refers to (load's into=/like= may have cut it).
+    wanted: dict[int, Box] = {i: ((0,) * len(globals_[i].shape), globals_[i].shape)
+                              for i in entries_in(manifest.tree)}
     for name, target in targets.items():
         i = index_of[name]
         _check_same(globals_[i], target, path)
-        wanted[i] = target.box
+        if i in wanted:
+            wanted[i] = target.box
     tensors = read_boxes(source, manifest, wanted, verify=verify, progress=progress)
-    entries = [tensors[i] for i in range(len(globals_))]
+    entries = SomeEntries(len(globals_), tensors, str(path))
     plain = TensorFactory(entries, map_location, str(path))
     made: dict[int, torch.Tensor] = {}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from ..knobs import current as current_knobs
 from ..storage.local_path import checkpoint_path
 from ..tensors import device_load, state
 from ..tensors import into as into_state
-from ..tensors.factory import MapLocation, TensorFactory, target_device
+from ..tensors.factory import MapLocation, SomeEntries, TensorFactory, target_device
 from ..tensors.source import LocalSource, Source
 from ..tier.url import is_tier_url
 from .chain import Chain
@@ -74,41 +75,65 @@ def _load(source: Source, map_location: MapLocation, allow_pickle: bool, verify:
           progress: Callable[[int], None] | None, like: Any, into: Any) -> Any:
     manifest = source.manifest()
     where = source.where
-    pickled = state.contains_pickle(manifest.tree)
+    # into= and like= read and return only the part of the tree they name.
+    names = into if into is not None else like
+    tree = manifest.tree if names is None else into_state.restrict(manifest.tree, names)
+    pickled = state.contains_pickle(tree)
     if pickled and not allow_pickle:
         # Fail before reading gigabytes of tensors.
-        state.decode(manifest.tree, lambda node: torch.empty(0), where=where)
-    placement = _placement(manifest, into, where)
+        state.decode(tree, lambda node: torch.empty(0), where=where)
+    placement = _placement(manifest, tree, into, where)
     if manifest.globals is not None:
         from ..distributed import restore
 
-        return restore.load(source, manifest, map_location, like, allow_pickle=allow_pickle,
-                            verify=verify, progress=progress,
+        return restore.load(source, replace(manifest, tree=tree), map_location, like,
+                            allow_pickle=allow_pickle, verify=verify, progress=progress,
                             place=placement.factory if placement else None)
-    entries = None
+    needed = into_state.entries_in(tree) if names is not None else None
+    if needed is not None and len(needed) == len(manifest.tensors):
+        needed = None
+    wanted = manifest if needed is None else replace(
+        manifest, tensors=tuple(manifest.tensors[e] for e in needed),
+        files=tuple(f for f in manifest.files if f.name in {manifest.tensors[e].file
+                                                              for e in needed}))
+    read: list[torch.Tensor] | None = None
     ring_bytes = current_knobs().load_ring_bytes
-    ring = device_load.enabled(map_location, manifest, ring_bytes)
+    ring = device_load.enabled(map_location, wanted, ring_bytes)
     if ring is not None:  # straight to the accelerator, through bounded host memory
-        entries = source.read_to_device(
-            manifest, ring, verify=verify, ring_bytes=ring_bytes, progress=progress,
-            into=placement.choose_direct(manifest.tensors, ring) if placement else None)
-    if entries is None:
+        read = source.read_to_device(
+            wanted, ring, verify=verify, ring_bytes=ring_bytes, progress=progress,
+            into=_renumber(placement.choose_direct(manifest.tensors, ring), needed)
+            if placement else None)
+    if read is None:
         direct = (placement.choose_direct(manifest.tensors, torch.device("cpu"))
                   if placement else {})
-        entries = source.read_tensors(manifest, verify=verify, progress=progress, into=direct)
+        read = source.read_tensors(wanted, verify=verify, progress=progress,
+                                   into=_renumber(direct, needed))
+    entries = read if needed is None else SomeEntries(
+        len(manifest.tensors), dict(zip(needed, read, strict=True)), where)
     factory = TensorFactory(entries, map_location, where)
     # Without pickle nodes allow_pickle changes nothing; True spares decode its own
     # search of the tree for them (contains_pickle looks wherever decode would).
-    return state.decode(manifest.tree, placement.factory(factory) if placement else factory,
+    return state.decode(tree, placement.factory(factory) if placement else factory,
                         allow_pickle=allow_pickle or not pickled, where=where)
 
 
-def _placement(manifest: Manifest, into: Any, where: str) -> into_state.Placement | None:
+def _renumber(by_entry: dict[int, torch.Tensor], needed: list[int] | None
+              ) -> dict[int, torch.Tensor]:
+    """Entry -> tensor, numbered as the records of a read of `needed` only."""
+    if needed is None:
+        return by_entry
+    at = {e: i for i, e in enumerate(needed)}
+    return {at[e]: t for e, t in by_entry.items()}
+
+
+def _placement(manifest: Manifest, tree: Any, into: Any, where: str
+               ) -> into_state.Placement | None:
     if into is None:
         return None
     shapes = ([g.shape for g in manifest.globals] if manifest.globals is not None
               else [r.shape for r in manifest.tensors])
-    return into_state.match(manifest.tree, into, shapes, where)
+    return into_state.match(tree, into, shapes, where)
 
 
 __all__ = ["load_from", "source_for"]

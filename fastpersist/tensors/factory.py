@@ -6,7 +6,7 @@ Shared by fastpersist.load (api.py) and distributed loads (distributed/restore.p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,23 @@ def placed(t: torch.Tensor, storage_map: StorageMap, saved: str, where: str) -> 
     except (RuntimeError, AssertionError, TypeError) as exc:
         raise CheckpointError(f"{where}: map_location(storage, {saved!r}) failed for a "
                               f"tensor: {exc}") from exc
+class SomeEntries(Sequence[torch.Tensor]):
+    """A TensorFactory's entries where only some were read (a load's into=
+    or like= part, one tensor of fastpersist.open): entry -> tensor. The
+    tree's nodes refer only to those; any other is a ManifestError."""
+
+    def __init__(self, n: int, read: Mapping[int, torch.Tensor], where: str) -> None:
+        self._n, self._read, self._where = n, read, where
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, e: Any) -> Any:
+        t = self._read.get(e)
+        if t is None:
+            raise ManifestError(f"{self._where}: tensor node refers to entry {e!r}, "
+                                "which was not read")
+        return t
 
 
 class TensorFactory:
@@ -70,7 +87,8 @@ class TensorFactory:
     weights stay tied; views of one entry share its storage.
     """
 
-    def __init__(self, entries: list[torch.Tensor], map_location: MapLocation, where: str) -> None:
+    def __init__(self, entries: Sequence[torch.Tensor], map_location: MapLocation,
+                 where: str) -> None:
         self.entries = entries
         self.map_location = map_location
         self.where = where

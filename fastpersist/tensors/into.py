@@ -8,8 +8,16 @@ shape (the dtype and the device may differ: the values are converted, as
 Module.load_state_dict converts them), every tensor of `into` must have a
 pair, and memory to load into (not on the meta device, strided); otherwise
 StateMismatchError, before anything is read. Tensors of the
-checkpoint without a pair load as usual; plain values of `into` are ignored
-(the loaded object holds the checkpoint's).
+checkpoint's part that `into` names (below) without a pair load as usual;
+plain values of `into` are ignored (the loaded object holds the checkpoint's).
+
+The load reads and returns only the part of the checkpoint that `into` names
+(restrict): in a mapping of `into` that holds tensors, the checkpoint's keys
+it lacks whose values hold tensors are left out, unread (plain values, a
+step or a config, cost no read and stay). A mapping of `into` without
+tensors (a fresh optimizer's empty state), a list's items past `into`'s,
+and plain values of `into` take the checkpoint's part whole. like=
+restricts the same way.
 
 Where a pair allows it, the checkpoint's bytes go straight into the caller's
 memory: a contiguous tensor of the record's dtype, a raw record, not a view, no
@@ -155,6 +163,40 @@ def match(tree: state.Node, into: Any, entry_shapes: list[tuple[int, ...]],
     return placement
 
 
+def restrict(tree: state.Node, names: Any) -> state.Node:
+    """The part of the checkpoint's `tree` that `names` (load's into= or
+    like=) names; see the module's docstring."""
+    if not isinstance(tree, dict):
+        return tree
+    tag = tree.get("t")
+    if tag in ("dict", "odict") and isinstance(names, Mapping):
+        cut = next(_walk_tensors(names, "", set()), None) is not None
+        keys, values = [], []
+        for k, v in zip(tree.get("k", []), tree.get("v", []), strict=False):
+            key = _key(k)
+            wanted = _lookup(names, key)
+            if wanted is _ABSENT and cut and _holds_tensors(v):
+                continue
+            keys.append(k)
+            values.append(v if wanted is _ABSENT else restrict(v, wanted))
+        return {**tree, "k": keys, "v": values}
+    if tag in ("list", "tuple") and isinstance(names, (list, tuple)):
+        items = tree.get("v", [])
+        return {**tree, "v": [restrict(v, names[i]) if i < len(names) else v
+                              for i, v in enumerate(items)]}
+    return tree
+
+
+def _holds_tensors(node: state.Node) -> bool:
+    return any(n.get("t") == "tensor" for n in state.tree_nodes(node))
+
+
+def entries_in(tree: state.Node) -> list[int]:
+    """The entries the tensor nodes of `tree` refer to, in order."""
+    return sorted({n["e"] for n in state.tree_nodes(tree)
+                   if n.get("t") == "tensor" and type(n.get("e")) is int})
+
+
 def _is_tensor_node(node: state.Node) -> bool:
     return isinstance(node, dict) and node.get("t") == "tensor" and "np" not in node
 
@@ -203,7 +245,7 @@ def _key(k: Any) -> Any:
         return _ABSENT
 
 
-def _lookup(by_key: dict[Any, Any], key: Any) -> Any:
+def _lookup(by_key: Mapping[Any, Any], key: Any) -> Any:
     try:
         return by_key.get(key, _ABSENT)
     except TypeError:  # an unhashable key of `into`
