@@ -296,6 +296,25 @@ def test_attribute_dicts_are_stored_as_dicts(tmp_path: Path) -> None:
     assert loaded["state_dict"]._metadata == sd._metadata  # type: ignore[attr-defined]
 
 
+def test_a_callable_map_location_is_torchs(tmp_path: Path) -> None:
+    """load_checkpoint(map_location=fn) calls fn(storage, saved location) per
+    tensor as torch.load does (it was a TypeError before load took callables)."""
+    io = FastPersistCheckpointIO()
+    sd = torch.nn.Linear(2, 2).state_dict()
+    io.save_checkpoint({"state_dict": sd}, tmp_path / "c.ckpt")
+    seen: list[str] = []
+
+    def doubled(storage: Any, location: str) -> Any:
+        seen.append(location)
+        t = torch.empty(0, dtype=torch.uint8).set_(storage).clone()
+        return t.view(torch.float32).mul_(2).view(torch.uint8).untyped_storage()
+
+    loaded = io.load_checkpoint(tmp_path / "c.ckpt", map_location=doubled)
+    assert seen == ["cpu", "cpu"]
+    for k, v in sd.items():
+        assert torch.equal(loaded["state_dict"][k], v * 2), k
+
+
 def test_remove_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                            monkeypatch: pytest.MonkeyPatch) -> None:
     from fastpersist.integrations import _lightning_io

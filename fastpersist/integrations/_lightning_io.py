@@ -180,7 +180,7 @@ class FastPersistCheckpointIOBase:
                                                 weights_only=not allow_pickle)
             return loaded
         if callable(location):
-            location = _default_location(location, type(self).__name__)
+            location = _default_location(location)
         result: dict[str, Any] = namespaces(fastpersist.load(
             target, location, allow_pickle=allow_pickle, verify=self.verify))
         return result
@@ -223,18 +223,18 @@ class FastPersistCheckpointIOBase:
         _raise_first(mine)
 
 
-def _default_location(location: Any, who: str) -> Any:
+def _default_location(location: Any) -> Any:
     """map_location for Lightning's own default function (load_from_checkpoint
     passes it when the caller gives none): tensors back where they were saved,
-    CUDA tensors to the CPU where there is no CUDA. Other functions: TypeError."""
+    CUDA tensors to the CPU where there is no CUDA, without a call per tensor.
+    Any other function is torch's callable map_location, which load takes."""
     if getattr(location, "__name__", None) == "_default_map_location" and getattr(
             location, "__module__", None) in ("lightning.pytorch.core.saving",
                                               "pytorch_lightning.core.saving"):
         import torch
 
         return None if torch.cuda.is_available() else "cpu"
-    raise TypeError(f"{who}.load_checkpoint takes a device or a dict from saved device to "
-                    f"device as map_location, not a function ({location!r})")
+    return location
 
 
 def install_loader(saving: Any, io_class: type[FastPersistCheckpointIOBase]) -> None:
