@@ -3,6 +3,7 @@
     python tests/deepspeed_worker.py roundtrip DIR     save/load of ZeRO 1-3, both engines
     python tests/deepspeed_worker.py train DIR TAGS    save each tag (fastpersist), forever
     python tests/deepspeed_worker.py resume DIR        load DIR's latest, compare, print tag
+    python tests/deepspeed_worker.py select DIR        install() + the config key, decoupled
 
 The launcher sets RANK, WORLD_SIZE, MASTER_ADDR/PORT and DS_ACCELERATOR=cpu.
 Every comparison is bit-exact (torch.equal); a mismatch raises, naming what.
@@ -24,8 +25,8 @@ from fastpersist.integrations import deepspeed as fp_deepspeed
 HIDDEN = int(os.environ.get("FP_DS_HIDDEN", "32"))
 
 
-def config(stage: int) -> dict[str, Any]:
-    return {
+def config(stage: int, **extra: Any) -> dict[str, Any]:
+    return extra | {
         "train_batch_size": 2 * int(os.environ["WORLD_SIZE"]),
         "steps_per_print": 10_000,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -35,13 +36,13 @@ def config(stage: int) -> dict[str, Any]:
     }
 
 
-def make(stage: int, kind: str, seed: int) -> Any:
+def make(stage: int, kind: str, seed: int, **extra: Any) -> Any:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, HIDDEN), torch.nn.ReLU(),
                                 torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
                                 torch.nn.Linear(HIDDEN, 4))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config(stage))
+                                           config=config(stage, **extra))
     if kind == "fastpersist":
         fp_deepspeed.use(engine)
     return engine
@@ -176,6 +177,34 @@ def resume(root: str) -> None:
     print(f"RESUMED {tag}", flush=True)
 
 
+def select(root: str) -> None:
+    """The engine chosen by the config (install()), decoupled: save_checkpoint
+    returns before `latest` is written; the next step commits the tag."""
+    fp_deepspeed.install()
+    chosen = {"checkpoint": {"fastpersist": {"decoupled": True}}}
+    engine = make(2, "config", seed=1, **chosen)
+    if type(engine.checkpoint_engine).__name__ != "FastPersistCheckpointEngine":
+        raise AssertionError(f"the config chose {type(engine.checkpoint_engine)}")
+    train(engine, 2, seed=1)
+    d = os.path.join(root, "ckpt")
+    engine.save_checkpoint(d)
+    expected = snapshot(engine)
+    if os.path.exists(os.path.join(d, "latest")):
+        raise AssertionError("decoupled: `latest` written before the next step committed")
+    train(engine, 1, seed=2)  # commits global_step2, then steps
+    with open(os.path.join(d, "latest")) as f:
+        if f.read().strip() != "global_step2":
+            raise AssertionError("the step did not commit global_step2")
+    engine.destroy()
+    plain = make(2, "torch", seed=3)  # without the key: DeepSpeed's own choice
+    if type(plain.checkpoint_engine).__name__ != "TorchCheckpointEngine":
+        raise AssertionError(f"no key, yet {type(plain.checkpoint_engine)}")
+    loader = make(2, "fastpersist", seed=4)
+    loader.load_checkpoint(d)
+    same(expected, snapshot(loader), "decoupled, chosen by the config")
+    print("SELECTED", flush=True)
+
+
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     mode, root = sys.argv[1], sys.argv[2]
@@ -185,6 +214,8 @@ def main() -> None:
         train_forever(root, int(sys.argv[3]))
     elif mode == "resume":
         resume(root)
+    elif mode == "select":
+        select(root)
     else:
         raise SystemExit(f"unknown mode {mode}")
 

@@ -287,6 +287,28 @@ def test_zero_stages_save_and_load_bit_exact(world: int, tmp_path: Path) -> None
                for f in os.listdir(tmp_path / "stage2-fastpersist" / "global_step3"))
 
 
+@pytest.mark.slow
+def test_chosen_by_the_config_decoupled(tmp_path: Path) -> None:
+    (p,) = launch(1, "select", str(tmp_path))
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-6000:]
+    assert "SELECTED" in out
+
+
+@pytest.mark.slow
+def test_zero_round_trip_through_the_daemon(daemon: Any) -> None:
+    """FASTPERSIST_DAEMON set: fastpersistd writes DeepSpeed's files."""
+    root = daemon.root / "run"
+    (p,) = launch(1, "select", str(root), FASTPERSIST_DAEMON=daemon.address,
+                  FASTPERSIST_SHM_DIR=str(daemon.shm_dir))
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-6000:]
+    assert "SELECTED" in out
+    committed = {e["path"] for e in daemon.events("committed")}
+    assert {"run/ckpt/global_step2/mp_rank_00_model_states.pt",
+            "run/ckpt/global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"} <= committed
+
+
 def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> list[str]:
     assert proc.stdout is not None
     lines: list[str] = []
