@@ -107,8 +107,15 @@ class FastPersistCheckpointEngine(CheckpointEngine):
 
     def create(self, info: CheckpointCommitInfo) -> None:
         if self._commit_info is not None and self._commit_info != info:
-            # A decoupled tag not committed yet (two saves without a step between).
-            self.commit(self._commit_info)
+            if self.decoupled:
+                # Saved whole, not committed yet (two saves without a step between).
+                self.commit(self._commit_info)
+            else:
+                # The last save_checkpoint raised before its commit: its tag may
+                # lack files, so `latest` is not pointed at it; its saves still
+                # in flight end first, and a failure of theirs is raised here.
+                self._commit_info = None
+                self.wait()
         self._commit_info = info
 
     def makedirs(self, path: str | os.PathLike[str], exist_ok: bool = False) -> None:
@@ -220,6 +227,7 @@ def use(engine: Any, **options: Any) -> FastPersistCheckpointEngine:
                              "that section to checkpoint through fastpersist")
     else:
         current.cleanup()
+        current.close()
     mine = FastPersistCheckpointEngine(**options)
     engine.checkpoint_engine = mine
     return mine
