@@ -4,6 +4,7 @@
     python tests/deepspeed_worker.py train DIR TAGS    save each tag (fastpersist), forever
     python tests/deepspeed_worker.py resume DIR        load DIR's latest, compare, print tag
     python tests/deepspeed_worker.py select DIR        install() + the config key, decoupled
+    python tests/deepspeed_worker.py fail DIR          the last rank's disk fills during a save
 
 The launcher sets RANK, WORLD_SIZE, MASTER_ADDR/PORT and DS_ACCELERATOR=cpu.
 Every comparison is bit-exact (torch.equal); a mismatch raises, naming what.
@@ -205,6 +206,31 @@ def select(root: str) -> None:
     print("SELECTED", flush=True)
 
 
+def fail(root: str) -> None:
+    """The last rank's optimizer file fails (ENOSPC) in the background: every
+    rank's save_checkpoint raises, naming that rank and file; `latest` stays."""
+    import pytest
+    from support import inject_enospc
+
+    from fastpersist import CheckpointError
+
+    engine = make(2, "fastpersist", seed=1)
+    train(engine, 1, seed=1)
+    d = os.path.join(root, "ckpt")
+    engine.save_checkpoint(d, tag="good")
+    last = int(os.environ["WORLD_SIZE"]) - 1
+    if int(os.environ["RANK"]) == last:
+        inject_enospc(pytest.MonkeyPatch(), f"zero_pp_rank_{last}_mp_rank_00_optim_states.pt")
+    try:
+        engine.save_checkpoint(d, tag="bad")
+    except CheckpointError as exc:
+        print(f"RAISED {exc}", flush=True)
+    else:
+        raise AssertionError("save_checkpoint of 'bad' did not raise")
+    with open(os.path.join(d, "latest")) as f:
+        print(f"LATEST {f.read().strip()}", flush=True)
+
+
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     mode, root = sys.argv[1], sys.argv[2]
@@ -216,6 +242,8 @@ def main() -> None:
         resume(root)
     elif mode == "select":
         select(root)
+    elif mode == "fail":
+        fail(root)
     else:
         raise SystemExit(f"unknown mode {mode}")
 

@@ -308,6 +308,18 @@ def test_zero_stages_save_and_load_bit_exact(world: int, tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_a_rank_s_failed_file_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    procs = launch(2, "fail", str(tmp_path))
+    outs = [p.communicate(timeout=600) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {rank}:\n{err[-6000:]}"
+        raised = [x for x in out.splitlines() if x.startswith("RAISED ")]
+        assert raised and "rank 1: " in raised[0], out
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in raised[0], out
+        assert "LATEST good" in out.splitlines(), out
+
+
+@pytest.mark.slow
 def test_chosen_by_the_config_decoupled(tmp_path: Path) -> None:
     (p,) = launch(1, "select", str(tmp_path))
     out, err = p.communicate(timeout=600)
