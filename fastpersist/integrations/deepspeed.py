@@ -24,7 +24,8 @@ manifest), committed atomically on its own. DeepSpeed finds them by the same
 names (it globs and tests for existence), so load_checkpoint, ZeRO's partition
 discovery and the `latest` file work unchanged. DeepSpeed's offline tools that
 torch.load these paths (zero_to_fp32.py) need them converted first:
-`fpctl restore PATH --to FILE`. load() also reads plain torch files, so a run
+`fpctl restore PATH --to FILE --allow-pickle` (a torch file,
+DeepSpeed's objects included). load() also reads plain torch files, so a run
 saved with DeepSpeed's TorchCheckpointEngine resumes under this one.
 
 When things are durable: save() returns once the state is copied into staging
