@@ -14,6 +14,9 @@ Paths and checkpoints:
     through_link(target)        where a save of `target` goes (a link to a directory)
     is_checkpoint(path)         a committed fastpersist checkpoint directory
     delete_checkpoint(path)     atomically (renamed aside first)
+    point_latest(dir_fd, name)  a directory's `latest` file made to name `name`, atomically
+                                and durably (DeepSpeed's pointer to its newest tag)
+    fsync_dir(path)             a directory's new entries made durable
 Saving:
     settings()                  the FASTPERSIST_* knobs (daemon, file_bytes, ...)
     pipeline_for(daemon, ...)   a save pipeline of the adapter's own
@@ -52,7 +55,9 @@ from .knobs import current as settings
 from .loading.load import source_for
 from .saving.staging import StagingPool
 from .storage.commit import delete_checkpoint, os_error, through_link
+from .storage.dirs import fsync_dir
 from .storage.local_path import checkpoint_path
+from .storage.retention import point_latest
 from .tensors import state
 from .tensors.plan import StoredTensor
 
@@ -94,6 +99,7 @@ def plain_value(tree: Any, where: str) -> Any:
 __all__ = [
     "FileRecord", "ItemWritten", "Job", "Manifest", "Segment", "StagingPool", "StoredTensor",
     "TensorRecord", "checkpoint_path", "delete_checkpoint", "dtype_name", "dtype_of",
-    "gc_paused", "global_manifest", "is_checkpoint", "jobs_for", "os_error", "parse_json",
-    "pipeline_for", "plain_tree", "plain_value", "settings", "source_for", "through_link",
+    "fsync_dir", "gc_paused", "global_manifest", "is_checkpoint", "jobs_for", "os_error",
+    "parse_json", "pipeline_for", "plain_tree", "plain_value", "point_latest", "settings",
+    "source_for", "through_link",
 ]

@@ -4,12 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# deepspeed (a test extra) from its sdist: compile none of its ops at install (no CUDA
+# here; the CPU ops its tests use are built on first use).
+export DS_BUILD_OPS=0
 
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 . .venv/bin/activate
-if ! python -c "import torch, safetensors, crc32c, tqdm, zstandard, numpy, pytest, hypothesis, ruff, mypy, grpc, grpc_health, grpc_tools, prometheus_client, kubernetes_validate, yaml, lightning, pytorch_lightning, transformers, accelerate, boto3, moto.server, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
+if ! python -c "import torch, safetensors, crc32c, tqdm, zstandard, numpy, pytest, hypothesis, ruff, mypy, grpc, grpc_health, grpc_tools, prometheus_client, kubernetes_validate, yaml, lightning, pytorch_lightning, transformers, accelerate, deepspeed, boto3, moto.server, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
     pip install -q --upgrade pip setuptools wheel
     # Pinned: the CPU wheel of torch 2.13.0 is on this kind of machine's disk; a
     # looser range would download a multi-GB CUDA build.

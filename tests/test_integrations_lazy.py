@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "transformers",
-              "accelerate", "torchtitan")
+              "accelerate", "torchtitan", "deepspeed")
 
 
 def test_importing_fastpersist_imports_no_framework() -> None:

@@ -6,6 +6,7 @@
     from fastpersist.integrations.accelerate import register                 # accelerate
     from fastpersist.integrations.dcp import FastPersistWriter, FastPersistReader  # DCP
     from fastpersist.integrations.torchtitan import FastPersistCheckpointManager  # torchtitan
+    from fastpersist.integrations.deepspeed import use                       # DeepSpeed
 
 Each adapter is a module of its own that imports fastpersist's public API (and
 fastpersist.adapters, the adapters' contract) and its framework, and only when
