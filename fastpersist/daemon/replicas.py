@@ -52,6 +52,7 @@ from ..storage.names import component_problem
 from . import logs
 from .metrics import Metrics
 from .paths import PathError, parse
+from .replica_wire import Data
 from .requests import MAX_FILES, MAX_ID_BYTES, RequestError, invalid
 
 REPLICA_PREFIX = "fastpersistd-replica-"
@@ -135,7 +136,7 @@ class ReplicaStore:
 
     # -- receiving ------------------------------------------------------------
 
-    def receive(self, header: pb.ReplicaHeader, chunks: Iterator[pb.ReplicaData]) -> Replica:
+    def receive(self, header: pb.ReplicaHeader, chunks: Iterator[Data]) -> Replica:
         """Receive one replica (Replicate); it is visible when this returns."""
         if self.budget <= 0:
             raise RequestError("RESOURCE_EXHAUSTED",
@@ -181,7 +182,7 @@ class ReplicaStore:
             self._all[id(r)] = r
         self._remove(victims, "evicted")  # before a byte of the new one is written
 
-    def _write(self, r: Replica, chunks: Iterator[pb.ReplicaData]) -> None:
+    def _write(self, r: Replica, chunks: Iterator[Data]) -> None:
         index, offset = 0, 0
         order = r.files
 
@@ -193,7 +194,7 @@ class ReplicaStore:
 
         skip_empty()
         for chunk in chunks:
-            data = chunk.data  # each access copies the bytes
+            data = chunk.data  # a view of the message grpcio received (replica_wire.py)
             n = len(data)
             if index >= len(order):
                 raise invalid("a replica's chunks go past its last file")
