@@ -318,25 +318,7 @@ class MemoryTier:
     def sweep(self) -> list[str]:
         """At start: remove the copies a dead daemon left (nobody holds their
         lock); a live daemon's (another root's, sharing --shm-dir) are kept."""
-        with os.scandir(self.shm_fd) as entries:
-            names = sorted(e.name for e in entries
-                           if COPY_NAME.match(e.name) and e.is_dir(follow_symlinks=False))
-        removed = []
-        for name in names:
-            try:
-                fd = dirs.open_dir(name, self.shm_fd)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if dirs.is_entry(name, self.shm_fd, fd):
-                    dirs.remove_tree(name, self.shm_fd)
-                    removed.append(name)
-            except OSError:
-                continue  # its daemon is alive, or it is not ours to remove
-            finally:
-                os.close(fd)
-        return removed
+        return dirs.sweep_unlocked(self.shm_fd, COPY_NAME)
 
     # -- with the lock held --------------------------------------------------------
 

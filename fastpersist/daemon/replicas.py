@@ -52,6 +52,7 @@ from ..storage.names import component_problem
 from . import logs
 from .metrics import Metrics
 from .paths import PathError, parse
+from .replica_wire import Data
 from .requests import MAX_FILES, MAX_ID_BYTES, RequestError, invalid
 
 REPLICA_PREFIX = "fastpersistd-replica-"
@@ -135,7 +136,7 @@ class ReplicaStore:
 
     # -- receiving ------------------------------------------------------------
 
-    def receive(self, header: pb.ReplicaHeader, chunks: Iterator[pb.ReplicaData]) -> Replica:
+    def receive(self, header: pb.ReplicaHeader, chunks: Iterator[Data]) -> Replica:
         """Receive one replica (Replicate); it is visible when this returns."""
         if self.budget <= 0:
             raise RequestError("RESOURCE_EXHAUSTED",
@@ -181,7 +182,7 @@ class ReplicaStore:
             self._all[id(r)] = r
         self._remove(victims, "evicted")  # before a byte of the new one is written
 
-    def _write(self, r: Replica, chunks: Iterator[pb.ReplicaData]) -> None:
+    def _write(self, r: Replica, chunks: Iterator[Data]) -> None:
         index, offset = 0, 0
         order = r.files
 
@@ -193,7 +194,7 @@ class ReplicaStore:
 
         skip_empty()
         for chunk in chunks:
-            data = chunk.data  # each access copies the bytes
+            data = chunk.data  # a view of the message grpcio received (replica_wire.py)
             n = len(data)
             if index >= len(order):
                 raise invalid("a replica's chunks go past its last file")
@@ -294,25 +295,7 @@ class ReplicaStore:
 
     def sweep(self) -> list[str]:
         """At start: remove the replicas a dead daemon left (nobody holds their lock)."""
-        with os.scandir(self.shm_fd) as entries:
-            names = sorted(e.name for e in entries
-                           if REPLICA_NAME.match(e.name) and e.is_dir(follow_symlinks=False))
-        removed = []
-        for name in names:
-            try:
-                fd = dirs.open_dir(name, self.shm_fd)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if dirs.is_entry(name, self.shm_fd, fd):
-                    dirs.remove_tree(name, self.shm_fd)
-                    removed.append(name)
-            except OSError:
-                continue  # its daemon is alive
-            finally:
-                os.close(fd)
-        return removed
+        return dirs.sweep_unlocked(self.shm_fd, REPLICA_NAME)
 
     def _remove(self, victims: list[Replica], why: str) -> None:
         for r in victims:

@@ -16,8 +16,10 @@ to peers that do not hold it yet; then it is given up (logged, counted).
 Every span the manifest has a CRC32C for (header, tensors, frames) is
 checked as it is read for sending (tier/checked.py): a checkpoint that
 rotted on this disk is never sent (`replication-corrupt`, given up).
-A newer checkpoint committed at the same path takes the older one's place in
-the queue. What is queued is lost with the daemon: replication is a copy for
+Data chunks (4 MiB, each with its CRC32C) are read into one reused buffer
+and go as wire bytes written here (replica_wire.py), not through protobuf's
+copies. A newer checkpoint committed at the same path takes the older one's
+place in the queue. What is queued is lost with the daemon: replication is a copy for
 speed, the disk (and the object store) remain the durable ones.
 
 Torch-free: this runs in the daemon.
@@ -35,14 +37,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from .._proto import fastpersist_pb2 as pb
-from .._proto import fastpersist_pb2_grpc as pb_grpc
 from ..checksum import crc32c
 from ..errors import ManifestError
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ..storage import dirs
 from ..tier.checked import CheckedFile, LocalCorruption
-from . import logs, peers
+from . import logs, peers, replica_wire
 from .metrics import Metrics
 from .paths import PathError
 from .peers import Peer, PeerSettings, TokenBucket
@@ -52,6 +53,7 @@ from .rootfs import Root
 File = tuple[int, FileRecord, list[TensorRecord]]
 
 CHUNK = 4 << 20
+REPLICATE = "/fastpersist.v1.FastPersist/Replicate"
 MAX_ROUNDS = 6
 FIRST_BACKOFF = 1.0
 
@@ -243,8 +245,10 @@ class Replicator:
         ch = peers.channel(self.settings, peer.target)
         rot: list[LocalCorruption] = []
         try:
-            stub = pb_grpc.FastPersistStub(ch)  # type: ignore[no-untyped-call]
-            stub.Replicate(self._chunks(header, fds, rot), timeout=self.settings.timeout)
+            # Not the stub's: data chunks go as bytes encoded here (replica_wire.py).
+            replicate = ch.stream_unary(REPLICATE, request_serializer=replica_wire.encode_chunk,
+                                        response_deserializer=pb.ReplicateResponse.FromString)
+            replicate(self._chunks(header, fds, rot), timeout=self.settings.timeout)
             return True
         except grpc.RpcError as exc:
             if rot:  # gRPC cancelled the call for it: the reason is ours
@@ -257,21 +261,23 @@ class Replicator:
             ch.close()
 
     def _chunks(self, header: pb.ReplicaHeader, fds: list[File], rot: list[LocalCorruption]
-                ) -> Iterator[pb.ReplicaChunk]:
+                ) -> Iterator[pb.ReplicaChunk | bytes]:
         """The header, then each file in order, every span a CRC32C covers
         checked against the manifest as it is read (tier/checked.py: a file
-        that rotted on this disk is not sent)."""
+        that rotted on this disk is not sent). A data chunk is read into one
+        buffer, reused, and goes encoded (its one copy: replica_wire.py)."""
         yield pb.ReplicaChunk(header=header)
+        buf = memoryview(bytearray(CHUNK))
         for index, (fd, f, records) in enumerate(fds):
             try:
                 checked = CheckedFile(fd, f, records, header.path)
                 offset = 0
                 while offset < f.size:
                     n = min(CHUNK, f.size - offset)
-                    data = bytes(checked.read(offset, n))
+                    data = buf[:n]
+                    checked.read_into(offset, data)
                     self.bucket.take(n)
-                    yield pb.ReplicaChunk(data=pb.ReplicaData(file=index, offset=offset,
-                                                              data=data, crc32c=crc32c(data)))
+                    yield replica_wire.encode_data(index, offset, data, crc32c(data))
                     self.metrics.replication_bytes.labels(direction="sent").inc(n)
                     offset += n
             except LocalCorruption as exc:

@@ -28,6 +28,7 @@ from . import logs, replicas
 from .checkpoints import Checkpoint
 from .paths import PathError, parse
 from .peers import PeerSettings
+from .replica_wire import Data
 from .replication import Replicator
 from .requests import (
     MAX_ID_BYTES,
@@ -306,11 +307,11 @@ class Servicer(pb_grpc.FastPersistServicer):
                                          memory_only=found[2])
         return self._guard(context, run)
 
-    def Replicate(self, request_iterator: Iterator[pb.ReplicaChunk],
+    def Replicate(self, request_iterator: Iterator[pb.ReplicaChunk | Data],
                   context: grpc.ServicerContext) -> pb.ReplicateResponse:
         def run() -> pb.ReplicateResponse:
             first = next(request_iterator, None)
-            if first is None or first.WhichOneof("part") != "header":
+            if not isinstance(first, pb.ReplicaChunk) or first.WhichOneof("part") != "header":
                 raise invalid("a Replicate stream must start with a header chunk")
             self._store().receive(first.header, _replica_chunks(request_iterator))
             return pb.ReplicateResponse()
@@ -359,11 +360,11 @@ def _data_chunks(chunks: Iterator[pb.StreamChunk]) -> Iterator[memoryview]:
         yield memoryview(chunk.data)
 
 
-def _replica_chunks(chunks: Iterator[pb.ReplicaChunk]) -> Iterator[pb.ReplicaData]:
-    for chunk in chunks:
-        if chunk.WhichOneof("part") != "data":
+def _replica_chunks(chunks: Iterator[pb.ReplicaChunk | Data]) -> Iterator[Data]:
+    for chunk in chunks:  # transport.py decodes data chunks as Data (replica_wire.py)
+        if not isinstance(chunk, Data):
             raise invalid("only data chunks may follow a Replicate's header chunk")
-        yield chunk.data
+        yield chunk
 
 
 def _after_commit(request: pb.CommitRequest | pb.CommitJobRequest) -> AfterCommit | None:

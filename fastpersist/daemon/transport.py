@@ -42,7 +42,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from .._proto import fastpersist_pb2_grpc as pb_grpc
-from . import logs
+from . import logs, replica_wire
 from .metrics import Metrics
 from .requests import MAX_HEADER_BYTES, RequestError
 
@@ -64,6 +64,10 @@ REQUEST_BYTES = {
     "Replicate": MAX_MESSAGE_BYTES,  # the header holds the manifest; chunks <= 4 MiB
     "ReadReplica": 2 << 20,  # up to 4,096 ranges of plain names
 }
+
+# Instead of the generated deserializer: Replicate's data chunks without
+# protobuf's copies of their bytes (replica_wire.py).
+PARSERS: dict[str, Callable[[bytes], Any]] = {"Replicate": replica_wire.decode_chunk}
 
 
 def _method(full_name: str) -> str:
@@ -115,7 +119,7 @@ class MessageBounds(grpc.ServerInterceptor):  # type: ignore[misc]
             return None
         method = _method(details.method)
         bound = REQUEST_BYTES.get(method, SMALL_REQUEST_BYTES)
-        parse = handler.request_deserializer or bytes  # None: the bytes as they are
+        parse = PARSERS.get(method) or handler.request_deserializer or bytes  # None: as they are
 
         def bounded(data: bytes) -> Any:
             return _TooLarge(len(data)) if len(data) > bound else parse(data)

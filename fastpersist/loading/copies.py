@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Container
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
 from ..format.bounds import MAX_MANIFEST_BYTES
@@ -34,25 +35,34 @@ from ..tensors.source import LocalSource, Source
 from ..tier.url import TierURL
 from .chain import Copy, NoCopy, Opened, identity_of
 
+if TYPE_CHECKING:  # the daemon's client (grpc) is imported only when one is asked
+    from .._proto import fastpersist_pb2 as pb
+
 DISK = "disk"
+
+
+def ask_daemon(daemon: str, path: Path, what: str, timeout: float) -> tuple[pb.InfoResponse, str]:
+    """The daemon's Info and `path` relative to its root; NoCopy (naming
+    `what` was wanted) where it cannot be asked."""
+    from ..protocol.client import DaemonClient
+
+    try:
+        client = DaemonClient(daemon)
+        try:
+            return client.info(cached=True, timeout=timeout), client.relative(path)
+        finally:
+            client.close()
+    except CheckpointError as exc:
+        raise NoCopy(f"cannot ask fastpersistd for its {what}: {exc}") from None
 
 
 def _peers_of(daemon: str, path: Path) -> tuple[list[str], str]:
     """The addresses of the peers of the daemon at `daemon` (its --peer
     list, as its Info reports it), and `path` relative to its root, as each
     peer keeps it; NoCopy where there are none or it cannot be asked."""
-    from ..protocol.client import DaemonClient
     from ..tensors import peer_read
 
-    try:
-        client = DaemonClient(daemon)
-        try:
-            info = client.info(cached=True, timeout=peer_read.LOOKUP_TIMEOUT)
-            relative = client.relative(path)
-        finally:
-            client.close()
-    except CheckpointError as exc:
-        raise NoCopy(f"cannot ask fastpersistd for its peers: {exc}") from None
+    info, relative = ask_daemon(daemon, path, "peers", peer_read.LOOKUP_TIMEOUT)
     if not info.peers:
         raise NoCopy(f"fastpersistd at {daemon} has no peers")
     return [p if "://" in p else f"https://{p}" for p in info.peers], relative
@@ -135,18 +145,9 @@ def daemon_tier(daemon: str, path: Path) -> TierURL:
     """The URL under which fastpersistd's tier keeps the checkpoint at
     `path` (ROOT/REL: PREFIX/REL); NoCopy if the daemon has no tier or
     cannot be asked."""
-    from ..protocol.client import DaemonClient
     from ..tensors.memory_read import LOOKUP_TIMEOUT
 
-    try:
-        client = DaemonClient(daemon)
-        try:
-            info = client.info(cached=True, timeout=LOOKUP_TIMEOUT)
-            relative = client.relative(path)
-        finally:
-            client.close()
-    except CheckpointError as exc:
-        raise NoCopy(f"cannot ask fastpersistd for its tier: {exc}") from None
+    info, relative = ask_daemon(daemon, path, "tier", LOOKUP_TIMEOUT)
     if not info.tier_url:
         raise NoCopy(f"fastpersistd at {daemon} has no --tier")
     try:
@@ -176,4 +177,4 @@ def _store(url: TierURL, endpoint_url: str | None) -> Opened:
                   identity_of(data, *([made_from] if made_from else [])))
 
 
-__all__ = ["DISK", "copies_for", "daemon_tier", "newest_on_peers", "peers_copy"]
+__all__ = ["DISK", "ask_daemon", "copies_for", "daemon_tier", "newest_on_peers", "peers_copy"]

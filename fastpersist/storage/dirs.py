@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -138,3 +140,29 @@ def remove_tree(name: str, dir_fd: int) -> None:
         os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(name, dir_fd=dir_fd)
+
+
+def sweep_unlocked(dir_fd: int, pattern: re.Pattern[str]) -> list[str]:
+    """Remove the directories in `dir_fd` named by `pattern` that nobody holds
+    an flock on (their owner, a daemon that flocks them for its life, died);
+    the names removed. A daemon's copies and replicas in --shm-dir are swept
+    so at its start: another live daemon's, sharing the directory, are kept."""
+    with os.scandir(dir_fd) as entries:
+        names = sorted(e.name for e in entries
+                       if pattern.match(e.name) and e.is_dir(follow_symlinks=False))
+    removed = []
+    for name in names:
+        try:
+            fd = open_dir(name, dir_fd)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if is_entry(name, dir_fd, fd):
+                remove_tree(name, dir_fd)
+                removed.append(name)
+        except OSError:
+            continue  # its daemon is alive, or it is not ours to remove
+        finally:
+            os.close(fd)
+    return removed

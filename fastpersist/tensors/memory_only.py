@@ -17,15 +17,14 @@ the daemon nor the node.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from .. import knobs
 from ..errors import CheckpointError, ManifestError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..protocol.client import DaemonClient
-from ..protocol.shm import COPY_NAME
 from ..storage.retention import step_of
+from . import memory_read
 from .memory_read import LOOKUP_TIMEOUT, MemorySource
 
 
@@ -35,25 +34,11 @@ def find(address: str, path: Path, timeout: float = LOOKUP_TIMEOUT
     holds one there; else (None, why not)."""
     if (path / MANIFEST_NAME).exists():
         return None, f"a checkpoint is committed on disk at {path}"
-    deadline = time.monotonic() + timeout
-    try:
-        client = DaemonClient(address)
-    except CheckpointError as exc:
-        return None, str(exc)
-    try:
-        client.info(cached=True, timeout=timeout)
-        reply = client.memory_copy(client.relative(path),
-                                   max(0.05, deadline - time.monotonic()))
-    except CheckpointError as exc:  # down, slow, older than MemoryCopy, outside its root
-        return None, str(exc)
-    finally:
-        client.close()
-    if not reply.directory:
-        return None, reply.reason
+    reply, why = memory_read.ask_copy(address, path, timeout)
+    if reply is None:
+        return None, why
     if not reply.memory_only:
         return None, "fastpersistd's copy is of a checkpoint on disk, which is not there"
-    if not COPY_NAME.match(reply.directory):
-        return None, f"fastpersistd named a copy {reply.directory[:80]!r}, not one of its own"
     try:
         manifest = Manifest.from_json(reply.manifest, str(path))
     except ManifestError as exc:

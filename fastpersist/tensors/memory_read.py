@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from .. import knobs
+from .._proto import fastpersist_pb2 as pb
 from ..checksum import crc32c
 from ..engine import Engine, Segment, get_engine
 from ..errors import CheckpointError, ManifestError
@@ -151,10 +152,11 @@ class MemorySource:
         return self._files.read_ranges(f, segments, checksum=checksum)
 
 
-def find(address: str, path: Path, timeout: float = LOOKUP_TIMEOUT
-         ) -> tuple[MemorySource | None, str]:
-    """(the daemon's memory copy of the checkpoint at `path`, "") if the
-    daemon at `address` holds a valid one; else (None, why not)."""
+def ask_copy(address: str, path: Path, timeout: float = LOOKUP_TIMEOUT
+             ) -> tuple[pb.MemoryCopyResponse | None, str]:
+    """MemoryCopy of `path` from the daemon at `address`, within `timeout`:
+    (its reply, naming one of its copies, "") or (None, why not). find()
+    and memory_only.find() ask this way, and check the manifest each its way."""
     deadline = time.monotonic() + timeout
     try:
         client = DaemonClient(address)
@@ -172,6 +174,16 @@ def find(address: str, path: Path, timeout: float = LOOKUP_TIMEOUT
         return None, reply.reason
     if not COPY_NAME.match(reply.directory):
         return None, f"fastpersistd named a copy {reply.directory[:80]!r}, not one of its own"
+    return reply, ""
+
+
+def find(address: str, path: Path, timeout: float = LOOKUP_TIMEOUT
+         ) -> tuple[MemorySource | None, str]:
+    """(the daemon's memory copy of the checkpoint at `path`, "") if the
+    daemon at `address` holds a valid one; else (None, why not)."""
+    reply, why = ask_copy(address, path, timeout)
+    if reply is None:
+        return None, why
     here = _manifest_bytes(path)
     if here != reply.manifest:
         return None, "the manifest at the path is not the one the daemon holds a copy of"
@@ -192,4 +204,4 @@ def _manifest_bytes(path: Path) -> bytes | None:
     return data if len(data) <= MAX_MANIFEST_BYTES else None
 
 
-__all__ = ["LOOKUP_TIMEOUT", "MemorySource", "find"]
+__all__ = ["LOOKUP_TIMEOUT", "MemorySource", "ask_copy", "find"]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import grpc
@@ -65,6 +65,7 @@ LOOKUP_TIMEOUT = 5.0  # Replicas: a peer that does not answer in this long is pa
 READ_TIMEOUT = 600.0  # one ReadReplica stream
 MAX_RANGES = 4096  # per ReadReplica (the daemon's limit)
 THREADS = 4  # data files read at once
+GRACE = 1.0  # past LOOKUP_TIMEOUT: for a call's own deadline to fire and be reported
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,8 @@ def find(addresses: Sequence[str], path: str, node: str | None = None,
          timeout: float = LOOKUP_TIMEOUT) -> tuple[PeerSource | None, str]:
     """A PeerSource of the newest complete replica of `path` (of `node`, if
     given) that any of the peers holds; else (None, why not)."""
-    found: list[PeerReplica] = []
-    why: list[str] = []
-    for address in addresses:
-        try:
-            found += [r for r in replicas(address, timeout) if r.complete and r.path == path
-                      and (node is None or r.node == node)]
-        except CheckpointError as exc:
-            why.append(str(exc))
+    held_, why = held(addresses, timeout)
+    found = [r for r in held_ if r.path == path and (node is None or r.node == node)]
     if not found:
         return None, "; ".join(why) or f"no peer holds a replica of {path}"
     return PeerSource(max(found, key=lambda r: r.committed_unix)), ""
@@ -116,12 +111,25 @@ def find(addresses: Sequence[str], path: str, node: str | None = None,
 def held(addresses: Sequence[str], timeout: float = LOOKUP_TIMEOUT
          ) -> tuple[list[PeerReplica], list[str]]:
     """The complete replicas the daemons at `addresses` hold, and why the
-    ones that did not answer did not."""
+    ones that did not answer did not. All are asked at once, with one
+    deadline: a peer that is down or blackholed costs `timeout` in all,
+    not one each (a latest() on a node whose disk is gone asks them all)."""
+    if not addresses:
+        return [], []
+    pool = ThreadPoolExecutor(len(addresses), thread_name_prefix="fastpersist-peers")
+    try:
+        asked = [pool.submit(replicas, address, timeout) for address in addresses]
+        wait(asked, timeout=timeout + GRACE)
+    finally:
+        pool.shutdown(wait=False)  # one still waiting ends at its own (the same) timeout
     found: list[PeerReplica] = []
     why: list[str] = []
-    for address in addresses:
+    for address, future in zip(addresses, asked, strict=True):
+        if not future.done():
+            why.append(f"peer {address} did not answer within {timeout} s")
+            continue
         try:
-            found += [r for r in replicas(address, timeout) if r.complete]
+            found += [r for r in future.result() if r.complete]
         except CheckpointError as exc:
             why.append(str(exc))
     return found, why

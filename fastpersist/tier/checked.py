@@ -96,10 +96,15 @@ class CheckedFile:
     def read(self, offset: int, n: int) -> bytearray:
         """Bytes [offset, offset + n), which must follow the last read's: checked
         where a CRC32C covers them, zeros between."""
+        buf = bytearray(n)
+        self.read_into(offset, memoryview(buf))
+        return buf
+
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """read(offset, len(view)) into view (a buffer reused from read to read)."""
         if offset != self.pos:
             raise ValueError(f"read at {offset}, expected {self.pos}: reads go in order")
-        buf = bytearray(n)
-        view = memoryview(buf)
+        n = len(view)
         got = 0
         while got < n:
             k = os.preadv(self.fd, [view[got:]], offset + got)
@@ -115,7 +120,7 @@ class CheckedFile:
             s = self.spans[i]
             lo, hi = max(s.start, offset), min(s.end, end)
             if lo > covered:
-                buf[covered - offset:lo - offset] = bytes(lo - covered)
+                view[covered - offset:lo - offset] = bytes(lo - covered)
             crc = crc32c(view[lo - offset:hi - offset])
             s.got = crc32c_combine(s.got, crc, hi - lo) if s.seen else crc
             s.seen += hi - lo
@@ -130,9 +135,8 @@ class CheckedFile:
             i += 1
         self.next = i
         if covered < end:
-            buf[covered - offset:] = bytes(end - covered)
+            view[covered - offset:] = bytes(end - covered)
         self.pos = end
-        return buf
 
 
 __all__ = ["HEADER", "CheckedFile", "LocalCorruption", "spans"]
