@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .errors import UnsupportedPathError
 from .knobs import current as current_knobs
 from .loading.load import load_from, source_for
 from .saving import registry as pipelines
@@ -22,7 +23,7 @@ from .saving.pipeline import SavePipeline
 from .saving.sink import Sink
 from .tensors import packed
 from .tensors.factory import MapLocation
-from .tier.url import TierURL
+from .tier.url import TierURL, is_tier_url
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
@@ -65,7 +66,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     checking the same CRC32Cs (README "Compression").
     """
     packed.check_compression(compression)
-    pipeline_for(daemon, process_group, node_local).save_blocking(
+    pipeline_for(daemon, process_group, node_local, store=is_tier_url(path)).save_blocking(
         obj, path, allow_pickle=allow_pickle, compression=compression)
 
 
@@ -150,11 +151,22 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
 
 
 def sink_for(daemon: str | None = None, process_group: Any = None,
-             node_local: bool = False) -> Sink:
-    """The destination of a save: a torch.distributed job's (process_group;
-    "world" or torch.distributed.group.WORLD for the default group), through
+             node_local: bool = False, *, store: bool = False) -> Sink:
+    """The destination of a save: an object store (store=True: the target is
+    an s3:// URL; this process writes it, whatever FASTPERSIST_DAEMON says), a
+    torch.distributed job's (process_group; "world" or
+    torch.distributed.group.WORLD for the default group), through
     fastpersistd at `daemon` (None: FASTPERSIST_DAEMON, if set; "": in-process),
     or this process's local files."""
+    if store:
+        if process_group is not None or node_local or daemon:
+            raise UnsupportedPathError(
+                "a save to s3:// is written by this process; a distributed job or fastpersistd "
+                "saves to a shared filesystem and uploads it: Checkpointer(root, tier='s3://..."
+                "'), fastpersistd --tier")
+        from .saving.store_sink import StoreSink
+
+        return StoreSink()
     address = current_knobs().daemon if daemon is None else daemon
     if process_group is not None:
         from .distributed.sink import DistributedSink
@@ -172,10 +184,15 @@ def sink_for(daemon: str | None = None, process_group: Any = None,
 
 def pipeline_for(daemon: str | None = None, process_group: Any = None,
                  node_local: bool = False, *, max_in_flight: int | None = None,
-                 shared: bool = True) -> SavePipeline:
+                 shared: bool = True, store: bool = False) -> SavePipeline:
     """The save pipeline to sink_for's destination: the process-wide one for
     it (save, async_save, prepare_staging), or with shared=False a new one
     (a Checkpointer's, an integration's), holding staging of its own."""
+    if store:  # one store sink serves every URL
+        def make() -> SavePipeline:
+            return SavePipeline(sink_for(daemon, process_group, node_local, store=True),
+                                max_in_flight)
+        return pipelines.shared(("store",), make) if shared else make()
     if not shared:
         return SavePipeline(sink_for(daemon, process_group, node_local), max_in_flight)
     address = current_knobs().daemon if daemon is None else daemon
@@ -227,6 +244,6 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     without it.
     """
     packed.check_compression(compression)
-    return pipeline_for(daemon, process_group, node_local).save(
+    return pipeline_for(daemon, process_group, node_local, store=is_tier_url(path)).save(
         obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot,
         compression=compression)

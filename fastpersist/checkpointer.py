@@ -56,7 +56,6 @@ from .api import load, load_from_tier, pipeline_for
 from .cadence import MEMORY, Cadence, load_memory_only, memory_steps
 from .errors import (
     CheckpointError,
-    CheckpointExistsError,
     CorruptCheckpointError,
     MemoryTierError,
     PostCommitError,
@@ -70,6 +69,7 @@ from .resume import (
     newest_local,
     not_found,
     problem,
+    refuse_existing,
     step_dirs,
 )
 from .saving.futures import SaveFuture
@@ -77,6 +77,7 @@ from .storage.local_path import checkpoint_path
 from .storage.retention import AfterCommit, apply_at, step_of
 from .tensors import packed
 from .tensors.factory import MapLocation
+from .tier.url import is_tier_url
 
 if TYPE_CHECKING:
     from .tier.mirror import Mirror
@@ -120,6 +121,12 @@ class Checkpointer:
     memory_every, disk_every, tier_every: the cadences (cadence.py): steps
         kept in fastpersistd's memory only, written to disk, and uploaded.
     """
+
+    def __new__(cls, root: str | os.PathLike[str], **kwargs: Any) -> Any:
+        if cls is Checkpointer and is_tier_url(root):  # saved straight to the store
+            from .store_checkpointer import StoreCheckpointer
+            return StoreCheckpointer(str(root), **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
                  keep_every: int | None = None, max_in_flight: int = 1,
@@ -183,7 +190,9 @@ class Checkpointer:
             raise ValueError("step must be >= 0")
         where = self.cadence.durability(step, durability)
         if not overwrite:
-            self._refuse_existing(step)
+            existing = [e for s, e in step_dirs(self.root) if s == step]
+            refuse_existing(step, existing[0] if existing else None, self._saving.get(step),
+                            self.path_for(step))
         if where == MEMORY:  # no `latest`, retention or upload: those are the disk's
             future = self._pipeline.save(state, self.path_for(step), durability=MEMORY,
                                          allow_pickle=self.allow_pickle,
@@ -193,16 +202,6 @@ class Checkpointer:
         self._saving = {s: f for s, f in self._saving.items() if not f.done()}
         self._saving[step] = future
         return future
-
-    def _refuse_existing(self, step: int) -> None:
-        existing = [e for s, e in step_dirs(self.root) if s == step]
-        pending = self._saving.get(step)
-        if existing or (pending is not None and not pending.done()):
-            where = existing[0] if existing else self.path_for(step)
-            raise CheckpointExistsError(
-                f"step {step} is already saved at {where}"
-                f"{'' if existing else ' (its save is in flight)'}; a resumed loop starts at "
-                "the step after the one it loaded; pass overwrite=True to replace it")
 
     def _save(self, step: int, state: Any, wait_for_snapshot: bool) -> SaveFuture:
         if self._mirror is None:  # whoever commits applies the policy

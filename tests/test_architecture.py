@@ -46,6 +46,7 @@ ROOMS = {
     "fastpersist.daemon": "daemon",
     "fastpersist.api": "api", "fastpersist.checkpointer": "api", "fastpersist.resume": "api",
     "fastpersist.cadence": "api",
+    "fastpersist.store_checkpointer": "api",  # Checkpointer("s3://..."): saved to the store
     "fastpersist.adapters": "api",  # the adapters' contract (integrations/ import it)
     "fastpersist.cli": "cli",
     "fastpersist.integrations": "integrations",
