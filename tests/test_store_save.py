@@ -262,3 +262,9 @@ def test_checkpointer_in_the_store_refuses_what_it_cannot_do(s3: Any,
         fastpersist.Checkpointer(f"{s3.url}/run", **option)
     with pytest.raises(StoreURLError, match="no bucket"):
         fastpersist.Checkpointer("s3:///run")
+
+
+def test_a_state_without_tensors_and_an_empty_one(s3: Any) -> None:
+    for name, state in (("plain", {"step": 3, "name": "x", "lr": [0.1, 0.2]}), ("empty", {})):
+        fastpersist.save(state, f"{s3.url}/{name}")
+        assert fastpersist.load(f"{s3.url}/{name}") == state
