@@ -152,6 +152,22 @@ def test_server_errors_are_retried_then_raised_leaving_nothing(
     assert _equal(fastpersist.load(f"{s3.url}/step-1"), _state(1))
 
 
+def test_every_part_and_the_manifest_carry_a_checksum_the_store_checks(
+        s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """boto3 (>= 1.36) sends each part's CRC32 (x-amz-checksum-crc32), which S3
+    checks before it stores the part: a part damaged on the way is refused."""
+    seen: list[tuple[str, str]] = []
+    with FaultProxy(s3.endpoint) as proxy:
+        proxy.schedule = lambda req: seen.append(  # type: ignore[func-returns-value]
+            (req.operation, req.headers.get("x-amz-checksum-crc32", ""))) or None
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        fastpersist.save(_state(1), f"{s3.url}/step-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    sent = [(op, crc) for op, crc in seen if op in ("UploadPart", "PutObject")]
+    assert [op for op, _ in sent].count("UploadPart") == 3  # 12 MiB and a header, 5 MiB parts
+    assert all(crc for _, crc in sent), sent
+
+
 _SAVER = textwrap.dedent("""
     import sys, torch, fastpersist
     sys.path.insert(0, sys.argv[1])
