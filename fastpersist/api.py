@@ -64,6 +64,11 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     this process, each rank, or the daemon); the data files are then packed
     files (data-NNNNN.fpz), not safetensors. Loads decode them transparently,
     checking the same CRC32Cs (README "Compression").
+
+    `path` may be "s3://BUCKET/PREFIX": the checkpoint is written straight to
+    the object store by this process (the standard AWS configuration), no
+    local file; durable when save returns means its manifest's conditional
+    put succeeded (docs/guides/tier.md, "Saving straight to the object store").
     """
     packed.check_compression(compression)
     pipeline_for(daemon, process_group, node_local, store=is_tier_url(path)).save_blocking(
@@ -241,7 +246,8 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
 
     compression="zstd": as in fastpersist.save; the background thread (or
     the daemon) compresses, the caller's stall is the snapshot's copy as
-    without it.
+    without it. "s3://BUCKET/PREFIX": as in fastpersist.save; the background
+    thread streams the staged files up.
     """
     packed.check_compression(compression)
     return pipeline_for(daemon, process_group, node_local, store=is_tier_url(path)).save(

@@ -5,8 +5,8 @@ between its planner and its storage.
 A Sink is one kind of destination, for the life of a pipeline: local files
 (local.py), fastpersistd (remote.py), a torch.distributed job
 (distributed/sink.py), an object store (store_sink.py). Each save is a
-SinkJob. Call sequence (caller = the
-thread that calls save, writer = the pipeline's writer thread):
+SinkJob. Call sequence (caller = the thread that calls save, writer = the
+pipeline's writer thread):
 
     caller  1. planned = sink.plan(obj, request)    flatten and plan the state
                                                     (quick, raises early)
