@@ -25,7 +25,7 @@ from .saving.pipeline import SavePipeline
 from .saving.sink import Sink
 from .tensors import packed
 from .tensors.factory import MapLocation
-from .tier.url import TierURL
+from .tier.url import TierURL, is_tier_url
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
@@ -78,6 +78,11 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     torch.save's format, written buffered and not fsynced. Single files are
     written by this process (not a daemon) and take none of daemon,
     process_group, node_local or compression (TypeError if given).
+
+    `path` may be "s3://BUCKET/PREFIX": the checkpoint is written straight to
+    the object store by this process (the standard AWS configuration), no
+    local file; durable when save returns means its manifest's conditional
+    put succeeded (docs/guides/tier.md, "Saving straight to the object store").
     """
     if is_file_target(path):
         save_file(obj, path, allow_pickle=allow_pickle, options={
@@ -85,7 +90,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
             "compression": compression})
         return
     packed.check_compression(compression)
-    pipeline_for(daemon, process_group, node_local).save_blocking(
+    pipeline_for(daemon, process_group, node_local, store=is_tier_url(path)).save_blocking(
         obj, path, allow_pickle=allow_pickle, compression=compression)
 
 
@@ -185,11 +190,22 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
 
 
 def sink_for(daemon: str | None = None, process_group: Any = None,
-             node_local: bool = False) -> Sink:
-    """The destination of a save: a torch.distributed job's (process_group;
-    "world" or torch.distributed.group.WORLD for the default group), through
+             node_local: bool = False, *, store: bool = False) -> Sink:
+    """The destination of a save: an object store (store=True: the target is
+    an s3:// URL; this process writes it, whatever FASTPERSIST_DAEMON says), a
+    torch.distributed job's (process_group; "world" or
+    torch.distributed.group.WORLD for the default group), through
     fastpersistd at `daemon` (None: FASTPERSIST_DAEMON, if set; "": in-process),
     or this process's local files."""
+    if store:
+        if process_group is not None or node_local or daemon:
+            raise UnsupportedPathError(
+                "a save to s3:// is written by this process; a distributed job or fastpersistd "
+                "saves to a shared filesystem and uploads it: Checkpointer(root, tier='s3://..."
+                "'), fastpersistd --tier")
+        from .saving.store_sink import StoreSink
+
+        return StoreSink()
     address = current_knobs().daemon if daemon is None else daemon
     if process_group is not None:
         from .distributed.sink import DistributedSink
@@ -207,10 +223,15 @@ def sink_for(daemon: str | None = None, process_group: Any = None,
 
 def pipeline_for(daemon: str | None = None, process_group: Any = None,
                  node_local: bool = False, *, max_in_flight: int | None = None,
-                 shared: bool = True) -> SavePipeline:
+                 shared: bool = True, store: bool = False) -> SavePipeline:
     """The save pipeline to sink_for's destination: the process-wide one for
     it (save, async_save, prepare_staging), or with shared=False a new one
     (a Checkpointer's, an integration's), holding staging of its own."""
+    if store:  # one store sink serves every URL
+        def make() -> SavePipeline:
+            return SavePipeline(sink_for(daemon, process_group, node_local, store=True),
+                                max_in_flight)
+        return pipelines.shared(("store",), make) if shared else make()
     if not shared:
         return SavePipeline(sink_for(daemon, process_group, node_local), max_in_flight)
     address = current_knobs().daemon if daemon is None else daemon
@@ -259,7 +280,8 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
 
     compression="zstd": as in fastpersist.save; the background thread (or
     the daemon) compresses, the caller's stall is the snapshot's copy as
-    without it.
+    without it. "s3://BUCKET/PREFIX": as in fastpersist.save; the background
+    thread streams the staged files up.
     """
     if is_file_target(path):
         raise UnsupportedPathError(
@@ -267,6 +289,6 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
             "(a file object or a .pt/.pth/.bin/.safetensors name): use save() for it, or "
             "a directory name")
     packed.check_compression(compression)
-    return pipeline_for(daemon, process_group, node_local).save(
+    return pipeline_for(daemon, process_group, node_local, store=is_tier_url(path)).save(
         obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot,
         compression=compression)

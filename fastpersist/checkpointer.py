@@ -57,7 +57,6 @@ from .api import load, load_from_tier, pipeline_for
 from .cadence import MEMORY, Cadence, load_memory_only, memory_steps
 from .checkpointer_base import CheckpointerBase
 from .errors import (
-    CheckpointExistsError,
     CorruptCheckpointError,
     MemoryTierError,
     PostCommitError,
@@ -72,6 +71,7 @@ from .resume import (
     newest_local,
     not_found,
     problem,
+    refuse_existing,
     step_dirs,
 )
 from .saving.futures import SaveFuture
@@ -79,6 +79,7 @@ from .storage.local_path import checkpoint_path
 from .storage.retention import AfterCommit, apply_at, step_of
 from .tensors import packed
 from .tensors.factory import MapLocation
+from .tier.url import is_tier_url
 
 if TYPE_CHECKING:
     from .tier.mirror import Mirror
@@ -125,6 +126,12 @@ class Checkpointer(CheckpointerBase):
     keep_best, best_metric, best_mode ("min"/"max"): also keep the keep_best
         checkpoints with the best metrics=[best_metric] (keep_best.py).
     """
+
+    def __new__(cls, root: str | os.PathLike[str], **kwargs: Any) -> Any:
+        if cls is Checkpointer and is_tier_url(root):  # saved straight to the store
+            from .store_checkpointer import StoreCheckpointer
+            return StoreCheckpointer(str(root), **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
                  keep_every: int | None = None, max_in_flight: int = 1,
@@ -197,7 +204,9 @@ class Checkpointer(CheckpointerBase):
             raise ValueError("step must be >= 0")
         where = self.cadence.durability(step, durability)
         if not overwrite:
-            self._refuse_existing(step)
+            existing = [e for s, e in step_dirs(self.root) if s == step]
+            refuse_existing(step, existing[0] if existing else None, self._saving.get(step),
+                            self.path_for(step))
         self.metrics.record(step, metrics, disk=where != MEMORY, in_flight=self._saving)
         if where == MEMORY:  # no `latest`, retention or upload: those are the disk's
             future = self._pipeline.save(state, self.path_for(step), durability=MEMORY,
@@ -221,16 +230,6 @@ class Checkpointer(CheckpointerBase):
             self._saved = ({s for s, _ in step_dirs(self.root)} | set(self.memory_steps())
                            | set(self._saving))
         return step not in self._saved
-
-    def _refuse_existing(self, step: int) -> None:
-        existing = [e for s, e in step_dirs(self.root) if s == step]
-        pending = self._saving.get(step)
-        if existing or (pending is not None and not pending.done()):
-            where = existing[0] if existing else self.path_for(step)
-            raise CheckpointExistsError(
-                f"step {step} is already saved at {where}"
-                f"{'' if existing else ' (its save is in flight)'}; a resumed loop starts at "
-                "the step after the one it loaded; pass overwrite=True to replace it")
 
     def _save(self, step: int, state: Any, wait_for_snapshot: bool) -> SaveFuture:
         if self._mirror is None and not self.metrics.keep_best:  # whoever commits applies it

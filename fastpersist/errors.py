@@ -114,6 +114,20 @@ class TierError(CheckpointError):
     upload succeeds."""
 
 
+class StoreURLError(TierError, ValueError):
+    """An s3:// URL that names no checkpoint in a store: no bucket, or a key
+    component that is empty, `.`, `..` or holds a backslash or control character."""
+
+
+class StoreCredentialsError(TierError, PermissionError):
+    """No credentials for the object store were found (boto3 looked in
+    AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws, roles)."""
+
+
+class BucketNotFoundError(TierError, CheckpointNotFoundError):
+    """The bucket an s3:// URL names does not exist in the store."""
+
+
 class MemoryTierError(CheckpointError):
     """A memory-only save (kept in fastpersistd's memory tier, not written to
     disk) that the tier cannot hold: the tier is off, or the checkpoint does

@@ -20,9 +20,14 @@ import warnings
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from .format.manifest import MANIFEST_NAME
 from .storage.retention import LATEST, step_of
 from .tensors.committed import damage, read_manifest
@@ -209,9 +214,21 @@ def _daemon_store(daemon: str, root: Path) -> tuple[S3, TierURL] | None:
     return client_for(None), url
 
 
-def not_found(root: Path, skipped: list[Skipped], where: str = "") -> CheckpointNotFoundError:
+def not_found(root: Path | str, skipped: list[Skipped], where: str = ""
+              ) -> CheckpointNotFoundError:
     """No checkpoint to resume from; naming the ones that were passed over."""
     why = ""
     if skipped:
         why = "; passed over: " + "; ".join(f"{s.path} ({s.reason})" for s in skipped)
     return CheckpointNotFoundError(f"no usable committed checkpoint under {root}{where}{why}")
+
+
+def refuse_existing(step: int, existing: Path | str | None, pending: Any,
+                    path: Path | str) -> None:
+    """CheckpointExistsError if `step` is saved (at `existing`) or its save
+    (`pending`, a SaveFuture) is in flight: a step is saved once."""
+    if existing is not None or (pending is not None and not pending.done()):
+        raise CheckpointExistsError(
+            f"step {step} is already saved at {existing or path}"
+            f"{'' if existing else ' (its save is in flight)'}; a resumed loop starts at "
+            "the step after the one it loaded; pass overwrite=True to replace it")

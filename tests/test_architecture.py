@@ -48,6 +48,7 @@ ROOMS = {
     "fastpersist.api": "api", "fastpersist.checkpointer": "api", "fastpersist.resume": "api",
     "fastpersist.cadence": "api", "fastpersist.keep_best": "api",
     "fastpersist.checkpointer_base": "api",
+    "fastpersist.store_checkpointer": "api",  # Checkpointer("s3://..."): saved to the store
     "fastpersist.adapters": "api",  # the adapters' contract (integrations/ import it)
     "fastpersist.cli": "cli",
     "fastpersist.integrations": "integrations",

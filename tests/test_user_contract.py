@@ -29,8 +29,8 @@ from fastpersist import (
 )
 from fastpersist.tensors.committed import read_manifest
 
-URLS = ["s3://bucket/run/step-1", "gs://bucket/x", "https://example.com/ckpt", "file:///tmp/x",
-        "S3://Bucket/x"]
+# s3://BUCKET/PREFIX (lower case) is saved to the store (tests/test_store_save.py).
+URLS = ["gs://bucket/x", "https://example.com/ckpt", "file:///tmp/x", "S3://Bucket/x"]
 
 
 def state(step: int) -> dict[str, Any]:
@@ -62,9 +62,12 @@ def test_the_s3_error_says_how_to_use_the_tier(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedPathError) as info:
-        fastpersist.save(state(1), "s3://bucket/run/step-1")
+        fastpersist.save(state(1), "S3://bucket/run/step-1")
     message = str(info.value)
-    assert "tier='s3://bucket/run/step-1'" in message and "fastpersistd --tier" in message
+    assert "tier='S3://bucket/run/step-1'" in message and "fastpersistd --tier" in message
+    # Through fastpersistd or a distributed job, an s3:// save says what to do instead.
+    with pytest.raises(UnsupportedPathError, match=r"tier=.*fastpersistd --tier"):
+        fastpersist.save(state(1), "s3://bucket/run/step-1", daemon="unix:///x.sock")
     with pytest.raises(UnsupportedPathError, match="pass the path itself"):
         fastpersist.save(state(1), "file:///tmp/x")
 

@@ -81,6 +81,7 @@ class DistributedJob:
 
 class DistributedSink:
     collective = True
+    takes_urls = False
 
     def __init__(self, group: dist.ProcessGroup | None, *, node_local: bool = False,
                  daemon: str = "") -> None:
@@ -101,7 +102,7 @@ class DistributedSink:
     def begin(self, planned: Any, request: SaveRequest) -> DistributedJob:
         if request.durability != "disk":
             raise ValueError("a distributed save cannot be memory-only")
-        job = Save(self.co, planned, request.target, self.storage, node_local=self.node_local,
+        job = Save(self.co, planned, request.path, self.storage, node_local=self.node_local,
                    allow_pickle=request.allow_pickle, aborted=request.aborted,
                    after_commit=request.after_commit, compression=request.compression)
         job.prepare()  # raises the same error on every rank

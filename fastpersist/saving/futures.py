@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CheckpointAbortedError, CheckpointError
+from ..tier.url import TierURL
 
 # Put on a saver's queues: no more items (the end of a save's files, or of the
 # writer thread's jobs).
@@ -38,7 +39,7 @@ class Waiter(Protocol):
 class SaveFuture:
     """The result of async_save. `result()` returns once the checkpoint is durable."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | TierURL) -> None:  # a URL: saved to a store
         self.path = path
         self._future: Future[None] = Future()
         self._snapshot_done = threading.Event()

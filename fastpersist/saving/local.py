@@ -69,6 +69,7 @@ class LocalSink:
     collective = False
     leader = True  # this process commits
     writes_in_process = True
+    takes_urls = False
 
     def __init__(self, pool: StagingPool | None = None) -> None:
         self.pool = pool or StagingPool()
@@ -84,7 +85,7 @@ class LocalSink:
             raise ValueError("a memory-only save is kept by fastpersistd: save through it")
         tree, stored = planned
         files, budget = cut(stored, request)
-        writer = CheckpointWriter.begin(request.target, tree, stored, request.compression)
+        writer = CheckpointWriter.begin(request.path, tree, stored, request.compression)
         return LocalJob(writer, files, budget, request)
 
     def close(self) -> None:

@@ -43,13 +43,12 @@ from .. import gcpause
 from ..background import lower_this_thread
 from ..errors import CheckpointError
 from ..knobs import current as current_knobs
-from ..storage.local_path import checkpoint_path
 from ..storage.retention import AfterCommit
 from . import preemption
 from .files import StagedFiles
 from .futures import STOP, SaveFuture, observe_aborts, raise_failure_of, take_unobserved_failure
 from .registry import register
-from .sink import SaveRequest, Sink, SinkJob
+from .sink import SaveRequest, Sink, SinkJob, target_of
 from .snapshot import FilePlan, StagedFile, needs_pinned, stage_file
 
 T = TypeVar("T")
@@ -186,8 +185,9 @@ class SavePipeline:
                  compression: str | None, overlap_writes: bool,
                  after_commit: AfterCommit | None, on_commit: Callable[[Path], None] | None,
                  durability: str = "disk") -> SaveRequest:
-        return SaveRequest(checkpoint_path(path), allow_pickle, compression, overlap_writes,
-                           after_commit, on_commit, self._abort.is_set, durability=durability)
+        return SaveRequest(target_of(path, self.sink.takes_urls), allow_pickle, compression,
+                           overlap_writes, after_commit, on_commit, self._abort.is_set,
+                           durability=durability)
 
     def _entered(self, save: Callable[[], T]) -> T:
         """Run one save() call: refused once closed, and marked as running on this

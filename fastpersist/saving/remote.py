@@ -83,7 +83,7 @@ class DaemonJob:
             raise error
         self.handed_over.set()  # also when only the outcome query found it committed
         if self.request.on_commit is not None:
-            self.request.on_commit(self.request.target)
+            self.request.on_commit(self.request.path)
 
     def _hand_over(self, files: StagedFiles, pool: StagingPool) -> None:
         handover, total = self.handover, len(self.files)
@@ -105,6 +105,7 @@ class DaemonSink:
     collective = False
     leader = True  # this process commits
     writes_in_process = False
+    takes_urls = False
 
     def __init__(self, address: str) -> None:
         self.client = DaemonClient(address)
@@ -120,7 +121,7 @@ class DaemonSink:
 
     def begin(self, planned: Planned, request: SaveRequest) -> DaemonJob:
         tree, stored = planned
-        relative = self.client.relative(request.target)
+        relative = self.client.relative(request.path)
         tree_json = json.dumps(tree, allow_nan=False)
         files, budget = cut(stored, request)
         staged_bytes = sum(f.nbytes for f in files if f.staged)

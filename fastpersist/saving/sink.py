@@ -4,8 +4,9 @@ between its planner and its storage.
 
 A Sink is one kind of destination, for the life of a pipeline: local files
 (local.py), fastpersistd (remote.py), a torch.distributed job
-(distributed/sink.py). Each save is a SinkJob. Call sequence (caller = the
-thread that calls save, writer = the pipeline's writer thread):
+(distributed/sink.py), an object store (store_sink.py). Each save is a
+SinkJob. Call sequence (caller = the thread that calls save, writer = the
+pipeline's writer thread):
 
     caller  1. planned = sink.plan(obj, request)    flatten and plan the state
                                                     (quick, raises early)
@@ -34,12 +35,16 @@ blocking save (no staging, no copy).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..errors import StoreURLError
+from ..storage.local_path import checkpoint_path
 from ..storage.retention import AfterCommit
+from ..tier.url import TierURL, is_tier_url
 from .files import StagedFiles
 from .snapshot import FilePlan
 from .staging import StagingPool
@@ -49,7 +54,8 @@ from .staging import StagingPool
 class SaveRequest:
     """One save's options, as the pipeline took them at the call."""
 
-    target: Path
+    # A local path; an s3:// URL only for a sink that takes_urls (store_sink.py).
+    target: Path | TierURL
     allow_pickle: bool = False
     compression: str | None = None
     # Hand each file to the writer as soon as it is copied (a blocking save,
@@ -69,6 +75,26 @@ class SaveRequest:
     # "memory": kept in fastpersistd's memory tier only, not written to disk
     # (a daemon sink only; Checkpointer's memory_every).
     durability: str = "disk"
+
+    @property
+    def path(self) -> Path:
+        """The local target, for a sink that takes no URLs (never given one)."""
+        if not isinstance(self.target, Path):
+            raise TypeError(f"{self.target} is not a local path")
+        return self.target
+
+
+def target_of(path: str | os.PathLike[str], takes_urls: bool) -> Path | TierURL:
+    """A save's target: an s3:// URL, for a sink that takes them (StoreURLError
+    if it names no bucket or has a bad key component), else an absolute path
+    (storage/local_path.py, which refuses every URL with a hint)."""
+    text = os.fspath(path)
+    if takes_urls and isinstance(text, str) and is_tier_url(text):
+        try:
+            return TierURL.parse(text)
+        except ValueError as exc:
+            raise StoreURLError(str(exc)) from None
+    return checkpoint_path(path)
 
 
 class SinkJob(Protocol):
@@ -96,6 +122,10 @@ class Sink(Protocol):
     def writes_in_process(self) -> bool: ...
 
     @property
+    def takes_urls(self) -> bool:
+        """Whether its targets are s3:// URLs (store_sink.py) rather than paths."""
+
+    @property
     def leader(self) -> bool:
         """Whether this process commits (a distributed job: rank 0)."""
 
@@ -110,4 +140,4 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["SaveRequest", "Sink", "SinkJob"]
+__all__ = ["SaveRequest", "Sink", "SinkJob", "target_of"]

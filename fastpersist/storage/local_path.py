@@ -30,8 +30,9 @@ def checkpoint_path(path: str | os.PathLike[str], what: str = "a checkpoint") ->
     if match:
         scheme = match.group(1).lower()
         if scheme == "s3":
-            hint = ("fastpersist writes checkpoints to a local or shared filesystem and copies "
-                    "them to an object store in the background: Checkpointer(root, "
+            hint = ("save() and async_save() in one process write s3://BUCKET/PREFIX (in lower "
+                    "case) straight to the store; fastpersistd and distributed jobs write to a "
+                    "filesystem and copy to the store in the background: Checkpointer(root, "
                     f"tier={text!r}), or fastpersistd --tier {text}; fastpersist.load({text!r}) "
                     "reads them back")
         elif scheme == "file":

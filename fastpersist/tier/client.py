@@ -34,7 +34,14 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CheckpointPermissionError, TierError
+from ..errors import (
+    BucketNotFoundError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointPermissionError,
+    StoreCredentialsError,
+    TierError,
+)
 from ..knobs import current as current_knobs
 from .url import TierURL
 
@@ -67,7 +74,15 @@ def tier_error(exc: BaseException, what: str) -> CheckpointError:
     """The CheckpointError for a failed request while doing `what`."""
     if isinstance(exc, CheckpointError):
         return exc
+    # botocore's exceptions by name: botocore is imported only with a tier.
+    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        return StoreCredentialsError(
+            f"{what}: no credentials for the object store ({exc}); set AWS_ACCESS_KEY_ID "
+            "and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws/credentials, an instance "
+            "role), and AWS_ENDPOINT_URL for an S3-compatible store")
     code = error_code(exc)
+    if code == "NoSuchBucket":
+        return BucketNotFoundError(f"{what}: the bucket does not exist (NoSuchBucket)")
     if code in _NOT_FOUND:
         return CheckpointNotFoundError(f"{what}: not found ({code})")
     if code in _DENIED:
