@@ -45,7 +45,10 @@ _REFUSED = {"daemon": "fastpersistd saves to a filesystem: give it --tier",
             "tier_endpoint": "set AWS_ENDPOINT_URL",
             "compression": "checkpoints go to the store raw",
             **dict.fromkeys(("memory_every", "disk_every", "tier_every"),
-                            "cadences need fastpersistd")}
+                            "cadences need fastpersistd"),
+            **dict.fromkeys(("keep_best", "best_metric"),
+                            "keep-best retention is not kept in a store yet (keep_last, "
+                            "keep_every are)")}
 
 
 class StoreCheckpointer:
@@ -55,7 +58,8 @@ class StoreCheckpointer:
     def __init__(self, root: str, *, keep_last: int | None = None,
                  keep_every: int | None = None, max_in_flight: int = 1,
                  allow_pickle: bool = False, strict: bool = False,
-                 tier_compression: str = "zstd", **others: Any) -> None:
+                 tier_compression: str = "zstd", save_every: int | None = None,
+                 best_mode: str = "min", **others: Any) -> None:
         given = {k: v for k, v in others.items() if v not in (None, "")}
         for name, value in given.items():
             if name not in _REFUSED:
@@ -66,6 +70,12 @@ class StoreCheckpointer:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
             raise ValueError("keep_every must be at least 1")
+        if save_every is not None and (isinstance(save_every, bool)
+                                       or not isinstance(save_every, int) or save_every < 1):
+            raise ValueError(f"save_every must be a whole number of steps >= 1 (or None), "
+                             f"not {save_every!r}")
+        self.save_every = save_every
+        self._saved: set[int] | None = None  # should_save's: listed once, then kept
         try:
             self.url = TierURL.parse(root)
         except ValueError as exc:
@@ -102,7 +112,18 @@ class StoreCheckpointer:
                                      after_commit=self.after_commit)
         self._saving = {s: f for s, f in self._saving.items() if not f.done()}
         self._saving[step] = future
+        if self._saved is not None:
+            self._saved.add(step)
         return future
+
+    def should_save(self, step: int) -> bool:
+        """Checkpointer.should_save: `step` is on save_every's interval (every
+        step without one) and not saved yet, in the store or by this one."""
+        if self.save_every is not None and step % self.save_every:
+            return False
+        if self._saved is None:  # one listing of the store, not one per step
+            self._saved = set(self.steps()) | set(self._saving)
+        return step not in self._saved
 
     def prepare_staging(self, state: Any) -> int:
         return self._pipeline.prepare_staging(state, allow_pickle=self.allow_pickle)

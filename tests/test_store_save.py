@@ -270,8 +270,24 @@ def test_checkpointer_in_the_store_removes_what_killed_saves_of_older_steps_left
     assert _uploads(s3) == ["ckpts/run/step-00000009/data-00000.safetensors"]
 
 
+def test_should_save_in_the_store(s3: Any) -> None:
+    """should_save as Checkpointer's: on save_every's interval and not saved yet,
+    counting steps already in the store (a restarted job) and this one's saves."""
+    root = f"{s3.url}/run"
+    with fastpersist.Checkpointer(root) as first:
+        first.save(4, _small(4)).result()
+    with fastpersist.Checkpointer(root, save_every=2) as ckpt:
+        assert [s for s in range(1, 9) if ckpt.should_save(s)] == [2, 6, 8]
+        ckpt.save(6, _small(6))
+        assert not ckpt.should_save(6)
+        assert ckpt.should_save(8)
+    with pytest.raises(ValueError, match="save_every"):
+        fastpersist.Checkpointer(root, save_every=0)
+
+
 @pytest.mark.parametrize("option", [{"tier": "s3://other/x"}, {"daemon": "unix:///x.sock"},
-                                    {"compression": "zstd"}, {"memory_every": 2}])
+                                    {"compression": "zstd"}, {"memory_every": 2},
+                                    {"keep_best": 2}])
 def test_checkpointer_in_the_store_refuses_what_it_cannot_do(s3: Any,
                                                              option: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=f"{next(iter(option))}=.*object store"):
