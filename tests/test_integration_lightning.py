@@ -315,6 +315,51 @@ def test_a_callable_map_location_is_torchs(tmp_path: Path) -> None:
         assert torch.equal(loaded["state_dict"][k], v * 2), k
 
 
+_TOP_K_CRASH = """
+import os, sys, torch, lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint, Callback
+from fastpersist.integrations.lightning import FastPersistCheckpointIO
+out = sys.argv[1]
+class M(L.LightningModule):
+    def __init__(self): super().__init__(); self.l = torch.nn.Linear(2048, 2048)
+    def training_step(self, b, i): return self.l(b[0]).sum()
+    def configure_optimizers(self): return torch.optim.Adam(self.parameters())
+class Crash(Callback):
+    def on_train_batch_start(self, trainer, *a):
+        if trainer.global_step == 2:  # ModelCheckpoint has saved step 2 and removed step 1
+            os._exit(9)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2048)),
+                                   batch_size=1)
+t = L.Trainer(default_root_dir=out, max_steps=4, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, accelerator="cpu",
+              plugins=[FastPersistCheckpointIO(async_save=True)],
+              callbacks=[ModelCheckpoint(dirpath=out, save_top_k=1, every_n_train_steps=1),
+                         Crash()])
+t.fit(M(), data)
+"""
+
+
+@pytest.mark.slow
+def test_save_top_k_never_removes_the_last_checkpoint_before_its_successor_is_durable(
+        tmp_path: Path) -> None:
+    """async_save with save_top_k=1: Lightning starts the new save, then removes
+    the old checkpoint at once. A process that dies right after (os._exit) must
+    leave a checkpoint that loads; the removal used to run while the new one
+    was still a temporary directory, leaving none."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "ckpts"
+    run = subprocess.run([sys.executable, "-c", _TOP_K_CRASH, str(out)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 9, run.stderr[-2000:]
+    visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert visible == ["epoch=0-step=2.ckpt"], (visible, sorted(os.listdir(out)))
+    loaded = fastpersist.load(out / "epoch=0-step=2.ckpt", allow_pickle=True)
+    assert loaded["global_step"] == 2
+    assert loaded["state_dict"]["l.weight"].shape == (2048, 2048)
+
+
 def test_remove_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                            monkeypatch: pytest.MonkeyPatch) -> None:
     from fastpersist.integrations import _lightning_io

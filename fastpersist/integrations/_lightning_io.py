@@ -187,9 +187,15 @@ class FastPersistCheckpointIOBase:
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove a checkpoint atomically: it is renamed aside (durably) first,
-        so a crash never leaves a half-deleted checkpoint under its name."""
+        so a crash never leaves a half-deleted checkpoint under its name.
+        Every pending save is waited for first, not only one to `path`:
+        Lightning removes the checkpoint a new one replaces (save_top_k) right
+        after starting that save, and removing it before the new one is
+        durable would leave no checkpoint after a crash; if a pending save
+        failed, its error is raised and nothing is removed."""
         target = _absolute(path)
-        self._wait_for(target)
+        pending, self._pending = self._pending, []
+        _raise_first(pending)
         p = Path(target)
         if p.is_symlink() or p.is_file():  # save_last="link", or a torch.save file
             p.unlink()
