@@ -10,6 +10,12 @@ checkpoint whose save was given metrics has them there, and a Checkpointer
 started later on the same root (a restarted job) reads them. Entries of
 steps no longer under the root are dropped at the next write.
 
+A save with overwrite=True over a committed step records the new metrics
+with the old ones and the SHA-256 of the old checkpoint's manifest
+("replaces"): while that manifest is the one under the step (the overwrite
+is in flight, failed, or was cut off by a crash), the old metrics rank it,
+so a failed overwrite never re-ranks the checkpoint that stayed.
+
 keep_best=N keeps the N committed checkpoints with the best `best_metric`
 ("min": lowest, "max": highest) besides what keep_last and keep_every keep
 (keep_best alone keeps the newest checkpoint too: keep_last=1). Ties go to the
@@ -30,6 +36,7 @@ ValueError.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -61,7 +68,7 @@ class Metrics:
         self.recorded = recorded  # False: through fastpersistd
         self.writes = True  # False: a distributed job's rank other than 0
         self._lock = threading.Lock()
-        self._by_step = self._read() if recorded else {}
+        self._by_step, self._replaces = self._read() if recorded else ({}, {})
 
     @classmethod
     def create(cls, root: Path, keep_best: int | None, best_metric: str | None,
@@ -101,15 +108,24 @@ class Metrics:
         if not values or not self.writes:
             return
         with self._lock:
-            present = {s for s, _ in step_dirs(self.root)} | set(in_flight)
+            dirs = dict(step_dirs(self.root))
+            present = set(dirs) | set(in_flight)
             kept = {s: m for s, m in self._by_step.items() if s in present and s != step}
+            replaces = {s: r for s, r in self._replaces.items() if s in present and s != step}
+            old = self._by_step.get(step)
+            digest = _manifest_digest(dirs[step]) if step in dirs and old else None
+            if digest is not None and old is not None:  # an overwrite: see the docstring
+                replaces[step] = (digest, old)
             kept[step] = values
-            self._write(kept)
-            self._by_step = kept
+            self._write(kept, replaces)
+            self._by_step, self._replaces = kept, replaces
 
-    def _write(self, by_step: dict[int, dict[str, float]]) -> None:
+    def _write(self, by_step: dict[int, dict[str, float]],
+               replaces: dict[int, tuple[str, dict[str, float]]]) -> None:
         data = json.dumps({"format": "fastpersist-metrics", "version": 1,
-                           "steps": {str(s): m for s, m in sorted(by_step.items())}},
+                           "steps": {str(s): m for s, m in sorted(by_step.items())},
+                           "replaces": {str(s): {"manifest_sha256": d, "metrics": m}
+                                        for s, (d, m) in sorted(replaces.items())}},
                           indent=1, sort_keys=True).encode()
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -126,21 +142,23 @@ class Metrics:
         finally:
             os.close(fd)
 
-    def _read(self) -> dict[int, dict[str, float]]:
+    def _read(self) -> tuple[dict[int, dict[str, float]],
+                             dict[int, tuple[str, dict[str, float]]]]:
         path = self.root / METRICS_NAME
         try:
             with open(path, "rb") as f:
                 data = f.read(MAX_METRICS_BYTES + 1)
         except FileNotFoundError:
-            return {}
+            return {}, {}
         try:
             if len(data) > MAX_METRICS_BYTES:
                 raise ValueError(f"larger than {MAX_METRICS_BYTES} bytes")
             doc = json.loads(data)
             if doc.get("format") != "fastpersist-metrics":
                 raise ValueError("not a fastpersist metrics file")
-            return {int(s): {str(k): float(v) for k, v in m.items()}
-                    for s, m in doc["steps"].items()}
+            return ({int(s): _floats(m) for s, m in doc["steps"].items()},
+                    {int(s): (str(r["manifest_sha256"]), _floats(r["metrics"]))
+                     for s, r in doc.get("replaces", {}).items()})
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise CheckpointError(
                 f"{path} (the metrics keep_best ranks checkpoints by) cannot be read: {exc}; "
@@ -163,9 +181,28 @@ class Metrics:
         with self._lock:
             ranked = [(math.isnan(v), 0.0 if math.isnan(v) else sign * v, step, entry)
                       for step, entry in step_dirs(self.root)
-                      if (v := self._by_step.get(step, {}).get(self.best_metric)) is not None
+                      if (v := self._of(step, entry).get(self.best_metric)) is not None
                       and (entry / MANIFEST_NAME).is_file()]
         return [entry for *_, entry in sorted(ranked)[:self.keep_best]]
+
+    def _of(self, step: int, entry: Path) -> dict[str, float]:
+        """The metrics of the checkpoint now at `entry`: the old ones while an
+        overwrite's predecessor is still the one there."""
+        replaced = self._replaces.get(step)
+        if replaced is not None and _manifest_digest(entry) == replaced[0]:
+            return replaced[1]
+        return self._by_step.get(step, {})
+
+
+def _manifest_digest(entry: Path) -> str | None:
+    try:
+        return hashlib.sha256((entry / MANIFEST_NAME).read_bytes()).hexdigest()
+    except OSError:  # no manifest (not committed) or gone meanwhile
+        return None
+
+
+def _floats(m: Mapping[str, Any]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in m.items()}
 
 
 def _numbers(step: int, metrics: Mapping[str, Any] | None) -> dict[str, float]:

@@ -165,3 +165,30 @@ def test_with_a_tier_the_best_stay_after_the_uploads(s3: Any, tmp_path: Path) ->
     assert ckpt.wait_for_tier(60)
     ckpt.close()
     assert on_disk(root) == [1, 3]  # uploaded: the best and the newest stay
+
+
+def test_a_failed_overwrite_keeps_the_checkpoints_own_metric(tmp_path: Path) -> None:
+    """save(overwrite=True, metrics=...) over the best step, failing: the
+    checkpoint that stayed is ranked by its own metric (the new one was
+    recorded before the save, and used to re-rank it: a later save then
+    deleted the best checkpoint). A restarted Checkpointer agrees."""
+    ckpt = run(tmp_path, {1: 5.0, 2: 1.0, 3: 4.0}, keep_last=1, keep_best=1,
+               best_metric="val_loss")
+    assert on_disk(tmp_path) == [2, 3]
+    with pytest.raises(fastpersist.UnsupportedValueError):
+        ckpt.save(2, {"w": torch.ones(4), "bad": object()}, overwrite=True,
+                  metrics={"val_loss": 9.0})
+    ckpt.save(4, state(4), metrics={"val_loss": 3.0})
+    ckpt.wait()
+    assert on_disk(tmp_path) == [2, 4]  # step 2 (val_loss 1.0) is still the best
+    ckpt.close()
+    again = Checkpointer(tmp_path, keep_last=1, keep_best=1, best_metric="val_loss")
+    again.save(5, state(5), metrics={"val_loss": 2.0})
+    again.wait()
+    assert on_disk(tmp_path) == [2, 5]
+    # An overwrite that lands is ranked by its new metric.
+    again.save(2, state(2), overwrite=True, metrics={"val_loss": 9.0})
+    again.save(6, state(6), metrics={"val_loss": 8.0})
+    again.wait()
+    assert on_disk(tmp_path) == [5, 6]
+    again.close()
