@@ -83,6 +83,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     the object store by this process (the standard AWS configuration), no
     local file; durable when save returns means its manifest's conditional
     put succeeded (docs/guides/tier.md, "Saving straight to the object store").
+    Unlike on disk, replacing a checkpoint there is not atomic: the old one is
+    deleted (its manifest first) before the new one is written, so a save
+    that fails leaves none at that URL; save each step under a URL of its own.
     """
     if is_file_target(path):
         save_file(obj, path, allow_pickle=allow_pickle, options={
