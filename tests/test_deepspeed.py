@@ -252,11 +252,12 @@ def save_raising_optimizer_file(engine: FastPersistCheckpointEngine, save_dir: P
     return info
 
 
-@pytest.mark.parametrize("at", ["step", "cleanup"])
+@pytest.mark.parametrize("at", ["step", "cleanup", "next_save"])
 def test_decoupled_a_tag_whose_save_raised_is_never_committed(at: str, tmp_path: Path) -> None:
-    """Decoupled: the next engine.step() (get_commit_info, commit) or destroy()
-    (cleanup) refuses the tag whose optimizer file was never saved, naming the
-    tag, rank and file; `latest` keeps naming the previous tag."""
+    """Decoupled: the next engine.step() (get_commit_info, commit), destroy()
+    (cleanup) or save_checkpoint of another tag (create) refuses the tag whose
+    optimizer file was never saved, naming the tag, rank and file; `latest`
+    keeps naming the previous tag."""
     mine = FastPersistCheckpointEngine(daemon="", decoupled=True, allow_pickle=False)
     good = open_tag(mine, tmp_path, "global_step1")
     for name in (MODEL, OPTIM):
@@ -270,8 +271,10 @@ def test_decoupled_a_tag_whose_save_raised_is_never_committed(at: str, tmp_path:
             info = mine.get_commit_info()
             assert info == bad
             mine.commit(info)
-        else:
+        elif at == "cleanup":
             mine.cleanup()
+        else:
+            open_tag(mine, tmp_path, "global_step3")
     assert (tmp_path / "latest").read_text().strip() == "global_step1"
     assert mine.get_commit_info() is None  # refused once, not at every step
     again = open_tag(mine, tmp_path, "global_step3")
