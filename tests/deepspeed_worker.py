@@ -5,6 +5,7 @@
     python tests/deepspeed_worker.py resume DIR        load DIR's latest, compare, print tag
     python tests/deepspeed_worker.py select DIR        install() + the config key, decoupled
     python tests/deepspeed_worker.py fail DIR          the last rank's disk fills during a save
+    python tests/deepspeed_worker.py raised DIR        the last rank's save() raises, decoupled
 
 The launcher sets RANK, WORLD_SIZE, MASTER_ADDR/PORT and DS_ACCELERATOR=cpu.
 Every comparison is bit-exact (torch.equal); a mismatch raises, naming what.
@@ -12,6 +13,7 @@ Every comparison is bit-exact (torch.equal); a mismatch raises, naming what.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -231,6 +233,47 @@ def fail(root: str) -> None:
         print(f"LATEST {f.read().strip()}", flush=True)
 
 
+def raised(root: str) -> None:
+    """The engine as DeepSpeed's decoupled save_checkpoint and step() call it,
+    the last rank's optimizer file's save() raising (allow_pickle=False): the
+    commit raises on every rank, naming that rank and file; `latest` stays."""
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+
+    from fastpersist import CheckpointError, UnsupportedValueError
+
+    rank, last = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]) - 1
+    mine = fp_deepspeed.FastPersistCheckpointEngine(daemon="", decoupled=True,
+                                                    allow_pickle=False)
+    d = os.path.join(root, "ckpt")
+    for tag in ("good", "bad"):
+        mine.makedirs(os.path.join(d, tag), exist_ok=True)
+        torch.distributed.barrier()
+        mine.create(CheckpointCommitInfo(tag=tag, save_dir=d, save_latest=True))
+        optim: dict[str, Any] = {"s": torch.ones(2)}
+        if tag == "bad" and rank == last:
+            optim["scaler"] = object()
+        mine.save({"w": torch.ones(4)}, os.path.join(d, tag, "mp_rank_00_model_states.pt"))
+        optim_file = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        # The trainer catches save_checkpoint's error and steps on.
+        with contextlib.suppress(UnsupportedValueError):
+            mine.save(optim, os.path.join(d, tag, optim_file))
+        info = mine.get_commit_info()  # engine.step(): _commit_decoupled_checkpoint
+        if info is None:
+            raise AssertionError(f"no open tag {tag!r} to commit")
+        try:
+            mine.commit(info)
+        except CheckpointError as exc:
+            if tag == "good":
+                raise
+            print(f"RAISED {exc}", flush=True)
+        else:
+            if tag == "bad":
+                raise AssertionError("the commit of 'bad' did not raise")
+    mine.close()
+    with open(os.path.join(d, "latest")) as f:
+        print(f"LATEST {f.read().strip()}", flush=True)
+
+
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     mode, root = sys.argv[1], sys.argv[2]
@@ -244,6 +287,8 @@ def main() -> None:
         select(root)
     elif mode == "fail":
         fail(root)
+    elif mode == "raised":
+        raised(root)
     else:
         raise SystemExit(f"unknown mode {mode}")
 

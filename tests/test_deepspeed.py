@@ -230,6 +230,80 @@ def test_a_tag_whose_save_checkpoint_raised_is_never_made_latest(tmp_path: Path)
     mine.close()
 
 
+def open_tag(engine: FastPersistCheckpointEngine, save_dir: Path,
+             tag: str) -> CheckpointCommitInfo:
+    info = CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=True)
+    engine.create(info)
+    engine.makedirs(str(save_dir / tag), exist_ok=True)
+    return info
+
+
+MODEL, OPTIM = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+def save_raising_optimizer_file(engine: FastPersistCheckpointEngine, save_dir: Path,
+                                tag: str) -> CheckpointCommitInfo:
+    """save_checkpoint's calls, the optimizer file's save() raising in the caller
+    (a value that needs pickle, allow_pickle=False); the caller catches it."""
+    info = open_tag(engine, save_dir, tag)
+    engine.save({"module": {"w": torch.ones(4)}}, str(save_dir / tag / MODEL))
+    with pytest.raises(UnsupportedValueError, match="scaler"):
+        engine.save({"s": torch.ones(2), "scaler": object()}, str(save_dir / tag / OPTIM))
+    return info
+
+
+@pytest.mark.parametrize("at", ["step", "cleanup", "next_save"])
+def test_decoupled_a_tag_whose_save_raised_is_never_committed(at: str, tmp_path: Path) -> None:
+    """Decoupled: the next engine.step() (get_commit_info, commit), destroy()
+    (cleanup) or save_checkpoint of another tag (create) refuses the tag whose
+    optimizer file was never saved, naming the tag, rank and file; `latest`
+    keeps naming the previous tag."""
+    mine = FastPersistCheckpointEngine(daemon="", decoupled=True, allow_pickle=False)
+    good = open_tag(mine, tmp_path, "global_step1")
+    for name in (MODEL, OPTIM):
+        mine.save({"x": torch.ones(3)}, str(tmp_path / "global_step1" / name))
+    mine.commit(good)
+    bad = save_raising_optimizer_file(mine, tmp_path, "global_step2")
+    pattern = (r"'global_step2'.*rank 0: .*global_step2/zero_pp_rank_0_mp_rank_00_optim_states"
+               r"\.pt: save\(\) raised UnsupportedValueError")
+    with pytest.raises(CheckpointError, match=pattern):
+        if at == "step":
+            info = mine.get_commit_info()
+            assert info == bad
+            mine.commit(info)
+        elif at == "cleanup":
+            mine.cleanup()
+        else:
+            open_tag(mine, tmp_path, "global_step3")
+    assert (tmp_path / "latest").read_text().strip() == "global_step1"
+    assert mine.get_commit_info() is None  # refused once, not at every step
+    again = open_tag(mine, tmp_path, "global_step3")
+    for name in (MODEL, OPTIM):
+        mine.save({"x": torch.ones(3)}, str(tmp_path / "global_step3" / name))
+    mine.commit(again)
+    assert (tmp_path / "latest").read_text().strip() == "global_step3"
+    mine.close()
+
+
+def test_a_tag_whose_save_raised_is_refused_by_commit_and_saved_again_whole(
+        tmp_path: Path) -> None:
+    """Not decoupled: the caller catches save_checkpoint's error and commits the
+    tag anyway: refused. Saving the same tag again, every file, commits it."""
+    mine = FastPersistCheckpointEngine(daemon="", allow_pickle=False)
+    info = save_raising_optimizer_file(mine, tmp_path, "t1")
+    with pytest.raises(CheckpointError, match=r"'t1'.*rank 0: .*zero_pp_rank_0_mp_rank_00"):
+        mine.commit(info)
+    assert not (tmp_path / "latest").exists()
+    retry = open_tag(mine, tmp_path, "t1")
+    assert retry == info
+    for name in (MODEL, OPTIM):
+        mine.save({"x": torch.ones(3)}, str(tmp_path / "t1" / name))
+    mine.commit(retry)
+    assert (tmp_path / "latest").read_text().strip() == "t1"
+    assert sorted(os.listdir(tmp_path / "t1")) == [MODEL, OPTIM]
+    mine.close()
+
+
 def test_allow_pickle_false_refuses_deepspeeds_objects(tmp_path: Path) -> None:
     mine = FastPersistCheckpointEngine(daemon="", allow_pickle=False)
     with pytest.raises(UnsupportedValueError, match="loss_scaler"):
@@ -316,6 +390,20 @@ def test_a_rank_s_failed_file_fails_the_save_on_every_rank(tmp_path: Path) -> No
         raised = [x for x in out.splitlines() if x.startswith("RAISED ")]
         assert raised and "rank 1: " in raised[0], out
         assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in raised[0], out
+        assert "LATEST good" in out.splitlines(), out
+
+
+@pytest.mark.slow
+def test_a_rank_s_raised_save_fails_the_decoupled_commit_on_every_rank(tmp_path: Path) -> None:
+    """Only rank 1's optimizer file's save() raises (it has no future to fail):
+    the next step's commit raises on both ranks, naming rank 1 and its file."""
+    procs = launch(2, "raised", str(tmp_path))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {rank}:\n{err[-6000:]}"
+        raised = [x for x in out.splitlines() if x.startswith("RAISED ")]
+        assert raised and "rank 1: " in raised[0] and "rank 0: " not in raised[0], out
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: save() raised" in raised[0], out
         assert "LATEST good" in out.splitlines(), out
 
 

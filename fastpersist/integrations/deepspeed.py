@@ -37,6 +37,14 @@ rank, naming it), then rank 0 points `latest` at the tag atomically and
 durably; only then does DeepSpeed write `latest` again (the same tag, with a
 plain write). So `latest` never names a tag whose files are not all committed,
 and a crash during a save leaves the previous tag and its `latest` intact.
+A save() that raises in the caller (allow_pickle=False and a value that needs
+pickle, an error while snapshotting) leaves its file missing, so it marks the
+open tag failed: that tag's commit raises CheckpointError on every rank, naming
+the tag, the rank and the file, and `latest` keeps naming the previous tag.
+Decoupled, a caller that catches save_checkpoint's error meets it once more, at
+the tag's commit (the next engine.step(), a save_checkpoint of another tag, or
+destroy()), as with a file that failed in the background; a save_checkpoint of
+the same tag again starts it afresh.
 Saving a tag that already exists replaces its files one by one, each
 atomically: a crash in between leaves a mix of old and new files in that tag.
 
@@ -103,13 +111,17 @@ class FastPersistCheckpointEngine(CheckpointEngine):
         self._pipeline = pipeline_for(daemon, shared=False, max_in_flight=max_in_flight)
         self._pending: dict[str, SaveFuture] = {}
         self._commit_info: CheckpointCommitInfo | None = None
+        # Files of the open tag whose save() raised: no future reports them, so
+        # commit() gathers these with the futures' failures.
+        self._raised: list[str] = []
 
     # -- DeepSpeed's CheckpointEngine ----------------------------------------------
 
     def create(self, info: CheckpointCommitInfo) -> None:
         if self._commit_info is not None and self._commit_info != info:
             if self.decoupled:
-                # Saved whole, not committed yet (two saves without a step between).
+                # Not committed yet (two saves without a step between); a tag
+                # whose save() raised is refused there, on every rank.
                 self.commit(self._commit_info)
             else:
                 # The last save_checkpoint raised before its commit: its tag may
@@ -117,6 +129,9 @@ class FastPersistCheckpointEngine(CheckpointEngine):
                 # in flight end first, and a failure of theirs is raised here.
                 self._commit_info = None
                 self.wait()
+        # The same tag again saves every file again: an earlier attempt's raise
+        # no longer leaves one missing.
+        self._raised = []
         self._commit_info = info
 
     def makedirs(self, path: str | os.PathLike[str], exist_ok: bool = False) -> None:
@@ -132,11 +147,18 @@ class FastPersistCheckpointEngine(CheckpointEngine):
         """Snapshot `state_dict` and write it to `path` in the background; durable
         once commit() returns."""
         target = os.path.abspath(path)
-        earlier = self._pending.pop(target, None)
-        if earlier is not None:  # the same file twice in one tag: in order
-            earlier.result()
-        self._pending[target] = self._pipeline.save(state_dict, target,
-                                                    allow_pickle=self.allow_pickle)
+        try:
+            earlier = self._pending.pop(target, None)
+            if earlier is not None:  # the same file twice in one tag: in order
+                earlier.result()
+            self._pending[target] = self._pipeline.save(state_dict, target,
+                                                        allow_pickle=self.allow_pickle)
+        except BaseException as exc:
+            # The caller may catch this and go on to commit the tag: remember
+            # that this file is missing so that commit() refuses it.
+            self._raised.append(f"rank {_rank()}: {target}: save() raised "
+                                f"{type(exc).__name__}: {exc}")
+            raise
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state saved at `path`: a fastpersist checkpoint, or a torch file
@@ -158,8 +180,10 @@ class FastPersistCheckpointEngine(CheckpointEngine):
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Wait until every rank's files of `info.tag` are durable (raising a
         failure of any rank's on every rank), then, on rank 0 and if
-        info.save_latest, point SAVE_DIR/latest at the tag (atomic, fsynced)."""
-        failures = self._wait_all()
+        info.save_latest, point SAVE_DIR/latest at the tag (atomic, fsynced).
+        A file whose save() raised on any rank fails the tag the same way."""
+        failures = self._raised + self._wait_all()
+        self._raised = []
         failures = _gathered(failures)
         self._commit_info = None
         if failures:
@@ -180,7 +204,8 @@ class FastPersistCheckpointEngine(CheckpointEngine):
         return self._commit_info if self.decoupled else None
 
     def cleanup(self) -> None:
-        """Commit a decoupled tag still open (engine.destroy() calls this)."""
+        """Commit a decoupled tag still open (engine.destroy() calls this);
+        raises as commit() does for a tag with a file not saved."""
         if self._commit_info is not None and self.decoupled:
             self.commit(self._commit_info)
 
