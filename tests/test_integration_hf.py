@@ -63,15 +63,19 @@ class StopAt(TrainerCallback):
 
 def train(out: Path, *, cls: type = FastPersistTrainer, seed: int = 0, stop: int | None = None,
           resume: Any = None, save: bool = True, eval_steps_kw: bool = False,
-          **kwargs: Any) -> Any:
+          limit: int = 2, lowest_loss_best: bool = False, **kwargs: Any) -> Any:
     torch.manual_seed(seed)  # the initial weights: a resumed run must not depend on them
     best = {"eval_strategy": "steps", "eval_steps": EVERY, "load_best_model_at_end": True,
             # The highest loss is "best": the first checkpoint, not the final weights.
             "metric_for_best_model": "eval_loss", "greater_is_better": True,
             } if eval_steps_kw else {}
+    if lowest_loss_best:  # the final checkpoint is the best one
+        best = {"eval_strategy": "steps", "eval_steps": EVERY,
+                "metric_for_best_model": "eval_loss", "greater_is_better": False}
+        kwargs.setdefault("eval_dataset", Tokens())
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4,
                              max_steps=STEPS, save_steps=EVERY,
-                             save_strategy="steps" if save else "no", save_total_limit=2,
+                             save_strategy="steps" if save else "no", save_total_limit=limit,
                              learning_rate=1e-3, warmup_steps=2, logging_steps=100,
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **best)
     trainer = cls(model=LlamaForCausalLM(config()), args=args, train_dataset=Tokens(),
