@@ -326,3 +326,34 @@ def test_load_best_model_at_end(tmp_path: Path) -> None:
     best = trainer.state.best_model_checkpoint
     assert best == str(tmp_path / "checkpoint-3") and (Path(best) / MODEL_DIR).is_dir()
     assert_bit_equal(trainer.model.state_dict(), fastpersist.load(Path(best) / MODEL_DIR))
+
+
+@pytest.mark.parametrize("writer", ["write_index", "write_refusals"])
+def test_small_files_leave_only_what_gc_collects(tmp_path: Path, writer: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index and the refusals are replaced through a temporary named as
+    fastpersist's leftovers are (a crash before the rename leaves one: `fpctl
+    gc` removes it), and the directory is fsynced after the rename."""
+    import subprocess
+    import sys
+
+    fastpersist.save({"w": torch.ones(3)}, tmp_path / MODEL_DIR)
+    script = ("import os, sys\n"
+              "from fastpersist.integrations import transformers as t\n"
+              "os.replace = lambda *a, **k: os._exit(9)  # the machine dies before the rename\n"
+              f"t.{writer}(sys.argv[1])\n")
+    died = subprocess.run([sys.executable, "-c", script, str(tmp_path)], timeout=120)
+    assert died.returncode == 9
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the temporary
+    subprocess.run([sys.executable, "-m", "fastpersist.cli", "gc", str(tmp_path)], check=True,
+                   timeout=120, capture_output=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MODEL_DIR]
+
+    import fastpersist.adapters as adapters
+    import fastpersist.integrations.transformers as integration
+
+    synced: list[str] = []
+    real = adapters.fsync_dir
+    monkeypatch.setattr(adapters, "fsync_dir", lambda p: (synced.append(str(p)), real(p))[1])
+    getattr(integration, writer)(tmp_path)
+    assert synced and set(synced) == {str(tmp_path)}
