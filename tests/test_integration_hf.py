@@ -207,11 +207,18 @@ def test_background_failure_is_raised(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def accelerate_run(ckpt: Path, *, seed: int = 0, save_at: int | None = None,
-                   resume: bool = False, async_save: bool = False) -> dict[str, Any]:
+                   resume: bool = False, async_save: bool = False,
+                   rotating: Path | None = None) -> dict[str, Any]:
+    """rotating: save_state() after steps 3 and 5 into rotating/checkpoints/
+    (ProjectConfiguration's automatic naming, total_limit=1)."""
     accelerate = pytest.importorskip("accelerate")
+    from accelerate.utils import ProjectConfiguration
+
     from fastpersist.integrations.accelerate import OPTIMIZER_DIR, register
 
-    accelerator = accelerate.Accelerator(cpu=True)
+    config = None if rotating is None else ProjectConfiguration(
+        project_dir=str(rotating), automatic_checkpoint_naming=True, total_limit=1)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
     hooks = register(accelerator, async_save=async_save)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(),
@@ -233,6 +240,8 @@ def accelerate_run(ckpt: Path, *, seed: int = 0, save_at: int | None = None,
         opt.step()
         sched.step()
         opt.zero_grad()
+        if rotating is not None and step + 1 in (3, 5):
+            accelerator.save_state()
         if not resume and step + 1 == save_at:
             accelerator.save_state(str(ckpt))
             hooks.wait()

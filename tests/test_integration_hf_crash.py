@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from test_integration_hf import assert_bit_equal, final_state, train
+from test_integration_hf import accelerate_run, assert_bit_equal, final_state, train
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -61,3 +61,34 @@ def test_killed_at_train_end_keeps_the_best_checkpoint(tmp_path: Path) -> None:
                          fastpersist.load(tmp_path / "whole" / "checkpoint-9" / part))
     assert_bit_equal(fastpersist.load(out / "checkpoint-9" / MODEL_DIR),
                      ran.model.state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_accelerate_total_limit_killed_mid_save_resumes(tmp_path: Path,
+                                                        async_save: bool) -> None:
+    """accelerate deletes the oldest checkpoint_N before it saves the next one:
+    with the hooks, only once the next one is committed."""
+    pytest.importorskip("accelerate")
+    expected = accelerate_run(tmp_path / "unused")
+    child = Path(__file__).parent / "helpers" / "accelerate_crash.py"
+    done = subprocess.run([sys.executable, str(child), str(tmp_path),
+                           "async" if async_save else "sync"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 9, done.stdout + done.stderr
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_0", "checkpoint_1"]
+    resumed = accelerate_run(checkpoints / "checkpoint_0", seed=1, save_at=3, resume=True)
+    assert_bit_equal(resumed, expected)
+
+
+def test_accelerate_total_limit_rotates_after_commit(tmp_path: Path) -> None:
+    """Uninterrupted: total_limit=1 still leaves one checkpoint, the newest."""
+    pytest.importorskip("accelerate")
+    expected = accelerate_run(tmp_path / "unused")
+    assert_bit_equal(accelerate_run(tmp_path / "unused", rotating=tmp_path, async_save=True),
+                     expected)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["checkpoint_1"]
+    resumed = accelerate_run(tmp_path / "checkpoints" / "checkpoint_1", seed=1, save_at=5,
+                             resume=True)
+    assert_bit_equal(resumed, expected)
