@@ -50,8 +50,12 @@ Why this design: it overrides the Trainer methods that write and read the
 model, optimizer, scheduler and scaler files (save_model when called for a
 checkpoint, _save_optimizer_and_scheduler, _save_scaler and their _load_
 counterparts), and leaves the orchestration (_save_checkpoint's bookkeeping,
-trainer_state.json, best-model tracking, rotation of old checkpoints, data
-skipping on resume) to the Trainer. A TrainerCallback cannot do it: on_save
+trainer_state.json, best-model tracking, data skipping on resume) to the
+Trainer. HF's rotation of old checkpoints (save_total_limit, and its
+deletion of all but the best at the end) runs only once the newer
+checkpoint's fastpersist saves are committed (a crash in between would leave
+none to resume), and resume_from_checkpoint=True takes the newest complete
+checkpoint-N/ (hf_files.last_checkpoint). A TrainerCallback cannot do it: on_save
 runs after HF has written everything, and nothing can stop the torch.save
 files. The RNG state stays HF's rng_state.pth (torch.save, a few KiB), so
 that HF's own resume code and other tools keep reading it; fastpersist could
