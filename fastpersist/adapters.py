@@ -17,6 +17,8 @@ Paths and checkpoints:
     point_latest(dir_fd, name)  a directory's `latest` file made to name `name`, atomically
                                 and durably (DeepSpeed's pointer to its newest tag)
     fsync_dir(path)             a directory's new entries made durable
+    replace_file(path, data)    a small file replaced atomically and durably (its
+                                temporary named as `fpctl gc` collects it)
 Saving:
     settings()                  the FASTPERSIST_* knobs (daemon, file_bytes, ...)
     pipeline_for(daemon, ...)   a save pipeline of the adapter's own
@@ -54,8 +56,9 @@ from .gcpause import paused as gc_paused
 from .knobs import current as settings
 from .loading.load import source_for
 from .saving.staging import StagingPool
-from .storage.commit import delete_checkpoint, os_error, through_link
+from .storage.commit import delete_checkpoint, os_error, through_link, write_durably
 from .storage.dirs import fsync_dir
+from .storage.leftovers import leftover_name
 from .storage.local_path import checkpoint_path
 from .storage.retention import point_latest
 from .tensors import state
@@ -65,6 +68,20 @@ from .tensors.plan import StoredTensor
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a committed fastpersist checkpoint (its manifest is there)."""
     return (Path(path) / MANIFEST_NAME).is_file()
+
+
+def replace_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace the file `path` with `data`: a crash leaves the old file or the
+    new one, and at worst a temporary that `fpctl gc` knows (leftover_name)."""
+    target = Path(path)
+    tmp = target.with_name(leftover_name(target.name, "tmp"))
+    try:
+        write_durably(tmp, data)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)  # the rename itself survives a power loss
 
 
 def dtype_name(dtype: torch.dtype) -> str | None:
@@ -100,6 +117,7 @@ __all__ = [
     "FileRecord", "ItemWritten", "Job", "Manifest", "Segment", "StagingPool", "StoredTensor",
     "TensorRecord", "checkpoint_path", "delete_checkpoint", "dtype_name", "dtype_of",
     "fsync_dir", "gc_paused", "global_manifest", "is_checkpoint", "jobs_for", "os_error",
-    "parse_json", "pipeline_for", "plain_tree", "plain_value", "point_latest", "settings",
+    "parse_json", "pipeline_for", "plain_tree", "plain_value", "point_latest", "replace_file",
+    "settings",
     "source_for", "through_link",
 ]

@@ -63,15 +63,19 @@ class StopAt(TrainerCallback):
 
 def train(out: Path, *, cls: type = FastPersistTrainer, seed: int = 0, stop: int | None = None,
           resume: Any = None, save: bool = True, eval_steps_kw: bool = False,
-          **kwargs: Any) -> Any:
+          limit: int = 2, lowest_loss_best: bool = False, **kwargs: Any) -> Any:
     torch.manual_seed(seed)  # the initial weights: a resumed run must not depend on them
     best = {"eval_strategy": "steps", "eval_steps": EVERY, "load_best_model_at_end": True,
             # The highest loss is "best": the first checkpoint, not the final weights.
             "metric_for_best_model": "eval_loss", "greater_is_better": True,
             } if eval_steps_kw else {}
+    if lowest_loss_best:  # the final checkpoint is the best one
+        best = {"eval_strategy": "steps", "eval_steps": EVERY,
+                "metric_for_best_model": "eval_loss", "greater_is_better": False}
+        kwargs.setdefault("eval_dataset", Tokens())
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4,
                              max_steps=STEPS, save_steps=EVERY,
-                             save_strategy="steps" if save else "no", save_total_limit=2,
+                             save_strategy="steps" if save else "no", save_total_limit=limit,
                              learning_rate=1e-3, warmup_steps=2, logging_steps=100,
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **best)
     trainer = cls(model=LlamaForCausalLM(config()), args=args, train_dataset=Tokens(),
@@ -203,11 +207,18 @@ def test_background_failure_is_raised(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def accelerate_run(ckpt: Path, *, seed: int = 0, save_at: int | None = None,
-                   resume: bool = False, async_save: bool = False) -> dict[str, Any]:
+                   resume: bool = False, async_save: bool = False,
+                   rotating: Path | None = None) -> dict[str, Any]:
+    """rotating: save_state() after steps 3 and 5 into rotating/checkpoints/
+    (ProjectConfiguration's automatic naming, total_limit=1)."""
     accelerate = pytest.importorskip("accelerate")
+    from accelerate.utils import ProjectConfiguration
+
     from fastpersist.integrations.accelerate import OPTIMIZER_DIR, register
 
-    accelerator = accelerate.Accelerator(cpu=True)
+    config = None if rotating is None else ProjectConfiguration(
+        project_dir=str(rotating), automatic_checkpoint_naming=True, total_limit=1)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
     hooks = register(accelerator, async_save=async_save)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(),
@@ -229,6 +240,8 @@ def accelerate_run(ckpt: Path, *, seed: int = 0, save_at: int | None = None,
         opt.step()
         sched.step()
         opt.zero_grad()
+        if rotating is not None and step + 1 in (3, 5):
+            accelerator.save_state()
         if not resume and step + 1 == save_at:
             accelerator.save_state(str(ckpt))
             hooks.wait()
@@ -322,3 +335,34 @@ def test_load_best_model_at_end(tmp_path: Path) -> None:
     best = trainer.state.best_model_checkpoint
     assert best == str(tmp_path / "checkpoint-3") and (Path(best) / MODEL_DIR).is_dir()
     assert_bit_equal(trainer.model.state_dict(), fastpersist.load(Path(best) / MODEL_DIR))
+
+
+@pytest.mark.parametrize("writer", ["write_index", "write_refusals"])
+def test_small_files_leave_only_what_gc_collects(tmp_path: Path, writer: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index and the refusals are replaced through a temporary named as
+    fastpersist's leftovers are (a crash before the rename leaves one: `fpctl
+    gc` removes it), and the directory is fsynced after the rename."""
+    import subprocess
+    import sys
+
+    fastpersist.save({"w": torch.ones(3)}, tmp_path / MODEL_DIR)
+    script = ("import os, sys\n"
+              "from fastpersist.integrations import transformers as t\n"
+              "os.replace = lambda *a, **k: os._exit(9)  # the machine dies before the rename\n"
+              f"t.{writer}(sys.argv[1])\n")
+    died = subprocess.run([sys.executable, "-c", script, str(tmp_path)], timeout=120)
+    assert died.returncode == 9
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the temporary
+    subprocess.run([sys.executable, "-m", "fastpersist.cli", "gc", str(tmp_path)], check=True,
+                   timeout=120, capture_output=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MODEL_DIR]
+
+    import fastpersist.adapters as adapters
+    import fastpersist.integrations.transformers as integration
+
+    synced: list[str] = []
+    real = adapters.fsync_dir
+    monkeypatch.setattr(adapters, "fsync_dir", lambda p: (synced.append(str(p)), real(p))[1])
+    getattr(integration, writer)(tmp_path)
+    assert synced and set(synced) == {str(tmp_path)}

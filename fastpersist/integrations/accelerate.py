@@ -41,12 +41,18 @@ the hooks do nothing.
 
 async_save=True: save_state returns once the states are snapshotted; the next
 save_state or load_state (and wait()) waits for them and raises a failure.
+With ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=K),
+the oldest checkpoint_N folders are deleted once the new one is committed
+(accelerate itself deletes them before saving): up to K+1 folders exist while
+a save is in flight, so that a crash always leaves a complete one.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +65,7 @@ log = logging.getLogger(__name__)
 
 
 OPTIMIZER_DIR = "fastpersist-optimizer"
+_STEP = re.compile(r"([0-9]+)(?=[^/]*$)")  # accelerate's order of checkpoint_N folders
 
 
 def model_dir(i: int) -> str:
@@ -78,7 +85,8 @@ class FastPersistStateHooks:
         self._handles = [accelerator.register_save_state_pre_hook(self._save),
                          accelerator.register_load_state_pre_hook(self._load)]
         self._originals = (accelerator.save_state, accelerator.load_state)
-        accelerator.save_state = self._wrap(self._originals[0])
+        self._rotate_in: tuple[Path, int] | None = None  # checkpoints to rotate once committed
+        accelerator.save_state = self._wrap(self._rotating(self._originals[0]))
         accelerator.load_state = self._wrap(self._originals[1])
 
     def _wrap(self, original: Any) -> Any:
@@ -97,6 +105,42 @@ class FastPersistStateHooks:
 
         call.__wrapped__ = original  # type: ignore[attr-defined]
         return call
+
+    def _rotating(self, save_state: Any) -> Any:
+        """save_state with ProjectConfiguration(total_limit) honoured once the
+        new checkpoint is committed: accelerate deletes the oldest folders
+        before it saves, so a crash while fastpersist writes the new one
+        (asynchronously, maybe) would leave none that loads."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            config = self.accelerator.project_configuration
+            limit = config.total_limit if config.automatic_checkpoint_naming else None
+            if limit is None:
+                return save_state(*args, **kwargs)
+            self.wait()  # the previous checkpoint is committed: its elders may go
+            config.total_limit = None
+            try:
+                result = save_state(*args, **kwargs)
+            finally:
+                config.total_limit = limit
+            self._rotate_in = (Path(self.accelerator.project_dir) / "checkpoints", limit)
+            if not self.async_save:
+                self._rotate()
+            return result
+
+        return call
+
+    def _rotate(self) -> None:
+        """Delete the oldest checkpoint_N folders beyond total_limit, as
+        accelerate's save_state would have (the same order)."""
+        pending, self._rotate_in = self._rotate_in, None
+        if pending is None or not self.accelerator.is_main_process:
+            return
+        root, limit = pending
+        folders = sorted((p for p in root.iterdir() if _STEP.search(p.name)
+                          and not p.name.startswith(".")),
+                         key=lambda p: int(_STEP.findall(p.name)[0]))
+        for folder in folders[:max(0, len(folders) - limit)]:
+            shutil.rmtree(folder)
 
     def _writes(self) -> bool:
         acc = self.accelerator
@@ -163,7 +207,9 @@ class FastPersistStateHooks:
         for exc in failures[1:]:
             log.error("fastpersist save failed: %s", exc)
         if failures:
+            self._rotate_in = None  # the newest did not commit: the older ones stay
             raise failures[0]
+        self._rotate()
 
     def remove(self) -> None:
         """Wait for pending saves and unregister the hooks."""

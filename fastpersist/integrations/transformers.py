@@ -50,8 +50,12 @@ Why this design: it overrides the Trainer methods that write and read the
 model, optimizer, scheduler and scaler files (save_model when called for a
 checkpoint, _save_optimizer_and_scheduler, _save_scaler and their _load_
 counterparts), and leaves the orchestration (_save_checkpoint's bookkeeping,
-trainer_state.json, best-model tracking, rotation of old checkpoints, data
-skipping on resume) to the Trainer. A TrainerCallback cannot do it: on_save
+trainer_state.json, best-model tracking, data skipping on resume) to the
+Trainer. HF's rotation of old checkpoints (save_total_limit, and its
+deletion of all but the best at the end) runs only once the newer
+checkpoint's fastpersist saves are committed (a crash in between would leave
+none to resume), and resume_from_checkpoint=True takes the newest complete
+checkpoint-N/ (hf_files.last_checkpoint). A TrainerCallback cannot do it: on_save
 runs after HF has written everything, and nothing can stop the torch.save
 files. The RNG state stays HF's rng_state.pth (torch.save, a few KiB), so
 that HF's own resume code and other tools keep reading it; fastpersist could
@@ -67,32 +71,26 @@ lie under the daemon's --root and be writable by the trainer as well.
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel, Trainer
+from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils.import_utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 import fastpersist
+
+from .hf_files import MODEL_DIR, TRAINER_DIR, last_checkpoint, write_index, write_refusals
 
 if TYPE_CHECKING:
     from fastpersist import SaveFuture
 
 log = logging.getLogger(__name__)
 
-MODEL_DIR = "fastpersist-model"
-TRAINER_DIR = "fastpersist-trainer"
-INDEX_NAME = "model.safetensors.index.json"
 TRAINING_ARGS_NAME = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME
-# transformers.trainer.OPTIMIZER_NAME and SCHEDULER_NAME: where a plain Trainer looks.
-REFUSED_NAMES = ("optimizer.pt", "scheduler.pt")
-REFUSAL = ("fastpersist: the optimizer and scheduler state of this checkpoint are in its "
-           f"{TRAINER_DIR}/ directory, which a plain transformers Trainer cannot read; resume "
-           "it with FastPersistTrainer (fastpersist.integrations.transformers)")
 
 
 def _new_saver(daemon: str | None) -> Any:
@@ -101,47 +99,6 @@ def _new_saver(daemon: str | None) -> Any:
     from ..adapters import pipeline_for
 
     return pipeline_for(daemon, max_in_flight=2, shared=False)
-
-
-def write_index(checkpoint_dir: str | os.PathLike[str]) -> Path:
-    """Write checkpoint_dir/model.safetensors.index.json for the weights in
-    checkpoint_dir/fastpersist-model (from its manifest), atomically."""
-    directory = Path(checkpoint_dir)
-    manifest = json.loads((directory / MODEL_DIR / "manifest.json").read_text())
-    weight_map = {t["name"]: f"{MODEL_DIR}/{t['file']}" for t in manifest["tensors"]}
-    total = sum(int(t["length"]) for t in manifest["tensors"])
-    index = {"metadata": {"total_size": total, "format": "pt", "producer": "fastpersist"},
-             "weight_map": weight_map}
-    target = directory / INDEX_NAME
-    tmp = directory / f".{INDEX_NAME}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    return target
-
-
-def write_refusals(checkpoint_dir: str | os.PathLike[str]) -> None:
-    """Write checkpoint_dir/optimizer.pt and scheduler.pt as files that torch.load
-    refuses with REFUSAL in its message (with or without weights_only), so that a
-    plain Trainer resuming this checkpoint stops there instead of starting the
-    optimizer afresh without a word (it skips a missing optimizer.pt silently).
-    Each is a torch zip archive whose pickle names a global that does not exist
-    (the message): nothing in it can run, whatever loads it."""
-    import zipfile
-
-    pickle = b"\x80\x02c" + REFUSAL.encode() + b"\nrefused\n."
-    for name in REFUSED_NAMES:
-        target = os.path.join(checkpoint_dir, name)
-        tmp = os.path.join(checkpoint_dir, f".{name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
-                archive.writestr("archive/data.pkl", pickle)
-                archive.writestr("archive/version", "3\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
 
 
 class FastPersistTrainerMixin:
@@ -158,6 +115,7 @@ class FastPersistTrainerMixin:
         self._fp_errors: list[BaseException] = []
         self._fp_staged: dict[str, Any] | None = None  # inside _save_checkpoint
         self._fp_loaded: tuple[str, dict[str, Any]] | None = None
+        self._fp_rotate_in: str | None = None  # a run_dir to rotate once committed
 
     # -- which runs fastpersist takes --------------------------------------
 
@@ -175,16 +133,34 @@ class FastPersistTrainerMixin:
         if not self._fp_applies():
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
             return
-        # The previous checkpoint must be complete before HF rotates old ones out.
+        # Old checkpoints are rotated out only once the newer ones are committed:
+        # until then they are what a crash leaves to resume from.
         self.wait_for_checkpoints()
-        self._fp_staged = {}
+        self._fp_rotate()
+        args: Any = getattr(self, "args")  # noqa: B009
+        limit, args.save_total_limit = args.save_total_limit, None  # HF's rotation: _fp_rotate
+        self._fp_staged = {"save_total_limit": limit}
         try:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
             staged = self._fp_staged
         finally:
+            args.save_total_limit = limit
             self._fp_staged = None
         if "dir" in staged:
             self._fp_save(staged)
+            self._fp_rotate_in = os.path.dirname(staged["dir"])
+            if not self.fastpersist_async:
+                self._fp_rotate()
+
+    def _fp_rotate(self) -> None:
+        """HF's rotation of old checkpoints (save_total_limit), deferred from
+        _save_checkpoint until the checkpoint it saved is committed."""
+        run_dir, self._fp_rotate_in = self._fp_rotate_in, None
+        t: Any = self
+        if run_dir is not None and t.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=t.args.save_total_limit,
+                               best_model_checkpoint=t.state.best_model_checkpoint,
+                               use_mtime=True)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self._fp_staged is None or not _internal_call:
@@ -209,7 +185,9 @@ class FastPersistTrainerMixin:
             t.processing_class.save_pretrained(output_dir)
         elif getattr(t.data_collator, "tokenizer", None) is not None:
             t.data_collator.tokenizer.save_pretrained(output_dir)
-        torch.save(t.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        args = copy.copy(t.args)  # as the user set them (_save_checkpoint unset the limit)
+        args.save_total_limit = self._fp_staged["save_total_limit"]
+        torch.save(args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._fp_staged is None:
@@ -272,6 +250,14 @@ class FastPersistTrainerMixin:
             raise failures[0]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        resume = args[0] if args else kwargs.get("resume_from_checkpoint")
+        if resume is True and self._fp_applies():
+            # HF's get_last_checkpoint takes the newest checkpoint-N/ by name, also
+            # one whose fastpersist saves a crash cut short: the newest complete one.
+            found = last_checkpoint(getattr(self, "args").output_dir)  # noqa: B009
+            if found is not None:
+                kwargs.pop("resume_from_checkpoint", None)
+                args = (found, *args[1:])
         try:
             result = super().train(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
@@ -283,11 +269,19 @@ class FastPersistTrainerMixin:
         self._fp_finish()
         return result
 
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # With save_total_limit=1 HF deletes every checkpoint but the best one
+        # here: the newest must be committed first, and rotated as HF would have.
+        self.wait_for_checkpoints()
+        self._fp_rotate()
+        return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
+
     def _fp_finish(self) -> None:
         """At the end of train(): wait for the checkpoints, free the staging memory."""
         saver, self._fp_saver = self._fp_saver, None
         try:
             self.wait_for_checkpoints()
+            self._fp_rotate()
         finally:
             if saver:
                 saver.close()
