@@ -328,6 +328,22 @@ def test_a_crc_mismatch_in_our_safetensors_file(tmp_path: Path) -> None:
     assert fastpersist.load(f, verify=False)["w"].shape == (300, 70)  # asked not to check
 
 
+def test_fastpersist_crcs_copied_into_an_edited_file_are_explained(tmp_path: Path) -> None:
+    # The common edit: read a file fastpersist wrote, change a tensor, write it
+    # back with safetensors keeping the file's metadata (and so its CRC32Cs).
+    fastpersist.save({"w": torch.zeros(4, 4), "b": torch.zeros(4)}, tmp_path / "m.safetensors")
+    with safetensors.safe_open(str(tmp_path / "m.safetensors"), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors["w"] += 1
+    edited = tmp_path / "edited.safetensors"
+    safetensors.torch.save_file(tensors, str(edited), metadata=meta)
+    for source in (edited, io.BytesIO(edited.read_bytes())):
+        with pytest.raises(ChecksumMismatchError, match=r"'w'.*fastpersist CRC32Cs.*metadata "
+                           r"was copied from another file.*verify=False"):
+            fastpersist.load(source)
+    assert torch.equal(fastpersist.load(edited, verify=False)["w"], tensors["w"])
+
+
 def test_a_truncated_safetensors_file(tmp_path: Path) -> None:
     f = tmp_path / "m.safetensors"
     fastpersist.save(flat(), f)
