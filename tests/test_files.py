@@ -455,6 +455,24 @@ def test_bad_file_objects(tmp_path: Path) -> None:
         fastpersist.load(pickled)
 
 
+def test_a_text_mode_file_object_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    fastpersist.save({"w": torch.ones(3)}, tmp_path / "ok.pt")
+    with open(tmp_path / "t.pt", "w") as text:
+        text.write("kept")
+        text.flush()
+        with pytest.raises(UnsupportedPathError, match=r"t\.pt.*text mode.*binary"):
+            fastpersist.save({"w": torch.ones(3)}, text)
+    assert (tmp_path / "t.pt").read_text() == "kept"  # nothing written into it
+    with open(tmp_path / "ok.pt") as text, \
+            pytest.raises(UnsupportedPathError, match=r"ok\.pt.*text mode.*binary"):
+        fastpersist.load(text)
+    for stream in (io.StringIO(), io.StringIO("text")):
+        with pytest.raises(UnsupportedPathError, match=r"StringIO.*text mode"):
+            fastpersist.save({"w": torch.ones(3)}, stream)
+        with pytest.raises(UnsupportedPathError, match=r"StringIO.*text mode"):
+            fastpersist.load(stream)
+
+
 # -- callable map_location ---------------------------------------------------------
 
 
@@ -483,6 +501,10 @@ def test_callable_map_location_on_every_kind(tmp_path: Path) -> None:
         # None: the saved device, as torch.load does.
         assert same(fastpersist.load(source, map_location=lambda s, loc: None)["b"],
                     expected["b"])
+    for source in (tmp_path / "ckpt", tmp_path / "m.safetensors", tmp_path / "m.pt"):
+        with pytest.raises(CheckpointError, match=r"map_location.*failed.*") as info:
+            fastpersist.load(source, map_location=lambda s, loc: torch.ones(3))
+        assert str(source) in str(info.value)
     loaded = fastpersist.load(tmp_path / "ckpt", map_location=lambda s, loc: s)
     assert loaded["tied"] is loaded["w"]  # ties survive, as with a device map_location
     assert loaded["row"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()
