@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -466,6 +467,11 @@ def test_a_text_mode_file_object_is_refused_before_anything_is_written(tmp_path:
     with open(tmp_path / "ok.pt") as text, \
             pytest.raises(UnsupportedPathError, match=r"ok\.pt.*text mode.*binary"):
         fastpersist.load(text)
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("m.pt", (tmp_path / "ok.pt").read_bytes())
+    with zipfile.ZipFile(archive).open("m.pt") as member:  # binary, though its mode is "r"
+        assert torch.equal(fastpersist.load(member)["w"], torch.ones(3))
     for stream in (io.StringIO(), io.StringIO("text")):
         with pytest.raises(UnsupportedPathError, match=r"StringIO.*text mode"):
             fastpersist.save({"w": torch.ones(3)}, stream)

@@ -27,8 +27,8 @@ def name_of(f: IO[bytes]) -> str:
 def _check_binary(f: IO[bytes], doing: str) -> None:
     """UnsupportedPathError for a text-mode file object, before any I/O (torch
     would fail in its first write or read, with a TypeError or a decode error)."""
-    mode = getattr(f, "mode", "b")
-    if isinstance(f, io.TextIOBase) or (isinstance(mode, str) and "b" not in mode):
+    # (not by a mode without "b": binary readers such as zipfile's say "r")
+    if isinstance(f, io.TextIOBase):
         raise UnsupportedPathError(
             f"cannot {doing} {name_of(f)}: it is open in text mode; torch.save and "
             "safetensors bytes need a file opened in binary mode ('wb', 'rb') or an "
