@@ -13,8 +13,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .errors import UnsupportedPathError
-from .files.dispatch import is_file_source, is_file_target, load_file, save_file
+from .errors import CheckpointNotFoundError, UnsupportedPathError
+from .files.dispatch import (
+    is_file_source,
+    is_file_target,
+    load_file,
+    save_file,
+    store_file_hint,
+)
 from .knobs import current as current_knobs
 from .loading.handle import open as open  # fastpersist.open: partial and lazy reads
 from .loading.load import load_from, source_for
@@ -166,9 +172,15 @@ def load(
     if is_file_source(path):
         return load_file(path, map_location, allow_pickle=allow_pickle, verify=verify, options={
             "progress": progress, "like": like, "into": into, "daemon": daemon, "tier": tier})
-    return load_from(source_for(path, daemon=daemon, tier=tier), map_location,
-                     allow_pickle=allow_pickle, verify=verify, progress=progress, like=like,
-                     into=into)
+    try:
+        return load_from(source_for(path, daemon=daemon, tier=tier), map_location,
+                         allow_pickle=allow_pickle, verify=verify, progress=progress, like=like,
+                         into=into)
+    except CheckpointNotFoundError as exc:
+        hint = store_file_hint(path)
+        if not hint:
+            raise
+        raise CheckpointNotFoundError(f"{exc}{hint}") from None
 
 
 def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: bool = False,

@@ -65,8 +65,9 @@ class TruncatedFileError(CorruptCheckpointError):
 
 class UnsupportedPathError(CheckpointError, ValueError):
     """A save was given a path it cannot write: a URL (s3://, gs://, file://, ...)
-    where a local or shared-filesystem directory is expected. Raised before
-    anything is written; the message says how to reach an object store."""
+    where a local or shared-filesystem directory is expected, a single file's
+    name in an object store, or a file object open in text mode (load too).
+    Raised before anything is written; the message says what would work."""
 
 
 class UnsupportedValueError(CheckpointError, TypeError):

@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -328,6 +329,22 @@ def test_a_crc_mismatch_in_our_safetensors_file(tmp_path: Path) -> None:
     assert fastpersist.load(f, verify=False)["w"].shape == (300, 70)  # asked not to check
 
 
+def test_fastpersist_crcs_copied_into_an_edited_file_are_explained(tmp_path: Path) -> None:
+    # The common edit: read a file fastpersist wrote, change a tensor, write it
+    # back with safetensors keeping the file's metadata (and so its CRC32Cs).
+    fastpersist.save({"w": torch.zeros(4, 4), "b": torch.zeros(4)}, tmp_path / "m.safetensors")
+    with safetensors.safe_open(str(tmp_path / "m.safetensors"), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors["w"] += 1
+    edited = tmp_path / "edited.safetensors"
+    safetensors.torch.save_file(tensors, str(edited), metadata=meta)
+    for source in (edited, io.BytesIO(edited.read_bytes())):
+        with pytest.raises(ChecksumMismatchError, match=r"'w'.*fastpersist CRC32Cs.*metadata "
+                           r"was copied from another file.*verify=False"):
+            fastpersist.load(source)
+    assert torch.equal(fastpersist.load(edited, verify=False)["w"], tensors["w"])
+
+
 def test_a_truncated_safetensors_file(tmp_path: Path) -> None:
     f = tmp_path / "m.safetensors"
     fastpersist.save(flat(), f)
@@ -439,6 +456,29 @@ def test_bad_file_objects(tmp_path: Path) -> None:
         fastpersist.load(pickled)
 
 
+def test_a_text_mode_file_object_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    fastpersist.save({"w": torch.ones(3)}, tmp_path / "ok.pt")
+    with open(tmp_path / "t.pt", "w") as text:
+        text.write("kept")
+        text.flush()
+        with pytest.raises(UnsupportedPathError, match=r"t\.pt.*text mode.*binary"):
+            fastpersist.save({"w": torch.ones(3)}, text)
+    assert (tmp_path / "t.pt").read_text() == "kept"  # nothing written into it
+    with open(tmp_path / "ok.pt") as text, \
+            pytest.raises(UnsupportedPathError, match=r"ok\.pt.*text mode.*binary"):
+        fastpersist.load(text)
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("m.pt", (tmp_path / "ok.pt").read_bytes())
+    with zipfile.ZipFile(archive).open("m.pt") as member:  # binary, though its mode is "r"
+        assert torch.equal(fastpersist.load(member)["w"], torch.ones(3))
+    for stream in (io.StringIO(), io.StringIO("text")):
+        with pytest.raises(UnsupportedPathError, match=r"StringIO.*text mode"):
+            fastpersist.save({"w": torch.ones(3)}, stream)
+        with pytest.raises(UnsupportedPathError, match=r"StringIO.*text mode"):
+            fastpersist.load(stream)
+
+
 # -- callable map_location ---------------------------------------------------------
 
 
@@ -467,6 +507,10 @@ def test_callable_map_location_on_every_kind(tmp_path: Path) -> None:
         # None: the saved device, as torch.load does.
         assert same(fastpersist.load(source, map_location=lambda s, loc: None)["b"],
                     expected["b"])
+    for source in (tmp_path / "ckpt", tmp_path / "m.safetensors", tmp_path / "m.pt"):
+        with pytest.raises(CheckpointError, match=r"map_location.*failed.*") as info:
+            fastpersist.load(source, map_location=lambda s, loc: torch.ones(3))
+        assert str(source) in str(info.value)
     loaded = fastpersist.load(tmp_path / "ckpt", map_location=lambda s, loc: s)
     assert loaded["tied"] is loaded["w"]  # ties survive, as with a device map_location
     assert loaded["row"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()

@@ -303,6 +303,33 @@ def test_map_location_and_parameters(tmp_path: Path) -> None:
         assert "p" in h and list(h) == ["p", "v"]
 
 
+def test_a_callable_map_location_places_slices_as_get_tensor(tmp_path: Path) -> None:
+    import json
+
+    w = torch.arange(12.0).reshape(4, 3)
+    fastpersist.save({"w": w}, tmp_path / "c")
+    manifest = tmp_path / "c" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["tree"]["v"][0]["device"] = "cuda:0"  # as if saved from a GPU (torch's idiom below)
+    manifest.write_text(json.dumps(m))
+    calls: list[str] = []
+
+    def keep(storage: Any, location: str) -> Any:
+        calls.append(location)
+        return storage
+
+    for verify in (True, False):
+        with fastpersist.open(tmp_path / "c", map_location=keep, verify=verify) as h:
+            whole = h.get_tensor("w")
+            rows = h.get_slice("w")[1:3]
+        assert whole.device.type == "cpu" and rows.device.type == "cpu"
+        assert torch.equal(rows, w[1:3]) and calls == ["cuda:0", "cuda:0"]
+        calls.clear()
+    with fastpersist.open(tmp_path / "c", map_location=lambda s, loc: torch.ones(3)) as h, \
+            pytest.raises(CheckpointError, match=r"map_location.*'cuda:0'.*Tensor"):
+        h.get_slice("w")[1:]
+
+
 def test_numpy_values_a_bare_tensor_and_odd_keys(tmp_path: Path) -> None:
     import numpy as np
 

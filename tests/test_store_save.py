@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -300,3 +301,27 @@ def test_a_state_without_tensors_and_an_empty_one(s3: Any) -> None:
     for name, state in (("plain", {"step": 3, "name": "x", "lr": [0.1, 0.2]}), ("empty", {})):
         fastpersist.save(state, f"{s3.url}/{name}")
         assert fastpersist.load(f"{s3.url}/{name}") == state
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt", "model.bin"])
+def test_a_single_file_name_in_the_store_is_refused_not_saved_as_a_checkpoint(
+        s3: Any, name: str) -> None:
+    url = f"{s3.url}/{name}"
+    for save in (fastpersist.save, fastpersist.async_save):
+        with pytest.raises(UnsupportedPathError, match=re.escape(url) + r".*single file.*"
+                           r"local path.*checkpoint.*s3://") as info:
+            save({"w": torch.ones(4, 8)}, url)
+        assert isinstance(info.value, fastpersist.CheckpointError)
+    assert not keys(s3.client, s3.bucket)
+
+
+def test_loading_a_single_file_object_in_the_store_says_load_reads_checkpoints_there(
+        s3: Any) -> None:
+    from safetensors.torch import save as st_save
+
+    s3.client.put_object(Bucket=s3.bucket, Key="ckpts/x.safetensors",
+                         Body=st_save({"w": torch.ones(2)}))
+    url = f"{s3.url}/x.safetensors"
+    with pytest.raises(CheckpointNotFoundError, match=re.escape(url) + r".*single "
+                       r"\.safetensors object.*download it to a local path"):
+        fastpersist.load(url)

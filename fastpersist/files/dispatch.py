@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import UnsupportedPathError
 from ..knobs import current as current_knobs
 from ..storage.local_path import checkpoint_path
 from ..tensors.factory import MapLocation, target_device
@@ -30,14 +31,34 @@ def save_kind(target: Any) -> Kind | None:
     """The file save(obj, target) writes, or None for a checkpoint directory."""
     if is_file_object(target):
         return Kind.TORCH_ZIP
-    if is_tier_url(target):
-        return None
     name = os.fsdecode(os.fspath(target))
     suffix = os.path.splitext(name.rstrip("/"))[1].lower()
-    if suffix not in (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX) or name.endswith("/") or \
-            os.path.isdir(name):
+    if suffix not in (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX) or name.endswith("/"):
+        return None
+    if is_tier_url(target):
+        # Saved as a checkpoint, "model.pt" would become a prefix of objects
+        # that no torch.load or safetensors reader expects there.
+        raise UnsupportedPathError(
+            f"{name} names a single file ({suffix}) in an object store, which save does not "
+            "write: save a single file to a local path (or a file object) and upload it, or "
+            "save a checkpoint to an s3:// prefix without a file suffix "
+            "(s3://BUCKET/PREFIX/step-N)")
+    if os.path.isdir(name):
         return None
     return Kind.SAFETENSORS if suffix == SAFETENSORS_SUFFIX else Kind.TORCH_ZIP
+
+
+def store_file_hint(source: Any) -> str:
+    """What to add to "no checkpoint at s3://..." when the URL names a single
+    file (load reads checkpoints from a store, not single objects), else ""."""
+    if not is_tier_url(source):
+        return ""
+    suffix = os.path.splitext(str(source).rstrip("/"))[1].lower()
+    if suffix not in (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX):
+        return ""
+    return (f"; if {source} is a single {suffix} object, load does not read single files "
+            "from an object store: download it to a local path (or into an io.BytesIO) and "
+            "load that")
 
 
 def save_file(obj: Any, target: Any, *, allow_pickle: bool, options: dict[str, Any]) -> None:

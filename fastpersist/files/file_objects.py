@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 from typing import IO, Any
 
-from ..errors import UnknownFileFormatError
+from ..errors import UnknownFileFormatError, UnsupportedPathError
 from ..tensors.factory import MapLocation
 from . import single_safetensors, torch_file
 from .kinds import PREFIX_BYTES, Kind, describe, kind_of
@@ -24,7 +24,19 @@ def name_of(f: IO[bytes]) -> str:
     return f"file object {name!r}" if isinstance(name, str) else f"a {type(f).__name__}"
 
 
+def _check_binary(f: IO[bytes], doing: str) -> None:
+    """UnsupportedPathError for a text-mode file object, before any I/O (torch
+    would fail in its first write or read, with a TypeError or a decode error)."""
+    # (not by a mode without "b": binary readers such as zipfile's say "r")
+    if isinstance(f, io.TextIOBase):
+        raise UnsupportedPathError(
+            f"cannot {doing} {name_of(f)}: it is open in text mode; torch.save and "
+            "safetensors bytes need a file opened in binary mode ('wb', 'rb') or an "
+            "io.BytesIO")
+
+
 def save(obj: Any, f: IO[bytes], allow_pickle: bool) -> None:
+    _check_binary(f, "save to")
     torch_file.save(obj, f, allow_pickle, name_of(f))
 
 
@@ -39,6 +51,7 @@ def _seekable(f: IO[bytes]) -> IO[bytes]:
 
 def load(f: IO[bytes], map_location: MapLocation, allow_pickle: bool, verify: bool) -> Any:
     where = name_of(f)
+    _check_binary(f, "load from")
     f = _seekable(f)
     start = f.tell()
     prefix = f.read(PREFIX_BYTES)

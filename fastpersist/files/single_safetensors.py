@@ -32,7 +32,12 @@ import torch
 
 from ..checksum import crc32c
 from ..engine import get_engine
-from ..errors import CorruptCheckpointError, TruncatedFileError, UnsupportedValueError
+from ..errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    TruncatedFileError,
+    UnsupportedValueError,
+)
 from ..format import dtypes, safetensors_file
 from ..format.manifest import FileRecord, TensorRecord
 from ..tensors import datafile
@@ -150,6 +155,20 @@ class Parsed:
                 for e in self.entries]
 
 
+def _raise_for(mismatches: list[Mismatch], where: str) -> None:
+    """raise_for, saying why a valid file can fail its CRCs: they are only in
+    the metadata, which tools copy into files they write (an edited copy)."""
+    try:
+        raise_for(mismatches, where)
+    except ChecksumMismatchError as exc:
+        raise ChecksumMismatchError(
+            f"{exc}: the file's metadata carries fastpersist CRC32Cs ({CRC_KEY}) that its "
+            "bytes do not match; a damaged file, or one written by another tool whose "
+            "metadata was copied from another file (safetensors' save_file(..., "
+            "metadata=f.metadata()) after editing a tensor). Such a file loads with "
+            "verify=False", file=exc.file, tensor=exc.tensor) from None
+
+
 def _named(tensors: list[torch.Tensor], parsed: Parsed, map_location: MapLocation,
            where: str) -> dict[str, torch.Tensor]:
     factory = TensorFactory(tensors, map_location, where)
@@ -171,7 +190,7 @@ def load(path: Path, map_location: MapLocation, verify: bool, where: str
     check = verify and parsed.crcs is not None
     tensors, mismatches = datafile.read(get_engine(), str(path.parent), file,
                                         parsed.records(path.name), verify=check, header=False)
-    raise_for(mismatches, where)
+    _raise_for(mismatches, where)
     return _named(tensors, parsed, map_location, where)
 
 
@@ -195,5 +214,5 @@ def load_bytes(data: bytes, map_location: MapLocation, verify: bool, where: str
             actual = crc32c(memoryview(buffer)[r.offset:r.offset + r.length])
             if actual != r.crc32c:
                 mismatches.append(Mismatch(r.file, r.name, r.crc32c, actual))
-    raise_for(mismatches, where)
+    _raise_for(mismatches, where)
     return _named(tensors, parsed, map_location, where)

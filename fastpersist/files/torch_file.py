@@ -118,6 +118,15 @@ def load(src: str | IO[bytes], kind: Kind, map_location: MapLocation, allow_pick
             raise CheckpointError(f"{where}: cannot place its tensors ({text}); pass "
                                   "map_location='cpu' (or another device) to load") from None
         raise _corrupt(where, kind, exc) from None
+    except TypeError as exc:
+        if not callable(map_location):
+            raise
+        # torch rebuilds each storage from what the callable returned, and says
+        # only that its arguments did not fit (as factory.placed reports it).
+        text = str(exc).split("\n")[0]
+        raise CheckpointError(f"{where}: map_location(storage, location) failed for a "
+                              f"tensor: {text} (it must return the storage it was given, a "
+                              "copy of it on some device, or None)") from exc
     except OSError as exc:
         if exc.errno == errno.EINVAL:  # torch's zip reader seeking past a cut end
             raise _corrupt(where, kind, exc) from None

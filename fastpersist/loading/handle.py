@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -45,7 +45,13 @@ from ..format.manifest import Manifest
 from ..format.tree import key_text
 from ..knobs import current as current_knobs
 from ..tensors import state
-from ..tensors.factory import MapLocation, SomeEntries, TensorFactory, target_device
+from ..tensors.factory import (
+    MapLocation,
+    SomeEntries,
+    TensorFactory,
+    placed,
+    target_device,
+)
 from ..tensors.plan import memory_of
 from ..tensors.source import Source
 from . import slicing
@@ -242,11 +248,14 @@ class TensorSlice:
         out of range."""
         cut = slicing.cut(index, self._shape, self._name, self._handle.where)
         t = self._handle._read_rows(self._node, cut)
-        device = target_device(self._handle._map_location,
-                               self._node.get("device", "cpu"))
+        saved, map_location = self._node.get("device", "cpu"), self._handle._map_location
         if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
             # Its own memory: not a view that keeps a whole tensor read for it alive.
             t = t.clone(memory_format=torch.contiguous_format)
+        if callable(map_location) and not isinstance(map_location, Mapping):
+            # As get_tensor and load: torch's (storage, location) callable places it.
+            return placed(t, map_location, saved, self._handle.where)
+        device = target_device(map_location, saved)
         return t if device == "cpu" else t.to(device)
 
 
