@@ -15,9 +15,14 @@ PREFIX/manifest.json, the same manifest.
     writer  write    each data file: its header, then its tensors' bytes, from
                      the staging buffer (save(): the live tensors, nothing
                      staged), appended to a multipart upload (tier/parts.py:
-                     parts of FASTPERSIST_TIER_PART_BYTES,
-                     FASTPERSIST_TIER_CONCURRENCY in flight, memory bounded;
-                     every request retried, then a TierError). The CRC32C of
+                     parts of FASTPERSIST_TIER_PART_BYTES, every request
+                     retried, then a TierError). The files overlap: the next
+                     one's parts go while the last parts and the completion
+                     of the one before are in flight (a completion is long:
+                     the store assembles the object). One bound for the whole
+                     save: FASTPERSIST_TIER_CONCURRENCY parts in flight and
+                     one being filled, i.e. at most (concurrency + 1) x part
+                     bytes held (9 x 16 MiB by default). The CRC32C of
                      the header and of each tensor is computed from the very
                      bytes sent. Then manifest.json, with a conditional put
                      (If-None-Match: *): the checkpoint appears, whole, in one

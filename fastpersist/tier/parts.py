@@ -1,7 +1,8 @@
 """One object uploaded from bytes appended in order, in multipart parts.
 
 Parts 2.. are uploaded as they fill (FASTPERSIST_TIER_PART_BYTES each,
-FASTPERSIST_TIER_CONCURRENCY in flight: memory stays bounded), part 1 last,
+FASTPERSIST_TIER_CONCURRENCY in flight: memory stays bounded; streams that
+share `slots` share that bound, so their uploads may overlap), part 1 last,
 with whatever header the writer knows only at the end (compress.py: the
 packed header; a raw file: none); S3 assembles parts by number, not by
 arrival. Less than two parts of bytes is a single put.
