@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,42 @@ def test_every_part_and_the_manifest_carry_a_checksum_the_store_checks(
     sent = [(op, crc) for op, crc in seen if op in ("UploadPart", "PutObject")]
     assert [op for op, _ in sent].count("UploadPart") == 3  # 12 MiB and a header, 5 MiB parts
     assert all(crc for _, crc in sent), sent
+
+
+def test_the_next_data_file_is_sent_while_the_one_before_is_completed(
+        s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data files' uploads overlap: completing one (a long request, the
+    store assembles the object) does not stop the next one's parts. The
+    store holds data-00000's completion until a part of data-00001 arrives."""
+    monkeypatch.setenv("FASTPERSIST_FILE_BYTES", str(8 * MIB))  # a file per big tensor
+    g = torch.Generator().manual_seed(5)
+    state = {"a": torch.randn(3 * MIB, generator=g), "b": torch.randn(3 * MIB, generator=g)}
+    second_file_sent = threading.Event()
+    overlapped: list[bool] = []
+
+    def hold(req: Any) -> None:
+        if req.operation == "UploadPart" and req.key.endswith("data-00001.safetensors"):
+            second_file_sent.set()
+        if req.operation == "CompleteMultipartUpload" and \
+                req.key.endswith("data-00000.safetensors"):
+            overlapped.append(second_file_sent.wait(30))  # a bound, not a measure
+        return None
+
+    with FaultProxy(s3.endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        proxy.schedule = hold
+        fastpersist.save(state, f"{s3.url}/step-1")
+        assert overlapped == [True]
+        # A part of the second file that keeps failing while the first one is
+        # completed: the save fails naming it, and leaves no checkpoint and no
+        # open upload behind.
+        proxy.schedule = Rules(Rule("UploadPart", "500", times=1000, key="data-00001"))
+        with pytest.raises(TierError, match=r"step-2/data-00001.safetensors.*InternalError"):
+            fastpersist.save(state, f"{s3.url}/step-2")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    assert _equal(fastpersist.load(f"{s3.url}/step-1"), state)
+    assert not any(k.endswith("manifest.json") for k in keys(s3.client, s3.bucket, "ckpts/step-2/"))
+    assert not _uploads(s3)
 
 
 _SAVER = textwrap.dedent("""

@@ -15,9 +15,14 @@ PREFIX/manifest.json, the same manifest.
     writer  write    each data file: its header, then its tensors' bytes, from
                      the staging buffer (save(): the live tensors, nothing
                      staged), appended to a multipart upload (tier/parts.py:
-                     parts of FASTPERSIST_TIER_PART_BYTES,
-                     FASTPERSIST_TIER_CONCURRENCY in flight, memory bounded;
-                     every request retried, then a TierError). The CRC32C of
+                     parts of FASTPERSIST_TIER_PART_BYTES, every request
+                     retried, then a TierError). The files overlap: the next
+                     one's parts go while the last parts and the completion
+                     of the one before are in flight (a completion is long:
+                     the store assembles the object). One bound for the whole
+                     save: FASTPERSIST_TIER_CONCURRENCY parts in flight and
+                     one being filled, i.e. at most (concurrency + 1) x part
+                     bytes held (9 x 16 MiB by default). The CRC32C of
                      the header and of each tensor is computed from the very
                      bytes sent. Then manifest.json, with a conditional put
                      (If-None-Match: *): the checkpoint appears, whole, in one
@@ -34,8 +39,9 @@ same bytes resumes), aborted by a Checkpointer's next commit in the store
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from .. import gcpause
@@ -87,14 +93,45 @@ class StoreJob:
     def write(self, files: StagedFiles, pool: StagingPool) -> None:
         file_records: list[FileRecord] = []
         records: dict[str, TensorRecord] = {}
-        with ThreadPoolExecutor(self.s3.concurrency, thread_name_prefix="fp-store-part") as parts:
-            for staged in files:
-                if self.request.aborted():
-                    raise CheckpointAbortedError(f"save to {self.url} was aborted")
-                staged.wait_copied()
-                file_records.append(self._send(staged.tensors, len(file_records), parts,
-                                               records))
-                pool.give_back(staged)  # a later file of this save may wait for room
+        # The data files overlap: while one file's last parts are in flight and
+        # its upload is completed (a long request: the store assembles the
+        # object), the next file's parts are already produced and sent. All
+        # files share one bound of parts in flight, so at most (concurrency
+        # + 1) parts of bytes are held, whatever the number of files.
+        slots = threading.BoundedSemaphore(self.s3.concurrency)
+        streams: list[PartStream] = []
+        completed: list[Future[None]] = []
+        with ThreadPoolExecutor(self.s3.concurrency, thread_name_prefix="fp-store-part"
+                                ) as parts, \
+                ThreadPoolExecutor(1, thread_name_prefix="fp-store-complete") as completer:
+            try:
+                for staged in files:
+                    if self.request.aborted():
+                        raise CheckpointAbortedError(f"save to {self.url} was aborted")
+                    for done in completed:  # a file that failed stops the save now
+                        if done.done():
+                            done.result()
+                    staged.wait_copied()
+                    stream = PartStream(self.s3, self.url, data_file_name(len(file_records)),
+                                        {CODEC_KEY: "raw"}, parts, late_header=False,
+                                        slots=slots)
+                    streams.append(stream)
+                    file_records.append(self._send(staged.tensors, stream, records))
+                    completed.append(completer.submit(stream.finish))
+                    # Every byte of it is copied into a part by now: the buffer
+                    # may take a later file of this save.
+                    pool.give_back(staged)
+                for done in completed:
+                    done.result()
+            except BaseException:
+                for done in completed:
+                    done.cancel()
+                wait(completed)  # no upload is completed after this
+                for i, stream in enumerate(streams):  # those not completed
+                    if i >= len(completed) or completed[i].cancelled() or \
+                            completed[i].exception() is not None:
+                        stream.abort()
+                raise
         with gcpause.paused():  # a record per tensor: many objects, no cycles
             manifest = Manifest(files=tuple(file_records),
                                 tensors=tuple(records[t.name] for t in self.stored),
@@ -108,29 +145,23 @@ class StoreJob:
         if self.request.after_commit is not None:
             after_commit_in_store(self.s3, self.url, self.request.after_commit)
 
-    def _send(self, tensors: list[StoredTensor], index: int, parts: ThreadPoolExecutor,
+    def _send(self, tensors: list[StoredTensor], stream: PartStream,
               records: dict[str, TensorRecord]) -> FileRecord:
-        """One data file, as datafile.write lays it out, appended to one
-        multipart upload; its FileRecord, and each tensor's record into `records`."""
-        name = data_file_name(index)
+        """One data file, as datafile.write lays it out, written to `stream`
+        and sealed; its FileRecord, and each tensor's record into `records`."""
+        name = stream.name
         plan = datafile.plan_file(tensors)
         lay = plan.layout
-        stream = PartStream(self.s3, self.url, name, {CODEC_KEY: "raw"}, parts,
-                            late_header=False)
-        try:
-            stream.write(lay.header)
-            for t, offset in zip(plan.order, lay.offsets, strict=True):
-                # Staged: a view of the buffer; save(): the live tensor (a device
-                # one copied to the host here, one tensor at a time).
-                source = t.source if t.source.device.type == "cpu" else t.source.cpu()
-                memory = memory_of(source)
-                records[t.name] = TensorRecord(t.name, name, offset, t.nbytes, t.dtype, t.shape,
-                                               crc32c(memory))
-                stream.write(memory)
-            stream.finish()
-        except BaseException:
-            stream.abort()
-            raise
+        stream.write(lay.header)
+        for t, offset in zip(plan.order, lay.offsets, strict=True):
+            # Staged: a view of the buffer; save(): the live tensor (a device
+            # one copied to the host here, one tensor at a time).
+            source = t.source if t.source.device.type == "cpu" else t.source.cpu()
+            memory = memory_of(source)
+            records[t.name] = TensorRecord(t.name, name, offset, t.nbytes, t.dtype, t.shape,
+                                           crc32c(memory))
+            stream.write(memory)
+        stream.seal()
         return FileRecord(name=name, size=lay.size, data_start=lay.data_start,
                           header_crc32c=crc32c(lay.header))
 

@@ -1,7 +1,8 @@
 """One object uploaded from bytes appended in order, in multipart parts.
 
 Parts 2.. are uploaded as they fill (FASTPERSIST_TIER_PART_BYTES each,
-FASTPERSIST_TIER_CONCURRENCY in flight: memory stays bounded), part 1 last,
+FASTPERSIST_TIER_CONCURRENCY in flight: memory stays bounded; streams that
+share `slots` share that bound, so their uploads may overlap), part 1 last,
 with whatever header the writer knows only at the end (compress.py: the
 packed header; a raw file: none); S3 assembles parts by number, not by
 arrival. Less than two parts of bytes is a single put.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -38,32 +40,49 @@ class PartStream:
     soon as it fills, like the rest."""
 
     def __init__(self, s3: S3, url: TierURL, name: str, metadata: dict[str, str],
-                 pool: ThreadPoolExecutor, *, late_header: bool = True) -> None:
+                 pool: ThreadPoolExecutor, *, late_header: bool = True,
+                 slots: threading.BoundedSemaphore | None = None) -> None:
         self.s3, self.url, self.name, self.metadata, self.pool = s3, url, name, metadata, pool
         self.late_header = late_header
         self.first = bytearray()  # part 1's bytes, held for the header
-        self.current = bytearray()
+        self.current = bytearray()  # less than one part
         self.upload_id: str | None = None
-        self.futures: list[Future[dict[str, Any]]] = []
-        self.slots = threading.BoundedSemaphore(s3.concurrency)
+        self.futures: list[Future[Any]] = []  # the parts' {PartNumber, ETag}; a put's None
+        # At most this many parts held in flight; streams that share `slots`
+        # (one save's data files, uploaded overlapping) share that bound.
+        self.slots = slots or threading.BoundedSemaphore(s3.concurrency)
         self.kept_lock = threading.Lock()
         self.next_part = 2 if late_header else 1
         self.size = 0
+        self.sealed = False
+        self.single = False  # sealed as one put (less than a part)
         self.kept = 0  # bytes of parts an earlier, interrupted upload had sent already
         self.earlier: dict[int, tuple[str, int]] = {}  # its parts: number -> (ETag, size)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.size += len(data)
+        """Append `data`; every whole part is sent before this returns, so the
+        caller may reuse `data`'s memory then. A part is copied once from
+        `data` when it lies within it, twice when it spans writes."""
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self.size += len(view)
         part = self.s3.part_bytes
         if self.late_header and len(self.first) < part:
-            take = min(part - len(self.first), len(data))
-            self.first += data[:take]
-            data = data[take:]
-        self.current += data
-        while len(self.current) >= part:
-            body = bytes(self.current[:part])
-            del self.current[:part]
-            self._send(body)
+            take = min(part - len(self.first), len(view))
+            self.first += view[:take]
+            view = view[take:]
+        while view:
+            if not self.current and len(view) >= part:
+                self._send(bytes(view[:part]))
+                view = view[part:]
+                continue
+            take = min(part - len(self.current), len(view))
+            self.current += view[:take]
+            view = view[take:]
+            if len(self.current) == part:
+                body, self.current = bytes(self.current), bytearray()
+                self._send(body)
 
     def _start(self) -> str:
         if self.upload_id is None:
@@ -89,18 +108,45 @@ class PartStream:
         self._start()
         number = self.next_part
         self.next_part += 1
-        self.slots.acquire()  # at most `concurrency` parts held in flight
+        self._submit(lambda: self._part(number, body))
 
-        def run() -> dict[str, Any]:
+    def _submit(self, request: Callable[[], Any]) -> None:
+        self.slots.acquire()  # bounded: see __init__
+
+        def run() -> Any:
             try:
-                return self._part(number, body)
+                return request()
             finally:
                 self.slots.release()
 
         self.futures.append(self.pool.submit(run))
 
+    def seal(self) -> None:
+        """No more bytes (`late_header=False` only): what is left goes now,
+        as the last part or, with less than a part in all, as one put in
+        flight like a part; finish() then waits for them."""
+        assert not self.late_header
+        if self.sealed:
+            return
+        self.sealed = True
+        if self.upload_id is None:
+            body = bytes(self.current)
+            self.single = True
+            self._submit(lambda: self.s3.put(self.url, self.name, body, self.metadata))
+        elif self.current:
+            self._send(bytes(self.current))
+        self.current = bytearray()
+
     def finish(self, header: bytes = b"") -> None:
-        """Send what is left (with late_header, the header goes first in the object)."""
+        """Send what is left (with late_header, the header goes first in the
+        object) and complete the object. May run on another thread than the
+        writes, once they are done (and the stream sealed)."""
+        if not self.late_header:
+            self.seal()
+            parts = [f.result() for f in self.futures]
+            if not self.single:
+                self.s3.complete_upload(self.url, self.name, self._start(), parts)
+            return
         if self.upload_id is None:
             self.s3.put(self.url, self.name, header + bytes(self.first) + bytes(self.current),
                         self.metadata)
@@ -108,13 +154,13 @@ class PartStream:
         if self.current:
             self._send(bytes(self.current))
         parts = [f.result() for f in self.futures]
-        if self.late_header:
-            parts.append(self._part(1, header + bytes(self.first)))
+        parts.append(self._part(1, header + bytes(self.first)))
         self.s3.complete_upload(self.url, self.name, self._start(), parts)
 
     def abort(self) -> None:
         for f in self.futures:
-            f.cancel()
+            if f.cancel():
+                self.slots.release()  # its run() never will: the slots may be shared
         for f in self.futures:
             if not f.cancelled():
                 f.exception()  # wait: no part is sent after the abort
