@@ -147,8 +147,11 @@ def run(args: argparse.Namespace, root: Path, address: str) -> int:
     model2, opt2 = make_model(args)
     t0 = time.perf_counter()
     # into=: the weights land in model2's own tensors (no second copy, no
-    # load_state_dict); the fresh optimizer has no state yet, so its comes back new.
-    restored = fastpersist.load(latest, into={"model": model2.state_dict()})
+    # load_state_dict); the fresh optimizer has no state yet, so its comes back
+    # new. into= reads only what it names: name the optimizer and the RNG too.
+    restored = fastpersist.load(latest, into={"model": model2.state_dict(),
+                                              "optimizer": opt2.state_dict(),
+                                              "rng": torch.get_rng_state()})
     dt = time.perf_counter() - t0
     print(f"restored {latest.name} in {dt:.2f} s (every tensor's CRC32C checked)")
     opt2.load_state_dict(restored["optimizer"])
