@@ -23,12 +23,11 @@ compression: each raises ValueError saying so. One writer per prefix.
 
 from __future__ import annotations
 
-import warnings
-from types import TracebackType
 from typing import Any
 
 from .api import load, pipeline_for
-from .errors import CheckpointError, CorruptCheckpointError, StoreURLError
+from .checkpointer_base import CheckpointerBase
+from .errors import CorruptCheckpointError, StoreURLError
 from .resume import Judge, Skipped, not_found, refuse_existing
 from .saving.futures import SaveFuture
 from .storage.retention import AfterCommit
@@ -51,7 +50,7 @@ _REFUSED = {"daemon": "fastpersistd saves to a filesystem: give it --tier",
                             "keep_every are)")}
 
 
-class StoreCheckpointer:
+class StoreCheckpointer(CheckpointerBase):
     """Checkpointer's interface over checkpoints in a store; see the module
     docstring and Checkpointer for each method."""
 
@@ -125,36 +124,10 @@ class StoreCheckpointer:
             self._saved = set(self.steps()) | set(self._saving)
         return step not in self._saved
 
-    def prepare_staging(self, state: Any) -> int:
-        return self._pipeline.prepare_staging(state, allow_pickle=self.allow_pickle)
-
-    def wait(self) -> None:
-        """Block until every save so far is durable; raise if one failed."""
-        self._pipeline.wait()
-        self._pipeline.raise_unobserved_failure()
-
     def close(self, *, abort: bool = False) -> None:
         """Finish the in-flight save (abort=True: abandon it; its upload is
         aborted, nothing becomes visible) and free the staging memory."""
         self._pipeline.close(abort=abort)
-
-    def __enter__(self) -> StoreCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:
-            self.close(abort=not issubclass(exc_type, Exception))
-        except CheckpointError as close_error:
-            warnings.warn(f"checkpoint save failed while leaving on an error: {close_error}",
-                          RuntimeWarning, stacklevel=2)
-
-    @property
-    def staging_bytes(self) -> int:
-        return self._pipeline.staging_bytes
 
     def steps(self) -> list[int]:
         """Steps of the checkpoints committed under the root (manifest put), ascending."""
