@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,21 +42,7 @@ def plain(obj: Any, safe_dicts: tuple[type[dict[Any, Any]], ...], depth: int = 0
         return {NAMESPACE: plain(dict(vars(obj)), safe_dicts, depth + 1)}
     if isinstance(obj, safe_dicts):
         return {k: plain(v, safe_dicts, depth + 1) for k, v in obj.items()}
-    if type(obj) in (dict, OrderedDict):
-        items = {k: plain(v, safe_dicts, depth + 1) for k, v in obj.items()}
-        if all(items[k] is v for k, v in obj.items()):
-            return obj
-        converted: dict[Any, Any] = OrderedDict(items) if type(obj) is OrderedDict else items
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None:
-            converted._metadata = meta  # type: ignore[attr-defined]
-        return converted
-    if type(obj) in (list, tuple):
-        values = [plain(v, safe_dicts, depth + 1) for v in obj]
-        if all(a is b for a, b in zip(values, obj, strict=True)):
-            return obj
-        return values if type(obj) is list else tuple(values)
-    return obj
+    return _rebuilt(obj, lambda v: plain(v, safe_dicts, depth + 1))
 
 
 def namespaces(obj: Any, depth: int = 0) -> Any:
@@ -63,12 +50,20 @@ def namespaces(obj: Any, depth: int = 0) -> Any:
     turned back into one; containers with none are returned as they are."""
     if depth > _MAX_DEPTH:
         return obj
+    if (type(obj) in (dict, OrderedDict) and list(obj) == [NAMESPACE]
+            and type(obj[NAMESPACE]) is dict):
+        inner = namespaces(obj[NAMESPACE], depth + 1)
+        if all(type(k) is str for k in inner):
+            return argparse.Namespace(**inner)
+    return _rebuilt(obj, lambda v: namespaces(v, depth + 1))
+
+
+def _rebuilt(obj: Any, convert: Callable[[Any], Any]) -> Any:
+    """A plain dict, OrderedDict, list or tuple with `convert` applied to each
+    value; the container itself when nothing changed (same object: tensors
+    keep their sharing; a changed state dict keeps its _metadata)."""
     if type(obj) in (dict, OrderedDict):
-        if list(obj) == [NAMESPACE] and type(obj[NAMESPACE]) is dict:
-            inner = namespaces(obj[NAMESPACE], depth + 1)
-            if all(type(k) is str for k in inner):
-                return argparse.Namespace(**inner)
-        items = {k: namespaces(v, depth + 1) for k, v in obj.items()}
+        items = {k: convert(v) for k, v in obj.items()}
         if all(items[k] is v for k, v in obj.items()):
             return obj
         converted: dict[Any, Any] = OrderedDict(items) if type(obj) is OrderedDict else items
@@ -77,7 +72,7 @@ def namespaces(obj: Any, depth: int = 0) -> Any:
             converted._metadata = meta  # type: ignore[attr-defined]
         return converted
     if type(obj) in (list, tuple):
-        values = [namespaces(v, depth + 1) for v in obj]
+        values = [convert(v) for v in obj]
         if all(a is b for a, b in zip(values, obj, strict=True)):
             return obj
         return values if type(obj) is list else tuple(values)
