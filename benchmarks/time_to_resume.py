@@ -237,7 +237,9 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="fp-resume-", dir=args.dir or REPO_ROOT))
     shm = Path(tempfile.mkdtemp(prefix="fp-resume-", dir="/dev/shm"))
     sockdir = Path(tempfile.mkdtemp(prefix="fpd-"))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "FASTPERSIST_SHM_DIR": str(shm),
+    # PYTHONPATH keeps what the caller had after the repo (a machine's own wheels).
+    path = os.pathsep.join(x for x in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if x)
+    env = {**os.environ, "PYTHONPATH": path, "FASTPERSIST_SHM_DIR": str(shm),
            "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
            "AWS_DEFAULT_REGION": "us-east-1"}
     env.pop("FASTPERSIST_DAEMON", None)
