@@ -37,8 +37,12 @@ Paths:
   daemon-stream     through fastpersistd with tensors larger than half the budget
                     (those are streamed over gRPC: SubmitStream)
   daemon-async2     async_save through the daemon with a second queued
+  daemon-default    through the daemon, the trainer without FASTPERSIST_STAGING_BUDGET
+                    (the daemon's --client-budget B is the only budget; refused today
+                    for a state over it)
   dist2             2 gloo ranks, in-process (each rank's peak; the worst shown)
   dist2-daemon      2 gloo ranks through the daemon
+  dist2-async       2 gloo ranks, in-process async_save, waited for
   load              fastpersist.load (peak beyond the returned bytes)
   load-into         fastpersist.load(into=state)
   open-get          fastpersist.open(...).get_tensor of every tensor, one at a time
@@ -72,11 +76,12 @@ GIB = 1 << 30
 SLACK = 64 * MIB  # the allowance above the budget
 
 SAVES = ("inproc", "async2", "inproc-zstd", "async-zstd", "daemon", "daemon-zstd",
-         "daemon-stream", "daemon-async2", "dist2", "dist2-daemon")
+         "daemon-stream", "daemon-async2", "daemon-default", "dist2", "dist2-daemon",
+         "dist2-async")
 LOADS = ("load", "load-into", "open-get", "load-tier")
 PATHS = SAVES + LOADS
-DAEMON_PATHS = {"daemon", "daemon-zstd", "daemon-stream", "daemon-async2", "dist2-daemon",
-                "load-tier"}
+DAEMON_PATHS = {"daemon", "daemon-zstd", "daemon-stream", "daemon-async2", "daemon-default",
+                "dist2-daemon", "load-tier"}
 
 
 def parse_size(text: str) -> int:
@@ -154,7 +159,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     error = None
     try:
-        if path in ("inproc", "inproc-zstd", "daemon", "daemon-zstd", "daemon-stream"):
+        if path in ("inproc", "inproc-zstd", "daemon", "daemon-zstd", "daemon-stream",
+                    "daemon-default"):
             fastpersist.save(state, work / "out", daemon=daemon,
                              compression="zstd" if path.endswith("zstd") else None)
         elif path in ("async2", "daemon-async2", "async-zstd"):
@@ -165,6 +171,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 futures.append(fastpersist.async_save(state, work / "out-b", daemon=daemon))
             for f in futures:
                 f.result()
+        elif path == "dist2-async":
+            fastpersist.async_save(state, work / "out", daemon=daemon,
+                                   process_group=group).result()
         elif path.startswith("dist2"):
             fastpersist.save(state, work / "out", daemon=daemon, process_group=group)
         elif path in ("load", "load-tier"):
@@ -259,6 +268,8 @@ def run_children(args: argparse.Namespace, path: str, work: Path, shm_dir: Path,
                FASTPERSIST_SHM_DIR=str(shm_dir), PYTHONPATH=os.pathsep.join(
                    filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
     env.pop("FASTPERSIST_DAEMON", None)
+    if path == "daemon-default":
+        env.pop("FASTPERSIST_STAGING_BUDGET")
     tensors = args.tensors
     if path == "daemon-stream":  # every tensor over half the budget: streamed, not staged
         tensors = max(1, min(args.tensors, args.nbytes // (args.budget // 2 + MIB)))
