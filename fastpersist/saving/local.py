@@ -23,10 +23,21 @@ Planned = tuple[Any, list[StoredTensor]]  # the tree, and its tensors in entry o
 def cut(stored: list[StoredTensor], request: SaveRequest) -> tuple[list[FilePlan], int]:
     """Data files of at most FASTPERSIST_FILE_BYTES (and, under a staging
     budget, half of it: group_into_files): one layout on disk whoever writes
-    it, this process or a daemon. Returns them and the budget they were cut for."""
+    it, this process or a daemon. Returns them and the budget they were cut for.
+
+    Compressing a file holds all its stored frames in memory until the file
+    is written (codec/packing.plan), beside the staged files: so with
+    compression and a budget, staging gets two thirds of it and files are cut
+    at a third, which also bounds a blocking save (which stages nothing) by
+    the encoded copy of one file. A single tensor over that cap still gets a
+    file of its own, encoded whole."""
     knobs = current_knobs()
-    budget = 0 if request.inline else knobs.staging_budget
-    return group_into_files(stored, budget, knobs.file_bytes), budget
+    budget, file_bytes = knobs.staging_budget, knobs.file_bytes
+    if request.compression and budget:
+        budget = max(budget // 3 * 2, 2)
+        file_bytes = min(file_bytes, budget // 2)
+    budget = 0 if request.inline else budget
+    return group_into_files(stored, budget, file_bytes), budget
 
 
 def plan_state(obj: Any, request: SaveRequest) -> Planned:
