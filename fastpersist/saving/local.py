@@ -20,12 +20,17 @@ from .staging import StagingPool
 Planned = tuple[Any, list[StoredTensor]]  # the tree, and its tensors in entry order
 
 
-def cut(stored: list[StoredTensor], request: SaveRequest) -> tuple[list[FilePlan], int]:
+def cut(stored: list[StoredTensor], request: SaveRequest, budget: int | None = None
+        ) -> tuple[list[FilePlan], int]:
     """Data files of at most FASTPERSIST_FILE_BYTES (and, under a staging
     budget, half of it: group_into_files): one layout on disk whoever writes
-    it, this process or a daemon. Returns them and the budget they were cut for."""
+    it, this process or a daemon. budget: the sink's (a daemon's window),
+    else FASTPERSIST_STAGING_BUDGET. Returns the files and the budget they
+    were cut for."""
     knobs = current_knobs()
-    budget = 0 if request.inline else knobs.staging_budget
+    if budget is None:
+        budget = knobs.staging_budget
+    budget = 0 if request.inline else budget
     return group_into_files(stored, budget, knobs.file_bytes), budget
 
 
@@ -79,6 +84,9 @@ class LocalSink:
 
     def cut(self, planned: Planned, request: SaveRequest) -> list[FilePlan]:
         return cut(planned[1], request)[0]
+
+    def staging_budget(self) -> int:
+        return current_knobs().staging_budget
 
     def begin(self, planned: Planned, request: SaveRequest) -> LocalJob:
         if request.durability != "disk":
