@@ -143,6 +143,15 @@ def test_a_tensor_larger_than_the_whole_budget(small_daemon: Daemon) -> None:
     assert info.staging_mapped_peak <= CLIENT_BUDGET
 
 
+def test_a_non_contiguous_tensor_larger_than_the_whole_budget(small_daemon: Daemon) -> None:
+    """Streamed in pieces of its rows (segments._host_pieces), in C order."""
+    g = torch.Generator().manual_seed(6)
+    state = {"t": torch.randn(3072, 8192, generator=g).t(), "v": torch.randn(4, generator=g)}
+    assert not state["t"].is_contiguous() and state["t"].nbytes > BUDGET
+    fastpersist.save(state, small_daemon.root / "nc", daemon=small_daemon.address)
+    assert_same(small_daemon.root / "nc", state)
+
+
 def _hold_budget(d: Daemon) -> list[str]:
     """Two other clients' checkpoints, each reserving its whole per-client
     budget: the daemon's budget is full."""

@@ -39,6 +39,9 @@ T = TypeVar("T")
 # longest sleep is short beside any save that holds the budget.
 ROOM_POLL_FIRST = 0.01
 ROOM_POLL_MAX = 0.25
+# A streamed device or non-contiguous tensor is copied to the host in pieces of
+# at most this (the daemon's stream takes 1 MiB messages; more is no faster).
+STREAM_COPY_BYTES = 16 << 20
 
 
 class SegmentBuffers:
@@ -124,13 +127,29 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
 
 def _chunks(order: list[StoredTensor]) -> Iterator[memoryview]:
     """Each tensor's bytes as the stream reaches it: a device or non-contiguous
-    tensor is copied to the host then, one at a time, not all up front."""
+    tensor is copied to the host then, at most STREAM_COPY_BYTES at a time (a
+    tensor streamed because it is larger than the staging window must not be
+    copied to the host whole)."""
     for t in order:
-        yield memoryview(memory_of(_host(t.source))).cast("B")
+        src = t.source
+        if src.is_cpu and src.is_contiguous():
+            yield memoryview(memory_of(src)).cast("B")
+            continue
+        for piece in _host_pieces(src):
+            yield memoryview(memory_of(piece)).cast("B")
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_cpu and t.is_contiguous() else t.to("cpu").contiguous()
+def _host_pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """t's elements in C order as contiguous host tensors: slices of the first
+    dimension (each one's elements are consecutive in C order), as many rows
+    as fit STREAM_COPY_BYTES (at least one)."""
+    if t.dim() == 0 or t.numel() == 0:
+        yield t.to("cpu").contiguous()
+        return
+    row = t[0].numel() * t.element_size()
+    rows = max(1, STREAM_COPY_BYTES // max(row, 1))
+    for start in range(0, t.shape[0], rows):
+        yield t[start:start + rows].to("cpu").contiguous()
 
 
 def staging_limit(client: DaemonClient) -> int:
