@@ -81,6 +81,10 @@ def assert_within_budget(d: Daemon, limit: int = CLIENT_BUDGET) -> None:
     assert 0 < info.staging_in_use_peak <= limit, info
     assert 0 < info.staging_mapped_peak <= limit, info
     assert info.staging_in_use == 0 and info.checkpoints_in_flight == 0, info
+    # The client's side: the process-wide pipeline's pool kept one window.
+    from fastpersist.api import pipeline_for
+
+    assert pipeline_for(d.address).staging_bytes <= CLIENT_BUDGET
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
@@ -112,6 +116,7 @@ def test_checkpointer_through_the_daemon(small_daemon: Daemon) -> None:
         for step, s in enumerate(states):
             ckpt.save(step, s)
         ckpt.wait()
+        assert 0 < ckpt.staging_bytes <= CLIENT_BUDGET
         paths = [ckpt.path_for(step) for step in range(len(states))]
     for path, s in zip(paths, states, strict=True):
         assert_same(path, s)
