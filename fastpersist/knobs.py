@@ -20,6 +20,9 @@
                                and _CERT_FILE and _KEY_FILE where the daemon
                                asks for client certificates)
     FASTPERSIST_SHM_DIR        shared-memory segments for the daemon     /dev/shm
+    FASTPERSIST_DAEMON_ROOM_TIMEOUT  seconds a save waits for room in     600
+                               fastpersistd's staging budgets (other
+                               clients' saves hold them) before failing
     FASTPERSIST_NODE           this process's node in a distributed save  hostname
                                (ranks on one node share its drives); for
                                fastpersistd, whose lock on its root is per
@@ -127,6 +130,7 @@ class Knobs:
     frame_bytes: int = 4 * _MIB
     background_nice: int = 10
     load_ring_bytes: int = 256 * _MIB
+    daemon_room_timeout: int = 600
 
     @property
     def io_threads(self) -> int:
@@ -240,4 +244,5 @@ def current() -> Knobs:
         frame_bytes=frame_bytes,
         background_nice=min(_int_env("FASTPERSIST_BACKGROUND_NICE", 10, minimum=0), 19),
         load_ring_bytes=_int_env("FASTPERSIST_LOAD_RING_BYTES", 256 * _MIB, minimum=0),
+        daemon_room_timeout=_int_env("FASTPERSIST_DAEMON_ROOM_TIMEOUT", 600, minimum=0),
     )

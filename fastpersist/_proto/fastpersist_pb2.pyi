@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend", "tier_url", "tier_pending", "tier_failing", "tier_uploaded", "tier_failures", "tier_last_error", "features", "client_budget", "memory_tier_count", "memory_tier_budget", "memory_tier_bytes", "memory_tier_copies", "node_name", "failure_domain", "job", "peers", "replicas", "replica_budget", "replica_bytes", "replicas_held", "replication_pending")
+    __slots__ = ("version", "root", "staging_budget", "staging_in_use", "checkpoints_in_flight", "direct_io", "io_backend", "tier_url", "tier_pending", "tier_failing", "tier_uploaded", "tier_failures", "tier_last_error", "features", "client_budget", "memory_tier_count", "memory_tier_budget", "memory_tier_bytes", "memory_tier_copies", "node_name", "failure_domain", "job", "peers", "replicas", "replica_budget", "replica_bytes", "replicas_held", "replication_pending", "staging_in_use_peak", "staging_mapped_peak")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     STAGING_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class InfoResponse(_message.Message):
     REPLICA_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_HELD_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_PENDING_FIELD_NUMBER: _ClassVar[int]
+    STAGING_IN_USE_PEAK_FIELD_NUMBER: _ClassVar[int]
+    STAGING_MAPPED_PEAK_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     staging_budget: int
@@ -69,7 +71,9 @@ class InfoResponse(_message.Message):
     replica_bytes: int
     replicas_held: int
     replication_pending: int
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., client_budget: _Optional[int] = ..., memory_tier_count: _Optional[int] = ..., memory_tier_budget: _Optional[int] = ..., memory_tier_bytes: _Optional[int] = ..., memory_tier_copies: _Optional[int] = ..., node_name: _Optional[str] = ..., failure_domain: _Optional[str] = ..., job: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., replicas: _Optional[int] = ..., replica_budget: _Optional[int] = ..., replica_bytes: _Optional[int] = ..., replicas_held: _Optional[int] = ..., replication_pending: _Optional[int] = ...) -> None: ...
+    staging_in_use_peak: int
+    staging_mapped_peak: int
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., staging_budget: _Optional[int] = ..., staging_in_use: _Optional[int] = ..., checkpoints_in_flight: _Optional[int] = ..., direct_io: _Optional[bool] = ..., io_backend: _Optional[str] = ..., tier_url: _Optional[str] = ..., tier_pending: _Optional[int] = ..., tier_failing: _Optional[int] = ..., tier_uploaded: _Optional[int] = ..., tier_failures: _Optional[int] = ..., tier_last_error: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., client_budget: _Optional[int] = ..., memory_tier_count: _Optional[int] = ..., memory_tier_budget: _Optional[int] = ..., memory_tier_bytes: _Optional[int] = ..., memory_tier_copies: _Optional[int] = ..., node_name: _Optional[str] = ..., failure_domain: _Optional[str] = ..., job: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., replicas: _Optional[int] = ..., replica_budget: _Optional[int] = ..., replica_bytes: _Optional[int] = ..., replicas_held: _Optional[int] = ..., replication_pending: _Optional[int] = ..., staging_in_use_peak: _Optional[int] = ..., staging_mapped_peak: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
     __slots__ = ("path", "client_id", "staging_bytes", "file_count", "job_id", "rank", "compression", "frame_bytes", "durability")

@@ -64,6 +64,12 @@ class Ledger:
         self.budgets = budgets
         self.total = 0
         self.count = 0
+        # What the budgets bound, as it was at its highest since the start
+        # (Info): the reservations, and the submitted files' shared memory the
+        # daemon holds mapped until it wrote them (within the reservations).
+        self.peak = 0
+        self.mapped = 0
+        self.mapped_peak = 0
         self._bytes: Counter[str] = Counter()
         self._count: Counter[str] = Counter()
 
@@ -97,6 +103,7 @@ class Ledger:
 
     def add(self, client: str, staging_bytes: int) -> None:
         self.total += staging_bytes
+        self.peak = max(self.peak, self.total)
         self.count += 1
         self._bytes[client] += staging_bytes
         self._count[client] += 1
@@ -108,6 +115,13 @@ class Ledger:
         self._count[client] -= 1
         if not self._count[client]:  # forget the client: ids are unbounded
             del self._bytes[client], self._count[client]
+
+    def map(self, nbytes: int) -> None:
+        self.mapped += nbytes
+        self.mapped_peak = max(self.mapped_peak, self.mapped)
+
+    def unmap(self, nbytes: int) -> None:
+        self.mapped -= nbytes
 
 
 # Parsing JSON takes many times its size in Python objects (a 7 MB list of

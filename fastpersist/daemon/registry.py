@@ -196,6 +196,7 @@ class Registry:
         self.ledger.remove(ck.client, ck.reserved)
         for pending in ck.pending:
             ck.mapped_bytes -= pending.nbytes
+            self.ledger.unmap(pending.nbytes)
             self.janitor.submit("unmap", pending.data.close)
         ck.pending.clear()
         if state != State.COMMITTED:

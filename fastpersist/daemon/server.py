@@ -106,10 +106,11 @@ class Servicer(pb_grpc.FastPersistServicer):
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         def run() -> pb.InfoResponse:
             s = self.service
-            reserved, in_flight = s.snapshot()
+            reserved, in_flight, peak, mapped_peak = s.snapshot()
             reply = pb.InfoResponse(
                 version=__version__, root=str(s.root.path), staging_budget=s.budgets.staging,
                 staging_in_use=reserved, checkpoints_in_flight=in_flight,
+                staging_in_use_peak=peak, staging_mapped_peak=mapped_peak,
                 direct_io=self.direct_io, io_backend=knobs.current().io_backend,
                 features=FEATURES, client_budget=s.budgets.client,
             )

@@ -74,10 +74,12 @@ class Service:
 
     # -- queries -----------------------------------------------------------
 
-    def snapshot(self) -> tuple[int, int]:
-        """(staging reserved, checkpoints in flight), consistent with each other."""
+    def snapshot(self) -> tuple[int, int, int, int]:
+        """(staging reserved, checkpoints in flight, the most reserved and the
+        most mapped at once since the start), consistent with each other."""
         with self.registry.cond:
-            return self.registry.ledger.reserved(), self.registry.ledger.in_flight()
+            ledger = self.registry.ledger
+            return ledger.reserved(), ledger.in_flight(), ledger.peak, ledger.mapped_peak
 
     def in_flight(self) -> list[Checkpoint]:
         with self.registry.cond:
@@ -206,6 +208,7 @@ class Service:
             ck.submitted.add(index)
             ck.names.update(e.name for e in entries)
             ck.mapped_bytes += len(data.view)
+            r.ledger.map(len(data.view))
             ck.bytes_total += len(header) + len(data.view)
             ck.pending.append(PendingFile(index, header, entries, data))
             ck.last_activity = time.monotonic()

@@ -124,6 +124,7 @@ class Writers:
                     self.idle_since = time.monotonic()
                     if job is not None:
                         ck.mapped_bytes -= job.nbytes
+                        r.ledger.unmap(job.nbytes)
                     r.release(ck)
                     r.cond.notify_all()
 

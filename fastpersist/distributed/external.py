@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .. import knobs
 from .._version import __version__
 from ..checksum import block_spans, combine, crc32c
 from ..engine import get_engine
 from ..errors import CheckpointError, CorruptCheckpointError, DaemonError
 from ..format.manifest import FileRecord, TensorRecord
 from ..format.names import part_file_name
+from ..saving import segments
 from ..saving.files import StagedFiles
 from ..saving.snapshot import StagedFile, stage_file
 from ..saving.staging import StagingPool
@@ -278,13 +278,9 @@ def _stage(pool: StagingPool, stored_files: list[list[StoredTensor]],
 
 
 def staging_limit(storage: ThroughDaemon) -> int:
-    """The shared memory a part may hold (0: no limit): FASTPERSIST_STAGING_BUDGET
-    and the daemon's budgets, whichever is least. A part over the daemon's would
-    be refused (RESOURCE_EXHAUSTED)."""
-    info = storage.client.info(cached=True)
-    limits = [b for b in (knobs.current().staging_budget, info.client_budget,
-                          info.staging_budget) if b]
-    return min(limits, default=0)
+    """The shared memory a part may hold (0: no limit): the same window as a
+    single save's through the daemon (segments.staging_limit)."""
+    return segments.staging_limit(storage.client)
 
 
 def block_crcs(file: StagedFile, block: int) -> dict[str, list[int]]:

@@ -99,6 +99,9 @@ class DistributedSink:
     def cut(self, planned: Any, request: SaveRequest) -> list[FilePlan] | None:
         return None  # a rank learns its share at each save
 
+    def staging_budget(self) -> int:
+        return 0  # a rank stages its share whole (DistributedJob.budget)
+
     def begin(self, planned: Any, request: SaveRequest) -> DistributedJob:
         if request.durability != "disk":
             raise ValueError("a distributed save cannot be memory-only")

@@ -20,10 +20,13 @@ from .staging import StagingPool
 Planned = tuple[Any, list[StoredTensor]]  # the tree, and its tensors in entry order
 
 
-def cut(stored: list[StoredTensor], request: SaveRequest) -> tuple[list[FilePlan], int]:
+def cut(stored: list[StoredTensor], request: SaveRequest, budget: int | None = None
+        ) -> tuple[list[FilePlan], int]:
     """Data files of at most FASTPERSIST_FILE_BYTES (and, under a staging
     budget, half of it: group_into_files): one layout on disk whoever writes
-    it, this process or a daemon. Returns them and the budget they were cut for.
+    it, this process or a daemon. budget: the sink's (a daemon's window),
+    else FASTPERSIST_STAGING_BUDGET. Returns the files and the budget they
+    were cut for.
 
     Compressing a file holds all its stored frames in memory until the file
     is written (codec/packing.plan), beside the staged files: so with
@@ -32,7 +35,9 @@ def cut(stored: list[StoredTensor], request: SaveRequest) -> tuple[list[FilePlan
     the encoded copy of one file. A single tensor over that cap still gets a
     file of its own, encoded whole."""
     knobs = current_knobs()
-    budget, file_bytes = knobs.staging_budget, knobs.file_bytes
+    if budget is None:
+        budget = knobs.staging_budget
+    file_bytes = knobs.file_bytes
     if request.compression and budget:
         budget = max(budget // 3 * 2, 2)
         file_bytes = min(file_bytes, budget // 2)
@@ -90,6 +95,9 @@ class LocalSink:
 
     def cut(self, planned: Planned, request: SaveRequest) -> list[FilePlan]:
         return cut(planned[1], request)[0]
+
+    def staging_budget(self) -> int:
+        return current_knobs().staging_budget
 
     def begin(self, planned: Planned, request: SaveRequest) -> LocalJob:
         if request.durability != "disk":

@@ -176,7 +176,7 @@ class SavePipeline:
         pinned = needs_pinned(t for f in files for t in f.tensors)
         try:
             return self.sink.pool.prepare([f.nbytes for f in files if f.staged],
-                                          current_knobs().staging_budget, pinned)
+                                          self.sink.staging_budget(), pinned)
         finally:
             if self._closed:  # closed meanwhile: its pool was cleared before these came back
                 self.sink.pool.clear()

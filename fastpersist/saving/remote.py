@@ -5,7 +5,12 @@ writer = the pipeline's writer thread, daemon = fastpersistd):
 
     caller  2. begin: Open (Begin: the daemon checks the path and reserves
                staging; its reply is a stream of progress, and while it is
-               open, the daemon's sign that we are alive)
+               open, the daemon's sign that we are alive). The files are cut
+               for the least of FASTPERSIST_STAGING_BUDGET and the daemon's
+               budgets (segments.staging_limit), and the reservation is at
+               most that window: a save of any size goes through in windows.
+               While other saves hold the daemon's budget, Open is refused
+               and asked again (segments.open_when_room): the save waits
     caller  3. the pipeline copies each data file into a shared-memory buffer
                (the pool's buffers are segments), laid out as the file's data
     writer  4. SubmitShm per file; a tensor too large for the staging budget is
@@ -41,7 +46,7 @@ from ..protocol.client import DaemonClient
 from .files import StagedFiles
 from .handover import Handover
 from .local import Planned, cut, plan_state
-from .segments import SegmentBuffers, socket_group
+from .segments import SegmentBuffers, open_when_room, socket_group, staging_limit
 from .sink import SaveRequest
 from .snapshot import FilePlan
 from .staging import StagingPool
@@ -56,6 +61,7 @@ class DaemonJob:
         self.tree_json = tree_json
         self.tensor_order = tensor_order
         self.request = request
+        self.windowed = bool(budget) and sum(f.nbytes for f in files if f.staged) > budget
         self.handed_over = threading.Event()
         self.error: BaseException | None = None  # set before handed_over if it failed
 
@@ -91,9 +97,11 @@ class DaemonJob:
             if self.request.aborted():
                 raise CheckpointAbortedError(f"save of {self.request.target} was aborted")
             handover.submit(index, staged)  # a file without a buffer is streamed
-            if self.budget and index < total - 1:
-                # Staging is bounded and more files follow: the caller may be
-                # waiting for this buffer; take it back once it is written.
+            if self.windowed and index < total - 1:
+                # The save is larger than its window and more files follow: the
+                # caller may be waiting for this buffer; take it back once it is
+                # written. (A save that fits is submitted whole: the daemon
+                # goes from one file to the next without waiting for us.)
                 handover.wait_written(index + 1)
                 pool.give_back(staged)
         handover.commit(self.tree_json, self.tensor_order, self.request.after_commit)
@@ -117,22 +125,29 @@ class DaemonSink:
         return plan_state(obj, request)
 
     def cut(self, planned: Planned, request: SaveRequest) -> list[FilePlan]:
-        return cut(planned[1], request)[0]
+        return cut(planned[1], request, staging_limit(self.client))[0]
+
+    def staging_budget(self) -> int:
+        """The window a save stages in (prepare_staging's budget)."""
+        return staging_limit(self.client)
 
     def begin(self, planned: Planned, request: SaveRequest) -> DaemonJob:
         tree, stored = planned
         relative = self.client.relative(request.path)
         tree_json = json.dumps(tree, allow_nan=False)
-        files, budget = cut(stored, request)
+        # Cut for the daemon's budgets too: a save larger than they allow goes
+        # in windows of them instead of being refused at Open.
+        files, budget = cut(stored, request, staging_limit(self.client))
         staged_bytes = sum(f.nbytes for f in files if f.staged)
         # Unstaged files are streamed, and the daemon writes them to disk as they
         # arrive: they take none of its staging.
         reserve = min(staged_bytes, budget) if budget else staged_bytes
         compression = request.compression
-        ident, stream = self.client.open(
+        ident, stream = open_when_room(lambda: self.client.open(
             relative, reserve, len(files), compression=compression or "",
             frame_bytes=current_knobs().frame_bytes if compression else 0,
-            durability="memory" if request.durability == "memory" else "")
+            durability="memory" if request.durability == "memory" else ""),
+            f"cannot begin checkpoint {request.target}")
         handover = Handover(self.client, self.segments, ident, str(request.target), stream)
         return DaemonJob(handover, files, budget, tree_json, [t.name for t in stored], request)
 

@@ -7,23 +7,41 @@ buffer is lent to the daemon: it records the loan on the staged file
 (StagedFile.lend) before the daemon learns the segment's name, so that
 StagingPool.give_back quarantines the buffer unless the daemon is later known
 to have finished reading it (handover.Handover marks that).
+
+staging_limit is the window every save through the daemon stages in (a
+single save's, and a rank's part of a distributed one): a save larger than it
+is cut into files that fit half of it, and each buffer is reused once the
+daemon reported its file written. open_when_room is how such a save waits for
+the daemon's budgets when other saves hold them, instead of being refused.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
-from ..errors import CheckpointError
+from .. import knobs
+from ..errors import CheckpointError, DaemonError
 from ..protocol import shm
 from ..protocol.channels import grpc_target
 from ..protocol.client import DaemonClient
 from ..tensors.datafile import plan_file
 from ..tensors.plan import StoredTensor, memory_of
 from .snapshot import StagedFile
+
+T = TypeVar("T")
+# Polling the daemon for room: cheap (a refused Begin makes nothing), and the
+# longest sleep is short beside any save that holds the budget.
+ROOM_POLL_FIRST = 0.01
+ROOM_POLL_MAX = 0.25
+# A streamed device or non-contiguous tensor is copied to the host in pieces of
+# at most this (the daemon's stream takes 1 MiB messages; more is no faster).
+STREAM_COPY_BYTES = 16 << 20
 
 
 class SegmentBuffers:
@@ -109,10 +127,68 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
 
 def _chunks(order: list[StoredTensor]) -> Iterator[memoryview]:
     """Each tensor's bytes as the stream reaches it: a device or non-contiguous
-    tensor is copied to the host then, one at a time, not all up front."""
+    tensor is copied to the host then, at most STREAM_COPY_BYTES at a time (a
+    tensor streamed because it is larger than the staging window must not be
+    copied to the host whole)."""
     for t in order:
-        yield memoryview(memory_of(_host(t.source))).cast("B")
+        src = t.source
+        if src.is_cpu and src.is_contiguous():
+            yield memoryview(memory_of(src)).cast("B")
+            continue
+        for piece in _host_pieces(src):
+            yield memoryview(memory_of(piece)).cast("B")
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_cpu and t.is_contiguous() else t.to("cpu").contiguous()
+def _host_pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """t's elements in C order as contiguous host tensors: slices of the first
+    dimension (each one's elements are consecutive in C order), as many rows
+    as fit STREAM_COPY_BYTES (at least one)."""
+    if t.dim() == 0 or t.numel() == 0:
+        yield t.to("cpu").contiguous()
+        return
+    row = t[0].numel() * t.element_size()
+    rows = max(1, STREAM_COPY_BYTES // max(row, 1))
+    for start in range(0, t.shape[0], rows):
+        yield t[start:start + rows].to("cpu").contiguous()
+
+
+def staging_limit(client: DaemonClient) -> int:
+    """The shared memory one save through the daemon may hold at once (0: no
+    limit): FASTPERSIST_STAGING_BUDGET and the daemon's budgets (all clients,
+    one client), whichever is least. A reservation over the daemon's would be
+    refused (RESOURCE_EXHAUSTED) however long the save waited."""
+    info = client.info(cached=True)
+    limits = [b for b in (knobs.current().staging_budget, info.client_budget,
+                          info.staging_budget) if b]
+    return min(limits, default=0)
+
+
+def no_room(exc: DaemonError) -> bool:
+    """Whether the daemon refused a Begin for want of room that other
+    checkpoints hold (its budgets.Ledger): room that comes back as they end.
+    A full disk is RESOURCE_EXHAUSTED too, and is not waited for."""
+    text = str(exc)
+    return exc.code == "RESOURCE_EXHAUSTED" and ("budget" in text or "in flight" in text)
+
+
+def open_when_room(open_: Callable[[], T], what: str) -> T:
+    """open_() (a Begin or Open), repeated while the daemon has no room for it,
+    for at most FASTPERSIST_DAEMON_ROOM_TIMEOUT seconds: backpressure from
+    the other saves on the node, not a refusal."""
+    timeout = knobs.current().daemon_room_timeout
+    deadline = time.monotonic() + timeout
+    delay = ROOM_POLL_FIRST
+    while True:
+        try:
+            return open_()
+        except DaemonError as exc:
+            if not no_room(exc):
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DaemonError(
+                    f"{what}: no room in fastpersistd's staging budget after waiting "
+                    f"{timeout} s (FASTPERSIST_DAEMON_ROOM_TIMEOUT) for other saves to end: "
+                    f"{exc}", exc.code) from exc
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, ROOM_POLL_MAX)

@@ -135,6 +135,10 @@ class Sink(Protocol):
         """The files a save of `planned` stages (for prepare_staging); None
         when only the save itself can tell (a distributed job's share)."""
 
+    def staging_budget(self) -> int:
+        """The staging a save may take at once (0: no limit): the budget that
+        prepare_staging prepares for and cut() cuts for."""
+
     def begin(self, planned: Any, request: SaveRequest) -> SinkJob: ...
 
     def close(self) -> None: ...

@@ -56,6 +56,7 @@ from ..errors import (
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ..format.names import data_file_name
+from ..knobs import current as current_knobs
 from ..tensors import datafile
 from ..tensors.plan import StoredTensor, memory_of
 from ..tier.client import S3, client_for
@@ -185,6 +186,9 @@ class StoreSink:
 
     def cut(self, planned: Planned, request: SaveRequest) -> list[FilePlan]:
         return cut(planned[1], request)[0]
+
+    def staging_budget(self) -> int:
+        return current_knobs().staging_budget
 
     def begin(self, planned: Planned, request: SaveRequest) -> StoreJob:
         url = _url(request)
