@@ -112,8 +112,9 @@ __all__ = [
 
 # A process that imported torch first will save or load: the torch-facing API
 # (some 70 modules) is imported now, with the library, as torch.save comes with
-# torch, instead of inside the first fastpersist.save, where it cost 0.1 s with
-# cached bytecode and 0.3 s without, a tenth to a third of a 2 GiB save (issue 37).
+# torch, instead of inside the first fastpersist.save, where it cost 0.04-0.13 s
+# with cached bytecode and 0.10-0.28 s without, 4% to a quarter of a 2 GiB save
+# here (issue 37).
 # Without torch (the daemon, fpctl's listings) it stays lazy.
 if "torch" in _sys.modules:
     from .api import async_save, load, open, prepare_staging, save
