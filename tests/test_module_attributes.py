@@ -52,3 +52,18 @@ def test_format_engine_and_commit_import_without_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_first_save_imports_nothing_when_torch_came_first(tmp_path) -> None:
+    # A process's first save used to import the torch-facing API (some 70 modules,
+    # compiled from source where bytecode is not cached) inside the call that a
+    # user times, and the engine's native module inside its first write (issue 37).
+    code = (
+        "import sys, torch, fastpersist\n"
+        "before = set(sys.modules)\n"
+        f"fastpersist.save({{'w': torch.ones(8)}}, {str(tmp_path / 'ckpt')!r})\n"
+        "late = sorted(m for m in set(sys.modules) - before if m.startswith('fastpersist'))\n"
+        "assert not late, f'imported by the first save: {late}'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert (tmp_path / "ckpt" / "manifest.json").is_file()

@@ -14,6 +14,13 @@ import warnings
 from .. import knobs
 from .types import Engine, IOResult, Segment, Unkept
 
+# Imported with the package, not inside a process's first save (issue 37).
+_native_error: ImportError | None = None
+try:
+    from .native import NativeEngine
+except ImportError as exc:  # the C extension is missing: get_engine falls back
+    _native_error = exc
+
 _warned_fallback = False
 
 
@@ -23,19 +30,16 @@ def get_engine(name: str | None = None) -> Engine:
     global _warned_fallback
     name = name or knobs.current().engine
     if name == "native":
-        try:
-            from .native import NativeEngine
-
+        if _native_error is None:
             return NativeEngine()
-        except ImportError as exc:
-            if not _warned_fallback:
-                warnings.warn(
-                    f"fastpersist's C engine is unavailable ({exc}); using the slower "
-                    "pure-Python reference engine",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                _warned_fallback = True
+        if not _warned_fallback:
+            warnings.warn(
+                f"fastpersist's C engine is unavailable ({_native_error}); using the slower "
+                "pure-Python reference engine",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            _warned_fallback = True
     from .reference import ReferenceEngine
 
     return ReferenceEngine()
