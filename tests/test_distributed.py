@@ -56,6 +56,11 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
     assert all(abs(n - unique / 2) / (unique / 2) < 0.05 for n in nodes.values()), nodes
     # The plan's bytes are what landed on disk.
     assert {int(k): v for k, v in reports[0]["plan_bytes"].items()} == per_rank
+    # Ranks other than 0 get their share of the plan, not the plan, and no
+    # manifest: what each receives stays small however many ranks and tensors.
+    assert all(r["cached_pieces"] == r["own_pieces"] for r in reports[1:]), reports
+    assert all(r["largest_received"] < 2048 for r in reports[1:]), \
+        [r["largest_received"] for r in reports]
     assert not any("different values" in r["log"] for r in reports)  # replicas agreed
     on_disk = sum(f.stat().st_size for f in ckpt.iterdir())
     assert on_disk - unique < 64 << 10, "more than data + headers + manifest on disk"

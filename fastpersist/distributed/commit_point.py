@@ -70,7 +70,11 @@ class CommitPoint:
     def commit(self, manifest: bytes | None) -> None:
         """5a-5d; `manifest`: rank 0's, None elsewhere."""
         co, phase = self.co, self.phase
-        manifest = phase.collective("commit", lambda: co.broadcast(manifest))
+        # Only node-local parts (5b) need the manifest on other ranks; on shared
+        # storage the exchange carries nothing, not the manifest to every rank.
+        sent = manifest if self.node_local or manifest is None else b""
+        got = phase.collective("commit", lambda: co.broadcast(sent))
+        manifest = manifest if co.rank == 0 else got
         assert manifest is not None
         if self.node_local:
             phase.agree("prepare", self._prepare_part(manifest) if co.rank != 0 else None)

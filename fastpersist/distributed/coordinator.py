@@ -168,11 +168,17 @@ class Save(CommitPoint):
                                      min_piece_bytes=knobs.piece_bytes)
                 except CheckpointError as exc:
                     made = failure(0, "plan", exc)
-            result = phase.collective("plan", lambda: co.broadcast(made))
-            if isinstance(result, Failure):
-                phase.agree("plan", result if co.rank == 0 else None)
-            assert isinstance(result, Plan)
-            plan = result
+            # Each rank gets its share only (Plan.shares); rank 0 keeps the
+            # whole plan for the manifest. A failure goes to every rank.
+            shares: list[Any] | None = None
+            if co.rank == 0:
+                shares = [made] * co.size if isinstance(made, Failure) else (
+                    list(made.shares()) if isinstance(made, Plan) else None)
+            share = phase.collective("plan", lambda: co.scatter(shares))
+            if isinstance(share, Failure):
+                phase.agree("plan", share if co.rank == 0 else None)
+            assert isinstance(share, Plan)
+            plan = made if isinstance(made, Plan) else share
             co.cache.put(key, plan)
             co.plans_made += 1
         self.plan = plan

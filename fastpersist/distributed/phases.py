@@ -60,6 +60,13 @@ class Coordinator:
         dist.gather_object(value, out, dst=self.ranks[0], group=self.group)
         return out
 
+    def scatter(self, values: list[T] | None) -> T:
+        """Rank 0's values[r] to each rank r: what only that rank needs, so a
+        rank receives its share and not the whole (a plan at thousands of ranks)."""
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, values, src=self.ranks[0], group=self.group)
+        return out[0]  # type: ignore[no-any-return]
+
     def broadcast(self, value: T | None) -> T:
         box = [value]
         dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)

@@ -118,6 +118,15 @@ class Plan:
             out[self.nodes[p.writer]] += p.nbytes
         return out
 
+    def shares(self) -> list[Plan]:
+        """Each rank's part of the plan (its pieces, the keys, its node), in one
+        pass: what a rank other than the coordinator needs to write, so that
+        the coordinator sends each rank O(its pieces), not the whole plan."""
+        mine: dict[int, list[Piece]] = {r: [] for r in self.nodes}
+        for p in self.pieces:
+            mine[p.writer].append(p)
+        return [Plan(tuple(mine[r]), self.keys, {r: self.nodes[r]}) for r in sorted(self.nodes)]
+
     @property
     def unique_bytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)

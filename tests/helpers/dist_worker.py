@@ -142,6 +142,30 @@ def _expected_local(t: Any, full: torch.Tensor) -> torch.Tensor:
     return full[tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))]
 
 
+def _count_received() -> list[int]:
+    """The pickled size of every object this rank receives by broadcast or
+    scatter (what the coordinator sends each rank, which must not grow with
+    the job)."""
+    import pickle
+
+    import torch.distributed as dist
+
+    sizes: list[int] = []
+    broadcast, scatter = dist.broadcast_object_list, dist.scatter_object_list
+
+    def counted_broadcast(box: list[Any], *a: Any, **kw: Any) -> None:
+        broadcast(box, *a, **kw)
+        sizes.append(len(pickle.dumps(box[0])))
+
+    def counted_scatter(out: list[Any], *a: Any, **kw: Any) -> None:
+        scatter(out, *a, **kw)
+        sizes.append(len(pickle.dumps(out[0])))
+
+    dist.broadcast_object_list = counted_broadcast  # type: ignore[assignment]
+    dist.scatter_object_list = counted_scatter  # type: ignore[assignment]
+    return sizes
+
+
 def main() -> int:
     scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     (out_dir / f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
@@ -181,6 +205,7 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
                 _slow_writes(args["seconds"])
             if scenario == "die_at_commit" and rank == 0:
                 _die_at_commit(out_dir, args["when"], args.get("everyone", False))
+            received = _count_received()
             state = build_state(args)
             if args.get("per_rank_values"):
                 state["rank_note"] = rank  # values that differ between ranks
@@ -200,6 +225,11 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
             co = coordinator.coordinator_for(dist.group.WORLD)
             result["plans_made"] = co.plans_made
             result["plan_bytes"] = {str(r): n for r, n in co.cache.plan.bytes_per_rank().items()}  # type: ignore[union-attr]
+            result["largest_received"] = max(received, default=0)
+            cached = co.cache.plan
+            assert cached is not None
+            result["cached_pieces"] = len(cached.pieces)
+            result["own_pieces"] = len(cached.for_rank(rank))
             result["ok"] = True
         elif scenario == "fail_copy":
             if rank == args["fail_rank"]:
