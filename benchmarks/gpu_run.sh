@@ -24,7 +24,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
     python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 } 2>&1 | tee "$out/env.log"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_device_load.py tests/test_cuda_files.py tests/test_load_into.py -v \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_device_load.py tests/test_cuda_files.py tests/test_load_into.py tests/test_daemon_windowed.py -v \
     2>&1 | tee "$out/test_cuda.log"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_async.py tests/test_checkpointer.py \
     tests/test_roundtrip.py tests/test_daemon.py 2>&1 | tail -15 | tee "$out/tests_cpu_paths.log"

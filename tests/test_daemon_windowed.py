@@ -157,6 +157,27 @@ def test_a_non_contiguous_tensor_larger_than_the_whole_budget(small_daemon: Daem
     assert_same(small_daemon.root / "nc", state)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_larger_than_the_whole_budget(small_daemon: Daemon) -> None:
+    """GPU tensors over the window are copied to the host in pieces of their
+    rows and streamed; ones that fit are staged: both come back bit-exact, to
+    the GPU, in save and async_save."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    state = {"huge": torch.randn(24 * MIB, device="cuda", generator=g),
+             "wide": torch.randn(4096, 6144, device="cuda", generator=g).t(),
+             **{f"w{i}": torch.randn(MIB, device="cuda", generator=g) for i in range(40)}}
+    fastpersist.save(state, small_daemon.root / "gpu", daemon=small_daemon.address)
+    f = fastpersist.async_save(state, small_daemon.root / "gpu-async", daemon=small_daemon.address)
+    f.result()
+    for name in ("gpu", "gpu-async"):
+        back = fastpersist.load(small_daemon.root / name, map_location="cuda:0")
+        assert back.keys() == state.keys()
+        for k, v in state.items():
+            assert back[k].is_cuda and torch.equal(back[k], v), (name, k)
+    info = small_daemon.client().info()
+    assert 0 < info.staging_mapped_peak <= CLIENT_BUDGET, info
+
+
 def _hold_budget(d: Daemon) -> list[str]:
     """Two other clients' checkpoints, each reserving its whole per-client
     budget: the daemon's budget is full."""
