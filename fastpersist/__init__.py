@@ -116,5 +116,6 @@ __all__ = [
 # with cached bytecode and 0.10-0.28 s without, 4% to a quarter of a 2 GiB save
 # here (issue 37).
 # Without torch (the daemon, fpctl's listings) it stays lazy.
-if "torch" in _sys.modules:
+# (sys.modules["torch"] is None where an import of torch was blocked.)
+if _sys.modules.get("torch") is not None:
     from .api import async_save, load, open, prepare_staging, save
