@@ -17,6 +17,9 @@ about it:
   daemon-zstd   the same, compressed by the daemon              the daemon commits it)
   daemon-kill   a daemon client; the daemon is SIGKILLed      durable (result())
                 instead of the client, then restarted
+                (the client is killed too; if it was told first
+                that the daemon is gone, DaemonUnavailableError,
+                it exits with DAEMON_GONE: an expected outcome)
 
 and SIGKILLs it (or the daemon) after a random delay. Then, once the daemon has
 settled: every step-N directory visible under the run's root loads (every
@@ -58,11 +61,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from daemon_support import Daemon
 
 import fastpersist
-from fastpersist.errors import CheckpointError
+from fastpersist.errors import CheckpointError, DaemonUnavailableError
 from fastpersist.protocol.shm import PREFIX
 
 KINDS = ["save", "async", "ckpt", "ckpt-zstd", "daemon", "daemon-zstd", "daemon-kill"]
 DAEMON_KINDS = {"daemon", "daemon-zstd", "daemon-kill"}
+# A daemon-kill victim's exit status when its save failed because the daemon
+# was gone (an expected outcome, not an error of the victim).
+DAEMON_GONE = 17
 # Small data files (several per checkpoint) and a staging budget below one
 # state: kills land between files, and staging waits for room.
 VICTIM_ENV = {"FASTPERSIST_FILE_BYTES": str(1 << 20), "FASTPERSIST_STAGING_BUDGET": str(3 << 20),
@@ -133,13 +139,22 @@ def victim(kind: str, root: Path, start: int, address: str) -> None:
     compression = "zstd" if kind.endswith("zstd") else None
     through = address if kind in DAEMON_KINDS else ""
     ckpt = fastpersist.Checkpointer(root, daemon=through, compression=compression, keep_last=3)
-    while True:
-        future = ckpt.save(step, make_state(step))
-        if through:
-            emit(f"handed {step}")
-        future.result()
-        emit(f"durable {step}")
-        step += 1
+    try:
+        while True:
+            future = ckpt.save(step, make_state(step))
+            if through:
+                emit(f"handed {step}")
+            future.result()
+            emit(f"durable {step}")
+            step += 1
+    except DaemonUnavailableError as exc:
+        if kind != "daemon-kill":
+            raise
+        # The daemon was killed: the save in flight fails with this clear
+        # error (a file not yet handed over has no one to write it), possibly
+        # before the driver's SIGKILL arrives. The step was never reported.
+        emit(f"daemon gone {step}: {exc}")
+        os._exit(DAEMON_GONE)
 
 
 # -- the driver --------------------------------------------------------------------------
@@ -157,6 +172,7 @@ class Tally:
     leaked_segments: list[str] = field(default_factory=list)
     leaked_fds: list[str] = field(default_factory=list)
     victim_errors: list[str] = field(default_factory=list)
+    daemon_gone_errors: int = 0  # daemon-kill victims told "not answering" before their kill
 
     def failures(self) -> int:
         return (len(self.lost) + len(self.not_exact) + len(self.half_written)
@@ -170,6 +186,7 @@ class Tally:
                 "leaked_segments": len(self.leaked_segments),
                 "leaked_descriptors": len(self.leaked_fds),
                 "victim_errors": len(self.victim_errors),
+                "daemon_gone_errors": self.daemon_gone_errors,
                 "details": (self.lost + self.not_exact + self.half_written
                             + self.leaked_segments + self.leaked_fds)[:50],
                 "victim_error_samples": self.victim_errors[:10]}
@@ -257,7 +274,10 @@ class Soak:
         durable = {int(x.split()[1]) for x in lines if x.startswith("durable ")}
         handed = {int(x.split()[1]) for x in lines if x.startswith("handed ")}
         self.tally.durable_reported += len(durable)
-        if proc.returncode != -signal.SIGKILL:
+        gone = [x for x in lines if x.startswith("daemon gone ")]
+        if daemon_killed and proc.returncode == DAEMON_GONE and gone:
+            self.tally.daemon_gone_errors += 1
+        elif proc.returncode != -signal.SIGKILL:
             self.tally.victim_errors.append(
                 f"round {self.round} ({kind}): exit {proc.returncode}: "
                 f"{err.decode(errors='replace')[-600:]}")
