@@ -75,6 +75,33 @@ def test_balanced_per_node_then_per_rank() -> None:
     assert max(node0) / min(node0) < 1.1, per_rank
 
 
+def test_hsdp_balances_ranks_as_well_as_nodes() -> None:
+    # TP=4 within a node x DP=4 over nodes (HSDP): each box has one holder per
+    # node. Choosing the least-loaded node first and its one holder second
+    # kept nodes even but left ranks up to 2x apart (a simulated 70B job at
+    # 256 ranks: max/mean 2.0).
+    tp, replicas = 4, 4
+    rng = random.Random(5)
+    shapes = [(rng.randint(64, 4096), rng.choice([256, 512, 1024])) for _ in range(60)]
+
+    def items(t: int) -> tuple[Item, ...]:
+        out = []
+        for n, (rows, cols) in enumerate(shapes):
+            per = rows // tp
+            out.append(Item(f"w{n}", "BF16", (per * tp, cols), (t * per, 0), (per, cols)))
+        return tuple(out)
+
+    ranks = ranks_of([items(r % tp) for r in range(tp * replicas)], per_node=tp)
+    plan = make_plan(ranks, min_piece_bytes=64 << 10)
+    per_rank = plan.bytes_per_rank()
+    mean = sum(per_rank.values()) / len(per_rank)
+    assert max(per_rank.values()) / mean <= 1.05, per_rank
+    per_node = plan.bytes_per_node()
+    assert max(per_node.values()) / (plan.unique_bytes / replicas) <= 1.05, per_node
+    for item in items(0):
+        assert covered(plan, item.key, item.global_shape) == math.prod(item.global_shape)
+
+
 def test_a_few_huge_tensors_are_split_so_they_still_balance() -> None:
     items = (Item.whole("huge", "F32", (10_000, 1000)), Item.whole("tiny", "F32", (3,)))
     plan = make_plan(dp(4, items), min_piece_bytes=1 * MIB)

@@ -116,13 +116,14 @@ def global_manifest(files: list[FileRecord], records: list[TensorRecord],
     check: validate it as every load will, errors naming `check` (a state
     whose chunks do not tile its tensors then fails here, not at load)."""
     index_of = {r.name: i for i, r in enumerate(records)}
+    make = Chunk._make
     data = Manifest(
         files=tuple(files), tensors=tuple(records), tree=tree,
         fastpersist_version=__version__, created_unix=time.time(),
         schema_version=DISTRIBUTED_SCHEMA_VERSION,
         globals=tuple(GlobalTensor(key, dtype, shape,
-                                   tuple(Chunk(index_of[name], offsets)
-                                         for name, offsets in chunks))
+                                   tuple([make((index_of[name], offsets))
+                                          for name, offsets in chunks]))
                       for key, dtype, shape, chunks in globals_)).to_json()
     if check is not None:
         Manifest.from_json(data, check)

@@ -5,8 +5,8 @@ tensor is the whole box and is replicated on every rank that has it; a
 DTensor shard is the box its placement gives). Ranks that hold the same box
 are replicas of it. The plan gives every unique box exactly one writer among
 its holders, after cutting large boxes into row ranges so that a few huge
-tensors still spread over many writers, and it balances bytes per node first
-(a node is one set of drives) and then per rank within the node.
+tensors still spread over many writers, and it balances bytes per node (a
+node is one set of drives) and per rank within the node alike (_Chooser).
 
 make_plan is a pure, deterministic function of the ranks' descriptions: the
 same descriptions give the same plan on any machine, and it can be tested with
@@ -19,9 +19,10 @@ import hashlib
 import heapq
 import itertools
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple
 
 from ..errors import CheckpointError
 from ..format import dtypes
@@ -36,9 +37,10 @@ class PlanError(CheckpointError):
     """The ranks' descriptions do not fit together (different keys, dtypes, shapes)."""
 
 
-@dataclass(frozen=True)
-class Item:
-    """A box of a global tensor that a rank holds: rows offsets[0]..offsets[0]+shape[0], etc."""
+class Item(NamedTuple):
+    """A box of a global tensor that a rank holds: rows offsets[0]..offsets[0]+shape[0], etc.
+    A named tuple, not a dataclass: the planner hashes, sorts and pickles
+    hundreds of thousands of them at scale, and a tuple does that in C."""
 
     key: str
     dtype: str
@@ -76,8 +78,7 @@ class RankInfo:
     layout: str
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """A box one writer writes: `item`'s rows start..start+rows (whole item: 0..shape[0])."""
 
     key: str
@@ -131,6 +132,16 @@ class Plan:
     def unique_bytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # Pieces travel as plain tuples: pickle writes those in C, and a named
+        # tuple costs a Python call each (the scatter of thousands of shares).
+        return _plan_of, (tuple(map(tuple, self.pieces)), self.keys, self.nodes)
+
+
+def _plan_of(pieces: tuple[tuple[object, ...], ...], keys: tuple[str, ...],
+             nodes: dict[int, str]) -> Plan:
+    return Plan(tuple(map(Piece._make, pieces)), keys, nodes)
+
 
 def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
               ) -> Plan:
@@ -151,27 +162,41 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
     keys = _check_keys(layouts, members)
     boxes = _unique_boxes(layouts)
     _check_tiling(boxes)
-    total = sum(item.nbytes for item in boxes)
+    sizes = {item: item.nbytes for item in boxes}
+    total = sum(sizes.values())
     # Cut so that each writer gets many pieces: the greedy assignment below
     # balances to within about one piece, here 1/16 of a writer's share.
     target = max(min_piece_bytes, math.ceil(total / (len(ranks) * 16)), 1)
     holder_sets: dict[tuple[str, ...], tuple[int, ...]] = {}
-    pieces: list[tuple[Item, tuple[str, ...]]] = []
+    pieces: list[tuple[int, int, tuple[int, ...], Item, tuple[str, ...]]] = []
     for item, held_by in boxes.items():
         if held_by not in holder_sets:
             holder_sets[held_by] = tuple(sorted(r for lay in held_by for r in members[lay]))
+        size = sizes[item]
+        if size <= target or not item.shape or item.shape[0] <= 1:
+            pieces.append((-size, keys[item.key], item.offsets, item, held_by))
+            continue
         for cut in _cut(item, target, len(holder_sets[held_by])):
-            pieces.append((cut, held_by))
+            pieces.append((-cut.nbytes, keys[cut.key], cut.offsets, cut, held_by))
     # Largest first (ties in a fixed order) is what makes greedy balance well.
-    pieces.sort(key=lambda p: (-p[0].nbytes, keys[p[0].key], p[0].offsets))
-    chooser = _Chooser(nodes)
+    pieces.sort(key=_first_three)
+    pick = _Chooser(nodes).pick
     assigned = [
-        Piece(item.key, item.dtype, item.global_shape, item.offsets, item.shape,
-              chooser.pick(held_by, holder_sets[held_by], item.nbytes))
-        for item, held_by in pieces
+        (pick(held_by, holder_sets[held_by], -size), order, item)
+        for size, order, _, item, held_by in pieces
     ]
-    assigned.sort(key=lambda p: (p.writer, keys[p.key], p.offsets))
-    return Plan(tuple(assigned), tuple(keys), nodes)
+    assigned.sort(key=_first_two_and_offsets)
+    make = Piece._make
+    return Plan(tuple([make((*item, writer)) for writer, _, item in assigned]), tuple(keys), nodes)
+
+
+def _first_three(p: tuple[int, int, tuple[int, ...], Item, tuple[str, ...]]
+                 ) -> tuple[int, int, tuple[int, ...]]:
+    return p[0], p[1], p[2]
+
+
+def _first_two_and_offsets(a: tuple[int, int, Item]) -> tuple[int, int, tuple[int, ...]]:
+    return a[0], a[1], a[2].offsets
 
 
 def _check_keys(layouts: dict[str, tuple[Item, ...]], members: dict[str, list[int]]
@@ -218,10 +243,20 @@ def _check_tiling(boxes: dict[Item, tuple[str, ...]]) -> None:
             raise PlanError(f"{item.key}: box at {list(item.offsets)} of shape {list(item.shape)} "
                             f"lies outside the tensor's shape {list(item.global_shape)}")
         by_key.setdefault(item.key, []).append(item)
+    # An optimizer's states are sharded as their parameter is: one grid check
+    # serves every key with the same boxes.
+    checked: dict[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], bool] = {}
     for key, items in by_key.items():
         whole = math.prod(items[0].global_shape)
         volume = sum(math.prod(i.shape) for i in items)
-        if volume != whole or (len(items) > 1 and _overlapping(items)):
+        if volume == whole and len(items) > 1:
+            boxes_of_key = tuple(sorted((i.offsets, i.shape) for i in items))
+            overlap = checked.get(boxes_of_key)
+            if overlap is None:
+                overlap = checked[boxes_of_key] = _overlapping(items)
+        else:
+            overlap = False
+        if volume != whole or overlap:
             raise PlanError(f"{key}: the ranks' shards hold {volume} elements of a tensor of "
                             f"{whole}, and must cover it once (shards overlap or leave gaps)")
 
@@ -232,7 +267,21 @@ _MAX_GRID_CELLS = 1 << 20
 def _overlapping(items: list[Item]) -> bool:
     """Whether two boxes overlap: mark the cells of the grid their edges make.
     Shard layouts make small grids (one cell per shard); a grid too large to
-    mark is left to the volume check alone."""
+    mark is left to the volume check alone. Boxes cut along one dimension
+    only (the usual FSDP or TP shard) need no grid: sorted, none may start
+    before the one before it ends."""
+    dims = range(len(items[0].global_shape))
+    first = items[0]
+    varying = [d for d in dims if any(i.offsets[d] != first.offsets[d] or i.shape[d]
+                                      != first.shape[d] for i in items)]
+    if len(varying) == 1:
+        d = varying[0]
+        end = -1
+        for start, length in sorted((i.offsets[d], i.shape[d]) for i in items):
+            if start < end:
+                return True
+            end = start + length
+        return False
     cuts = [sorted({c for i in items for c in (i.offsets[d], i.offsets[d] + i.shape[d])})
             for d in range(len(items[0].global_shape))]
     if math.prod(max(len(c) - 1, 1) for c in cuts) > _MAX_GRID_CELLS:
@@ -270,50 +319,38 @@ def _cut(item: Item, target: int, holders: int) -> list[Item]:
 
 
 class _Chooser:
-    """Least-loaded node among a piece's holders, then least-loaded rank there.
+    """The holder whose share is least filled: a rank's load weighted by the
+    ranks on its node, so that every node (one set of drives) is filled
+    alike however many ranks it has, and the ranks of one node alike.
 
-    Loads only grow, so each holder set keeps lazy min-heaps: an entry whose
-    recorded load is stale is refreshed when it surfaces. Ties go to the
-    lower node name and rank, which keeps the plan deterministic."""
+    Weighing ranks and nodes in one key matters: choosing the least-loaded
+    node first and a rank there second balanced nodes but left the ranks of
+    an HSDP job (a box's holders one per node) up to 2x apart. A key changes
+    only when its own rank is chosen, so each holder set keeps a lazy
+    min-heap whose stale entries (the rank was chosen for another set) are
+    refreshed when they surface. Ties go to the lower rank: deterministic."""
 
     def __init__(self, nodes: dict[int, str]) -> None:
-        self.nodes = nodes
-        self.node_load: dict[str, int] = dict.fromkeys(nodes.values(), 0)
-        self.rank_load: dict[int, int] = dict.fromkeys(nodes, 0)
-        self.node_heaps: dict[tuple[str, ...], list[tuple[int, str]]] = {}
-        self.rank_heaps: dict[tuple[tuple[str, ...], str], list[tuple[int, int]]] = {}
+        per_node = Counter(nodes.values())
+        self.weight = {r: per_node[n] for r, n in nodes.items()}
+        self.load: dict[int, int] = dict.fromkeys(nodes, 0)  # weighted
+        self.heaps: dict[tuple[str, ...], list[tuple[int, int]]] = {}
 
     def pick(self, held_by: tuple[str, ...], holders: tuple[int, ...], nbytes: int) -> int:
         """held_by names the holder set (its layouts); holders are its ranks."""
-        nheap = self.node_heaps.get(held_by)
-        if nheap is None:
-            nheap = self.node_heaps[held_by] = [
-                (self.node_load[n], n) for n in sorted({self.nodes[r] for r in holders})]
-            heapq.heapify(nheap)
-        node = _pop_current(nheap, self.node_load)
-        rheap = self.rank_heaps.get((held_by, node))
-        if rheap is None:
-            rheap = self.rank_heaps[(held_by, node)] = [
-                (self.rank_load[r], r) for r in holders if self.nodes[r] == node]
-            heapq.heapify(rheap)
-        rank = _pop_current(rheap, self.rank_load)
-        self.node_load[node] += nbytes
-        self.rank_load[rank] += nbytes
-        heapq.heappush(nheap, (self.node_load[node], node))
-        heapq.heappush(rheap, (self.rank_load[rank], rank))
+        heap = self.heaps.get(held_by)
+        if heap is None:
+            heap = self.heaps[held_by] = [(self.load[r], r) for r in holders]
+            heapq.heapify(heap)
+        load = self.load
+        while True:
+            recorded, rank = heap[0]
+            if recorded == load[rank]:
+                break
+            heapq.heapreplace(heap, (load[rank], rank))
+        load[rank] += nbytes * self.weight[rank]
+        heapq.heapreplace(heap, (load[rank], rank))
         return rank
-
-
-_Who = TypeVar("_Who", str, int)
-
-
-def _pop_current(heap: list[tuple[int, _Who]], load: dict[_Who, int]) -> _Who:
-    while True:
-        recorded, who = heap[0]
-        if recorded == load[who]:
-            heapq.heappop(heap)
-            return who
-        heapq.heapreplace(heap, (load[who], who))
 
 
 class PlanCache:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import dtypes
 from .bounds import is_int, malformed, numel, shape_problem, short
@@ -32,8 +32,10 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
 MIN_CORNER_BUDGET = 1 << 22
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
+    """A named tuple: a job's manifest has one per piece (hundreds of
+    thousands at scale), built at every save and every load."""
+
     tensor: int  # index into Manifest.tensors
     offsets: tuple[int, ...]  # where the chunk starts in the global tensor
 
