@@ -175,7 +175,9 @@ def collective_bytes(views: list[RankView], infos: list[RankInfo], shares: list[
         ("agree x4 (describe, stage, write, commit)", 4 * (sizes + n * none),
          4 * (sizes + n * none)),
         ("describe all_gather", sizes + n * view, sizes + n * view),
-        ("plan gather (items)", sizes + items, sizes + n * items),
+        # The first rank of each layout sends its items to rank 0, point to
+        # point, each message its own size (Coordinator.gather_from).
+        ("plan items (first rank of a layout)", items, sum(item_size.values())),
         ("plan scatter (share)", 8 + share, 8 + n * share),
         ("stage all_gather (path)", sizes + n * path, sizes + n * path),
         ("write gather (records)", sizes + records, sizes + n * records),

@@ -2,8 +2,9 @@
 
     1 describe  each rank: its tensors as boxes of global tensors (describe.py)
                 and a digest of that layout; all-gather (node, layout, target)
-    2 plan      rank 0, only when some rank's layout changed: gather the items,
-                make_plan (planner.py), broadcast; every rank caches the plan
+    2 plan      rank 0, only when some rank's layout changed: get the items of
+                each layout from its first rank, make_plan (planner.py),
+                scatter each rank its share; every rank caches its plan
     3 stage     the first rank of each storage domain (the job, or each node
                 when files stay node-local) makes the staging directory
     4 write     each rank writes its pieces into data-rRRRRR-NNN files there,
@@ -158,12 +159,17 @@ class Save(CommitPoint):
             f"piece_bytes={knobs.piece_bytes}"]
         plan = co.cache.get(key)
         if plan is None:
-            infos = phase.collective("plan", lambda: co.gather(items))
+            # Ranks of one layout hold the same items: the first of each sends them.
+            first: dict[str, int] = {}
+            for r, v in enumerate(everyone):
+                first.setdefault(v.layout, r)
+            infos = phase.collective("plan", lambda: co.gather_from(
+                items, sorted(first.values())))
             made: Plan | Failure | None = None
             if co.rank == 0:
                 assert infos is not None
                 try:
-                    made = make_plan([RankInfo(r, v.node, tuple(infos[r]), v.layout)
+                    made = make_plan([RankInfo(r, v.node, tuple(infos[first[v.layout]]), v.layout)
                                       for r, v in enumerate(everyone)],
                                      min_piece_bytes=knobs.piece_bytes)
                 except CheckpointError as exc:

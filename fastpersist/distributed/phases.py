@@ -60,6 +60,24 @@ class Coordinator:
         dist.gather_object(value, out, dst=self.ranks[0], group=self.group)
         return out
 
+    def gather_from(self, value: T, sources: list[int]) -> dict[int, T] | None:
+        """Rank 0 gets `value` from each of `sources` (ranks of the group) and
+        from them only, each message its own size; the others send nothing.
+        For what only some ranks hold (one description per layout): gather
+        pads every rank's message to the largest, so rank 0 would receive
+        size x largest bytes (gigabytes at thousands of ranks)."""
+        if self.rank == 0:
+            out: dict[int, Any] = {}
+            for src in sources:
+                box: list[Any] = [value]
+                if src != 0:
+                    dist.recv_object_list(box, src=self.ranks[src], group=self.group)
+                out[src] = box[0]
+            return out
+        if self.rank in sources:
+            dist.send_object_list([value], dst=self.ranks[0], group=self.group)
+        return None
+
     def scatter(self, values: list[T] | None) -> T:
         """Rank 0's values[r] to each rank r: what only that rank needs, so a
         rank receives its share and not the whole (a plan at thousands of ranks)."""
