@@ -61,6 +61,9 @@ def test_dp4_writes_each_unique_byte_once_balanced_and_restores_anywhere(tmp_pat
     assert all(r["cached_pieces"] == r["own_pieces"] for r in reports[1:]), reports
     assert all(r["largest_received"] < 2048 for r in reports[1:]), \
         [r["largest_received"] for r in reports]
+    # One layout (pure data parallelism): rank 0 plans from its own items, and
+    # no other rank sends it theirs.
+    assert [r["items_sent"] for r in reports] == [0, 0, 0, 0], reports
     assert not any("different values" in r["log"] for r in reports)  # replicas agreed
     on_disk = sum(f.stat().st_size for f in ckpt.iterdir())
     assert on_disk - unique < 64 << 10, "more than data + headers + manifest on disk"
@@ -151,8 +154,13 @@ def test_node_local_two_nodes_each_write_half_then_gather(tmp_path: Path) -> Non
 
 def test_dp2_tp2_dtensors_save_and_reshard(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
-                {"path": str(ckpt), "dp": 2, "tp": 2}))
+    reports = run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],
+                      {"path": str(ckpt), "dp": 2, "tp": 2})
+    ok(reports)
+    # Two layouts (the TP coordinates): rank 0 has one, and only the first
+    # rank of the other sends its items; the DP replicas send none.
+    assert sum(r["items_sent"] > 0 for r in reports) == 1, [r["items_sent"] for r in reports]
+    assert reports[0]["items_sent"] == 0
     per_rank = data_bytes_by_rank(ckpt)
     unique = unique_bytes(tp=True)
     assert sum(per_rank.values()) == unique

@@ -166,6 +166,32 @@ def _count_received() -> list[int]:
     return sizes
 
 
+def _count_items_sent() -> list[int]:
+    """How many planner Items this rank sends to rank 0 (gathered or point to
+    point): a rank's description goes once per layout, not once per rank."""
+    import torch.distributed as dist
+
+    from fastpersist.distributed.planner import Item
+
+    sent: list[int] = []
+    gather, send = dist.gather_object, dist.send_object_list
+
+    def items_in(obj: Any) -> int:
+        return len(obj) if isinstance(obj, tuple) and obj and isinstance(obj[0], Item) else 0
+
+    def counted_gather(obj: Any, *a: Any, **kw: Any) -> None:
+        sent.append(items_in(obj))
+        gather(obj, *a, **kw)
+
+    def counted_send(objs: list[Any], *a: Any, **kw: Any) -> None:
+        sent.extend(items_in(o) for o in objs)
+        send(objs, *a, **kw)
+
+    dist.gather_object = counted_gather  # type: ignore[assignment]
+    dist.send_object_list = counted_send  # type: ignore[assignment]
+    return sent
+
+
 def main() -> int:
     scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     (out_dir / f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
@@ -206,6 +232,7 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
             if scenario == "die_at_commit" and rank == 0:
                 _die_at_commit(out_dir, args["when"], args.get("everyone", False))
             received = _count_received()
+            items_sent = _count_items_sent()
             state = build_state(args)
             if args.get("per_rank_values"):
                 state["rank_note"] = rank  # values that differ between ranks
@@ -226,6 +253,7 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
             result["plans_made"] = co.plans_made
             result["plan_bytes"] = {str(r): n for r, n in co.cache.plan.bytes_per_rank().items()}  # type: ignore[union-attr]
             result["largest_received"] = max(received, default=0)
+            result["items_sent"] = sum(items_sent)
             cached = co.cache.plan
             assert cached is not None
             result["cached_pieces"] = len(cached.pieces)
