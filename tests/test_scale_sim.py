@@ -12,8 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from _scale_model import Model  # noqa: E402
-from scale_sim import report, run_size  # noqa: E402
+from _scale_model import Model
+from scale_sim import report, run_size
 
 TOY = Model("toy", hidden=256, layers=4, ffn=512, heads=8, kv_heads=4, vocab=1024, tp=2, pp=1,
             fsdp_max=4)
