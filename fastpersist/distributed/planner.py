@@ -101,7 +101,7 @@ class Piece(NamedTuple):
 @dataclass(frozen=True)
 class Plan:
     pieces: tuple[Piece, ...]
-    keys: tuple[str, ...]  # the job's tensors, in the ranks' order
+    keys: tuple[str, ...]  # the job's tensors, in the ranks' order (not in a share)
     nodes: dict[int, str] = field(hash=False)
 
     def for_rank(self, rank: int) -> list[Piece]:
@@ -120,13 +120,15 @@ class Plan:
         return out
 
     def shares(self) -> list[Plan]:
-        """Each rank's part of the plan (its pieces, the keys, its node), in one
-        pass: what a rank other than the coordinator needs to write, so that
-        the coordinator sends each rank O(its pieces), not the whole plan."""
+        """Each rank's part of the plan (its pieces and its node), in one pass:
+        what a rank other than the coordinator needs to write, so that the
+        coordinator sends each rank O(its pieces), not the whole plan. Not
+        the keys: only the coordinator builds the manifest, and the keys of a
+        large model (thousands) were most of a share, sent to every rank."""
         mine: dict[int, list[Piece]] = {r: [] for r in self.nodes}
         for p in self.pieces:
             mine[p.writer].append(p)
-        return [Plan(tuple(mine[r]), self.keys, {r: self.nodes[r]}) for r in sorted(self.nodes)]
+        return [Plan(tuple(mine[r]), (), {r: self.nodes[r]}) for r in sorted(self.nodes)]
 
     @property
     def unique_bytes(self) -> int:
