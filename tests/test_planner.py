@@ -156,6 +156,15 @@ def test_shards_that_overlap_or_leave_gaps_are_refused() -> None:
     make_plan(ranks([(0, 5), (5, 5)]))  # exactly tiled: fine
 
 
+def test_an_empty_shard_inside_another_shards_rows_is_no_overlap() -> None:
+    # Uneven sharding leaves empty shards; where their offsets point is up to
+    # the sharding, and an empty box overlaps nothing.
+    boxes = [(0, 6), (6, 4), (3, 0)]
+    ranks = ranks_of([(Item("w", "F32", (10, 4), (o, 0), (n, 4)),) for o, n in boxes], 3)
+    plan = make_plan(ranks)
+    assert covered(plan, "w", (10, 4)) == 40
+
+
 def test_zero_size_and_scalar_tensors() -> None:
     items = (Item.whole("s", "F32", ()), Item.whole("e", "F32", (0, 7)),
              Item.whole("x", "I64", (5,)))

@@ -271,7 +271,11 @@ def _overlapping(items: list[Item]) -> bool:
     Shard layouts make small grids (one cell per shard); a grid too large to
     mark is left to the volume check alone. Boxes cut along one dimension
     only (the usual FSDP or TP shard) need no grid: sorted, none may start
-    before the one before it ends."""
+    before the one before it ends. Empty boxes overlap nothing, wherever
+    their offsets put them."""
+    items = [i for i in items if 0 not in i.shape]
+    if len(items) < 2:
+        return False
     dims = range(len(items[0].global_shape))
     first = items[0]
     varying = [d for d in dims if any(i.offsets[d] != first.offsets[d] or i.shape[d]
