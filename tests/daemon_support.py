@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,23 @@ class Daemon:
         self.kill()
         shutil.rmtree(self._sockdir, ignore_errors=True)
         shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def serving(d: Daemon, monkeypatch: Any) -> Iterator[Daemon]:
+    """d started (unless it is), with this process's saves pointed at its
+    shared memory (FASTPERSIST_SHM_DIR); on the way out, this process's
+    shared staging dropped (what is in flight aborted) and the daemon gone."""
+    from fastpersist.saving.registry import close_shared
+
+    if d.proc is None:
+        d.start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    try:
+        yield d
+    finally:
+        close_shared(abort=True)
+        d.cleanup()
 
 
 def root_entries(root: Path) -> list[str]:

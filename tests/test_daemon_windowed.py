@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_support import Daemon, root_entries
+from daemon_support import Daemon, root_entries, serving
 
 import fastpersist
 from fastpersist._proto import fastpersist_pb2 as pb
@@ -48,15 +48,8 @@ def gated_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Da
 
 
 def _started(d: Daemon, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
-    from fastpersist.saving.registry import close_shared
-
-    d.start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
-    try:
+    with serving(d, monkeypatch):
         yield d
-    finally:
-        close_shared(abort=True)
-        d.cleanup()
 
 
 def state_256(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from daemon_raw import file_header
-from daemon_support import Daemon, root_entries
+from daemon_support import Daemon, root_entries, serving
 from test_memory_tier import copies, copy_bytes, digests, state
 from tier_support import keys
 
@@ -41,15 +41,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
-    d = Daemon(tmp_path, "--memory-tier-count", "32", "--memory-tier-bytes", "256M").start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
-    try:
+    with serving(Daemon(tmp_path, "--memory-tier-count", "32", "--memory-tier-bytes", "256M"),
+                 monkeypatch) as d:
         yield d
-    finally:
-        from fastpersist.saving.registry import close_shared
-
-        close_shared(abort=True)
-        d.cleanup()
 
 
 def run_python(d: Daemon, code: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_support import Daemon
+from daemon_support import Daemon, serving
 
 import fastpersist
 from fastpersist._proto import fastpersist_pb2 as pb
@@ -71,15 +71,9 @@ def drop_data_files(ckpt: Path) -> None:
 
 @pytest.fixture
 def tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
-    d = Daemon(tmp_path, "--memory-tier-count", "2", "--memory-tier-bytes", "64M").start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
-    try:
+    with serving(Daemon(tmp_path, "--memory-tier-count", "2", "--memory-tier-bytes", "64M"),
+                 monkeypatch) as d:
         yield d
-    finally:
-        from fastpersist.saving.registry import close_shared
-
-        close_shared(abort=True)
-        d.cleanup()
 
 
 def load_in_new_process(d: Daemon, ckpt: Path, daemon: str | None = None
@@ -383,33 +377,19 @@ def test_checkpoints_the_tier_does_not_keep(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Off by default (--memory-tier-count 0) it keeps nothing; a compressed
     checkpoint is not kept."""
-    off = Daemon(tmp_path / "off").start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(off.shm_dir))
-    try:
+    with serving(Daemon(tmp_path / "off"), monkeypatch) as off:
         fastpersist.save(state(9), off.root / "step-9", daemon=off.address)
         reply = held(off, "step-9")
         assert not reply.directory and "--memory-tier-count 0" in reply.reason
         assert not copies(off)
         fastpersist.save(state(10), off.root / "step-10", daemon=off.address,
                          compression="zstd")
-    finally:
-        from fastpersist.saving.registry import close_shared
-
-        close_shared(abort=True)
-        off.cleanup()
-    on = Daemon(tmp_path / "on", "--memory-tier-count", "1").start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(on.shm_dir))
-    try:
+    with serving(Daemon(tmp_path / "on", "--memory-tier-count", "1"), monkeypatch) as on:
         fastpersist.save(state(10), on.root / "step-10", daemon=on.address, compression="zstd")
         assert not held(on, "step-10").directory and not copies(on)
         fastpersist.save(state(11), on.root / "step-11", daemon=on.address)
         m = Manifest.from_json(held(on, "step-11").manifest, "step-11")
         assert {r.name for r in m.tensors} == {"w", "b", "half", "none"}
-    finally:
-        from fastpersist.saving.registry import close_shared
-
-        close_shared(abort=True)
-        on.cleanup()
 
 
 def test_the_default_budget_fits_the_cgroup() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_support import Daemon
+from daemon_support import Daemon, serving
 from hostile_support import distributed_checkpoint, grid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -497,15 +497,9 @@ def test_from_the_object_store(s3: Any, tmp_path: Path, ranged_gets: Reads,
 
 @pytest.fixture
 def memory_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
-    d = Daemon(tmp_path, "--memory-tier-count", "2", "--memory-tier-bytes", "64M").start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
-    try:
+    with serving(Daemon(tmp_path, "--memory-tier-count", "2", "--memory-tier-bytes", "64M"),
+                 monkeypatch) as d:
         yield d
-    finally:
-        from fastpersist.saving.registry import close_shared
-
-        close_shared(abort=True)
-        d.cleanup()
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_support import Daemon
+from daemon_support import Daemon, serving
 from tier_support import keys
 
 import fastpersist
@@ -76,16 +76,9 @@ def runtime_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 @pytest.fixture
 def node(s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
     """A daemon with a memory tier and an object-store tier (compressed, the default)."""
-    d = Daemon(tmp_path, "--memory-tier-count", "2", "--memory-tier-bytes", "64M",
-               "--tier", s3.url).start()
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
-    try:
+    with serving(Daemon(tmp_path, "--memory-tier-count", "2", "--memory-tier-bytes", "64M",
+                        "--tier", s3.url), monkeypatch) as d:
         yield d
-    finally:
-        from fastpersist.saving.registry import close_shared
-
-        close_shared(abort=True)
-        d.cleanup()
 
 
 def saved_everywhere(d: Daemon, s3: Any, name: str, seed: int) -> Path:
