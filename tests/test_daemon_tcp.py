@@ -31,6 +31,7 @@ import tls_support
 from daemon_raw import assert_serving, close_remote_savers, file_header
 from daemon_support import Daemon
 from grpc import StatusCode as Code
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
@@ -382,3 +383,24 @@ def test_client_ca_needs_tcp(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--tls-client-ca is for TCP clients: it needs --listen" in \
         r.stderr, r.stderr
+
+
+def test_a_second_daemon_on_a_port_in_use_is_refused(tcp: TCP, tmp_path: Path) -> None:
+    # gRPC servers bind with SO_REUSEPORT by default: a second daemon on the
+    # same --listen started, and the kernel split peers' connections between
+    # the two (a leftover daemon answered a docs example with its own
+    # certificate). It must fail to start instead, saying why.
+    (tmp_path / "root2").mkdir()
+    r = subprocess.run([sys.executable, "-m", "fastpersist.daemon", "--root",
+                        str(tmp_path / "root2"), "--socket", str(tmp_path / "s2.sock"),
+                        "--shm-dir", str(tmp_path), "--listen", f"127.0.0.1:{tcp.port}",
+                        "--tls-cert", str(tcp.files["cert"]), "--tls-key", str(tcp.files["key"]),
+                        "--token-file", str(tcp.files["token"])],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-800:])
+    assert f"--listen 127.0.0.1:{tcp.port}: cannot listen there" in r.stderr, r.stderr[-800:]
+    # The first daemon still answers.
+    with tcp.channel(tcp.files["token"].read_text().strip()) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING

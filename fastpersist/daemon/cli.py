@@ -351,8 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not token:
             p.error(f"--token-file {args.token_file} is empty")
         tcp = build_server(servicer, health, metrics, TokenAuth(token, metrics))
-        tcp.add_secure_port(args.listen, tls_credentials(args.tls_cert, args.tls_key,
-                                                         args.tls_client_ca))
+        try:
+            tcp.add_secure_port(args.listen, tls_credentials(args.tls_cert, args.tls_key,
+                                                             args.tls_client_ca))
+        except RuntimeError as exc:  # grpc's "Failed to bind to address"
+            p.error(f"--listen {args.listen}: cannot listen there (is another process, "
+                    f"another fastpersistd, on that port?): {exc}")
         tcp.start()
         servers.append(tcp)
     if args.metrics_listen:

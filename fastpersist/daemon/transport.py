@@ -165,6 +165,10 @@ def _options() -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        # gRPC binds with SO_REUSEPORT unless told otherwise: a second daemon
+        # on a --listen in use would start, and the kernel would split the
+        # peers' connections between the two. Bind alone, or fail.
+        ("grpc.so_reuseport", 0),
     ]
 
 
