@@ -355,8 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tcp.add_secure_port(args.listen, tls_credentials(args.tls_cert, args.tls_key,
                                                              args.tls_client_ca))
         except RuntimeError as exc:  # grpc's "Failed to bind to address"
-            p.error(f"--listen {args.listen}: cannot listen there (is another process, "
-                    f"another fastpersistd, on that port?): {exc}")
+            p.error(f"--listen {args.listen}: cannot listen there (a process on it?): {exc}")
         tcp.start()
         servers.append(tcp)
     if args.metrics_listen:
