@@ -9,6 +9,7 @@ node, and a node's daemon with per-node environment (env_by_node).
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import socket
@@ -124,14 +125,13 @@ def data_bytes_by_rank(ckpt: Path) -> dict[int, int]:
     return tensor_bytes_by_rank(read_manifest(ckpt))
 
 
-def worker_module() -> Any:
-    """tests/helpers/dist_worker.py, imported here for its state and checks."""
+def worker_module(name: str = "dist_worker") -> Any:
+    """tests/helpers/<name>.py (a rank's script), imported here for its state and checks."""
     sys.path.insert(0, str(WORKER.parent))
     try:
-        import dist_worker
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return dist_worker
 
 
 def full_tensors() -> Any:

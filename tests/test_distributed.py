@@ -332,6 +332,40 @@ def test_async_save_and_checkpointer_over_a_process_group(tmp_path: Path) -> Non
         unique_bytes(tp=False))
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_share_over_the_staging_budget_is_staged_in_windows(tmp_path: Path,
+                                                               compression: str | None) -> None:
+    # Each rank's share is about 1.8 MB; every rank staged all of it at once,
+    # whatever FASTPERSIST_STAGING_BUDGET said (issue 37).
+    budget = 256 << 10
+    reports = run_job(tmp_path, "windowed", ["n0", "n0"],
+                      {"path": str(tmp_path), "compression": compression},
+                      env={"FASTPERSIST_STAGING_BUDGET": str(budget)})
+    ok(reports)
+    share = unique_bytes(tp=False) // 2
+    assert share > 4 * budget
+    for r in reports:
+        assert 0 < r["staging_peak"] <= budget, (r["rank"], r["staging_peak"])
+    for name in ("async", "blocking"):
+        check_loaded(describe_here(fastpersist.load(tmp_path / name)), tp=False)
+        assert sum(data_bytes_by_rank(tmp_path / name).values()) == unique_bytes(tp=False)
+
+
+def test_a_rank_killed_mid_window_fails_the_job_and_leaves_nothing(tmp_path: Path) -> None:
+    # Rank 1 dies writing its second file while its caller waits for the room
+    # that file's write would free; rank 0 has staged and written its share.
+    ckpt = tmp_path / "ckpt"
+    reports = run_job(tmp_path, "die_windowed", ["n0", "n1"], {"path": str(ckpt), "die_rank": 1},
+                      env={"FASTPERSIST_STAGING_BUDGET": str(256 << 10),
+                           "FASTPERSIST_DIST_TIMEOUT": "5"}, timeout=120)
+    assert reports[1].get("missing") and reports[1]["returncode"] == -9, reports[1]
+    r = reports[0]
+    assert r["ok"] is False and r["error_type"] == "DistributedCheckpointError", r
+    assert "rank 1 died" in r["error"] and "nothing was committed" in r["error"], r
+    assert not ckpt.exists()
+    assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"
+
+
 # --- the schema-2 manifest refuses what does not fit ---------------------------------------
 
 

@@ -113,6 +113,27 @@ def test_parts_the_daemon_has_no_staging_room_for_are_streamed(tmp_path: Path) -
         d.cleanup()
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_part_over_the_staging_budget_goes_through_in_windows(
+        daemon: Daemon, tmp_path: Path, compression: str | None) -> None:
+    # Each rank staged its whole part in shared memory (about 1.8 MB here),
+    # whatever FASTPERSIST_STAGING_BUDGET and the daemon's budgets said (issue 37).
+    budget = 256 << 10
+    ckpt = daemon.root / "shared" / "w"
+    reports = run_job(tmp_path, "windowed", ["n0", "n0"],
+                      {"path": str(ckpt), "compression": compression},
+                      env={"FASTPERSIST_DAEMON": daemon.address,
+                           "FASTPERSIST_STAGING_BUDGET": str(budget)})
+    ok(reports)
+    assert unique_bytes(tp=False) // 2 > 4 * budget
+    for r in reports:
+        assert 0 < r["staging_peak"] <= budget, (r["rank"], r["staging_peak"])
+    for name in ("async", "blocking"):
+        check_loaded(describe_here(fastpersist.load(ckpt / name)), tp=False)
+        assert fpctl(["verify", str(ckpt / name)]) == 0
+    assert _hidden(ckpt) == [] and _segments(daemon) == []
+
+
 def test_a_compressed_job_is_packed_by_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
     ckpt = daemon.root / "shared" / "ckpt"
     ok(run_job(tmp_path, "save", ["n0", "n0", "n1", "n1"],

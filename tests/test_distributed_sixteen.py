@@ -15,13 +15,12 @@ the order of events, and counts.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from dist_support import data_bytes_by_rank, run_ranks
+from dist_support import data_bytes_by_rank, run_ranks, worker_module
 
 import fastpersist
 
@@ -31,15 +30,6 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
 WORKER = Path(__file__).parent / "helpers" / "sixteen_worker.py"
 WORLD = 16
 SLOW = 11  # neither rank 0 (it commits) nor the first rank of its dp or tp group
-
-
-def _worker() -> Any:
-    sys.path.insert(0, str(WORKER.parent))
-    try:
-        import sixteen_worker
-    finally:
-        sys.path.pop(0)
-    return sixteen_worker
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -52,7 +42,7 @@ def _check_loaded(ckpt: Path, save: int) -> None:
     loaded = fastpersist.load(ckpt)
     assert loaded["step"] == save
     got = {**loaded["model"], **loaded["optim"]}
-    want = _worker().expected(save)
+    want = worker_module("sixteen_worker").expected(save)
     assert sorted(got) == sorted(want)
     bad = [k for k in want if not _same_bits(got[k], want[k])]
     assert not bad, f"{ckpt}: {bad} differ from what the ranks saved"

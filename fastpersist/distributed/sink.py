@@ -19,6 +19,7 @@ memory and handed to the rank's node's fastpersistd as one part of the job.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -26,8 +27,9 @@ import torch.distributed as dist
 from ..errors import CheckpointAbortedError, DistributedCheckpointError
 from ..knobs import current as current_knobs
 from ..saving.files import StagedFiles
+from ..saving.local import cut
 from ..saving.sink import SaveRequest
-from ..saving.snapshot import FilePlan, group_into_files
+from ..saving.snapshot import FilePlan
 from ..saving.staging import StagingPool
 from .coordinator import Save, coordinator_for
 from .phases import Coordinator
@@ -44,20 +46,24 @@ DAEMON_FILE_BYTES = 64 << 20
 
 
 class DistributedJob:
-    """One save of the job; the files are this rank's pieces (or, if this rank
-    could not work them out, none: the error is reported in the write phase,
-    so that every rank fails the save together)."""
+    """One save of the job; the files are this rank's pieces, cut for the
+    staging budget like any save's (saving/local.cut): a share larger than
+    the budget is copied in windows, each buffer back in the pool once its
+    file is written (Storage.write). If this rank could not work out its
+    files, it has none: the error is reported in the write phase, so that
+    every rank fails the save together."""
 
-    budget = 0  # a rank stages its share whole: the job's phases wait for every rank
-
-    def __init__(self, job: Save, rank: int, cap: int, request: SaveRequest) -> None:
+    def __init__(self, job: Save, rank: int, request: SaveRequest,
+                 budget: Callable[[], int | None], file_bytes: int | None) -> None:
         self.job = job
         self.rank = rank
         self.request = request
         self.error: BaseException | None = None
         self.files: list[FilePlan] = []
+        self.budget = 0
         try:
-            self.files = [f for f in group_into_files(job.my_pieces(), 0, cap) if f.tensors]
+            files, self.budget = cut(job.my_pieces(), request, budget(), file_bytes)
+            self.files = [f for f in files if f.tensors]
         except Exception as exc:
             self.error = exc
 
@@ -100,7 +106,18 @@ class DistributedSink:
         return None  # a rank learns its share at each save
 
     def staging_budget(self) -> int:
-        return 0  # a rank stages its share whole (DistributedJob.budget)
+        budget = self._budget()
+        return current_knobs().staging_budget if budget is None else budget
+
+    def _budget(self) -> int | None:
+        """The window a rank's share is staged in: None for
+        FASTPERSIST_STAGING_BUDGET; through the daemon, the least of that and
+        the daemon's budgets (its Open would refuse more)."""
+        if isinstance(self.storage, ThroughDaemon):
+            from ..saving.segments import staging_limit  # grpc: only with a daemon
+
+            return staging_limit(self.storage.client)
+        return None
 
     def begin(self, planned: Any, request: SaveRequest) -> DistributedJob:
         if request.durability != "disk":
@@ -109,10 +126,10 @@ class DistributedSink:
                    allow_pickle=request.allow_pickle, aborted=request.aborted,
                    after_commit=request.after_commit, compression=request.compression)
         job.prepare()  # raises the same error on every rank
-        cap = current_knobs().file_bytes
-        if isinstance(self.storage, ThroughDaemon):
-            cap = min(cap, DAEMON_FILE_BYTES)
-        return DistributedJob(job, self.co.rank, cap, request)
+        # From here on an error is this rank's alone: DistributedJob keeps it
+        # for the write phase (the daemon's budgets are asked there too).
+        cap = DAEMON_FILE_BYTES if isinstance(self.storage, ThroughDaemon) else None
+        return DistributedJob(job, self.co.rank, request, self._budget, cap)
 
     def close(self) -> None:
         self.storage.close()

@@ -135,6 +135,8 @@ class InProcess:
             except OSError as exc:
                 raise os_error(exc, f"cannot write {name} of the checkpoint") from exc
             out.append((_with_node(record, node), records))
+            # Written: the caller of a windowed save may be waiting for its room.
+            self.pool.give_back(file)
         return out
 
     def publish(self, where: str, manifest: bytes, node: str | None,
@@ -216,7 +218,8 @@ class ThroughDaemon:
     def write(self, target: Path, where: str, rank: int, files: StagedFiles,
               node: str | None, frame_bytes: int = 0) -> Records:
         """The part's files, durable in the job's directory, each handed to
-        the daemon as soon as it is copied (StagedFiles). Each buffer is lent
+        the daemon as soon as it is copied (StagedFiles), at most
+        files.reserve bytes of them staged at once. Each buffer is lent
         to the daemon and marked returned only by its report (handover.py), so
         the caller's StagingPool.give_back quarantines what the daemon may
         still read. A lost reply after Commit is settled by asking the daemon.
@@ -252,6 +255,12 @@ class ThroughDaemon:
             for index, file in enumerate(files):
                 handover.submit(index, file, stream=by_stream)
                 sent.append(file)
+                if files.windowed and index < files.count - 1:
+                    # The part is larger than its window and more files follow:
+                    # the caller may be waiting for this buffer; take it back
+                    # once the daemon has written it (remote.DaemonJob does the same).
+                    handover.wait_written(index + 1)
+                    self.pool.give_back(file)
             handover.commit("null", [t.name for f in sent for t in f.entries])
             status = handover.wait_end()
         except Exception as exc:

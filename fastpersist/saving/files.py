@@ -7,8 +7,10 @@ copy. The writer iterates; the iteration raises that error where it stops.
 Every file put comes out of drain() for its buffer's return, as it is put,
 until the caller's close or fail: a writer that stops early gives each buffer
 back as the caller puts it, since the caller may still be copying more. `count` files whose
-staging buffers hold `reserve` bytes (what a daemon is asked to take) are
-known before the first is copied.
+staging buffers hold at most `reserve` bytes at once (what a daemon is asked to take) are
+known before the first is copied; `windowed`: they do not all fit the budget at
+once, so the caller waits for the writer to give each buffer back once its file
+is written.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ _END = object()
 
 
 class StagedFiles:
-    def __init__(self, count: int, reserve: int) -> None:
+    def __init__(self, count: int, reserve: int, windowed: bool = False) -> None:
         self.count = count
         self.reserve = reserve
+        self.windowed = windowed
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._taken: list[StagedFile] = []
         self._waiting: list[threading.Event] = []  # the callers of put_and_wait

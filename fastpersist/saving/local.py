@@ -20,13 +20,13 @@ from .staging import StagingPool
 Planned = tuple[Any, list[StoredTensor]]  # the tree, and its tensors in entry order
 
 
-def cut(stored: list[StoredTensor], request: SaveRequest, budget: int | None = None
-        ) -> tuple[list[FilePlan], int]:
-    """Data files of at most FASTPERSIST_FILE_BYTES (and, under a staging
-    budget, half of it: group_into_files): one layout on disk whoever writes
-    it, this process or a daemon. budget: the sink's (a daemon's window),
-    else FASTPERSIST_STAGING_BUDGET. Returns the files and the budget they
-    were cut for.
+def cut(stored: list[StoredTensor], request: SaveRequest, budget: int | None = None,
+        file_bytes: int | None = None) -> tuple[list[FilePlan], int]:
+    """Data files of at most FASTPERSIST_FILE_BYTES (or `file_bytes`, if
+    less; and, under a staging budget, half of it: group_into_files): one
+    layout on disk whoever writes it, this process or a daemon. budget: the
+    sink's (a daemon's window), else FASTPERSIST_STAGING_BUDGET. Returns the
+    files and the budget they were cut for.
 
     Compressing a file holds all its stored frames in memory until the file
     is written (codec/packing.plan), beside the staged files: so with
@@ -37,7 +37,7 @@ def cut(stored: list[StoredTensor], request: SaveRequest, budget: int | None = N
     knobs = current_knobs()
     if budget is None:
         budget = knobs.staging_budget
-    file_bytes = knobs.file_bytes
+    file_bytes = min(knobs.file_bytes, file_bytes or knobs.file_bytes)
     if request.compression and budget:
         budget = max(budget // 3 * 2, 2)
         file_bytes = min(file_bytes, budget // 2)

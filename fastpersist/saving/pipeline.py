@@ -225,7 +225,7 @@ class SavePipeline:
             self._snapshot_failed(future, exc)
             raise
         _, files = self._hand_to_writer(future, job, StagedFiles(
-            len(plans), sum(b.numel() for b in upfront) if whole else sum(sizes)))
+            len(plans), sum(b.numel() for b in upfront) if whole else budget, not whole))
         try:
             self._snapshot(plans, upfront, budget, pinned, request.overlap_writes or not whole,
                            files, future)

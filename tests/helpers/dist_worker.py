@@ -283,6 +283,27 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
             result["latest"] = str(ckpt.latest())
             result["staging_bytes_after_close"] = ckpt.staging_bytes
             result["ok"] = True
+        elif scenario == "windowed":
+            # A share over FASTPERSIST_STAGING_BUDGET: async and blocking saves
+            # (a blocking one stages too through a daemon) and what staging held.
+            peak = _track_staging_peak()
+            state = build_state(args)
+            for name in ("async", "blocking"):
+                kwargs = {"process_group": dist.group.WORLD,
+                          "compression": args.get("compression")}
+                if name == "async":
+                    fastpersist.async_save(state, f"{path}/{name}", **kwargs).result()
+                else:
+                    fastpersist.save(state, f"{path}/{name}", **kwargs)
+            result.update(ok=True, staging_peak=peak[0])
+        elif scenario == "die_windowed":
+            # async_save of a share over the budget: this rank is killed as it
+            # writes its second file, while its caller waits for room.
+            if rank == args["die_rank"]:
+                _die_at_file(2)
+            fastpersist.async_save(build_state(args), path,
+                                   process_group=dist.group.WORLD).result()
+            result["ok"] = True
         elif scenario == "keep_best":
             # Rank 0 records the metrics and keeps the best; every rank checks its metrics=.
             state = build_state(args)
@@ -412,6 +433,22 @@ def _fail_copy(call: int) -> None:
     pipeline.stage_file = failing  # type: ignore[assignment]
 
 
+def _track_staging_peak() -> list[int]:
+    """[the most bytes any staging pool of this process held], kept up to date."""
+    from fastpersist.saving.staging import StagingPool
+
+    peak = [0]
+    acquire = StagingPool.acquire
+
+    def tracked(self: StagingPool, *args: Any, **kwargs: Any) -> torch.Tensor:
+        buffer = acquire(self, *args, **kwargs)
+        peak[0] = max(peak[0], self.allocated_bytes)
+        return buffer
+
+    StagingPool.acquire = tracked  # type: ignore[method-assign]
+    return peak
+
+
 def _scribble(state: dict[str, Any]) -> None:
     for t in state["model"].values():
         t.fill_(-7)
@@ -470,6 +507,22 @@ def _die_in_writes() -> None:
 
     storage.InProcess.write = die  # type: ignore[method-assign]
     storage.ThroughDaemon.write = die  # type: ignore[method-assign]
+
+
+def _die_at_file(n: int) -> None:
+    """This rank is SIGKILLed as it starts writing its n-th data file (in-process)."""
+    from fastpersist.distributed import storage
+
+    write = storage.datafile.write
+    calls = [0]
+
+    def dying(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(*a, **k)
+
+    storage.datafile.write = dying  # type: ignore[assignment]
 
 
 def _die_after_hand_over() -> None:
