@@ -28,8 +28,7 @@ def kib(field):
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
 
-mode, target, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
-per = 4 << 20  # 4 MiB tensors: every one well under the budget's file cap
+mode, target, nbytes, per = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 gen = torch.Generator().manual_seed(0)
 state = {f"t{i}": torch.empty(per // 4).normal_(generator=gen) for i in range(nbytes // per)}
 import zstandard, numpy  # imported by the save; not what it holds
@@ -49,14 +48,16 @@ print(json.dumps({"peak": peak}))
 """
 
 
-def _peak(tmp_path: Path, mode: str, nbytes: int, budget: int) -> int:
+def _peak(tmp_path: Path, mode: str, nbytes: int, budget: int, per: int = 4 * MIB) -> int:
+    """per: bytes of each tensor (4 MiB: every one well under the budget's file cap)."""
     try:
         Path("/proc/self/clear_refs").open("w").close()
     except OSError:
         pytest.skip("cannot reset VmHWM here (/proc/self/clear_refs)")
     env = {"FASTPERSIST_STAGING_BUDGET": str(budget), "FASTPERSIST_DAEMON": "",
            "FASTPERSIST_CODEC_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(tmp_path / "ck"), str(nbytes)],
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(tmp_path / "ck"), str(nbytes),
+                          str(per)],
                          env={**os.environ, **env}, check=True, capture_output=True, text=True,
                          timeout=300).stdout
     return int(json.loads(out.strip().splitlines()[-1])["peak"])
@@ -79,4 +80,16 @@ def test_compressed_async_save_keeps_staging_and_encoding_within_the_budget(
     # the encoded copy of one such file beside it: 1.5x the budget.
     budget = 192 * MIB
     peak = _peak(tmp_path, "async", 384 * MIB, budget)
+    assert peak <= budget + 64 * MIB, f"peak +{peak / MIB:.0f} MiB, budget {budget >> 20} MiB"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["save", "async"])
+def test_a_compressed_tensor_over_a_third_of_the_budget_is_not_encoded_whole(
+        tmp_path: Path, mode: str) -> None:
+    # Such a tensor gets a file of its own, and encoding a file held all its
+    # frames: with two 160 MiB tensors (random floats barely compress) and a
+    # 16 MiB budget, about +150 MiB.
+    budget = 16 * MIB
+    peak = _peak(tmp_path, mode, 320 * MIB, budget, per=160 * MIB)
     assert peak <= budget + 64 * MIB, f"peak +{peak / MIB:.0f} MiB, budget {budget >> 20} MiB"

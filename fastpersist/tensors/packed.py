@@ -39,6 +39,10 @@ def write(engine: Engine, directory: str, file_name: str, tensors: list[StoredTe
           frame_bytes: int) -> tuple[FileRecord, list[TensorRecord]]:
     """Write tensors to directory/file_name as a packed file; durable on return."""
     from ..codec import packing  # numpy: only where compression is used
+    from . import packed_stream
+
+    if packed_stream.streams(tensors, frame_bytes):  # one tensor too large to hold encoded
+        return packed_stream.write(directory, file_name, tensors[0], frame_bytes)
 
     raws = [packing.RawTensor(t.name, t.dtype, t.shape, memory_of(
         t.source if t.source.device.type == "cpu" else t.source.cpu())) for t in tensors]
