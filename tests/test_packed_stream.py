@@ -5,6 +5,8 @@ frames at once)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,36 @@ def test_a_compressed_save_of_large_tensors_under_a_small_budget_round_trips(
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     assert fpctl(["verify", str(ckpt)]) == 0
     assert sorted(written) == ["a", "b"]  # each over a third of the budget, alone in its file
+
+
+KILLED_MID_STREAM = r"""
+import os, signal, sys, torch, fastpersist
+from fastpersist.tensors import packed_stream
+target = sys.argv[1]
+fastpersist.save({"w": torch.full((1_300_000,), 1.0)}, target)  # version 1, uncompressed
+os.environ["FASTPERSIST_STAGING_BUDGET"] = str(3 << 20)
+os.environ["FASTPERSIST_FRAME_BYTES"] = str(256 << 10)
+writes = [0]
+pwrite = packed_stream._pwrite_all
+def dying(fd, data, offset):
+    pwrite(fd, data, offset)
+    writes[0] += 1
+    if writes[0] == 6:  # some frames on disk, the header not yet
+        os.kill(os.getpid(), signal.SIGKILL)
+packed_stream._pwrite_all = dying
+g = torch.Generator().manual_seed(1)
+fastpersist.save({"w": torch.randn(1_300_000, generator=g)}, target, compression="zstd")
+"""
+
+
+def test_a_save_killed_while_streaming_leaves_the_last_checkpoint(tmp_path: Path) -> None:
+    target = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_STREAM, str(target)], timeout=120)
+    assert proc.returncode == -9
+    loaded = fastpersist.load(target)
+    assert torch.equal(loaded["w"], torch.full((1_300_000,), 1.0))
+    assert fpctl(["verify", str(target)]) == 0
+    leftovers = [p for p in tmp_path.iterdir() if p != target]
+    assert leftovers and all(p.name.startswith(".") for p in leftovers), leftovers
+    fastpersist.save({"w": torch.zeros(3)}, target)  # the next save goes ahead
+    assert torch.equal(fastpersist.load(target)["w"], torch.zeros(3))
