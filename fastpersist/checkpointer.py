@@ -214,11 +214,7 @@ class Checkpointer(CheckpointerBase):
                                          wait_for_snapshot=wait_for_snapshot)
         else:
             future = self._save(step, state, wait_for_snapshot)
-        self._saving = {s: f for s, f in self._saving.items() if not f.done()}
-        self._saving[step] = future
-        if self._saved is not None:
-            self._saved.add(step)
-        return future
+        return self._begun(step, future)
 
     def should_save(self, step: int) -> bool:
         """Whether to save `step`: it is on the interval (save_every, or either
