@@ -283,3 +283,42 @@ def test_trainer_killed_mid_windowed_save(gated_daemon: Daemon, tmp_path: Path) 
     assert_same(target, before)
     info = client.info()
     assert info.staging_in_use == 0 and info.staging_in_use_peak <= CLIENT_BUDGET
+
+
+def test_a_daemon_restarted_with_smaller_budgets_is_asked_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The client asked the daemon's budgets once and kept them: after a restart
+    # with a smaller --client-budget, the next save's files were still cut for
+    # the old window, and its Open (over the new budget for good) was asked
+    # again until FASTPERSIST_DAEMON_ROOM_TIMEOUT ran out.
+    monkeypatch.setenv("FASTPERSIST_DAEMON_ROOM_TIMEOUT", "5")
+    d = Daemon(tmp_path, "--staging-budget", "64MiB")
+    with serving(d, monkeypatch):
+        state = {f"t{i}": torch.full((MIB // 2,), float(i)) for i in range(16)}  # 32 MiB
+        fastpersist.save(state, d.root / "before", daemon=d.address)
+        assert d.stop() == 0
+        d.args = ["--staging-budget", "8MiB"]
+        d.start()
+        fastpersist.save(state, d.root / "after", daemon=d.address)
+        loaded = fastpersist.load(d.root / "after")
+        assert all(torch.equal(loaded[k], v) for k, v in state.items())
+        assert 0 < d.client().info().staging_in_use_peak <= 4 * MIB  # the new client budget
+
+
+def test_a_daemon_restarted_on_another_root_does_not_get_the_old_roots_paths(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the old root kept, the client sent the path relative to it, and the
+    # new daemon wrote the checkpoint under its own root: not where asked.
+    d = Daemon(tmp_path)
+    with serving(d, monkeypatch):
+        state = {"w": torch.ones(1000)}
+        fastpersist.save(state, d.root / "a", daemon=d.address)
+        assert d.stop() == 0
+        old_root, d.root = d.root, tmp_path / "other-root"
+        d.root.mkdir()
+        d.start()
+        with pytest.raises(DaemonError, match="outside fastpersistd's root"):
+            fastpersist.save(state, old_root / "b", daemon=d.address)
+        assert not (d.root / "b").exists() and not (old_root / "b").exists()
+        fastpersist.save(state, d.root / "c", daemon=d.address)
+        assert torch.equal(fastpersist.load(d.root / "c")["w"], state["w"])

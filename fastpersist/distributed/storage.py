@@ -213,6 +213,7 @@ class ThroughDaemon:
                                 let_go=self._segments.free)
 
     def stage(self, target: Path) -> str:
+        self.client.info()  # renewed: a daemon restarted since may have another root
         return self.client.begin_job(self.client.relative(target))
 
     def write(self, target: Path, where: str, rank: int, files: StagedFiles,

@@ -133,11 +133,13 @@ class DaemonSink:
 
     def begin(self, planned: Planned, request: SaveRequest) -> DaemonJob:
         tree, stored = planned
+        # First: it asks the daemon, whose root relative() then uses.
+        limit = staging_limit(self.client)
         relative = self.client.relative(request.path)
         tree_json = json.dumps(tree, allow_nan=False)
         # Cut for the daemon's budgets too: a save larger than they allow goes
         # in windows of them instead of being refused at Open.
-        files, budget = cut(stored, request, staging_limit(self.client))
+        files, budget = cut(stored, request, limit)
         staged_bytes = sum(f.nbytes for f in files if f.staged)
         # Unstaged files are streamed, and the daemon writes them to disk as they
         # arrive: they take none of its staging.

@@ -156,8 +156,10 @@ def staging_limit(client: DaemonClient) -> int:
     """The shared memory one save through the daemon may hold at once (0: no
     limit): FASTPERSIST_STAGING_BUDGET and the daemon's budgets (all clients,
     one client), whichever is least. A reservation over the daemon's would be
-    refused (RESOURCE_EXHAUSTED) however long the save waited."""
-    info = client.info(cached=True)
+    refused (RESOURCE_EXHAUSTED) however long the save waited. Asked of the
+    daemon at each call, which also renews the client's cached Info (its root):
+    a daemon restarted since may have other budgets, or another root."""
+    info = client.info()
     limits = [b for b in (knobs.current().staging_budget, info.client_budget,
                           info.staging_budget) if b]
     return min(limits, default=0)
