@@ -522,18 +522,28 @@ def test_callable_map_location_on_every_kind(tmp_path: Path) -> None:
 # -- a kill during a save ------------------------------------------------------------
 
 _SAVER = textwrap.dedent("""
-    import sys, torch, fastpersist
+    import os, sys, time, torch, fastpersist
     torch.manual_seed(int(sys.argv[2]))
     state = {f"t{i}": torch.randn(16 << 20) for i in range(8)}  # 512 MiB
+    # The save stops before its rename over the target and waits for the kill:
+    # on a loaded machine the parent may see the temporary file only after the
+    # whole write (it used to miss it, and the save finished unkilled).
+    replace = os.replace
+    def held(src, dst, *a, **k):
+        if os.fspath(dst) == sys.argv[1]:
+            while True:
+                time.sleep(60)
+        return replace(src, dst, *a, **k)
+    os.replace = held
     print("ready", flush=True)
     fastpersist.save(state, sys.argv[1])
-    print("saved", flush=True)
 """)
 
 
 def _kill_mid_save(target: Path, seed: int) -> None:
     """Start a save of 512 MiB to `target` and SIGKILL it once its temporary
-    file exists (the write under way)."""
+    file exists: the write under way, or, seen late, done and held before the
+    rename (_SAVER)."""
     proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(target), str(seed)],
                             stdout=subprocess.PIPE, env={**os.environ})
     try:
