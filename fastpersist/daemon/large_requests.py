@@ -25,8 +25,8 @@ from google.protobuf.message import DecodeError
 
 from .._proto import fastpersist_pb2 as pb
 from ..format.bounds import MAX_MANIFEST_BYTES
-from .requests import RequestError, invalid
 from .registry import Registry
+from .requests import RequestError, invalid
 
 # A payload: at most the largest manifest fastpersist reads (format/bounds.py).
 MAX_PAYLOAD_BYTES = MAX_MANIFEST_BYTES
