@@ -28,8 +28,12 @@ import fastpersist
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist.distributed.storage import ThroughDaemon
 from fastpersist.errors import DaemonError
+from fastpersist.format.manifest import MANIFEST_NAME
 from fastpersist.protocol import chunked
+from fastpersist.saving.files import StagedFiles
+from fastpersist.saving.snapshot import stage_file
 from fastpersist.tensors import plan, state
+from fastpersist.tensors.plan import StoredTensor
 
 MIB = 1 << 20
 SERVICE = "/fastpersist.v1.FastPersist/"
@@ -190,3 +194,29 @@ def test_a_daemon_without_the_streams_gets_the_unary_call() -> None:
         checkpoint_id="c"), payload, 1.0)
     assert reply == "unary" and sent == [pb.CommitRequest(
         checkpoint_id="c", tree_json=payload.tree_json, tensor_order=["w"])]
+
+
+@pytest.mark.slow
+def test_a_node_local_part_with_a_manifest_over_64_mib_is_prepared(daemon: Daemon) -> None:
+    """CommitJob with prepare_for (a node other than rank 0's) goes the same
+    way: the part is made durable under its prepared name with the whole
+    manifest, and ResolvePrepared publishes it."""
+    storage = ThroughDaemon(daemon.address)
+    try:
+        target = daemon.root / "local"
+        full = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+        job = storage.stage(target)
+        stored = [StoredTensor("w.0", "F32", (2, 4), full, full.nbytes)]
+        buffer = storage.pool.acquire(full.nbytes, 0, False)
+        records = storage.write(target, job, 0,
+                                StagedFiles.copied([stage_file(stored, buffer, False)]), "n1")
+        m = _manifest(records, full, [("w.0", 0)])
+        tree, leaves = state.encode({"w": full, "note": "p" * BIG}, sharded=True)
+        leaves[0].node["e"] = 0
+        manifest = type(m)(**{**vars(m), "tree": tree}).to_json()
+        prepared = Path(storage.prepare(target, job, manifest, "n1", "n0"))
+        assert (prepared / MANIFEST_NAME).read_bytes() == manifest and not target.exists()
+        storage.resolve(target, str(prepared), True)
+        assert (target / MANIFEST_NAME).read_bytes() == manifest
+    finally:
+        storage.close()
