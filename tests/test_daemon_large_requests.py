@@ -220,3 +220,24 @@ def test_a_node_local_part_with_a_manifest_over_64_mib_is_prepared(daemon: Daemo
         assert (target / MANIFEST_NAME).read_bytes() == manifest
     finally:
         storage.close()
+
+
+def test_payloads_wait_for_room_rather_than_add_up() -> None:
+    """The payloads held at once stay within the budget: a stream that does not
+    fit waits for another to give its room back, and gives up when its call
+    ends (the daemon's CommitStream and CommitJobStream use one Room)."""
+    from fastpersist.daemon.large_requests import Room
+    from fastpersist.daemon.requests import RequestError
+
+    room = Room(10)
+    room.take(8, lambda: True)
+    took = threading.Event()
+    waiter = threading.Thread(target=lambda: (room.take(5, lambda: True), took.set()))
+    waiter.start()
+    assert not took.wait(1.5) and room.held == 8  # waits past one of its 1 s checks
+    room.give(8)
+    assert took.wait(10) and room.held == 5
+    waiter.join()
+    with pytest.raises(RequestError) as caught:
+        room.take(6, lambda: False)
+    assert caught.value.code == "CANCELLED" and room.held == 5

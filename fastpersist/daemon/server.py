@@ -201,8 +201,11 @@ class Servicer(pb_grpc.FastPersistServicer):
 
     def CommitStream(self, request_iterator: Iterator[pb.CommitChunk],
                      context: grpc.ServicerContext) -> pb.CommitResponse:
-        return self._guard(context, lambda: self._commit(large_requests.commit_request(
-            request_iterator, self.service.registry, context.is_active)))
+        def run() -> pb.CommitResponse:
+            with large_requests.commit_request(request_iterator, self.service.registry,
+                                               context.is_active) as request:
+                return self._commit(request)
+        return self._guard(context, run)
 
     def _commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
         check_names(request.tensor_order)
@@ -279,8 +282,11 @@ class Servicer(pb_grpc.FastPersistServicer):
 
     def CommitJobStream(self, request_iterator: Iterator[pb.CommitJobChunk],
                         context: grpc.ServicerContext) -> pb.CommitJobResponse:
-        return self._guard(context, lambda: self._commit_job(large_requests.commit_job_request(
-            request_iterator, self.service.registry, context.is_active)))
+        def run() -> pb.CommitJobResponse:
+            with large_requests.commit_job_request(request_iterator, self.service.registry,
+                                                   context.is_active) as request:
+                return self._commit_job(request)
+        return self._guard(context, run)
 
     def _commit_job(self, request: pb.CommitJobRequest) -> pb.CommitJobResponse:
         if len(request.node) > MAX_ID_BYTES or len(request.prepare_for) > MAX_ID_BYTES:
