@@ -241,3 +241,43 @@ def test_payloads_wait_for_room_rather_than_add_up() -> None:
     with pytest.raises(RequestError) as caught:
         room.take(6, lambda: False)
     assert caught.value.code == "CANCELLED" and room.held == 5
+
+
+@pytest.mark.slow
+def test_a_stalled_payload_stream_gives_its_room_back(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client announces a payload of the whole budget, sends a chunk and
+    stalls: a save's streamed Commit waits for room, and after --idle-timeout
+    without a chunk the daemon cancels the stalled stream and the save goes
+    through (it waited for ever before)."""
+    from fastpersist.daemon import large_requests
+
+    d = Daemon(tmp_path, "--idle-timeout", "2").start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(d.shm_dir))
+    raw = Raw(d)
+    sent, go_on = threading.Event(), threading.Event()
+
+    def stalling() -> Any:
+        yield pb.CommitChunk(header=pb.CommitRequest(checkpoint_id=ident),
+                             payload_length=large_requests.MAX_PAYLOAD_BYTES)
+        yield pb.CommitChunk(data=bytes(MIB))
+        sent.set()
+        go_on.wait(120)
+
+    try:
+        ident = raw.begin("stalled", client="stalled")
+        raw.watch(ident)
+        call = raw.stub.CommitStream.future(stalling(), timeout=300)
+        assert sent.wait(60)
+        note = "s" * (5 * MIB)  # streamed: needs room
+        fastpersist.save({"w": torch.ones(4), "note": note}, d.root / "waited",
+                         daemon=d.address)
+        assert fastpersist.load(d.root / "waited")["note"] == note
+        with pytest.raises(grpc.RpcError) as caught:
+            call.result()
+        assert caught.value.code() == Code.CANCELLED
+        assert len(d.events("commit-stream-stalled")) == 1
+    finally:
+        go_on.set()
+        raw.close()
+        d.cleanup()

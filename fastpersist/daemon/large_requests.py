@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ from google.protobuf.message import DecodeError
 
 from .._proto import fastpersist_pb2 as pb
 from ..format.bounds import MAX_MANIFEST_BYTES
+from . import logs
 from .registry import Registry
 from .requests import RequestError, invalid
 
@@ -68,33 +70,60 @@ class Room:
             self.cond.notify_all()
 
 
+class _Receiving:
+    """A payload being received: when its last chunk came, and how to cancel it."""
+
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self.cancel = cancel
+        self.last_chunk: float | None = time.monotonic()
+
+
+_receiving: set[_Receiving] = set()  # under _room.cond
+
+
+def reap_stalled(now: float, timeout: float) -> None:
+    """Cancel the payload streams that sent nothing for `timeout` seconds
+    (--idle-timeout): a client that announces a payload and stalls must not
+    hold the budget's room, and others' commits, for ever."""
+    with _room.cond:
+        for receiving in list(_receiving):
+            last = receiving.last_chunk
+            if last is not None and now - last > timeout:
+                logs.warning("commit-stream-stalled", seconds=round(now - last))
+                receiving.last_chunk = None  # cancelled once
+                receiving.cancel()
+
+
 _room = Room(PAYLOAD_BUDGET)
 
 
-def commit_request(chunks: Iterator[pb.CommitChunk], r: Registry, alive: Callable[[], bool]
-                   ) -> AbstractContextManager[pb.CommitRequest]:
+def commit_request(chunks: Iterator[pb.CommitChunk], r: Registry, alive: Callable[[], bool],
+                   cancel: Callable[[], None]) -> AbstractContextManager[pb.CommitRequest]:
     """A CommitStream's request, whole, held within PAYLOAD_BUDGET until
     the context ends; its checkpoint is checked first."""
     def check(header: pb.CommitRequest) -> None:
         with r.cond:
             r.require_receiving(r.get(header.checkpoint_id), "commit")
 
-    return _receive(chunks, pb.CommitRequest, ("tree_json", "tensor_order"), check, alive)
+    return _receive(chunks, pb.CommitRequest, ("tree_json", "tensor_order"), check, alive,
+                    cancel)
 
 
 def commit_job_request(chunks: Iterator[pb.CommitJobChunk], r: Registry,
-                       alive: Callable[[], bool]) -> AbstractContextManager[pb.CommitJobRequest]:
+                       alive: Callable[[], bool], cancel: Callable[[], None]
+                       ) -> AbstractContextManager[pb.CommitJobRequest]:
     """commit_request for a CommitJobStream; its job is checked first."""
     def check(header: pb.CommitJobRequest) -> None:
         with r.cond:
             r.require_open(r.get_job(header.job_id))
 
-    return _receive(chunks, pb.CommitJobRequest, ("manifest", "files"), check, alive)
+    return _receive(chunks, pb.CommitJobRequest, ("manifest", "files"), check, alive, cancel)
 
 
 @contextlib.contextmanager
 def _receive(chunks: Iterator[Any], kind: type[Request], large: tuple[str, ...],
-             check: Callable[[Request], None], alive: Callable[[], bool]) -> Iterator[Request]:
+             check: Callable[[Request], None], alive: Callable[[], bool],
+             cancel: Callable[[], None]) -> Iterator[Request]:
     method = "CommitStream" if kind is pb.CommitRequest else "CommitJobStream"
     first = next(chunks, None)
     if first is None or first.WhichOneof("part") != "header":
@@ -114,9 +143,14 @@ def _receive(chunks: Iterator[Any], kind: type[Request], large: tuple[str, ...],
         # announces much and sends little holds little, and the payload is
         # never copied to grow (a bytearray's reallocations held it twice).
         buffer = mmap.mmap(-1, max(length, 1))
+        receiving = _Receiving(cancel)
+        with _room.cond:
+            _receiving.add(receiving)
         try:
-            request = _parse(chunks, buffer, length, kind, large, method, header)
+            request = _parse(chunks, buffer, length, kind, large, method, header, receiving)
         finally:
+            with _room.cond:
+                _receiving.discard(receiving)
             buffer.close()
         yield request  # (its handler runs within the budget: parsing it takes more)
     finally:
@@ -124,7 +158,8 @@ def _receive(chunks: Iterator[Any], kind: type[Request], large: tuple[str, ...],
 
 
 def _parse(chunks: Iterator[Any], buffer: mmap.mmap, length: int, kind: type[Request],
-           large: tuple[str, ...], method: str, header: Request) -> Request:
+           large: tuple[str, ...], method: str, header: Request,
+           receiving: _Receiving) -> Request:
     received = 0
     for chunk in chunks:
         if chunk.WhichOneof("part") != "data":
@@ -136,6 +171,8 @@ def _parse(chunks: Iterator[Any], buffer: mmap.mmap, length: int, kind: type[Req
             raise invalid(f"the payload holds more than the {length} bytes announced")
         buffer[received:received + n] = chunk.data
         received += n
+        if receiving.last_chunk is not None:  # (None: cancelled)
+            receiving.last_chunk = time.monotonic()
     if received != length:
         raise invalid(f"the payload ended after {received} of the {length} bytes announced")
     payload = kind()

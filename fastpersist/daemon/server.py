@@ -203,7 +203,7 @@ class Servicer(pb_grpc.FastPersistServicer):
                      context: grpc.ServicerContext) -> pb.CommitResponse:
         def run() -> pb.CommitResponse:
             with large_requests.commit_request(request_iterator, self.service.registry,
-                                               context.is_active) as request:
+                                               context.is_active, context.cancel) as request:
                 return self._commit(request)
         return self._guard(context, run)
 
@@ -284,7 +284,7 @@ class Servicer(pb_grpc.FastPersistServicer):
                         context: grpc.ServicerContext) -> pb.CommitJobResponse:
         def run() -> pb.CommitJobResponse:
             with large_requests.commit_job_request(request_iterator, self.service.registry,
-                                                   context.is_active) as request:
+                                                   context.is_active, context.cancel) as request:
                 return self._commit_job(request)
         return self._guard(context, run)
 
