@@ -181,6 +181,16 @@ class CommitResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CommitChunk(_message.Message):
+    __slots__ = ("header", "data", "payload_length")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    header: CommitRequest
+    data: bytes
+    payload_length: int
+    def __init__(self, header: _Optional[_Union[CommitRequest, _Mapping]] = ..., data: _Optional[bytes] = ..., payload_length: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("checkpoint_id",)
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +327,16 @@ class CommitJobRequest(_message.Message):
     prepare_for: str
     files: _containers.ScalarMap[str, bytes]
     def __init__(self, job_id: _Optional[str] = ..., manifest: _Optional[bytes] = ..., node: _Optional[str] = ..., after_commit: _Optional[_Union[AfterCommit, _Mapping]] = ..., prepare_for: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class CommitJobChunk(_message.Message):
+    __slots__ = ("header", "data", "payload_length")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    header: CommitJobRequest
+    data: bytes
+    payload_length: int
+    def __init__(self, header: _Optional[_Union[CommitJobRequest, _Mapping]] = ..., data: _Optional[bytes] = ..., payload_length: _Optional[int] = ...) -> None: ...
 
 class CommitJobResponse(_message.Message):
     __slots__ = ("after_commit_error", "prepared")

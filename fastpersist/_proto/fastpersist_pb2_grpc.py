@@ -64,6 +64,11 @@ class FastPersistStub:
                 request_serializer=fastpersist__pb2.CommitRequest.SerializeToString,
                 response_deserializer=fastpersist__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.CommitStream = channel.stream_unary(
+                '/fastpersist.v1.FastPersist/CommitStream',
+                request_serializer=fastpersist__pb2.CommitChunk.SerializeToString,
+                response_deserializer=fastpersist__pb2.CommitResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/fastpersist.v1.FastPersist/Abort',
                 request_serializer=fastpersist__pb2.AbortRequest.SerializeToString,
@@ -97,6 +102,11 @@ class FastPersistStub:
         self.CommitJob = channel.unary_unary(
                 '/fastpersist.v1.FastPersist/CommitJob',
                 request_serializer=fastpersist__pb2.CommitJobRequest.SerializeToString,
+                response_deserializer=fastpersist__pb2.CommitJobResponse.FromString,
+                _registered_method=True)
+        self.CommitJobStream = channel.stream_unary(
+                '/fastpersist.v1.FastPersist/CommitJobStream',
+                request_serializer=fastpersist__pb2.CommitJobChunk.SerializeToString,
                 response_deserializer=fastpersist__pb2.CommitJobResponse.FromString,
                 _registered_method=True)
         self.AbortJob = channel.unary_unary(
@@ -173,6 +183,14 @@ class FastPersistServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitStream(self, request_iterator, context):
+        """Commit, for a tree and names over UNARY_PAYLOAD_BYTES (see "Large
+        requests" below).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -211,6 +229,13 @@ class FastPersistServicer:
 
     def CommitJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitJobStream(self, request_iterator, context):
+        """CommitJob, for a manifest (and files) over UNARY_PAYLOAD_BYTES.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -286,6 +311,11 @@ def add_FastPersistServicer_to_server(servicer, server):
                     request_deserializer=fastpersist__pb2.CommitRequest.FromString,
                     response_serializer=fastpersist__pb2.CommitResponse.SerializeToString,
             ),
+            'CommitStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.CommitStream,
+                    request_deserializer=fastpersist__pb2.CommitChunk.FromString,
+                    response_serializer=fastpersist__pb2.CommitResponse.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=fastpersist__pb2.AbortRequest.FromString,
@@ -319,6 +349,11 @@ def add_FastPersistServicer_to_server(servicer, server):
             'CommitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitJob,
                     request_deserializer=fastpersist__pb2.CommitJobRequest.FromString,
+                    response_serializer=fastpersist__pb2.CommitJobResponse.SerializeToString,
+            ),
+            'CommitJobStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.CommitJobStream,
+                    request_deserializer=fastpersist__pb2.CommitJobChunk.FromString,
                     response_serializer=fastpersist__pb2.CommitJobResponse.SerializeToString,
             ),
             'AbortJob': grpc.unary_unary_rpc_method_handler(
@@ -525,6 +560,33 @@ class FastPersist:
             _registered_method=True)
 
     @staticmethod
+    def CommitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fastpersist.v1.FastPersist/CommitStream',
+            fastpersist__pb2.CommitChunk.SerializeToString,
+            fastpersist__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Abort(request,
             target,
             options=(),
@@ -702,6 +764,33 @@ class FastPersist:
             target,
             '/fastpersist.v1.FastPersist/CommitJob',
             fastpersist__pb2.CommitJobRequest.SerializeToString,
+            fastpersist__pb2.CommitJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitJobStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fastpersist.v1.FastPersist/CommitJobStream',
+            fastpersist__pb2.CommitJobChunk.SerializeToString,
             fastpersist__pb2.CommitJobResponse.FromString,
             options,
             channel_credentials,

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 from ..errors import ManifestError
+from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
     MANIFEST_NAME,
@@ -59,9 +60,6 @@ from ..format.manifest import (
 from ..storage import dirs
 from ..storage.commit import DirFds, Staging, write_durably
 from ..storage.leftovers import leftover_name, leftover_of
-
-MAX_MANIFEST_BYTES = 64 << 20  # the daemon's gRPC message limit
-
 
 MARKER_NAME = ".fastpersist-job"  # in a job's directory: the hash of its secret
 

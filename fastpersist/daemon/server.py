@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..protocol import shm
 from ..storage.commit import os_error
 from ..storage.retention import AfterCommit
-from . import logs, replicas
+from . import large_requests, logs, replicas
 from .checkpoints import Checkpoint
 from .paths import PathError, parse
 from .peers import PeerSettings
@@ -41,7 +41,7 @@ from .requests import (
 from .service import Service
 
 # InfoResponse.features: what clients may not assume of every daemon.
-FEATURES = ["commit-files", "memory-copy", "memory-only", "replicas"]
+FEATURES = ["commit-files", "commit-stream", "memory-copy", "memory-only", "replicas"]
 # A SubmitStream data chunk (the client library sends 1 MiB ones; earlier ones 4 MiB).
 MAX_STREAM_CHUNK = 4 << 20
 MAX_ERROR_CHARS = 1000
@@ -197,12 +197,21 @@ class Servicer(pb_grpc.FastPersistServicer):
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext
                ) -> pb.CommitResponse:
+        return self._guard(context, lambda: self._commit(request))
+
+    def CommitStream(self, request_iterator: Iterator[pb.CommitChunk],
+                     context: grpc.ServicerContext) -> pb.CommitResponse:
         def run() -> pb.CommitResponse:
-            check_names(request.tensor_order)
-            self.service.commit(request.checkpoint_id, request.tree_json,
-                                list(request.tensor_order), _after_commit(request))
-            return pb.CommitResponse()
+            with large_requests.commit_request(request_iterator, self.service.registry,
+                                               context.is_active, context.cancel) as request:
+                return self._commit(request)
         return self._guard(context, run)
+
+    def _commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
+        check_names(request.tensor_order)
+        self.service.commit(request.checkpoint_id, request.tree_json,
+                            list(request.tensor_order), _after_commit(request))
+        return pb.CommitResponse()
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
               ) -> pb.AbortResponse:
@@ -269,22 +278,31 @@ class Servicer(pb_grpc.FastPersistServicer):
 
     def CommitJob(self, request: pb.CommitJobRequest, context: grpc.ServicerContext
                   ) -> pb.CommitJobResponse:
+        return self._guard(context, lambda: self._commit_job(request))
+
+    def CommitJobStream(self, request_iterator: Iterator[pb.CommitJobChunk],
+                        context: grpc.ServicerContext) -> pb.CommitJobResponse:
         def run() -> pb.CommitJobResponse:
-            if len(request.node) > MAX_ID_BYTES or len(request.prepare_for) > MAX_ID_BYTES:
-                raise invalid(f"a node is at most {MAX_ID_BYTES} characters")
-            files = dict(request.files)
-            check_extra_files(files)
-            if request.prepare_for:
-                if request.HasField("after_commit"):
-                    raise invalid("a prepared part is not published: no after_commit with "
-                                  "prepare_for")
-                prepared = self.service.jobs.prepare_job(
-                    request.job_id, request.manifest, request.node, request.prepare_for, files)
-                return pb.CommitJobResponse(prepared=prepared)
-            error = self.service.jobs.commit_job(request.job_id, request.manifest, request.node,
-                                                 _after_commit(request), files)
-            return pb.CommitJobResponse(after_commit_error=error)
+            with large_requests.commit_job_request(request_iterator, self.service.registry,
+                                                   context.is_active, context.cancel) as request:
+                return self._commit_job(request)
         return self._guard(context, run)
+
+    def _commit_job(self, request: pb.CommitJobRequest) -> pb.CommitJobResponse:
+        if len(request.node) > MAX_ID_BYTES or len(request.prepare_for) > MAX_ID_BYTES:
+            raise invalid(f"a node is at most {MAX_ID_BYTES} characters")
+        files = dict(request.files)
+        check_extra_files(files)
+        if request.prepare_for:
+            if request.HasField("after_commit"):
+                raise invalid("a prepared part is not published: no after_commit with "
+                              "prepare_for")
+            prepared = self.service.jobs.prepare_job(
+                request.job_id, request.manifest, request.node, request.prepare_for, files)
+            return pb.CommitJobResponse(prepared=prepared)
+        error = self.service.jobs.commit_job(request.job_id, request.manifest, request.node,
+                                             _after_commit(request), files)
+        return pb.CommitJobResponse(after_commit_error=error)
 
     def ResolvePrepared(self, request: pb.ResolvePreparedRequest,
                         context: grpc.ServicerContext) -> pb.ResolvePreparedResponse:

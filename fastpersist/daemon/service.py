@@ -22,7 +22,7 @@ from ..engine import Engine, get_engine
 from ..format import safetensors_file
 from ..protocol.shm import Mapping
 from ..storage.retention import AfterCommit
-from . import logs
+from . import large_requests, logs
 from .after_commit import AfterCommits, check_target
 from .budgets import DEFAULT_STREAMS, Budgets, parsing, stream_block
 from .catalog import Catalog
@@ -338,6 +338,7 @@ class Service:
         with r.cond:
             r.prune()
             self.streams.reap_stalled(now, self.idle_timeout)
+            large_requests.reap_stalled(now, self.idle_timeout)
             for ck in list(r.checkpoints.values()):
                 if (not ck.terminal and not ck.handed_over and ck.watchers == 0
                         and now - ck.last_activity > self.idle_timeout):

@@ -20,8 +20,14 @@ unary request is received whole and deserialized before the behavior runs
 - Client certificates (--tls-client-ca) refuse a peer without one at the TLS
   handshake, before it can open a stream at all.
 - MessageBounds gives each method the size its fields need (REQUEST_BYTES),
-  checked on the serialized bytes before they are parsed; gRPC itself only
-  knows one limit for all (MAX_MESSAGE_BYTES, which Commit and CommitJob need).
+  checked on the serialized bytes before they are parsed, but after gRPC
+  received them whole: gRPC itself knows one limit for all, which it checks
+  from a message's length prefix. On the Unix socket that is the largest a
+  client needs (CLIENT_MESSAGE_BYTES, SubmitShm's header); over TCP a peer's
+  Replicate header (MAX_MESSAGE_BYTES). Commit's and CommitJob's payloads,
+  which grow with the job, are streamed in chunks (large_requests.py): eight
+  60 MiB unary Commits, taken whole when they needed 64 MiB, had raised the
+  daemon's peak RSS by 493 MiB (now 2-5 MiB).
 - A connection may hold MAX_STREAMS_PER_CONNECTION calls at once (HTTP/2
   SETTINGS_MAX_CONCURRENT_STREAMS; gRPC refuses a stream over it), so one
   peer cannot take all MAX_WORKERS of the daemon's request threads.
@@ -43,9 +49,11 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from .._proto import fastpersist_pb2_grpc as pb_grpc
 from . import logs, replica_wire
+from .large_requests import MAX_CHUNK, UNARY_PAYLOAD_BYTES
 from .metrics import Metrics
 from .requests import MAX_HEADER_BYTES, RequestError
 
+# What gRPC receives over TCP: a peer's Replicate header holds a manifest.
 MAX_MESSAGE_BYTES = 64 << 20
 # Each open Watch holds a worker thread; beyond this, calls are refused
 # (RESOURCE_EXHAUSTED) instead of queueing behind long-running streams.
@@ -59,11 +67,20 @@ SMALL_REQUEST_BYTES = 64 << 10
 REQUEST_BYTES = {
     "SubmitShm": MAX_HEADER_BYTES + SMALL_REQUEST_BYTES,  # a data file's header
     "SubmitStream": MAX_HEADER_BYTES + SMALL_REQUEST_BYTES,  # a chunk: header, or <= 4 MiB
-    "Commit": MAX_MESSAGE_BYTES,  # the tree and every tensor's name
-    "CommitJob": MAX_MESSAGE_BYTES,  # the job's manifest
+    # The tree and every tensor's name, the job's manifest: larger ones are
+    # streamed (large_requests.py).
+    "Commit": UNARY_PAYLOAD_BYTES + SMALL_REQUEST_BYTES,
+    "CommitJob": UNARY_PAYLOAD_BYTES + SMALL_REQUEST_BYTES,
+    "CommitStream": MAX_CHUNK + SMALL_REQUEST_BYTES,  # a chunk: header, or <= 4 MiB
+    "CommitJobStream": MAX_CHUNK + SMALL_REQUEST_BYTES,
     "Replicate": MAX_MESSAGE_BYTES,  # the header holds the manifest; chunks <= 4 MiB
     "ReadReplica": 2 << 20,  # up to 4,096 ranges of plain names
 }
+# What gRPC receives on the Unix socket, where no peer daemon calls
+# (Replicate comes over TCP, with the token): the largest message a client
+# needs, SubmitShm's header. gRPC refuses a larger one from its length prefix,
+# without receiving it; below this, MessageBounds refuses it whole.
+CLIENT_MESSAGE_BYTES = max(b for m, b in REQUEST_BYTES.items() if m != "Replicate")
 
 # Instead of the generated deserializer: Replicate's data chunks without
 # protobuf's copies of their bytes (replica_wire.py).
@@ -160,9 +177,9 @@ class MessageBounds(grpc.ServerInterceptor):  # type: ignore[misc]
                     response_serializer=handler.response_serializer)
 
 
-def _options() -> list[tuple[str, int]]:
+def _options(max_receive: int) -> list[tuple[str, int]]:
     return [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         # gRPC binds with SO_REUSEPORT unless told otherwise: a second daemon
@@ -175,11 +192,12 @@ def _options() -> list[tuple[str, int]]:
 def build_server(servicer: pb_grpc.FastPersistServicer,
                  health_servicer: health.HealthServicer, metrics: Metrics,
                  auth: TokenAuth | None = None) -> grpc.Server:
-    """A server of the servicer and health, its requests bounded; with `auth`,
-    calls without the token are refused first."""
+    """A server of the servicer and health, its requests bounded; with `auth`
+    (TCP, where peers also call), calls without the token are refused first."""
     interceptors = [*([auth] if auth is not None else []), MessageBounds(metrics)]
+    limit = CLIENT_MESSAGE_BYTES if auth is None else MAX_MESSAGE_BYTES
     server = grpc.server(futures.ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="fpd-rpc"),
-                         options=_options(), maximum_concurrent_rpcs=MAX_WORKERS,
+                         options=_options(limit), maximum_concurrent_rpcs=MAX_WORKERS,
                          interceptors=interceptors)
     pb_grpc.add_FastPersistServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -26,6 +26,7 @@ from .._proto import fastpersist_pb2_grpc as pb_grpc
 from ..errors import CheckpointError, DaemonError, DaemonMayStillCommitError, DaemonUnavailableError
 from ..storage.retention import AfterCommit
 from .channels import open_channel
+from .chunked import CHUNK, send_large
 
 # Unary calls are quick (no I/O waits in them); a daemon that does not answer
 # in this long is treated as gone rather than hung on.
@@ -37,10 +38,6 @@ CALL_TIMEOUT = 60.0
 OUTCOME_PATIENCE = 120.0
 RECONNECT_WINDOW = 5.0
 ASK_EVERY = 10.0
-# A SubmitStream data chunk. gRPC and protobuf hold several copies of each
-# message in flight in the daemon: 1 MiB chunks keep a stream's share of the
-# daemon's memory near 8 MiB (4 MiB ones took ~30), at the same throughput.
-CHUNK = 1 << 20
 T = TypeVar("T")
 
 # One id per client process: the daemon accounts staging and fairness by it.
@@ -219,19 +216,26 @@ class DaemonClient:
                    files: dict[str, bytes] | None = None) -> str:
         """Commit a job, `files` written beside the manifest before it; returns
         what failed of after_commit ("": nothing)."""
-        reply = self._call("cannot commit the distributed checkpoint", lambda: self.stub.CommitJob(
-            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node,
-                                after_commit=_after_commit(after_commit), files=files or {}),
-            timeout=CALL_TIMEOUT))
+        reply = self._call("cannot commit the distributed checkpoint", lambda: self._commit_job(
+            pb.CommitJobRequest(job_id=job_id, node=node,
+                                after_commit=_after_commit(after_commit)),
+            pb.CommitJobRequest(manifest=manifest, files=files or {})))
         return str(reply.after_commit_error)
 
     def prepare_job(self, job_id: str, manifest: bytes, node: str, commit_node: str) -> str:
         """A node-local job's part on a node other than rank 0's (commit_node):
         durable but not visible; returns the prepared part's name."""
-        reply = self._call("cannot prepare the distributed checkpoint", lambda: self.stub.CommitJob(
-            pb.CommitJobRequest(job_id=job_id, manifest=manifest, node=node,
-                                prepare_for=commit_node), timeout=CALL_TIMEOUT))
+        reply = self._call("cannot prepare the distributed checkpoint", lambda: self._commit_job(
+            pb.CommitJobRequest(job_id=job_id, node=node, prepare_for=commit_node),
+            pb.CommitJobRequest(manifest=manifest)))
         return str(reply.prepared)
+
+    def _commit_job(self, header: pb.CommitJobRequest, payload: pb.CommitJobRequest
+                    ) -> pb.CommitJobResponse:
+        reply: pb.CommitJobResponse = send_large(
+            self.stub.CommitJob, self.stub.CommitJobStream, pb.CommitJobChunk, header, payload,
+            CALL_TIMEOUT)
+        return reply
 
     def resolve_prepared(self, relative: str, prepared: str, publish: bool) -> None:
         what = "publish" if publish else "discard"
@@ -267,11 +271,10 @@ class DaemonClient:
 
     def commit(self, ident: str, tree_json: str, tensor_order: list[str], *,
                after_commit: AfterCommit | None = None, timeout: float = CALL_TIMEOUT) -> None:
-        self._call("cannot hand the checkpoint over", lambda: self.stub.Commit(
-            pb.CommitRequest(checkpoint_id=ident, tree_json=tree_json,
-                             tensor_order=tensor_order,
-                             after_commit=_after_commit(after_commit)),
-            timeout=timeout))
+        self._call("cannot hand the checkpoint over", lambda: send_large(
+            self.stub.Commit, self.stub.CommitStream, pb.CommitChunk,
+            pb.CommitRequest(checkpoint_id=ident, after_commit=_after_commit(after_commit)),
+            pb.CommitRequest(tree_json=tree_json, tensor_order=tensor_order), timeout))
 
     def abort(self, ident: str) -> None:
         self._call("cannot abort", lambda: self.stub.Abort(
