@@ -214,7 +214,11 @@ class Checkpointer(CheckpointerBase):
                                          wait_for_snapshot=wait_for_snapshot)
         else:
             future = self._save(step, state, wait_for_snapshot)
-        return self._begun(step, future)
+        self._saving = {s: f for s, f in self._saving.items() if not f.done()}
+        self._saving[step] = future
+        if self._saved is not None:
+            self._saved.add(step)
+        return future
 
     def should_save(self, step: int) -> bool:
         """Whether to save `step`: it is on the interval (save_every, or either

@@ -12,24 +12,12 @@ from .errors import CheckpointError
 if TYPE_CHECKING:
     from typing import Self
 
-    from .saving.futures import SaveFuture
     from .saving.pipeline import SavePipeline
 
 
 class CheckpointerBase:
     _pipeline: SavePipeline
     allow_pickle: bool
-    _saving: dict[int, SaveFuture]  # steps whose save may be in flight
-    _saved: set[int] | None  # should_save's steps saved, once it is asked
-
-    def _begun(self, step: int, future: SaveFuture) -> SaveFuture:
-        """`future` is step's save: refused again (unless overwrite) and not
-        due for should_save while it runs and after."""
-        self._saving = {s: f for s, f in self._saving.items() if not f.done()}
-        self._saving[step] = future
-        if self._saved is not None:
-            self._saved.add(step)
-        return future
 
     def close(self, *, abort: bool = False) -> None:
         raise NotImplementedError

@@ -109,7 +109,11 @@ class StoreCheckpointer(CheckpointerBase):
         future = self._pipeline.save(state, self.path_for(step), allow_pickle=self.allow_pickle,
                                      wait_for_snapshot=wait_for_snapshot,
                                      after_commit=self.after_commit)
-        return self._begun(step, future)
+        self._saving = {s: f for s, f in self._saving.items() if not f.done()}
+        self._saving[step] = future
+        if self._saved is not None:
+            self._saved.add(step)
+        return future
 
     def should_save(self, step: int) -> bool:
         """Checkpointer.should_save: `step` is on save_every's interval (every
