@@ -109,6 +109,25 @@ def test_a_payload_over_the_limit_is_refused_before_it_is_received(daemon: Daemo
     assert_serving(daemon)
 
 
+def test_an_older_clients_large_unary_commit_is_told_to_upgrade(daemon: Daemon) -> None:
+    """A client older than CommitStream sends a large Commit as one message:
+    refused, with what to do about it (the daemon is often upgraded first)."""
+    client = daemon.client()
+    try:
+        ident = client.begin("old-client", 0, 1)
+        with pytest.raises(grpc.RpcError) as caught:
+            client.stub.Commit(pb.CommitRequest(
+                checkpoint_id=ident, tree_json="x" * (chunked.UNARY_PAYLOAD_BYTES + MIB)),
+                timeout=30)
+        assert caught.value.code() == Code.RESOURCE_EXHAUSTED
+        details = caught.value.details() or ""
+        assert "larger ones go as CommitStream" in details, details
+        assert "upgrade fastpersist where the trainer runs" in details, details
+    finally:
+        client.close()
+    assert_serving(daemon)
+
+
 @pytest.mark.slow
 def test_garbage_commits_of_60_mib_are_refused_without_the_daemon_holding_them(
         daemon: Daemon) -> None:

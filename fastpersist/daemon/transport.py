@@ -76,6 +76,9 @@ REQUEST_BYTES = {
     "Replicate": MAX_MESSAGE_BYTES,  # the header holds the manifest; chunks <= 4 MiB
     "ReadReplica": 2 << 20,  # up to 4,096 ranges of plain names
 }
+# What a client of this version sends instead of a unary call over its bound:
+# a client older than the daemon does not, and is told to upgrade.
+STREAMED_AS = {"Commit": "CommitStream", "CommitJob": "CommitJobStream"}
 # What gRPC receives on the Unix socket, where no peer daemon calls
 # (Replicate comes over TCP, with the token): the largest message a client
 # needs, SubmitShm's header. gRPC refuses a larger one from its length prefix,
@@ -142,7 +145,12 @@ class MessageBounds(grpc.ServerInterceptor):  # type: ignore[misc]
             return _TooLarge(len(data)) if len(data) > bound else parse(data)
 
         def message(size: int) -> str:
-            return f"{method} requests are limited to {bound} bytes; this one holds {size}"
+            text = f"{method} requests are limited to {bound} bytes; this one holds {size}"
+            if method in STREAMED_AS:
+                text += (f" (larger ones go as {STREAMED_AS[method]}: a fastpersist client "
+                         "older than this daemon does not send them so; upgrade fastpersist "
+                         "where the trainer runs)")
+            return text
 
         def refuse(context: grpc.ServicerContext, size: int) -> None:
             self._metrics.rejected.labels(code="RESOURCE_EXHAUSTED").inc()
