@@ -34,16 +34,12 @@ from .._proto import fastpersist_pb2 as pb
 from ..format.bounds import MAX_MANIFEST_BYTES
 from . import logs
 from .registry import Registry
-from .requests import RequestError, invalid
+from .requests import MAX_STREAM_CHUNK, RequestError, invalid
 
 # A payload: at most the largest manifest fastpersist reads (format/bounds.py).
 MAX_PAYLOAD_BYTES = MAX_MANIFEST_BYTES
 # Payloads held at once over all calls: one of the largest, or several smaller.
 PAYLOAD_BUDGET = MAX_PAYLOAD_BYTES
-# A data chunk (the client library sends 1 MiB ones).
-MAX_CHUNK = 4 << 20
-# A unary Commit's or CommitJob's large fields: above this a client streams.
-UNARY_PAYLOAD_BYTES = 4 << 20
 
 Request = TypeVar("Request", pb.CommitRequest, pb.CommitJobRequest)
 
@@ -165,8 +161,8 @@ def _parse(chunks: Iterator[Any], buffer: mmap.mmap, length: int, kind: type[Req
         if chunk.WhichOneof("part") != "data":
             raise invalid(f"only data chunks may follow a {method}'s header chunk")
         n = len(chunk.data)
-        if n > MAX_CHUNK:
-            raise invalid(f"a data chunk of {n} bytes is over the {MAX_CHUNK}-byte limit")
+        if n > MAX_STREAM_CHUNK:
+            raise invalid(f"a data chunk of {n} bytes is over the {MAX_STREAM_CHUNK}-byte limit")
         if received + n > length:
             raise invalid(f"the payload holds more than the {length} bytes announced")
         buffer[received:received + n] = chunk.data

@@ -37,6 +37,9 @@ MAX_DIM = 2**63 - 1
 MAX_NAME_BYTES = 64 << 10  # a tensor's name (its key path in the state)
 MAX_ID_BYTES = 512  # checkpoint and job ids, nodes: what the daemon gave out is shorter
 MAX_EXTRA_FILES = 8  # CommitJob's files: a format's own metadata beside the manifest
+# A data chunk of a client's stream, SubmitStream's or CommitStream's (the client
+# library sends 1 MiB ones; earlier ones 4 MiB).
+MAX_STREAM_CHUNK = 4 << 20
 # Plain names, never hidden (the daemon's marker, staging) and never in the data
 # files' namespace; manifest.json is the daemon's to write. Matched whole and
 # case-folded (a case-insensitive file system would take MANIFEST.JSON for it).

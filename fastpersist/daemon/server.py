@@ -32,6 +32,7 @@ from .replica_wire import Data
 from .replication import Replicator
 from .requests import (
     MAX_ID_BYTES,
+    MAX_STREAM_CHUNK,
     RequestError,
     check_extra_files,
     check_names,
@@ -42,8 +43,6 @@ from .service import Service
 
 # InfoResponse.features: what clients may not assume of every daemon.
 FEATURES = ["commit-files", "commit-stream", "memory-copy", "memory-only", "replicas"]
-# A SubmitStream data chunk (the client library sends 1 MiB ones; earlier ones 4 MiB).
-MAX_STREAM_CHUNK = 4 << 20
 MAX_ERROR_CHARS = 1000
 
 T = TypeVar("T")

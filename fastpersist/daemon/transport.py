@@ -48,10 +48,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from .._proto import fastpersist_pb2_grpc as pb_grpc
+from ..protocol.chunked import UNARY_PAYLOAD_BYTES
 from . import logs, replica_wire
-from .large_requests import MAX_CHUNK, UNARY_PAYLOAD_BYTES
 from .metrics import Metrics
-from .requests import MAX_HEADER_BYTES, RequestError
+from .requests import MAX_HEADER_BYTES, MAX_STREAM_CHUNK, RequestError
 
 # What gRPC receives over TCP: a peer's Replicate header holds a manifest.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -71,8 +71,8 @@ REQUEST_BYTES = {
     # streamed (large_requests.py).
     "Commit": UNARY_PAYLOAD_BYTES + SMALL_REQUEST_BYTES,
     "CommitJob": UNARY_PAYLOAD_BYTES + SMALL_REQUEST_BYTES,
-    "CommitStream": MAX_CHUNK + SMALL_REQUEST_BYTES,  # a chunk: header, or <= 4 MiB
-    "CommitJobStream": MAX_CHUNK + SMALL_REQUEST_BYTES,
+    "CommitStream": MAX_STREAM_CHUNK + SMALL_REQUEST_BYTES,  # a chunk: header, or <= 4 MiB
+    "CommitJobStream": MAX_STREAM_CHUNK + SMALL_REQUEST_BYTES,
     "Replicate": MAX_MESSAGE_BYTES,  # the header holds the manifest; chunks <= 4 MiB
     "ReadReplica": 2 << 20,  # up to 4,096 ranges of plain names
 }

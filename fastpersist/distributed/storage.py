@@ -256,12 +256,7 @@ class ThroughDaemon:
             for index, file in enumerate(files):
                 handover.submit(index, file, stream=by_stream)
                 sent.append(file)
-                if files.windowed and index < files.count - 1:
-                    # The part is larger than its window and more files follow:
-                    # the caller may be waiting for this buffer; take it back
-                    # once the daemon has written it (remote.DaemonJob does the same).
-                    handover.wait_written(index + 1)
-                    self.pool.give_back(file)
+                handover.return_when_written(index, file, files, self.pool)
             handover.commit("null", [t.name for f in sent for t in f.entries])
             status = handover.wait_end()
         except Exception as exc:

@@ -44,8 +44,10 @@ from ..errors import (
 )
 from ..protocol.client import COMMITTED, TERMINAL, DaemonClient, failure
 from ..storage.retention import AfterCommit
+from .files import StagedFiles
 from .segments import SegmentBuffers, submit_staged
 from .snapshot import StagedFile
+from .staging import StagingPool
 
 
 class Progress:
@@ -128,6 +130,17 @@ class Handover:
     def wait_written(self, files: int) -> None:
         """Until the first `files` files are durable (their buffers are returned)."""
         self._seen(self.progress.wait(files_written=files))
+
+    def return_when_written(self, index: int, staged: StagedFile, files: StagedFiles,
+                            pool: StagingPool) -> None:
+        """After submit(index, staged): if `files` are larger than their window
+        and more follow, the caller may be waiting for this buffer: wait until
+        the daemon has written the file, then give the buffer back. (Files that
+        fit are submitted whole: the daemon goes from one file to the next
+        without waiting for us.)"""
+        if files.windowed and index < files.count - 1:
+            self.wait_written(index + 1)
+            pool.give_back(staged)
 
     def commit(self, tree_json: str, tensor_order: list[str],
                after_commit: AfterCommit | None = None) -> None:

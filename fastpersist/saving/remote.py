@@ -61,7 +61,6 @@ class DaemonJob:
         self.tree_json = tree_json
         self.tensor_order = tensor_order
         self.request = request
-        self.windowed = bool(budget) and sum(f.nbytes for f in files if f.staged) > budget
         self.handed_over = threading.Event()
         self.error: BaseException | None = None  # set before handed_over if it failed
 
@@ -92,18 +91,12 @@ class DaemonJob:
             self.request.on_commit(self.request.path)
 
     def _hand_over(self, files: StagedFiles, pool: StagingPool) -> None:
-        handover, total = self.handover, len(self.files)
+        handover = self.handover
         for index, staged in enumerate(files):
             if self.request.aborted():
                 raise CheckpointAbortedError(f"save of {self.request.target} was aborted")
             handover.submit(index, staged)  # a file without a buffer is streamed
-            if self.windowed and index < total - 1:
-                # The save is larger than its window and more files follow: the
-                # caller may be waiting for this buffer; take it back once it is
-                # written. (A save that fits is submitted whole: the daemon
-                # goes from one file to the next without waiting for us.)
-                handover.wait_written(index + 1)
-                pool.give_back(staged)
+            handover.return_when_written(index, staged, files, pool)
         handover.commit(self.tree_json, self.tensor_order, self.request.after_commit)
         self.handed_over.set()
         handover.wait_end()
