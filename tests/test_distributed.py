@@ -345,7 +345,12 @@ def test_a_share_over_the_staging_budget_is_staged_in_windows(tmp_path: Path,
     share = unique_bytes(tp=False) // 2
     assert share > 4 * budget
     for r in reports:
-        assert 0 < r["staging_peak"] <= budget, (r["rank"], r["staging_peak"])
+        assert r["staging_peak"] <= budget, (r["rank"], r["staging_peak"])
+    # Compressed, a piece over a third of the budget is encoded as it is
+    # written, unstaged (packed_stream.py): a rank whose run of the plan is
+    # all such pieces stages nothing.
+    staged = [r["staging_peak"] > 0 for r in reports]
+    assert all(staged) if compression is None else any(staged), reports
     for name in ("async", "blocking"):
         check_loaded(describe_here(fastpersist.load(tmp_path / name)), tp=False)
         assert sum(data_bytes_by_rank(tmp_path / name).values()) == unique_bytes(tp=False)

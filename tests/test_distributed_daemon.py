@@ -127,7 +127,11 @@ def test_a_part_over_the_staging_budget_goes_through_in_windows(
     ok(reports)
     assert unique_bytes(tp=False) // 2 > 4 * budget
     for r in reports:
-        assert 0 < r["staging_peak"] <= budget, (r["rank"], r["staging_peak"])
+        assert r["staging_peak"] <= budget, (r["rank"], r["staging_peak"])
+    # Compressed, a piece over a third of the budget goes unstaged (as in
+    # test_distributed): a rank whose run of the plan is all such stages nothing.
+    staged = [r["staging_peak"] > 0 for r in reports]
+    assert all(staged) if compression is None else any(staged), reports
     for name in ("async", "blocking"):
         check_loaded(describe_here(fastpersist.load(ckpt / name)), tp=False)
         assert fpctl(["verify", str(ckpt / name)]) == 0

@@ -182,3 +182,68 @@ def test_cache_returns_the_plan_only_for_the_same_descriptions() -> None:
     cache.put(digests, plan)
     assert cache.get(digests) is plan
     assert cache.get([*digests[:3], layout_digest(model(10, seed=9))]) is None
+
+
+def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """torch.chunk's part i of n rows: (start, length); the last may be short or empty."""
+    size = math.ceil(n / parts)
+    start = min(i * size, n)
+    return start, max(0, min(n, start + size) - start)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_meshes_are_covered_once_by_holders_in_bounded_balanced_pieces(seed: int
+                                                                            ) -> None:
+    # TP x FSDP x DP jobs of random shapes (scalars, one-row, empty, huge),
+    # some keys replicated over TP: every byte is written once, by a rank that
+    # holds it, no piece is larger than the plan's target unless it cannot
+    # be cut, and ranks and nodes end level.
+    rng = random.Random(seed)
+    tp, fsdp, dp_ = rng.choice([1, 2, 4]), rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 5])
+    per_node = rng.choice([1, 2, 3, 4])
+    shapes = []
+    for n in range(rng.randint(5, 40)):
+        kind = rng.random()
+        shape: tuple[int, ...] = (() if kind < 0.1 else (1, rng.randint(1, 64)) if kind < 0.2
+                                  else (0, 3) if kind < 0.25
+                                  else (rng.randint(1, 300) * (8 if kind > 0.9 else 1),
+                                        rng.randint(1, 96)))
+        shapes.append((f"k{n}", rng.choice(["F32", "BF16"]), shape, rng.random() < 0.3))
+
+    def items(t: int, f: int) -> tuple[Item, ...]:
+        out = []
+        for key, dtype, shape, replicated in shapes:
+            if not shape:
+                out.append(Item.whole(key, dtype, shape))
+                continue
+            offsets, sizes = [0, 0], list(shape)
+            if not replicated:  # TP cuts dim 1, then FSDP dim 0
+                offsets[1], sizes[1] = chunk(shape[1], tp, t)
+            offsets[0], sizes[0] = chunk(shape[0], fsdp, f)
+            out.append(Item(key, dtype, shape, tuple(offsets), tuple(sizes)))
+        return tuple(out)
+
+    world = tp * fsdp * dp_
+    ranks = ranks_of([items(r % tp, (r // tp) % fsdp) for r in range(world)], per_node)
+    min_piece = rng.choice([256, 4096, 64 << 10])
+    plan = make_plan(ranks, min_piece_bytes=min_piece)
+    for key, _, shape, _ in shapes:
+        assert covered(plan, key, shape) == math.prod(shape), key
+    held = {(r.rank, i.key): i for r in ranks for i in r.items}
+    for p in plan.pieces:
+        box = held[p.writer, p.key]
+        assert all(bo <= po and po + ps <= bo + bs for bo, bs, po, ps in zip(
+            box.offsets, box.shape, p.offsets, p.shape, strict=True)), (p, box)
+    target = max(min_piece, math.ceil(plan.unique_bytes / (world * 16)))
+    for p in plan.pieces:  # pieces are cut at rows: about target, at most a row more
+        row = p.nbytes // p.shape[0] if p.shape and p.shape[0] else p.nbytes
+        assert p.nbytes <= target + row or p.shape[0] <= 1, (p, target)
+    # The replicas of one layout can trade its boxes: their loads (weighted by
+    # the ranks on their node) end level within about a piece.
+    per_rank = plan.bytes_per_rank()
+    weight = {r.rank: sum(1 for o in ranks if o.node == r.node) for r in ranks}
+    biggest = max(p.nbytes for p in plan.pieces) * max(weight.values())
+    for layout in {r.layout for r in ranks}:
+        loads = [per_rank[r.rank] * weight[r.rank] for r in ranks if r.layout == layout]
+        assert max(loads) - min(loads) <= 2 * biggest + 1, (per_rank, biggest)
+    assert plan == make_plan(list(reversed(ranks)), min_piece_bytes=min_piece)

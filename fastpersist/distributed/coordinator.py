@@ -61,7 +61,6 @@ from .describe import (
 from .layout import (
     RankView,
     domains,
-    job_manifest,
     target_conflict,
     tensor_bytes_by_rank,
     unaliased,
@@ -72,6 +71,7 @@ from .phases import Coordinator, Failure, Phase, RanksLost, coordinator_for, fai
 from .planner import Item, Plan, RankInfo, layout_digest, make_plan
 from .settling import has_prepared, settle_with
 from .storage import Storage, ident_of
+from .written import job_manifest, rendered
 
 
 class Save(CommitPoint):
@@ -260,9 +260,10 @@ class Save(CommitPoint):
             if isinstance(files, BaseException):
                 raise files
             self._raise_if_aborted()
-            written = self.storage.write(self.target, self.directory, co.rank, files,
+            records = self.storage.write(self.target, self.directory, co.rank, files,
                                          self.nodes[co.rank] if self.node_local else None,
                                          self.frame_bytes)
+            written = rendered(self.plan.for_rank(co.rank), records)
             self._raise_if_aborted()  # the last moment at which one rank can stop the job
         except Exception as exc:
             error = failure(co.rank, "write", exc)
@@ -275,7 +276,8 @@ class Save(CommitPoint):
         manifest = None
         if co.rank == 0:
             assert gathered is not None
-            manifest = job_manifest(self.plan, self.tree, gathered)
+            # Every rank wrote (the write phase agreed), so every rank sent its records.
+            manifest = job_manifest(self.plan, self.tree, [w for w in gathered if w is not None])
         self.commit(manifest)
 
     def _raise_if_aborted(self) -> None:

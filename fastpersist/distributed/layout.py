@@ -1,6 +1,7 @@
 """A distributed save's layout: the tensors stored once, the storage domain of
-each rank, the pieces a rank holds, and the job manifest built from the
-records every rank wrote. Pure functions of their inputs."""
+each rank, the pieces a rank holds, and a distributed manifest from records
+(written.py makes a save's job manifest from what its ranks rendered). Pure
+functions of their inputs."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..format.names import rank_of_part_file
 from ..tensors.state import TensorLeaf
 from .describe import Held
 from .outcome import ProcessId
-from .planner import Piece, Plan
+from .planner import Piece
 
 
 class RankView(NamedTuple):
@@ -87,23 +88,6 @@ def within(piece: Piece, held: Held) -> bool:
             and piece.offsets[1:] == item.offsets[1:] and piece.shape[1:] == item.shape[1:])
 
 
-def job_manifest(plan: Plan, tree: Any, gathered: list[Any]) -> bytes:
-    """The job manifest (schema 2), from every rank's file and tensor records."""
-    files: list[FileRecord] = []
-    records: list[TensorRecord] = []
-    for per_rank in gathered:
-        for record, tensors in per_rank:
-            files.append(record)
-            records += tensors
-    chunks: dict[str, list[tuple[str, tuple[int, ...]]]] = {k: [] for k in plan.keys}
-    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for piece in plan.pieces:
-        chunks[piece.key].append((piece.name, piece.offsets))
-        meta[piece.key] = (piece.dtype, piece.global_shape)
-    return global_manifest(files, records,
-                           [(k, meta[k][0], meta[k][1], chunks[k]) for k in plan.keys], tree)
-
-
 # A global tensor as global_manifest takes it: key, dtype, global shape, and
 # its chunks as (tensor record's name, offsets).
 Global = tuple[str, str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]
@@ -140,5 +124,5 @@ def tensor_bytes_by_rank(manifest: Manifest) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
-__all__ = ["Global", "RankView", "domains", "global_manifest", "job_manifest", "target_conflict",
+__all__ = ["Global", "RankView", "domains", "global_manifest", "target_conflict",
            "tensor_bytes_by_rank", "unaliased", "within"]

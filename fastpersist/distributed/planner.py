@@ -4,9 +4,11 @@ Each rank describes the tensors it holds as boxes of global tensors (a plain
 tensor is the whole box and is replicated on every rank that has it; a
 DTensor shard is the box its placement gives). Ranks that hold the same box
 are replicas of it. The plan gives every unique box exactly one writer among
-its holders, after cutting large boxes into row ranges so that a few huge
-tensors still spread over many writers, and it balances bytes per node (a
-node is one set of drives) and per rank within the node alike (_Chooser).
+its holders, cutting large boxes into row ranges so that a few huge tensors
+still spread over many writers, and it balances bytes per node (a node is
+one set of drives) and per rank within the node alike (balance.py): boxes
+that several layouts share are chosen for one by one, and each layout's own
+boxes are cut into one consecutive run per replica.
 
 make_plan is a pure, deterministic function of the ranks' descriptions: the
 same descriptions give the same plan on any machine, and it can be tested with
@@ -15,17 +17,19 @@ thousands of simulated ranks in one process.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
-import heapq
 import itertools
 import math
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..errors import CheckpointError
 from ..format import dtypes
+from .balance import Chooser, fill
+from .tiling import tiling_problem, unique_bytes
 
 # Boxes larger than this are cut into row ranges (unless the caller says
 # otherwise): big enough that a piece is written at full speed, small enough
@@ -103,6 +107,10 @@ class Plan:
     pieces: tuple[Piece, ...]
     keys: tuple[str, ...]  # the job's tensors, in the ranks' order (not in a share)
     nodes: dict[int, str] = field(hash=False)
+    # What is worked out from the plan alone, once (written.py's chunks of the
+    # job manifest): a plan is made once and used save after save (PlanCache).
+    memo: dict[str, object] = field(default_factory=dict, hash=False, compare=False,
+                                    repr=False)
 
     def for_rank(self, rank: int) -> list[Piece]:
         return [p for p in self.pieces if p.writer == rank]
@@ -162,43 +170,73 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
         layouts.setdefault(r.layout, r.items)
         members.setdefault(r.layout, []).append(r.rank)
     keys = _check_keys(layouts, members)
-    boxes = _unique_boxes(layouts)
-    _check_tiling(boxes)
-    sizes = {item: item.nbytes for item in boxes}
-    total = sum(sizes.values())
-    # Cut so that each writer gets many pieces: the greedy assignment below
+    by_key, several = _unique_boxes(layouts)
+    problem = tiling_problem(by_key)
+    if problem:
+        raise PlanError(problem)
+    total = unique_bytes(by_key)
+    memo: dict[tuple[str, tuple[int, ...]], int] = {}
+    # Cut so that each writer gets many pieces: the greedy choice below
     # balances to within about one piece, here 1/16 of a writer's share.
     target = max(min_piece_bytes, math.ceil(total / (len(ranks) * 16)), 1)
+    chooser = Chooser(nodes)
+    piece = functools.partial(tuple.__new__, Piece)  # Piece._make's way, without its checks
+    mine: dict[int, list[Piece]] = {r: [] for r in nodes}
+    chosen: dict[int, list[Piece]] = {}  # the pieces of shared boxes
+    # 1. Boxes that several layouts hold (a norm replicated over TP ranks, a
+    # scalar every rank has): cut, and each piece, largest first, to the
+    # least-filled of all their holders.
+    shared = list(several.items())
     holder_sets: dict[tuple[str, ...], tuple[int, ...]] = {}
     pieces: list[tuple[int, int, tuple[int, ...], Item, tuple[str, ...]]] = []
-    for item, held_by in boxes.items():
+    for item, held_by in shared:
         if held_by not in holder_sets:
             holder_sets[held_by] = tuple(sorted(r for lay in held_by for r in members[lay]))
-        size = sizes[item]
-        if size <= target or not item.shape or item.shape[0] <= 1:
-            pieces.append((-size, keys[item.key], item.offsets, item, held_by))
-            continue
         for cut in _cut(item, target, len(holder_sets[held_by])):
             pieces.append((-cut.nbytes, keys[cut.key], cut.offsets, cut, held_by))
-    # Largest first (ties in a fixed order) is what makes greedy balance well.
-    pieces.sort(key=_first_three)
-    pick = _Chooser(nodes).pick
-    assigned = [
-        (pick(held_by, holder_sets[held_by], -size), order, item)
-        for size, order, _, item, held_by in pieces
-    ]
-    assigned.sort(key=_first_two_and_offsets)
-    make = Piece._make
-    return Plan(tuple([make((*item, writer)) for writer, _, item in assigned]), tuple(keys), nodes)
+    pieces.sort(key=_first_three)  # largest first, ties in a fixed order
+    for size, _, _, item, held_by in pieces:
+        rank = chooser.pick(held_by, holder_sets[held_by], -size)
+        chosen.setdefault(rank, []).append(piece((*item, rank)))
+    # 2. Each layout's own boxes (most of a job's bytes), which only its
+    # members hold: in the layout's order, cut into one run a member, the
+    # runs sized to bring the members' loads level (balance.py). No
+    # per-piece choice: at thousands of ranks that greedy choice was most of
+    # the plan's time.
+    for layout, items in layouts.items():
+        own = list(itertools.filterfalse(several.__contains__, items))
+        if own:
+            fill(own, _sizes(own, memo), members[layout], chooser, target, mine, piece)
+    # Each writer's pieces in the ranks' key order, then by offsets: the
+    # order fill gives a writer its own pieces in (a layout's items are in
+    # that order, _check_keys). A rank holds one box of a key, own or shared,
+    # so its chosen pieces go in between, each after the keys before its own.
+    order = keys.__getitem__
+    out: list[Piece] = []
+    for rank in sorted(mine):
+        got = mine[rank]
+        for p in sorted(chosen.get(rank, ()), key=lambda p: (keys[p.key], p.offsets)):
+            got.insert(bisect.bisect_right(got, order(p.key), key=lambda q: order(q.key)), p)
+        out += got
+    return Plan(tuple(out), tuple(keys), nodes)
+
+
+def _sizes(boxes: Iterable[Item], memo: dict[tuple[str, tuple[int, ...]], int]) -> list[int]:
+    """Each box's bytes (Item.nbytes), worked out once per dtype and shape:
+    a job has few shapes and many boxes."""
+    out = []
+    for box in boxes:
+        shape = (box.dtype, box.shape)
+        n = memo.get(shape)
+        if n is None:
+            n = memo[shape] = box.nbytes
+        out.append(n)
+    return out
 
 
 def _first_three(p: tuple[int, int, tuple[int, ...], Item, tuple[str, ...]]
                  ) -> tuple[int, int, tuple[int, ...]]:
     return p[0], p[1], p[2]
-
-
-def _first_two_and_offsets(a: tuple[int, int, Item]) -> tuple[int, int, tuple[int, ...]]:
-    return a[0], a[1], a[2].offsets
 
 
 def _check_keys(layouts: dict[str, tuple[Item, ...]], members: dict[str, list[int]]
@@ -225,83 +263,26 @@ def _first_difference(got: list[tuple[str, str, tuple[int, ...]]],
     return f"{len(got)} tensors vs {len(want)}"
 
 
-def _unique_boxes(layouts: dict[str, tuple[Item, ...]]) -> dict[Item, tuple[str, ...]]:
-    """Each distinct box and the layouts that hold it."""
-    held_by: dict[Item, list[str]] = {}
-    for layout, items in layouts.items():
-        for item in items:
-            held_by.setdefault(item, []).append(layout)
-    return {item: tuple(h) for item, h in held_by.items()}
-
-
-def _check_tiling(boxes: dict[Item, tuple[str, ...]]) -> None:
-    """The distinct boxes of each key must lie inside it and cover it exactly once."""
-    by_key: dict[str, list[Item]] = {}
-    for item in boxes:
-        if len(item.offsets) != len(item.global_shape) or len(item.shape) != len(
-                item.global_shape) or any(
-                o < 0 or o + n > g for o, n, g in zip(item.offsets, item.shape, item.global_shape,
-                                                      strict=True)):
-            raise PlanError(f"{item.key}: box at {list(item.offsets)} of shape {list(item.shape)} "
-                            f"lies outside the tensor's shape {list(item.global_shape)}")
-        by_key.setdefault(item.key, []).append(item)
-    # An optimizer's states are sharded as their parameter is: one grid check
-    # serves every key with the same boxes.
-    checked: dict[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], bool] = {}
-    for key, items in by_key.items():
-        whole = math.prod(items[0].global_shape)
-        volume = sum(math.prod(i.shape) for i in items)
-        if volume == whole and len(items) > 1:
-            boxes_of_key = tuple(sorted((i.offsets, i.shape) for i in items))
-            overlap = checked.get(boxes_of_key)
-            if overlap is None:
-                overlap = checked[boxes_of_key] = _overlapping(items)
-        else:
-            overlap = False
-        if volume != whole or overlap:
-            raise PlanError(f"{key}: the ranks' shards hold {volume} elements of a tensor of "
-                            f"{whole}, and must cover it once (shards overlap or leave gaps)")
-
-
-_MAX_GRID_CELLS = 1 << 20
-
-
-def _overlapping(items: list[Item]) -> bool:
-    """Whether two boxes overlap: mark the cells of the grid their edges make.
-    Shard layouts make small grids (one cell per shard); a grid too large to
-    mark is left to the volume check alone. Boxes cut along one dimension
-    only (the usual FSDP or TP shard) need no grid: sorted, none may start
-    before the one before it ends. Empty boxes overlap nothing, wherever
-    their offsets put them."""
-    items = [i for i in items if 0 not in i.shape]
-    if len(items) < 2:
-        return False
-    dims = range(len(items[0].global_shape))
-    first = items[0]
-    varying = [d for d in dims if any(i.offsets[d] != first.offsets[d] or i.shape[d]
-                                      != first.shape[d] for i in items)]
-    if len(varying) == 1:
-        d = varying[0]
-        end = -1
-        for start, length in sorted((i.offsets[d], i.shape[d]) for i in items):
-            if start < end:
-                return True
-            end = start + length
-        return False
-    cuts = [sorted({c for i in items for c in (i.offsets[d], i.offsets[d] + i.shape[d])})
-            for d in range(len(items[0].global_shape))]
-    if math.prod(max(len(c) - 1, 1) for c in cuts) > _MAX_GRID_CELLS:
-        return False
-    index = [{c: n for n, c in enumerate(cs)} for cs in cuts]
-    seen: set[tuple[int, ...]] = set()
-    for i in items:
-        ranges = [range(index[d][i.offsets[d]], index[d][i.offsets[d] + i.shape[d]])
-                  for d in range(len(cuts))]
-        for cell in itertools.product(*ranges):
-            if cell in seen:
-                return True
-            seen.add(cell)
-    return False
+def _unique_boxes(layouts: dict[str, tuple[Item, ...]]
+                  ) -> tuple[list[list[Item]], dict[Item, tuple[str, ...]]]:
+    """The distinct boxes of each key (in the keys' order), and those that
+    several layouts hold with the layouts that hold them. Every layout lists
+    the keys in one order (_check_keys), so a key's boxes are a column of
+    the layouts' items, deduplicated in C: a Python step per box was a large
+    part of a plan at thousands of ranks, and most keys are sharded (no box
+    shared) or replicated (one box)."""
+    names = list(layouts)
+    by_key: list[list[Item]] = []
+    several: dict[Item, tuple[str, ...]] = {}
+    for column in zip(*layouts.values(), strict=True):
+        distinct = dict.fromkeys(column)
+        if len(distinct) < len(column):
+            held: dict[Item, list[str]] = {}
+            for layout, box in zip(names, column, strict=True):
+                held.setdefault(box, []).append(layout)
+            several.update((box, tuple(h)) for box, h in held.items() if len(h) > 1)
+        by_key.append(list(distinct))
+    return by_key, several
 
 
 def _cut(item: Item, target: int, holders: int) -> list[Item]:
@@ -322,41 +303,6 @@ def _cut(item: Item, target: int, holders: int) -> list[Item]:
                         (count, *item.shape[1:])))
         start += count
     return out
-
-
-class _Chooser:
-    """The holder whose share is least filled: a rank's load weighted by the
-    ranks on its node, so that every node (one set of drives) is filled
-    alike however many ranks it has, and the ranks of one node alike.
-
-    Weighing ranks and nodes in one key matters: choosing the least-loaded
-    node first and a rank there second balanced nodes but left the ranks of
-    an HSDP job (a box's holders one per node) up to 2x apart. A key changes
-    only when its own rank is chosen, so each holder set keeps a lazy
-    min-heap whose stale entries (the rank was chosen for another set) are
-    refreshed when they surface. Ties go to the lower rank: deterministic."""
-
-    def __init__(self, nodes: dict[int, str]) -> None:
-        per_node = Counter(nodes.values())
-        self.weight = {r: per_node[n] for r, n in nodes.items()}
-        self.load: dict[int, int] = dict.fromkeys(nodes, 0)  # weighted
-        self.heaps: dict[tuple[str, ...], list[tuple[int, int]]] = {}
-
-    def pick(self, held_by: tuple[str, ...], holders: tuple[int, ...], nbytes: int) -> int:
-        """held_by names the holder set (its layouts); holders are its ranks."""
-        heap = self.heaps.get(held_by)
-        if heap is None:
-            heap = self.heaps[held_by] = [(self.load[r], r) for r in holders]
-            heapq.heapify(heap)
-        load = self.load
-        while True:
-            recorded, rank = heap[0]
-            if recorded == load[rank]:
-                break
-            heapq.heapreplace(heap, (load[rank], rank))
-        load[rank] += nbytes * self.weight[rank]
-        heapq.heapreplace(heap, (load[rank], rank))
-        return rank
 
 
 class PlanCache:

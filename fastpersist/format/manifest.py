@@ -93,24 +93,14 @@ class Manifest:
         manifests shows the records that changed. Compact JSON goes through
         the json module's C encoder; indented JSON would not (it was most of
         the time of a save of 100,000 small tensors)."""
-        head = {
-            "format": FORMAT_NAME,
-            "schema_version": self.schema_version,
-            "fastpersist_version": self.fastpersist_version,
-            "created_unix": self.created_unix,
-        }
-        lines = ["{"]
-        lines += [f" {_encode(k)}: {_encode(v)}," for k, v in head.items()]
-        files = records_to_json(self.files, ())["files"]
-        lines += _json_list("files", [_encode(f) for f in files])
-        lines += _json_list("tensors", [_tensor_json(t) for t in self.tensors])
-        if self.globals is not None:
-            lines += _json_list("globals", [_encode(
-                {"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
-                 "chunks": [{"tensor": c.tensor, "offsets": list(c.offsets)} for c in g.chunks]}
-            ) for g in self.globals])
-        lines += [f' "tree": {_encode(self.tree)}', "}", ""]
-        return "\n".join(lines).encode()
+        return render(self.schema_version, self.fastpersist_version, self.created_unix,
+                      [file_json(f) for f in self.files],
+                      [tensor_json(t) for t in self.tensors],
+                      None if self.globals is None else [global_json(
+                          g.name, g.dtype, g.shape,
+                          [chunk_json(c.tensor, ",".join(map(str, c.offsets)))
+                           for c in g.chunks]) for g in self.globals],
+                      self.tree)
 
     @staticmethod
     def from_json(data: bytes, where: str) -> Manifest:
@@ -132,14 +122,47 @@ _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _string = json.encoder.encode_basestring_ascii
 
 
+# Items of a list in the manifest are joined with this: one item a line. A
+# run of items already joined with it is itself one item of render's lists.
+ITEM_SEPARATOR = ",\n  "
+
+
+def render(schema_version: int, version: str, created_unix: float, files: list[str],
+           tensors: list[str], globals_: list[str] | None, tree: Any) -> bytes:
+    """The manifest file from its rendered parts (file_json, tensor_json,
+    global_json): Manifest.to_json, and a distributed job's coordinator,
+    which joins what its ranks rendered (distributed/written.py), write it
+    the same way."""
+    head = {
+        "format": FORMAT_NAME,
+        "schema_version": schema_version,
+        "fastpersist_version": version,
+        "created_unix": created_unix,
+    }
+    lines = ["{"]
+    lines += [f" {_encode(k)}: {_encode(v)}," for k, v in head.items()]
+    lines += _json_list("files", files)
+    lines += _json_list("tensors", tensors)
+    if globals_ is not None:
+        lines += _json_list("globals", globals_)
+    lines += [f' "tree": {_encode(tree)}', "}", ""]
+    return "\n".join(lines).encode()
+
+
 def _json_list(key: str, items: list[str]) -> list[str]:
     """` "key": [` and its items, one a line."""
+    items = [i for i in items if i]  # an empty run of items (a rank that wrote none)
     if not items:
         return [f" {_encode(key)}: [],"]
-    return [f" {_encode(key)}: [", "  " + ",\n  ".join(items), " ],"]
+    return [f" {_encode(key)}: [", "  " + ITEM_SEPARATOR.join(items), " ],"]
 
 
-def _tensor_json(t: TensorRecord) -> str:
+def file_json(f: FileRecord) -> str:
+    """A file record as the manifest writes it (no "node" unless it has one)."""
+    return _encode({k: v for k, v in vars(f).items() if k != "node" or v is not None})
+
+
+def tensor_json(t: TensorRecord) -> str:
     """records_to_json's object for one tensor record, as _encode writes it
     (same keys, same order), without building the dict for a raw record."""
     if t.frames is not None:
@@ -148,6 +171,17 @@ def _tensor_json(t: TensorRecord) -> str:
     return (f'{{"name":{_string(t.name)},"file":{_string(t.file)},"offset":{t.offset:d},'
             f'"length":{t.length:d},"dtype":{_string(t.dtype)},"shape":[{shape}],'
             f'"crc32c":{t.crc32c:d},"encoding":{_string(t.encoding)}}}')
+
+
+def chunk_json(tensor: int, offsets: str) -> str:
+    """A global's chunk; offsets: its offsets joined with ","."""
+    return f'{{"tensor":{tensor:d},"offsets":[{offsets}]}}'
+
+
+def global_json(name: str, dtype: str, shape: tuple[int, ...], chunks: list[str]) -> str:
+    """A global tensor, with its chunks rendered by chunk_json."""
+    return (f'{{"name":{_string(name)},"dtype":{_string(dtype)},'
+            f'"shape":[{",".join(map(str, map(int, shape)))}],"chunks":[{",".join(chunks)}]}}')
 
 
 def parse_json(data: bytes, where: str) -> Any:

@@ -1,0 +1,133 @@
+"""What ranks send the coordinator after writing (rendered manifest JSON) and
+the job manifest it makes of them: byte for byte the manifest that
+global_manifest writes of the same records, whatever order a rank's files
+hold its pieces in, and a clear error when the records do not fit the plan."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import torch
+
+from fastpersist.distributed import layout, written
+from fastpersist.distributed.planner import Item, Plan, RankInfo, layout_digest, make_plan
+from fastpersist.errors import DistributedCheckpointError
+from fastpersist.format.frames import Frame
+from fastpersist.format.manifest import Manifest
+from fastpersist.format.names import part_file_name
+from fastpersist.format.records import FileRecord, TensorRecord
+from fastpersist.tensors import state
+
+NOW = 1_764_400_000.25
+
+
+@pytest.fixture(autouse=True)
+def fixed_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both manifests carry time.time(); pin it so the bytes can be compared.
+    monkeypatch.setattr(written.time, "time", lambda: NOW)
+    monkeypatch.setattr(layout.time, "time", lambda: NOW)
+
+
+def job(world: int = 8) -> Plan:
+    """TP 2 x FSDP 2 with 2 data-parallel replicas, and a scalar on every rank."""
+    infos = []
+    for r in range(world):
+        tp, fsdp = r % 2, (r // 2) % 2
+        items = []
+        for n, rows in enumerate((64, 96, 7)):
+            shape = (rows, 32)
+            half = rows // 2 if fsdp == 0 else rows - rows // 2
+            items.append(Item(f"w{n}", "F32", shape, (fsdp * (rows // 2), tp * 16),
+                              (half, 16)))
+        items.append(Item.whole("step", "I64", ()))
+        infos.append(RankInfo(r, f"node{r // 4}", tuple(items), layout_digest(items)))
+    return make_plan(infos, min_piece_bytes=1024)
+
+
+def records(rank: int, pieces: list[Any], compressed: bool = False
+            ) -> list[tuple[FileRecord, list[TensorRecord]]]:
+    """What storage.write might return for `pieces`: one data file of them."""
+    name = part_file_name(rank, 0, packed=compressed)
+    offset, out = 4096, []
+    for n, p in enumerate(pieces):
+        frames = (Frame(0, p.nbytes, 0, 10, 7),) if compressed and p.nbytes else None
+        out.append(TensorRecord(p.name, name, offset, p.nbytes, p.dtype, p.shape, 1000 + n,
+                                "zstd-bytegroup-v1" if frames else "raw",
+                                10 if frames else None, frames))
+        offset += 10 if frames else p.nbytes
+    return [(FileRecord(name, offset, 4096, 12345, node=f"node{rank // 4}"), out)] if out else []
+
+
+def expected(plan: Plan, per_rank: list[Any], tree: Any) -> bytes:
+    """The manifest as global_manifest writes it of the same records."""
+    files = [f for rank in per_rank for f, _ in rank]
+    tensors = [t for rank in per_rank for _, ts in rank for t in ts]
+    globals_: dict[str, Any] = {k: None for k in plan.keys}
+    for p in plan.pieces:
+        if globals_[p.key] is None:
+            globals_[p.key] = (p.key, p.dtype, p.global_shape, [])
+        globals_[p.key][3].append((p.name, p.offsets))
+    return layout.global_manifest(files, tensors, list(globals_.values()), tree)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("compressed", [False, True])
+def test_the_job_manifest_is_the_one_global_manifest_writes(shuffled: bool,
+                                                           compressed: bool) -> None:
+    plan = job()
+    per_rank, sent = [], []
+    for share in plan.shares():
+        (rank,) = share.nodes
+        mine = share.for_rank(rank)
+        files = records(rank, mine[::-1] if shuffled else mine, compressed)
+        per_rank.append(files)
+        sent.append(pickle.loads(pickle.dumps(written.rendered(mine, files))))
+    assert any(w.order is not None for w in sent) == shuffled
+    tree = plan_tree(plan)
+    data = written.job_manifest(plan, tree, sent)
+    assert data == expected(plan, per_rank, tree)
+    manifest = Manifest.from_json(data, "job")  # it is valid: chunks tile every tensor
+    assert [g.name for g in manifest.globals or ()] == list(plan.keys)
+    # Again with the same plan (its chunks are then taken from the plan's memo).
+    assert written.job_manifest(plan, tree, sent) == data
+
+
+def plan_tree(plan: Plan) -> Any:
+    """The tree a state of the plan's keys encodes to."""
+    tree, leaves = state.encode({k: torch.empty(0) for k in plan.keys}, allow_pickle=False,
+                                sharded=True)
+    layout.unaliased(leaves)
+    return tree
+
+
+def test_a_rank_without_pieces_adds_nothing() -> None:
+    # 4 ranks holding one scalar: three of them have no piece to write.
+    infos = [RankInfo(r, "node0", (Item.whole("step", "I64", ()),),
+                      layout_digest((Item.whole("step", "I64", ()),))) for r in range(4)]
+    plan = make_plan(infos)
+    per_rank = [records(r, plan.for_rank(r)) for r in range(4)]
+    sent = [written.rendered(plan.for_rank(r), per_rank[r]) for r in range(4)]
+    assert sum(w.tensor_records for w in sent) == 1
+    tree = plan_tree(plan)
+    assert written.job_manifest(plan, tree, sent) == expected(plan, per_rank, tree)
+
+
+def test_a_rank_whose_files_lack_a_piece_is_refused_by_name() -> None:
+    plan = job()
+    mine = plan.for_rank(0)
+    files = records(0, mine[1:])
+    with pytest.raises(DistributedCheckpointError, match=f"{mine[0].name!r} is missing"):
+        written.rendered(mine, files)
+
+
+def test_records_that_do_not_fit_the_plan_are_refused() -> None:
+    plan = job()
+    sent = [written.rendered(plan.for_rank(r), records(r, plan.for_rank(r)))
+            for r in range(8)]
+    short = [*sent[:3], sent[3]._replace(tensor_records=sent[3].tensor_records - 1), *sent[4:]]
+    with pytest.raises(DistributedCheckpointError, match="rank 3 reported"):
+        written.job_manifest(plan, plan_tree(plan), short)
+    with pytest.raises(DistributedCheckpointError, match="7 ranks reported for a plan of 8"):
+        written.job_manifest(plan, plan_tree(plan), sent[:7])
