@@ -247,3 +247,11 @@ def test_random_meshes_are_covered_once_by_holders_in_bounded_balanced_pieces(se
         loads = [per_rank[r.rank] * weight[r.rank] for r in ranks if r.layout == layout]
         assert max(loads) - min(loads) <= 2 * biggest + 1, (per_rank, biggest)
     assert plan == make_plan(list(reversed(ranks)), min_piece_bytes=min_piece)
+
+
+def test_pieces_of_a_byte_still_leave_scalars_whole() -> None:
+    # The smallest target there is: a scalar is larger than it and cannot be cut.
+    items = (Item.whole("s", "F64", ()), Item.whole("v", "F32", (6,)))
+    plan = make_plan(dp(4, items), min_piece_bytes=1)
+    assert [p.shape for p in plan.pieces if p.key == "s"] == [()]
+    assert covered(plan, "v", (6,)) == 6

@@ -99,7 +99,7 @@ def fill(own: list[Box], sizes: list[int], ranks: list[int], chooser: Chooser, t
     for box, size in zip(own, sizes, strict=True):
         box_end = position + size
         if box_end <= run_end or j == last:  # the usual case: all of it in this run
-            if size <= target:
+            if size <= target or not box.shape:
                 out.append(piece((*box, rank)))
             else:
                 out += _pieces(box, size, 0, box.shape[0], target, rank, piece)
