@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..protocol import shm
 from ..storage.commit import os_error
 from ..storage.retention import AfterCommit
-from . import large_requests, logs, replicas
+from . import large_requests, logs, replica_manifest, replicas
 from .checkpoints import Checkpoint
 from .paths import PathError, parse
 from .peers import PeerSettings
@@ -331,7 +331,8 @@ class Servicer(pb_grpc.FastPersistServicer):
             first = next(request_iterator, None)
             if not isinstance(first, pb.ReplicaChunk) or first.WhichOneof("part") != "header":
                 raise invalid("a Replicate stream must start with a header chunk")
-            self._store().receive(first.header, _replica_chunks(request_iterator))
+            manifest = replica_manifest.receive(first.header, request_iterator)
+            self._store().receive(first.header, manifest, _replica_chunks(request_iterator))
             return pb.ReplicateResponse()
         return self._guard(context, run)
 
@@ -345,7 +346,11 @@ class Servicer(pb_grpc.FastPersistServicer):
                 info = reply.replicas.add(node=r.node, path=r.path, bytes=r.size,
                                           complete=r.complete, failure_domain=r.domain,
                                           committed_unix=r.committed_unix,
-                                          manifest=r.manifest if r.complete else b"")
+                                          manifest_bytes=len(r.manifest))
+                if r.complete:  # a large one is read with ReadReplica (peer_read.py)
+                    info.manifest_sha256 = r.sha256
+                    if len(r.manifest) <= replica_manifest.INLINE_MAX:
+                        info.manifest = r.manifest
                 for name, size in r.files:
                     info.files.add(name=name, size=size)
             return reply
