@@ -260,16 +260,18 @@ class ListRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class ListEntry(_message.Message):
-    __slots__ = ("name", "state", "bytes", "created_unix")
+    __slots__ = ("name", "state", "bytes", "created_unix", "note")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     bytes: int
     created_unix: float
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    note: str
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("entries", "in_flight", "memory_only")

@@ -254,8 +254,9 @@ class Servicer(pb_grpc.FastPersistServicer):
                 memory_only=[pb.ListEntry(name=name, state="memory", bytes=nbytes,
                                           created_unix=created)
                              for name, nbytes, created in held],
-                entries=[pb.ListEntry(name=name, state=state, bytes=nbytes, created_unix=created)
-                         for name, state, nbytes, created in entries],
+                entries=[pb.ListEntry(name=name, state=state, bytes=nbytes, created_unix=created,
+                                      note=note)
+                         for name, state, nbytes, created, note in entries],
                 # Without ids: an id is the capability to submit to, commit or abort a
                 # checkpoint, and only the client that began it should hold it.
                 in_flight=[_status({**c.status(), "checkpoint_id": ""}) for c in in_flight])
