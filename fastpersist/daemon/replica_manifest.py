@@ -11,7 +11,10 @@ ReplicaHeader{manifest_bytes: its length, manifest: empty}, then
 ReplicaChunk{manifest: part} messages of at most PART bytes, then the data
 chunks. The receiver checks the announced length against the format's bound
 before it reads a part, and every part against what is left, so a broken or
-hostile peer costs it at most MAX_MANIFEST_BYTES however it lies.
+hostile peer costs it at most MAX_MANIFEST_BYTES however it lies; and the
+announced manifests of all Replicate calls at once are held within one such
+budget (room(): checking a manifest takes several times its size, 267 MiB for
+a 70 MB one), a call waiting for room before it reads a part.
 
 A manifest up to INLINE_MAX still goes in the header (the old form), which
 every receiver takes: a new sender replicates small manifests to an old
@@ -25,10 +28,12 @@ Torch-free: this runs in the daemon.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 
 from .._proto import fastpersist_pb2 as pb
 from ..format.bounds import MAX_MANIFEST_BYTES
+from .large_requests import Room
 from .replica_wire import Data
 from .requests import invalid
 
@@ -36,6 +41,26 @@ INLINE_MAX = 16 << 20  # in the header, as every version sends and takes it
 PART = 4 << 20  # a manifest part, as the data chunks
 OLD_PEER_HINT = ("the peer may be a fastpersistd older than this one, which takes a "
                  f"replica's manifest of at most {INLINE_MAX >> 20} MiB; upgrade it")
+
+
+_room = Room(MAX_MANIFEST_BYTES)  # the streamed manifests of all Replicate calls
+
+
+@contextlib.contextmanager
+def room(header: pb.ReplicaHeader, alive: Callable[[], bool]) -> Iterator[None]:
+    """Hold room for the manifest `header` announces while the call receives
+    and checks it (and its data: a replica's manifest is held until it is
+    visible); nothing for one in the header (gRPC bounds it) or one over the
+    limit (receive refuses it unread)."""
+    declared = header.manifest_bytes
+    if not 0 < declared <= MAX_MANIFEST_BYTES:
+        yield
+        return
+    _room.take(declared, alive)
+    try:
+        yield
+    finally:
+        _room.give(declared)
 
 
 def header_and_parts(header: pb.ReplicaHeader, manifest: bytes) -> Iterator[pb.ReplicaChunk]:
@@ -87,4 +112,4 @@ def receive(header: pb.ReplicaHeader, chunks: Iterator[pb.ReplicaChunk | Data]) 
     return b"".join(parts)
 
 
-__all__ = ["INLINE_MAX", "OLD_PEER_HINT", "PART", "header_and_parts", "receive"]
+__all__ = ["INLINE_MAX", "OLD_PEER_HINT", "PART", "header_and_parts", "receive", "room"]
