@@ -19,9 +19,11 @@ a 70 MB one), a call waiting for room before it reads a part.
 A manifest up to INLINE_MAX still goes in the header (the old form), which
 every receiver takes: a new sender replicates small manifests to an old
 daemon as before. An old daemon given a header with manifest_bytes refuses
-it (its manifest field is empty: INVALID_ARGUMENT, "not a valid manifest");
-the sender logs that with a hint to upgrade the peer, and the round counts
-as short (replication-short, then replication-given-up), never as a copy.
+it (its manifest field is empty: INVALID_ARGUMENT, "must be a valid one");
+the sender then sends it again in the header if it fits in one message
+(OLD_INLINE_MAX, as older senders did), and otherwise logs the refusal with
+OLD_PEER_HINT: the round counts as short (replication-short, then
+replication-given-up), never as a copy.
 
 Torch-free: this runs in the daemon.
 """
@@ -31,6 +33,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import grpc
+
 from .._proto import fastpersist_pb2 as pb
 from ..format.bounds import MAX_MANIFEST_BYTES
 from .large_requests import Room
@@ -39,8 +43,18 @@ from .requests import invalid
 
 INLINE_MAX = 16 << 20  # in the header, as every version sends and takes it
 PART = 4 << 20  # a manifest part, as the data chunks
+# The largest manifest an older peer takes in the header: gRPC's 64 MiB
+# message (transport.MAX_MESSAGE_BYTES), less room for the file list.
+OLD_INLINE_MAX = 60 << 20
 OLD_PEER_HINT = ("the peer may be a fastpersistd older than this one, which takes a "
-                 f"replica's manifest of at most {INLINE_MAX >> 20} MiB; upgrade it")
+                 f"replica's manifest of at most {OLD_INLINE_MAX >> 20} MiB; upgrade it")
+
+
+def older_peer_refused(error: grpc.RpcError, manifest_bytes: int, inline_max: int) -> bool:
+    """Whether `error` is an older peer's refusal of a manifest sent in parts
+    (it read the header's empty manifest field as the manifest)."""
+    return manifest_bytes > inline_max and error.code() == grpc.StatusCode.INVALID_ARGUMENT \
+        and "manifest must be a valid one" in (error.details() or "")
 
 
 _room = Room(MAX_MANIFEST_BYTES)  # the streamed manifests of all Replicate calls
@@ -63,12 +77,13 @@ def room(header: pb.ReplicaHeader, alive: Callable[[], bool]) -> Iterator[None]:
         _room.give(declared)
 
 
-def header_and_parts(header: pb.ReplicaHeader, manifest: bytes) -> Iterator[pb.ReplicaChunk]:
-    """The sender's first messages: the header, with the manifest in it when it
-    is small, else its length in it and the manifest in PART-byte parts."""
+def header_and_parts(header: pb.ReplicaHeader, manifest: bytes, inline_max: int = INLINE_MAX
+                     ) -> Iterator[pb.ReplicaChunk]:
+    """The sender's first messages: the header, with the manifest in it up to
+    `inline_max` bytes, else its length in it and the manifest in PART-byte parts."""
     first = pb.ReplicaHeader()
     first.CopyFrom(header)  # the caller's is shared by the sends to its peers
-    if len(manifest) <= INLINE_MAX:
+    if len(manifest) <= inline_max:
         first.manifest = manifest
         yield pb.ReplicaChunk(header=first)
         return
@@ -112,4 +127,5 @@ def receive(header: pb.ReplicaHeader, chunks: Iterator[pb.ReplicaChunk | Data]) 
     return b"".join(parts)
 
 
-__all__ = ["INLINE_MAX", "OLD_PEER_HINT", "PART", "header_and_parts", "receive", "room"]
+__all__ = ["INLINE_MAX", "OLD_INLINE_MAX", "OLD_PEER_HINT", "PART", "header_and_parts",
+           "older_peer_refused", "receive", "room"]

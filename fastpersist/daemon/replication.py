@@ -246,18 +246,30 @@ class Replicator:
               ) -> bool:
         ch = peers.channel(self.settings, peer.target)
         rot: list[LocalCorruption] = []
+        inline = replica_manifest.INLINE_MAX
         try:
             # Not the stub's: data chunks go as bytes encoded here (replica_wire.py).
             replicate = ch.stream_unary(REPLICATE, request_serializer=replica_wire.encode_chunk,
                                         response_deserializer=pb.ReplicateResponse.FromString)
-            replicate(self._chunks(header, manifest, fds, rot), timeout=self.settings.timeout)
-            return True
+            while True:
+                try:
+                    replicate(self._chunks(header, manifest, fds, rot, inline),
+                              timeout=self.settings.timeout)
+                    return True
+                except grpc.RpcError as exc:
+                    if rot or inline != replica_manifest.INLINE_MAX \
+                            or len(manifest) > replica_manifest.OLD_INLINE_MAX \
+                            or not replica_manifest.older_peer_refused(exc, len(manifest), inline):
+                        raise
+                # An older peer: once more, the manifest in the header, as it takes it.
+                logs.info("replication-older-peer", path=header.path, peer=peer.target,
+                          manifest_bytes=len(manifest))
+                inline = replica_manifest.OLD_INLINE_MAX
         except grpc.RpcError as exc:
             if rot:  # gRPC cancelled the call for it: the reason is ours
                 raise rot[0] from None
             error = (exc.details() or "")[:500]
-            if len(manifest) > replica_manifest.INLINE_MAX and \
-                    exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "manifest" in error:
+            if replica_manifest.older_peer_refused(exc, len(manifest), inline):
                 error += f" ({replica_manifest.OLD_PEER_HINT})"
             logs.warning("replication-attempt-failed", path=header.path, peer=peer.target,
                          code=exc.code().name, error=error)
@@ -267,13 +279,13 @@ class Replicator:
             ch.close()
 
     def _chunks(self, header: pb.ReplicaHeader, manifest: bytes, fds: list[File],
-                rot: list[LocalCorruption]) -> Iterator[pb.ReplicaChunk | bytes]:
+                rot: list[LocalCorruption], inline: int) -> Iterator[pb.ReplicaChunk | bytes]:
         """The header and the manifest (replica_manifest.py), then each file
         in order, every span a CRC32C covers checked against the manifest as
         it is read (tier/checked.py: a file that rotted on this disk is not
         sent). A data chunk is read into one buffer, reused, and goes encoded
         (its one copy: replica_wire.py)."""
-        yield from replica_manifest.header_and_parts(header, manifest)
+        yield from replica_manifest.header_and_parts(header, manifest, inline)
         buf = memoryview(bytearray(CHUNK))
         for index, (fd, f, records) in enumerate(fds):
             try:
