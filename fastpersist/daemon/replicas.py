@@ -6,7 +6,10 @@ is the sender). The replica is kept in memory: a directory of its own in
 --shm-dir ("fastpersistd-replica-HEX", flocked for the daemon's life, as the
 memory tier's copies are) holding each data file byte for byte.
 
-Identity: a replica is keyed by (node, path) and holds the manifest's bytes.
+Identity: a replica is keyed by (node, path) and holds the manifest's bytes,
+in memory and as manifest.json beside the data files (ReadReplica serves it);
+one over 16 MiB (replica_manifest.INLINE_MAX) only in that file, so that a
+large manifest is not held twice and the Replicas reply stays small.
 It is visible (listed as complete, served by ReadReplica) only once every
 file arrived whole and every chunk's CRC32C matched; a stream that breaks
 off, or any refused chunk, removes what arrived, and nothing of it was ever
@@ -52,6 +55,7 @@ from ..storage.names import component_problem
 from . import logs
 from .metrics import Metrics
 from .paths import PathError, parse
+from .replica_manifest import INLINE_MAX
 from .replica_wire import Data
 from .requests import MAX_FILES, MAX_ID_BYTES, RequestError, invalid
 
@@ -76,6 +80,7 @@ class Replica:
     received: int = 0  # bytes so far
     fds: dict[str, int] = field(default_factory=dict)
     digest: bytes = b""
+    manifest_len: int = 0
 
     @property
     def key(self) -> tuple[str, str]:
@@ -86,6 +91,12 @@ class Replica:
         if not self.digest:  # once: a manifest may be up to 1 GiB
             self.digest = hashlib.sha256(self.manifest).digest()
         return self.digest
+
+    @property
+    def inline(self) -> bool:
+        """Whether its manifest is held in memory (listed whole by Replicas);
+        a larger one only in its file, read with ReadReplica."""
+        return self.manifest_len <= INLINE_MAX
 
 
 def _check_header(h: pb.ReplicaHeader, manifest_data: bytes, job: str
@@ -159,6 +170,9 @@ class ReplicaStore:
             fcntl.flock(r.fd, fcntl.LOCK_EX)
             self._write(r, chunks)
             self._write_manifest(r)
+            r.manifest_len, r.digest = len(manifest), hashlib.sha256(manifest).digest()
+            if not r.inline:
+                r.manifest = b""  # not held twice: ReadReplica serves its file
         except BaseException:
             self._discard(r)
             raise
@@ -283,7 +297,7 @@ class ReplicaStore:
                 raise RequestError("NOT_FOUND", f"this fastpersistd holds no complete replica "
                                                 f"of {path[:80]!r} of node {node[:80]!r} "
                                                 "with that manifest")
-            sizes = {**dict(r.files), MANIFEST_NAME: len(r.manifest)}
+            sizes = {**dict(r.files), MANIFEST_NAME: r.manifest_len}
             unknown = names - sizes.keys()
             if unknown:
                 raise RequestError("NOT_FOUND", f"the replica holds no data file "

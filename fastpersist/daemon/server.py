@@ -348,10 +348,10 @@ class Servicer(pb_grpc.FastPersistServicer):
                 info = reply.replicas.add(node=r.node, path=r.path, bytes=r.size,
                                           complete=r.complete, failure_domain=r.domain,
                                           committed_unix=r.committed_unix,
-                                          manifest_bytes=len(r.manifest))
+                                          manifest_bytes=r.manifest_len)
                 if r.complete:  # a large one is read with ReadReplica (peer_read.py)
                     info.manifest_sha256 = r.sha256
-                    if len(r.manifest) <= replica_manifest.INLINE_MAX:
+                    if r.inline:
                         info.manifest = r.manifest
                 for name, size in r.files:
                     info.files.add(name=name, size=size)
