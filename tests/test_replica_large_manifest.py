@@ -9,6 +9,8 @@ Real daemons on TCP (peer_support.PeerGroup), as tests/test_peer_replication.py.
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,3 +158,39 @@ def test_a_manifest_sent_in_parts_arrives_and_a_hostile_sequence_is_refused(
     (info,) = holder.replicas()
     assert info.complete and info.manifest == manifest
     assert info.manifest_sha256 == hashlib.sha256(manifest).digest()
+
+
+@pytest.mark.slow
+def test_a_peer_that_announces_a_manifest_and_stalls_gives_its_room_back(
+        group: PeerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Replicate announcing a 1 GiB manifest holds all the room for
+    manifests sent in parts; when it sends nothing for --idle-timeout it is
+    cancelled, and a replica waiting for room goes through."""
+    holder = group.add("n1", "b", "--replica-bytes", "64M", "--idle-timeout", "2")
+    local = group.add("n0", "a")
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(local.daemon.shm_dir))
+    ck = local.daemon.root / "step-1"
+    fastpersist.save({"w": torch.arange(1000.0)}, ck, daemon=local.daemon.address)
+    header, blobs = header_of(ck)
+    done = threading.Event()
+
+    def stalling() -> Iterator[pb.ReplicaChunk]:
+        yield next(_streamed(header, [header.manifest], blobs, declared=MAX_MANIFEST_BYTES))
+        done.wait(120)
+
+    errors: list[grpc.RpcError] = []
+    stalled = threading.Thread(target=lambda: errors.append(_replicate(holder, stalling())))
+    stalled.start()
+    try:
+        time.sleep(0.5)  # it holds the room
+        half = len(header.manifest) // 2
+        with holder.channel() as ch:
+            pb_grpc.FastPersistStub(ch).Replicate(
+                _streamed(header, [header.manifest[:half], header.manifest[half:]], blobs),
+                timeout=30)
+        assert holder.complete() == [("raw", "step-1")]
+    finally:
+        done.set()
+        stalled.join(60)
+    assert errors and errors[0].code() == Code.CANCELLED, errors
+    assert holder.daemon.events("commit-stream-stalled")

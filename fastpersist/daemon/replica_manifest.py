@@ -37,7 +37,7 @@ import grpc
 
 from .._proto import fastpersist_pb2 as pb
 from ..format.bounds import MAX_MANIFEST_BYTES
-from .large_requests import Room
+from .large_requests import Room, stall_watch
 from .replica_wire import Data
 from .requests import invalid
 
@@ -60,21 +60,35 @@ def older_peer_refused(error: grpc.RpcError, manifest_bytes: int, inline_max: in
 _room = Room(MAX_MANIFEST_BYTES)  # the streamed manifests of all Replicate calls
 
 
+Chunks = Iterator[pb.ReplicaChunk | Data]
+
+
 @contextlib.contextmanager
-def room(header: pb.ReplicaHeader, alive: Callable[[], bool]) -> Iterator[None]:
+def room(header: pb.ReplicaHeader, chunks: Chunks, context: grpc.ServicerContext
+         ) -> Iterator[Chunks]:
     """Hold room for the manifest `header` announces while the call receives
     and checks it (and its data: a replica's manifest is held until it is
-    visible); nothing for one in the header (gRPC bounds it) or one over the
-    limit (receive refuses it unread)."""
+    visible), the call cancelled if it sends nothing for --idle-timeout
+    (large_requests.stall_watch: a peer that announces 1 GiB and stalls must
+    not hold the room for ever); yields the call's chunks. Nothing for a
+    manifest in the header (gRPC bounds it) or one over the limit (receive
+    refuses it unread)."""
     declared = header.manifest_bytes
     if not 0 < declared <= MAX_MANIFEST_BYTES:
-        yield
+        yield chunks
         return
-    _room.take(declared, alive)
+    _room.take(declared, context.is_active)
     try:
-        yield
+        with stall_watch(context.cancel) as touch:
+            yield _touching(chunks, touch)
     finally:
         _room.give(declared)
+
+
+def _touching(chunks: Chunks, touch: Callable[[], None]) -> Chunks:
+    for chunk in chunks:
+        touch()
+        yield chunk
 
 
 def header_and_parts(header: pb.ReplicaHeader, manifest: bytes, inline_max: int = INLINE_MAX
@@ -94,7 +108,7 @@ def header_and_parts(header: pb.ReplicaHeader, manifest: bytes, inline_max: int 
         yield pb.ReplicaChunk(manifest=bytes(view[start:start + PART]))
 
 
-def receive(header: pb.ReplicaHeader, chunks: Iterator[pb.ReplicaChunk | Data]) -> bytes:
+def receive(header: pb.ReplicaHeader, chunks: Chunks) -> bytes:
     """The manifest of a Replicate whose header is `header`: the header's own,
     or the parts that follow it, read from `chunks` up to the announced length
     (RequestError INVALID_ARGUMENT for anything else)."""

@@ -332,9 +332,9 @@ class Servicer(pb_grpc.FastPersistServicer):
             first = next(request_iterator, None)
             if not isinstance(first, pb.ReplicaChunk) or first.WhichOneof("part") != "header":
                 raise invalid("a Replicate stream must start with a header chunk")
-            with replica_manifest.room(first.header, context.is_active):
-                manifest = replica_manifest.receive(first.header, request_iterator)
-                self._store().receive(first.header, manifest, _replica_chunks(request_iterator))
+            with replica_manifest.room(first.header, request_iterator, context) as chunks:
+                manifest = replica_manifest.receive(first.header, chunks)
+                self._store().receive(first.header, manifest, _replica_chunks(chunks))
             return pb.ReplicateResponse()
         return self._guard(context, run)
 
