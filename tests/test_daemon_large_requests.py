@@ -30,6 +30,7 @@ from fastpersist.distributed.storage import ThroughDaemon
 from fastpersist.errors import DaemonError
 from fastpersist.format.manifest import MANIFEST_NAME
 from fastpersist.protocol import chunked
+from fastpersist.protocol.client import DaemonClient
 from fastpersist.saving.files import StagedFiles
 from fastpersist.saving.snapshot import stage_file
 from fastpersist.tensors import plan, state
@@ -300,3 +301,26 @@ def test_a_stalled_payload_stream_gives_its_room_back(tmp_path: Path,
         go_on.set()
         raw.close()
         d.cleanup()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_whose_manifest_is_over_64_mib_is_listed_committed(daemon: Daemon) -> None:
+    """The daemon's List reads a manifest of at most 64 MiB; a larger one was
+    listed "corrupt: cannot read manifest.json (larger than 67108864 bytes)".
+    Now it is committed, with a note saying what is not shown and why."""
+    client = DaemonClient(daemon.address)
+    try:
+        big = daemon.root / "run" / "step-00000001"
+        fastpersist.save({"w": torch.ones(4), "note": "l" * BIG}, big, daemon=daemon.address)
+        fastpersist.save({"w": torch.ones(4)}, daemon.root / "run" / "step-00000002",
+                         daemon=daemon.address)
+        entries = {e.name: e for e in client.list("run").entries}
+        assert entries["step-00000001"].state == "committed", entries["step-00000001"]
+        assert "over the 64 MiB" in entries["step-00000001"].note
+        assert "fpctl inspect" in entries["step-00000001"].note
+        assert entries["step-00000002"].state == "committed"
+        assert entries["step-00000002"].note == "" and entries["step-00000002"].bytes > 0
+        assert (big / MANIFEST_NAME).exists()
+        assert fastpersist.load(big)["note"] == "l" * BIG
+    finally:
+        client.close()

@@ -260,16 +260,18 @@ class ListRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class ListEntry(_message.Message):
-    __slots__ = ("name", "state", "bytes", "created_unix")
+    __slots__ = ("name", "state", "bytes", "created_unix", "note")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     bytes: int
     created_unix: float
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    note: str
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("entries", "in_flight", "memory_only")
@@ -389,15 +391,17 @@ class MemoryCopyResponse(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., manifest: _Optional[bytes] = ..., reason: _Optional[str] = ..., memory_only: _Optional[bool] = ...) -> None: ...
 
 class ReplicaChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "manifest")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
     header: ReplicaHeader
     data: ReplicaData
-    def __init__(self, header: _Optional[_Union[ReplicaHeader, _Mapping]] = ..., data: _Optional[_Union[ReplicaData, _Mapping]] = ...) -> None: ...
+    manifest: bytes
+    def __init__(self, header: _Optional[_Union[ReplicaHeader, _Mapping]] = ..., data: _Optional[_Union[ReplicaData, _Mapping]] = ..., manifest: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("job", "node", "failure_domain", "path", "manifest", "files", "committed_unix")
+    __slots__ = ("job", "node", "failure_domain", "path", "manifest", "files", "committed_unix", "manifest_bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +409,7 @@ class ReplicaHeader(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: str
     failure_domain: str
@@ -412,7 +417,8 @@ class ReplicaHeader(_message.Message):
     manifest: bytes
     files: _containers.RepeatedCompositeFieldContainer[ReplicaFile]
     committed_unix: float
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., failure_domain: _Optional[str] = ..., path: _Optional[str] = ..., manifest: _Optional[bytes] = ..., files: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ..., committed_unix: _Optional[float] = ...) -> None: ...
+    manifest_bytes: int
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., failure_domain: _Optional[str] = ..., path: _Optional[str] = ..., manifest: _Optional[bytes] = ..., files: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ..., committed_unix: _Optional[float] = ..., manifest_bytes: _Optional[int] = ...) -> None: ...
 
 class ReplicaFile(_message.Message):
     __slots__ = ("name", "size")
@@ -443,7 +449,7 @@ class ReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("node", "path", "bytes", "complete", "manifest", "failure_domain", "committed_unix", "files")
+    __slots__ = ("node", "path", "bytes", "complete", "manifest", "failure_domain", "committed_unix", "files", "manifest_sha256", "manifest_bytes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +458,8 @@ class ReplicaInfo(_message.Message):
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     node: str
     path: str
     bytes: int
@@ -460,7 +468,9 @@ class ReplicaInfo(_message.Message):
     failure_domain: str
     committed_unix: float
     files: _containers.RepeatedCompositeFieldContainer[ReplicaFile]
-    def __init__(self, node: _Optional[str] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., failure_domain: _Optional[str] = ..., committed_unix: _Optional[float] = ..., files: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ...) -> None: ...
+    manifest_sha256: bytes
+    manifest_bytes: int
+    def __init__(self, node: _Optional[str] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., failure_domain: _Optional[str] = ..., committed_unix: _Optional[float] = ..., files: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ..., manifest_sha256: _Optional[bytes] = ..., manifest_bytes: _Optional[int] = ...) -> None: ...
 
 class ReplicasResponse(_message.Message):
     __slots__ = ("replicas", "node", "failure_domain")

@@ -18,7 +18,7 @@ from .memory import MemoryTier
 from .paths import RequestPath
 from .registry import Registry
 from .requests import RequestError
-from .rootfs import Root, list_entries
+from .rootfs import Entry, Root, list_entries
 
 
 class Catalog:
@@ -28,7 +28,7 @@ class Catalog:
         self.root = root
         self.memory = memory
 
-    def list(self, path: RequestPath) -> tuple[list[tuple[str, str, int, float]],
+    def list(self, path: RequestPath) -> tuple[list[Entry],
                                                list[Checkpoint]]:
         """The checkpoints in the directory `path` (rootfs.list_entries) and the
         ones in flight anywhere under it."""

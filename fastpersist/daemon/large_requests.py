@@ -85,12 +85,33 @@ def reap_stalled(now: float, timeout: float) -> None:
         for receiving in list(_receiving):
             last = receiving.last_chunk
             if last is not None and now - last > timeout:
-                logs.warning("commit-stream-stalled", seconds=round(now - last))
+                logs.warning("commit-stream-stalled", seconds=round(now - last))  # or Replicate
                 receiving.last_chunk = None  # cancelled once
                 receiving.cancel()
 
 
 _room = Room(PAYLOAD_BUDGET)
+
+
+@contextlib.contextmanager
+def stall_watch(cancel: Callable[[], None]) -> Iterator[Callable[[], None]]:
+    """Watch another stream that holds room (a Replicate's manifest,
+    replica_manifest.py) as the payload streams are: reap_stalled cancels it
+    when it sends nothing for --idle-timeout. Call the function yielded on
+    every chunk it sends."""
+    receiving = _Receiving(cancel)
+
+    def touch() -> None:
+        if receiving.last_chunk is not None:  # (None: cancelled)
+            receiving.last_chunk = time.monotonic()
+
+    with _room.cond:
+        _receiving.add(receiving)
+    try:
+        yield touch
+    finally:
+        with _room.cond:
+            _receiving.discard(receiving)
 
 
 def commit_request(chunks: Iterator[pb.CommitChunk], r: Registry, alive: Callable[[], bool],

@@ -6,7 +6,10 @@ is the sender). The replica is kept in memory: a directory of its own in
 --shm-dir ("fastpersistd-replica-HEX", flocked for the daemon's life, as the
 memory tier's copies are) holding each data file byte for byte.
 
-Identity: a replica is keyed by (node, path) and holds the manifest's bytes.
+Identity: a replica is keyed by (node, path) and holds the manifest's bytes,
+in memory and as manifest.json beside the data files (ReadReplica serves it);
+one over 16 MiB (replica_manifest.INLINE_MAX) only in that file, so that a
+large manifest is not held twice and the Replicas reply stays small.
 It is visible (listed as complete, served by ReadReplica) only once every
 file arrived whole and every chunk's CRC32C matched; a stream that breaks
 off, or any refused chunk, removes what arrived, and nothing of it was ever
@@ -46,12 +49,13 @@ from pathlib import Path
 from .._proto import fastpersist_pb2 as pb
 from ..checksum import crc32c
 from ..errors import ManifestError
-from ..format.manifest import Manifest
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage import dirs
 from ..storage.names import component_problem
 from . import logs
 from .metrics import Metrics
 from .paths import PathError, parse
+from .replica_manifest import INLINE_MAX
 from .replica_wire import Data
 from .requests import MAX_FILES, MAX_ID_BYTES, RequestError, invalid
 
@@ -75,6 +79,8 @@ class Replica:
     complete: bool = False
     received: int = 0  # bytes so far
     fds: dict[str, int] = field(default_factory=dict)
+    digest: bytes = b""
+    manifest_len: int = 0
 
     @property
     def key(self) -> tuple[str, str]:
@@ -82,10 +88,19 @@ class Replica:
 
     @property
     def sha256(self) -> bytes:
-        return hashlib.sha256(self.manifest).digest()
+        if not self.digest:  # once: a manifest may be up to 1 GiB
+            self.digest = hashlib.sha256(self.manifest).digest()
+        return self.digest
+
+    @property
+    def inline(self) -> bool:
+        """Whether its manifest is held in memory (listed whole by Replicas);
+        a larger one only in its file, read with ReadReplica."""
+        return self.manifest_len <= INLINE_MAX
 
 
-def _check_header(h: pb.ReplicaHeader, job: str) -> list[tuple[str, int]]:
+def _check_header(h: pb.ReplicaHeader, manifest_data: bytes, job: str
+                  ) -> list[tuple[str, int]]:
     """The header's files, or RequestError."""
     if h.job != job:
         raise RequestError("PERMISSION_DENIED",
@@ -100,7 +115,7 @@ def _check_header(h: pb.ReplicaHeader, job: str) -> list[tuple[str, int]]:
     except PathError as exc:
         raise invalid(f"replica path: {exc}") from None
     try:
-        manifest = Manifest.from_json(h.manifest, f"the replica of {h.path[:80]!r}")
+        manifest = Manifest.from_json(manifest_data, f"the replica of {h.path[:80]!r}")
     except ManifestError as exc:
         raise invalid(f"a replica's manifest must be a valid one: {exc}"[:500]) from None
     if not h.files or len(h.files) > MAX_FILES:
@@ -109,7 +124,7 @@ def _check_header(h: pb.ReplicaHeader, job: str) -> list[tuple[str, int]]:
     seen: set[str] = set()
     for f in h.files:
         problem = component_problem(f.name) if len(f.name) <= MAX_FILE_NAME else "too long"
-        if problem or f.name.startswith(".") or f.name in seen:
+        if problem or f.name.startswith(".") or f.name in seen or f.name == MANIFEST_NAME:
             raise invalid(f"replica file {f.name[:80]!r} is not a plain, new name")
         if sizes.get(f.name) != f.size:
             raise invalid(f"replica file {f.name[:80]!r}: {f.size} bytes, not the manifest's")
@@ -136,14 +151,16 @@ class ReplicaStore:
 
     # -- receiving ------------------------------------------------------------
 
-    def receive(self, header: pb.ReplicaHeader, chunks: Iterator[Data]) -> Replica:
-        """Receive one replica (Replicate); it is visible when this returns."""
+    def receive(self, header: pb.ReplicaHeader, manifest: bytes, chunks: Iterator[Data]
+                ) -> Replica:
+        """Receive one replica (Replicate: its header, its manifest, in the header
+        or after it, replica_manifest.py); it is visible when this returns."""
         if self.budget <= 0:
             raise RequestError("RESOURCE_EXHAUSTED",
                                "this fastpersistd keeps no replicas for other nodes "
                                "(--replica-bytes 0)")
-        files = _check_header(header, self.job)
-        r = Replica(header.node, header.path, header.manifest, header.failure_domain,
+        files = _check_header(header, manifest, self.job)
+        r = Replica(header.node, header.path, manifest, header.failure_domain,
                     header.committed_unix, files, size=sum(s for _, s in files))
         self._reserve(r)
         try:
@@ -152,6 +169,10 @@ class ReplicaStore:
             r.fd = dirs.open_dir(r.name, self.shm_fd)
             fcntl.flock(r.fd, fcntl.LOCK_EX)
             self._write(r, chunks)
+            self._write_manifest(r)
+            r.manifest_len, r.digest = len(manifest), hashlib.sha256(manifest).digest()
+            if not r.inline:
+                r.manifest = b""  # not held twice: ReadReplica serves its file
         except BaseException:
             self._discard(r)
             raise
@@ -220,6 +241,14 @@ class ReplicaStore:
             raise invalid(f"replica {r.path[:80]!r}: the stream ended at file {index} of "
                           f"{len(order)}, {r.received} of {r.size} bytes")
 
+    def _write_manifest(self, r: Replica) -> None:
+        """The manifest beside the data files: ReadReplica serves it, for a
+        manifest too large for the Replicas reply (tensors/peer_manifest.py)."""
+        fd = self._open_file(r, MANIFEST_NAME)
+        view = memoryview(r.manifest)
+        while view:
+            view = view[os.write(fd, view):]
+
     def _open_file(self, r: Replica, name: str) -> int:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o640, dir_fd=r.fd)
@@ -268,7 +297,7 @@ class ReplicaStore:
                 raise RequestError("NOT_FOUND", f"this fastpersistd holds no complete replica "
                                                 f"of {path[:80]!r} of node {node[:80]!r} "
                                                 "with that manifest")
-            sizes = dict(r.files)
+            sizes = {**dict(r.files), MANIFEST_NAME: r.manifest_len}
             unknown = names - sizes.keys()
             if unknown:
                 raise RequestError("NOT_FOUND", f"the replica holds no data file "

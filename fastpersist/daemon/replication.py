@@ -43,7 +43,7 @@ from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ..storage import dirs
 from ..tier.checked import CheckedFile, LocalCorruption
-from . import logs, peers, replica_wire
+from . import logs, peers, replica_manifest, replica_wire
 from .metrics import Metrics
 from .paths import PathError
 from .peers import Peer, PeerSettings, TokenBucket
@@ -152,7 +152,7 @@ class Replicator:
         opened = self._open(p.relpath)
         if opened is None:
             return True
-        header, fds = opened
+        header, manifest, fds = opened
         try:
             candidates = self._candidates(p)
             order, outside = peers.placement(self.settings, candidates, p.relpath)
@@ -162,7 +162,7 @@ class Replicator:
                 batch = order[tried:tried + need]
                 tried += len(batch)
                 for peer, ok in zip(batch, self._senders.map(
-                        lambda q: self._send(q, header, fds), batch), strict=True):
+                        lambda q: self._send(q, header, manifest, fds), batch), strict=True):
                     if ok:
                         p.done.add(peer.node)
                         need -= 1
@@ -198,8 +198,9 @@ class Replicator:
                 found.append(peer)
         return found
 
-    def _open(self, relpath: str) -> tuple[pb.ReplicaHeader, list[File]] | None:
-        """The header and (descriptor, size) of each data file to send; None
+    def _open(self, relpath: str) -> tuple[pb.ReplicaHeader, bytes, list[File]] | None:
+        """The header (without the manifest: replica_manifest.py puts it in),
+        the manifest and (descriptor, size) of each data file to send; None
         when the checkpoint is gone (deleted, replaced by a directory...)."""
         parts = relpath.split("/")
         try:
@@ -216,7 +217,7 @@ class Replicator:
             manifest = Manifest.from_json(data, relpath)
             header = pb.ReplicaHeader(job=self.settings.job, node=self.settings.node,
                                       failure_domain=self.settings.domain, path=relpath,
-                                      manifest=data, committed_unix=time.time())
+                                      committed_unix=time.time())
             fds: list[File] = []
             try:
                 for f in manifest.files:
@@ -239,34 +240,52 @@ class Replicator:
             return None
         finally:
             os.close(fd)
-        return header, fds
+        return header, data, fds
 
-    def _send(self, peer: Peer, header: pb.ReplicaHeader, fds: list[File]) -> bool:
+    def _send(self, peer: Peer, header: pb.ReplicaHeader, manifest: bytes, fds: list[File]
+              ) -> bool:
         ch = peers.channel(self.settings, peer.target)
         rot: list[LocalCorruption] = []
+        inline = replica_manifest.INLINE_MAX
         try:
             # Not the stub's: data chunks go as bytes encoded here (replica_wire.py).
             replicate = ch.stream_unary(REPLICATE, request_serializer=replica_wire.encode_chunk,
                                         response_deserializer=pb.ReplicateResponse.FromString)
-            replicate(self._chunks(header, fds, rot), timeout=self.settings.timeout)
-            return True
+            while True:
+                try:
+                    replicate(self._chunks(header, manifest, fds, rot, inline),
+                              timeout=self.settings.timeout)
+                    return True
+                except grpc.RpcError as exc:
+                    if rot or inline != replica_manifest.INLINE_MAX \
+                            or len(manifest) > replica_manifest.OLD_INLINE_MAX \
+                            or not replica_manifest.older_peer_refused(exc, len(manifest), inline):
+                        raise
+                # An older peer: once more, the manifest in the header, as it takes it.
+                logs.info("replication-older-peer", path=header.path, peer=peer.target,
+                          manifest_bytes=len(manifest))
+                inline = replica_manifest.OLD_INLINE_MAX
         except grpc.RpcError as exc:
             if rot:  # gRPC cancelled the call for it: the reason is ours
                 raise rot[0] from None
+            error = (exc.details() or "")[:500]
+            if replica_manifest.older_peer_refused(exc, len(manifest), inline):
+                error += f" ({replica_manifest.OLD_PEER_HINT})"
             logs.warning("replication-attempt-failed", path=header.path, peer=peer.target,
-                         code=exc.code().name, error=(exc.details() or "")[:500])
+                         code=exc.code().name, error=error)
             self.metrics.replication_failures.labels(reason="attempt").inc()
             return False
         finally:
             ch.close()
 
-    def _chunks(self, header: pb.ReplicaHeader, fds: list[File], rot: list[LocalCorruption]
-                ) -> Iterator[pb.ReplicaChunk | bytes]:
-        """The header, then each file in order, every span a CRC32C covers
-        checked against the manifest as it is read (tier/checked.py: a file
-        that rotted on this disk is not sent). A data chunk is read into one
-        buffer, reused, and goes encoded (its one copy: replica_wire.py)."""
-        yield pb.ReplicaChunk(header=header)
+    def _chunks(self, header: pb.ReplicaHeader, manifest: bytes, fds: list[File],
+                rot: list[LocalCorruption], inline: int) -> Iterator[pb.ReplicaChunk | bytes]:
+        """The header and the manifest (replica_manifest.py), then each file
+        in order, every span a CRC32C covers checked against the manifest as
+        it is read (tier/checked.py: a file that rotted on this disk is not
+        sent). A data chunk is read into one buffer, reused, and goes encoded
+        (its one copy: replica_wire.py)."""
+        yield from replica_manifest.header_and_parts(header, manifest, inline)
         buf = memoryview(bytearray(CHUNK))
         for index, (fd, f, records) in enumerate(fds):
             try:

@@ -33,8 +33,15 @@ from . import logs
 from .paths import PathError, RequestPath
 
 # A manifest the daemon reads (List) is at most this large: a bigger one would
-# take more memory to parse than the daemon may use.
+# take more memory to parse than the daemon may use. A committed checkpoint
+# whose manifest is larger (the format reads up to 1 GiB) is listed as
+# committed all the same, its size and time left out, and a note says why.
 MAX_MANIFEST_BYTES = 64 << 20
+UNREAD_NOTE = (f"{MANIFEST_NAME} is over the {MAX_MANIFEST_BYTES >> 20} MiB this daemon reads "
+               "for a listing: its size and creation time are not shown (`fpctl inspect` "
+               "shows them)")
+# (name, state, bytes, created, note) of a checkpoint in a listing.
+Entry = tuple[str, str, int, float, str]
 _RESOLVE = ("RESOLVE_BENEATH", "RESOLVE_NO_SYMLINKS", "RESOLVE_NO_MAGICLINKS")
 
 
@@ -220,7 +227,7 @@ class Root:
                     logs.warning("cleanup-failed", path=str(leftover.path), error=str(exc))
 
 
-def list_entries(fd: int) -> Iterator[tuple[str, str, int, float]]:
+def list_entries(fd: int) -> Iterator[Entry]:
     """(name, state, bytes, created) of the checkpoints in the open directory:
     its directories holding a manifest. A manifest that is not a regular file
     (a link to elsewhere, a FIFO) or not a valid one is reported corrupt, by
@@ -239,14 +246,17 @@ def list_entries(fd: int) -> Iterator[tuple[str, str, int, float]]:
             data = dirs.read_regular(MANIFEST_NAME, sub, MAX_MANIFEST_BYTES)
             m = Manifest.from_json(data, name)
         except OSError as exc:
-            yield name, f"corrupt: cannot read {MANIFEST_NAME} ({_reason(exc)})", 0, 0.0
+            if exc.errno == errno.EFBIG:  # committed (retention.is_committed agrees), not read
+                yield name, "committed", 0, 0.0, UNREAD_NOTE
+            else:
+                yield name, f"corrupt: cannot read {MANIFEST_NAME} ({_reason(exc)})", 0, 0.0, ""
             continue
         except (ManifestError, ValueError, TypeError, KeyError, RecursionError):
-            yield name, f"corrupt: {MANIFEST_NAME} is not a valid manifest", 0, 0.0
+            yield name, f"corrupt: {MANIFEST_NAME} is not a valid manifest", 0, 0.0, ""
             continue
         finally:
             os.close(sub)
-        yield name, "committed", m.total_bytes, m.created_unix
+        yield name, "committed", m.total_bytes, m.created_unix, ""
 
 
 def _lstat_mode(name: str, dir_fd: int) -> int:

@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..protocol import shm
 from ..storage.commit import os_error
 from ..storage.retention import AfterCommit
-from . import large_requests, logs, replicas
+from . import large_requests, logs, replica_manifest, replicas
 from .checkpoints import Checkpoint
 from .paths import PathError, parse
 from .peers import PeerSettings
@@ -254,8 +254,9 @@ class Servicer(pb_grpc.FastPersistServicer):
                 memory_only=[pb.ListEntry(name=name, state="memory", bytes=nbytes,
                                           created_unix=created)
                              for name, nbytes, created in held],
-                entries=[pb.ListEntry(name=name, state=state, bytes=nbytes, created_unix=created)
-                         for name, state, nbytes, created in entries],
+                entries=[pb.ListEntry(name=name, state=state, bytes=nbytes, created_unix=created,
+                                      note=note)
+                         for name, state, nbytes, created, note in entries],
                 # Without ids: an id is the capability to submit to, commit or abort a
                 # checkpoint, and only the client that began it should hold it.
                 in_flight=[_status({**c.status(), "checkpoint_id": ""}) for c in in_flight])
@@ -331,7 +332,9 @@ class Servicer(pb_grpc.FastPersistServicer):
             first = next(request_iterator, None)
             if not isinstance(first, pb.ReplicaChunk) or first.WhichOneof("part") != "header":
                 raise invalid("a Replicate stream must start with a header chunk")
-            self._store().receive(first.header, _replica_chunks(request_iterator))
+            with replica_manifest.room(first.header, request_iterator, context) as chunks:
+                manifest = replica_manifest.receive(first.header, chunks)
+                self._store().receive(first.header, manifest, _replica_chunks(chunks))
             return pb.ReplicateResponse()
         return self._guard(context, run)
 
@@ -345,7 +348,11 @@ class Servicer(pb_grpc.FastPersistServicer):
                 info = reply.replicas.add(node=r.node, path=r.path, bytes=r.size,
                                           complete=r.complete, failure_domain=r.domain,
                                           committed_unix=r.committed_unix,
-                                          manifest=r.manifest if r.complete else b"")
+                                          manifest_bytes=r.manifest_len)
+                if r.complete:  # a large one is read with ReadReplica (peer_read.py)
+                    info.manifest_sha256 = r.sha256
+                    if r.inline:
+                        info.manifest = r.manifest
                 for name, size in r.files:
                     info.files.add(name=name, size=size)
             return reply

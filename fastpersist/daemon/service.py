@@ -42,7 +42,7 @@ from .requests import (
     parse_data_file,
     parse_tree,
 )
-from .rootfs import Root, manifest_at
+from .rootfs import Entry, Root, manifest_at
 from .stream_file import Slots
 from .streams import Streams
 from .tiering import DaemonTier
@@ -269,7 +269,7 @@ class Service:
 
     # -- List / Delete (catalog.py) ----------------------------------------------
 
-    def list(self, path: RequestPath) -> tuple[list[tuple[str, str, int, float]],
+    def list(self, path: RequestPath) -> tuple[list[Entry],
                                                list[Checkpoint]]:
         return self.catalog.list(path)
 

@@ -53,7 +53,9 @@ from . import logs, replica_wire
 from .metrics import Metrics
 from .requests import MAX_HEADER_BYTES, MAX_STREAM_CHUNK, RequestError
 
-# What gRPC receives over TCP: a peer's Replicate header holds a manifest.
+# What gRPC receives over TCP: an older peer's Replicate header may hold a
+# manifest of up to this (a newer peer's holds at most 16 MiB and sends a
+# larger one in 4 MiB parts after it, replica_manifest.py).
 MAX_MESSAGE_BYTES = 64 << 20
 # Each open Watch holds a worker thread; beyond this, calls are refused
 # (RESOURCE_EXHAUSTED) instead of queueing behind long-running streams.
@@ -73,7 +75,7 @@ REQUEST_BYTES = {
     "CommitJob": UNARY_PAYLOAD_BYTES + SMALL_REQUEST_BYTES,
     "CommitStream": MAX_STREAM_CHUNK + SMALL_REQUEST_BYTES,  # a chunk: header, or <= 4 MiB
     "CommitJobStream": MAX_STREAM_CHUNK + SMALL_REQUEST_BYTES,
-    "Replicate": MAX_MESSAGE_BYTES,  # the header holds the manifest; chunks <= 4 MiB
+    "Replicate": MAX_MESSAGE_BYTES,  # an older peer's header holds the manifest
     "ReadReplica": 2 << 20,  # up to 4,096 ranges of plain names
 }
 # What a client of this version sends instead of a unary call over its bound:

@@ -58,6 +58,7 @@ from . import packed
 from .committed import records_by_file
 from .headers import header_problems, parse_header
 from .mismatch import Mismatch, raise_for
+from .peer_manifest import manifest_of
 from .plan import memory_of
 from .source import Progress
 
@@ -87,14 +88,16 @@ def replicas(address: str, timeout: float = LOOKUP_TIMEOUT) -> list[PeerReplica]
     """The replicas the daemon at `address` holds (complete, and arriving)."""
     client = DaemonClient(address)
     try:
-        reply = client.stub.Replicas(pb.ReplicasRequest(), timeout=timeout)
-    except grpc.RpcError as exc:
-        raise client.error(exc, "cannot list the peer's replicas") from None
+        try:
+            reply = client.stub.Replicas(pb.ReplicasRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise client.error(exc, "cannot list the peer's replicas") from None
+        return [PeerReplica(address, r.node, r.path, r.bytes, r.complete,
+                            manifest_of(client, r, READ_TIMEOUT), r.failure_domain,
+                            r.committed_unix, {f.name: f.size for f in r.files})
+                for r in reply.replicas]
     finally:
         client.close()
-    return [PeerReplica(address, r.node, r.path, r.bytes, r.complete, r.manifest,
-                        r.failure_domain, r.committed_unix, {f.name: f.size for f in r.files})
-            for r in reply.replicas]
 
 
 def find(addresses: Sequence[str], path: str, node: str | None = None,
