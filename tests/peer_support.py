@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 import tls_support
+from daemon_raw import close_remote_savers
 from daemon_support import Daemon
 
 from fastpersist._proto import fastpersist_pb2 as pb
@@ -63,6 +64,22 @@ class Node:
                 token or files["token"].read_text().strip()))
         return grpc.secure_channel(self.target, creds, [("grpc.use_local_subchannel_pool", 1),
                                                         ("grpc.max_send_message_length", -1)])
+
+
+def peer_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PeerGroup]:
+    """The body of a test module's `group` fixture: a PeerGroup whose TLS CA and
+    token this process's clients use (no proxy in the way), and every
+    daemon and remote saver closed after the test."""
+    for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    g = PeerGroup(tmp_path)
+    monkeypatch.setenv("FASTPERSIST_DAEMON_CA_FILE", str(g.files["cert"]))
+    monkeypatch.setenv("FASTPERSIST_DAEMON_TOKEN_FILE", str(g.files["token"]))
+    try:
+        yield g
+    finally:
+        close_remote_savers()
+        g.cleanup()
 
 
 class PeerGroup:

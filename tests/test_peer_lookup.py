@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_raw import close_remote_savers
-from peer_support import Node, PeerGroup, wait_for
+from peer_support import Node, PeerGroup, peer_group, wait_for
 
 import fastpersist
 
@@ -86,16 +85,7 @@ def _still_open(conn: socket.socket) -> bool:
 
 @pytest.fixture
 def group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PeerGroup]:
-    for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-        monkeypatch.delenv(var, raising=False)
-    g = PeerGroup(tmp_path)
-    monkeypatch.setenv("FASTPERSIST_DAEMON_CA_FILE", str(g.files["cert"]))
-    monkeypatch.setenv("FASTPERSIST_DAEMON_TOKEN_FILE", str(g.files["token"]))
-    try:
-        yield g
-    finally:
-        close_remote_savers()
-        g.cleanup()
+    yield from peer_group(tmp_path, monkeypatch)
 
 
 def state_of(step: int) -> dict[str, torch.Tensor]:

@@ -22,9 +22,8 @@ import grpc
 import pytest
 import tls_support
 import torch
-from daemon_raw import close_remote_savers
 from grpc import StatusCode as Code
-from peer_support import MIB, Node, PeerGroup, chunks, flip_byte, header_of, wait_for
+from peer_support import MIB, Node, PeerGroup, chunks, flip_byte, header_of, peer_group, wait_for
 
 import fastpersist
 from fastpersist._proto import fastpersist_pb2 as pb
@@ -45,14 +44,7 @@ def _no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PeerGroup]:
-    g = PeerGroup(tmp_path)
-    monkeypatch.setenv("FASTPERSIST_DAEMON_CA_FILE", str(g.files["cert"]))
-    monkeypatch.setenv("FASTPERSIST_DAEMON_TOKEN_FILE", str(g.files["token"]))
-    try:
-        yield g
-    finally:
-        close_remote_savers()
-        g.cleanup()
+    yield from peer_group(tmp_path, monkeypatch)
 
 
 def save(node: Node, name: str, state: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch,
