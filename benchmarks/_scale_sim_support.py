@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from fastpersist.distributed.layout import RankView, unaliased
-from fastpersist.distributed.planner import Plan, RankInfo
+from fastpersist.distributed.planner import Piece, RankInfo
 from fastpersist.format.names import part_file_name
 from fastpersist.format.records import FileRecord, TensorRecord
 from fastpersist.tensors import state
@@ -126,9 +126,8 @@ class SimStorage:
         pass
 
 
-def records_for(rank: int, share: Plan) -> list[tuple[FileRecord, list[TensorRecord]]]:
-    """What storage.write returns for a rank's share: one data file of its pieces."""
-    pieces = share.for_rank(rank)
+def records_for(rank: int, pieces: list[Piece]) -> list[tuple[FileRecord, list[TensorRecord]]]:
+    """What storage.write returns for a rank's pieces: one data file of them."""
     if not pieces:
         return []
     name = part_file_name(rank, 0)

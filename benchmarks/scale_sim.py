@@ -13,8 +13,9 @@ runs on them, as rank 0 runs it (coordinator.Save's steps 2-5):
   balance), then Plan.shares and the pickling scatter_object_list does;
 - commit: rank 0 unpickles what every rank sent (its file and tensor records
   as storage.write returns them, one data file per rank, rendered by
-  written.rendered on that rank: untimed, as the ranks do it in parallel; the
-  slowest rank's is reported), then written.job_manifest, then
+  written.rendered on that rank, which first works out its pieces from its
+  share (Share.pieces): untimed, as the ranks do it in parallel; the slowest
+  rank's is reported), then written.job_manifest, then
   commit_point.CommitPoint.commit (the commit exchange, the ballot in the
   store, the phase agreement), over a coordinator whose collectives return
   what the other ranks would send and a storage whose publish does nothing;
@@ -114,11 +115,13 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     # gather: the ranks' work, in parallel; untimed, but the slowest is kept.
     sent, render_max = [], 0.0
     for r, s in enumerate(shares):
-        share = pickle.loads(s)
-        records = records_for(r, share)
         began = time.perf_counter()
-        sent.append(pickle.dumps(rendered(share.for_rank(r), records)))
-        render_max = max(render_max, time.perf_counter() - began)
+        pieces = pickle.loads(s).pieces(job.layouts[job.coords[r]][0])
+        expanded = time.perf_counter() - began
+        records = records_for(r, pieces)  # storage.write's: not timed
+        began = time.perf_counter()
+        sent.append(pickle.dumps(rendered(pieces, records)))
+        render_max = max(render_max, expanded + time.perf_counter() - began)
     record_start = time.perf_counter()
     gathered = [pickle.loads(m) for m in sent]  # gather_object unpickles on rank 0
     manifest = job_manifest(plan, job.tree, gathered)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 import random
 
 import pytest
@@ -247,6 +248,21 @@ def test_random_meshes_are_covered_once_by_holders_in_bounded_balanced_pieces(se
         loads = [per_rank[r.rank] * weight[r.rank] for r in ranks if r.layout == layout]
         assert max(loads) - min(loads) <= 2 * biggest + 1, (per_rank, biggest)
     assert plan == make_plan(list(reversed(ranks)), min_piece_bytes=min_piece)
+    # What each rank works out from its share (sent pickled) and its own
+    # items is its part of the coordinator's plan, in the same order.
+    for r, share in zip(ranks, plan.shares(), strict=True):
+        assert pickle.loads(pickle.dumps(share)).pieces(r.items) == plan.for_rank(r.rank)
+
+
+def test_a_share_is_small_however_many_pieces_its_rank_writes() -> None:
+    # Pure data parallelism, 512 ranks, 600 tensors: a rank's share names its
+    # run of the layout's bytes, not its pieces, and rank 0 makes none.
+    items = tuple(Item.whole(f"w{n}", "F32", (256, 64)) for n in range(600))
+    plan = make_plan(dp(512, items), min_piece_bytes=4096)
+    assert "pieces" not in plan.memo  # nothing expanded the plan
+    sizes = [len(pickle.dumps(s)) for s in plan.shares()]
+    assert max(sizes) < 300, max(sizes)
+    assert sum(len(plan.share(r).pieces(items)) for r in range(512)) == len(plan.pieces)
 
 
 def test_pieces_of_a_byte_still_leave_scalars_whole() -> None:

@@ -68,7 +68,7 @@ from .layout import (
 )
 from .outcome import Ballot, SaveStore, forget, job_store, post_mortem, this_process
 from .phases import Coordinator, Failure, Phase, RanksLost, coordinator_for, failure
-from .planner import Item, Plan, RankInfo, layout_digest, make_plan
+from .planner import Item, Plan, RankInfo, Share, layout_digest, make_plan
 from .settling import has_prepared, settle_with
 from .storage import Storage, ident_of
 from .written import job_manifest, rendered
@@ -183,11 +183,14 @@ class Save(CommitPoint):
             share = phase.collective("plan", lambda: co.scatter(shares))
             if isinstance(share, Failure):
                 phase.agree("plan", share if co.rank == 0 else None)
-            assert isinstance(share, Plan)
+            assert isinstance(share, Share)
             plan = made if isinstance(made, Plan) else share
             co.cache.put(key, plan)
             co.plans_made += 1
         self.plan = plan
+        # This rank's pieces, from its share and its own items (plan.py):
+        # a rank's work, not the coordinator's.
+        self.mine = (plan.share(co.rank) if isinstance(plan, Plan) else plan).pieces(items)
 
         # 3 stage: the first rank of each domain makes the directory
         error, made_path = None, ""
@@ -233,7 +236,7 @@ class Save(CommitPoint):
         """This rank's pieces, as tensors to write (views of the live state)."""
         by_key = {h.item.key: h for h in self.held}
         stored = []
-        for piece in self.plan.for_rank(self.co.rank):
+        for piece in self.mine:
             h = by_key[piece.key]
             if not within(piece, h):
                 raise AssertionError(f"{piece.name}: planned from a box this rank does not hold")
@@ -263,7 +266,7 @@ class Save(CommitPoint):
             records = self.storage.write(self.target, self.directory, co.rank, files,
                                          self.nodes[co.rank] if self.node_local else None,
                                          self.frame_bytes)
-            written = rendered(self.plan.for_rank(co.rank), records)
+            written = rendered(self.mine, records)
             self._raise_if_aborted()  # the last moment at which one rank can stop the job
         except Exception as exc:
             error = failure(co.rank, "write", exc)
@@ -277,6 +280,7 @@ class Save(CommitPoint):
         if co.rank == 0:
             assert gathered is not None
             # Every rank wrote (the write phase agreed), so every rank sent its records.
+            assert isinstance(self.plan, Plan)
             manifest = job_manifest(self.plan, self.tree, [w for w in gathered if w is not None])
         self.commit(manifest)
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 import fastpersist
 from fastpersist.distributed import coordinator
+from fastpersist.distributed.planner import Plan
 
 GEN_SEED = 1234
 
@@ -251,13 +252,13 @@ def _run(scenario: str, args: dict[str, Any], path: str, rank: int,
                                  compression=args.get("compression"))
             co = coordinator.coordinator_for(dist.group.WORLD)
             result["plans_made"] = co.plans_made
-            result["plan_bytes"] = {str(r): n for r, n in co.cache.plan.bytes_per_rank().items()}  # type: ignore[union-attr]
             result["largest_received"] = max(received, default=0)
             result["items_sent"] = sum(items_sent)
             cached = co.cache.plan
             assert cached is not None
-            result["cached_pieces"] = len(cached.pieces)
-            result["own_pieces"] = len(cached.for_rank(rank))
+            result["cached"] = type(cached).__name__  # rank 0: the Plan; the others: a Share
+            if isinstance(cached, Plan):
+                result["plan_bytes"] = {str(r): n for r, n in cached.bytes_per_rank().items()}
             result["ok"] = True
         elif scenario == "fail_copy":
             if rank == args["fail_rank"]:

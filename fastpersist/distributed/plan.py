@@ -1,0 +1,269 @@
+"""A plan's data: the boxes ranks hold (Item), the pieces writers write
+(Piece), and the plan itself (Plan, on the coordinator) with each rank's part
+of it (Share, what the coordinator sends that rank). planner.make_plan makes
+plans; runs.py cuts a layout's own boxes at the runs' bounds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..format import dtypes
+from .runs import layout_pieces, run_pieces
+
+# Boxes larger than this are cut into row ranges (unless the caller says
+# otherwise): big enough that a piece is written at full speed, small enough
+# that a handful of huge tensors still balances over many writers.
+DEFAULT_MIN_PIECE_BYTES = 4 << 20
+
+
+class Item(NamedTuple):
+    """A box of a global tensor that a rank holds: rows offsets[0]..offsets[0]+shape[0], etc.
+    A named tuple, not a dataclass: the planner hashes, sorts and pickles
+    hundreds of thousands of them at scale, and a tuple does that in C."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    @staticmethod
+    def whole(key: str, dtype: str, shape: tuple[int, ...]) -> Item:
+        return Item(key, dtype, shape, (0,) * len(shape), shape)
+
+
+def layout_digest(items: Sequence[Item]) -> str:
+    """Fingerprint of a rank's items. Each rank computes its own (in parallel),
+    so that the planner groups ranks of one layout without comparing items,
+    and a plan cache can tell an unchanged layout from a few bytes per rank."""
+    h = hashlib.blake2b(digest_size=16)
+    for i in items:
+        h.update(repr((i.key, i.dtype, i.global_shape, i.offsets, i.shape)).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What one rank tells the coordinator: where it runs and what it holds.
+    `layout` is layout_digest(items); ranks with equal layouts hold the same boxes."""
+
+    rank: int
+    node: str
+    items: tuple[Item, ...]
+    layout: str
+
+
+class Piece(NamedTuple):
+    """A box one writer writes: `item`'s rows start..start+rows (whole item: 0..shape[0])."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]  # in the global tensor
+    shape: tuple[int, ...]
+    writer: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    @property
+    def name(self) -> str:
+        """Its name in a data file: unique within the checkpoint."""
+        return f"{self.key}@{','.join(map(str, self.offsets))}"
+
+
+class Layout(NamedTuple):
+    """One layout of a plan: its items, its members (the ranks that hold it,
+    ascending), where each member's run of its own bytes ends (balance.bounds)
+    and which of its items are shared with other layouts (a bitmap, bit n for
+    item n: those are not its own; their pieces are chosen one by one)."""
+
+    items: tuple[Item, ...]
+    members: tuple[int, ...]
+    ends: tuple[int, ...]
+    shared: bytes
+
+
+@dataclass(frozen=True)
+class Share:
+    """A rank's part of a plan: what it needs, with its own items, to work out
+    the pieces it writes (pieces()). Its own boxes are two numbers, a run
+    (runs.py), so that what the coordinator sends a rank does not grow with
+    the job: at 16,384 ranks the pieces of every rank were 300,000 objects to
+    make and pickle on rank 0, while the others waited."""
+
+    rank: int
+    node: str
+    start: int  # its run of its layout's own bytes: [start, end)
+    end: int | None  # None: the last run, to the end
+    shared: bytes  # its layout's Layout.shared
+    target: int  # the plan's piece size
+    chosen: tuple[Piece, ...]  # its pieces of shared boxes, in the keys' order
+
+    def pieces(self, items: Sequence[Item]) -> list[Piece]:
+        """Its pieces, given the items of its layout: in the keys' order, then by offsets."""
+        own = own_items(items, self.shared)
+        mine = run_pieces(own, sizes_of(own, {}), self.start, self.end, self.target, self.rank,
+                          make_piece)
+        if not self.chosen:
+            return mine
+        return _merged(mine, self.chosen, {i.key: n for n, i in enumerate(items)})
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # Pieces travel as plain tuples: pickle writes those in C, and a named
+        # tuple costs a Python call each.
+        return _share_of, (self.rank, self.node, self.start, self.end, self.shared,
+                           self.target, tuple(map(tuple, self.chosen)))
+
+
+def _share_of(rank: int, node: str, start: int, end: int | None, shared: bytes, target: int,
+              chosen: tuple[tuple[object, ...], ...]) -> Share:
+    return Share(rank, node, start, end, shared, target, tuple(map(Piece._make, chosen)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The coordinator's plan: every rank's share, and the whole of it."""
+
+    keys: tuple[str, ...]  # the job's tensors, in the ranks' order
+    nodes: dict[int, str] = field(hash=False)
+    layouts: dict[str, Layout] = field(hash=False)
+    chosen: dict[int, tuple[Piece, ...]] = field(hash=False)  # pieces of shared boxes
+    target: int = DEFAULT_MIN_PIECE_BYTES
+    unique_bytes: int = 0
+    # What is worked out from the plan alone, once (every piece, written.py's
+    # globals): a plan is made once and used save after save (PlanCache).
+    memo: dict[str, object] = field(default_factory=dict, hash=False, compare=False,
+                                    repr=False)
+
+    def shares(self) -> list[Share]:
+        """Each rank's share, in rank order: O(1) a rank, plus its chosen pieces."""
+        out: dict[int, Share] = {}
+        for lay in self.layouts.values():
+            start = 0
+            for j, r in enumerate(lay.members):
+                end = None if j == len(lay.members) - 1 else lay.ends[j]
+                out[r] = Share(r, self.nodes[r], start, end, lay.shared, self.target,
+                               self.chosen.get(r, ()))
+                start = lay.ends[j]
+        return [out[r] for r in sorted(out)]
+
+    def share(self, rank: int) -> Share:
+        for lay in self.layouts.values():
+            if rank in lay.members:
+                j = lay.members.index(rank)
+                return Share(rank, self.nodes[rank], lay.ends[j - 1] if j else 0,
+                             None if j == len(lay.members) - 1 else lay.ends[j], lay.shared,
+                             self.target, self.chosen.get(rank, ()))
+        raise KeyError(rank)
+
+    def for_rank(self, rank: int) -> list[Piece]:
+        return [p for p in self.pieces if p.writer == rank]
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """Every piece, by writer, each writer's as its Share.pieces gives
+        them: the coordinator's view of the whole plan (checks, tests,
+        benchmarks), worked out once. A save does not need it."""
+        pieces = self.memo.get("pieces")
+        if pieces is None:
+            order = {k: n for n, k in enumerate(self.keys)}
+            mine: dict[int, list[Piece]] = {}
+            for lay in self.layouts.values():
+                own = own_items(lay.items, lay.shared)
+                mine.update(layout_pieces(own, sizes_of(own, {}), lay.ends, lay.members,
+                                          self.target, make_piece))
+            pieces = self.memo["pieces"] = tuple(itertools.chain.from_iterable(
+                _merged(mine[r], self.chosen.get(r, ()), order) for r in sorted(mine)))
+        assert isinstance(pieces, tuple)
+        return pieces
+
+    def bytes_per_rank(self) -> dict[int, int]:
+        out = dict.fromkeys(self.nodes, 0)
+        for p in self.pieces:
+            out[p.writer] += p.nbytes
+        return out
+
+    def bytes_per_node(self) -> dict[str, int]:
+        out = dict.fromkeys(sorted(set(self.nodes.values())), 0)
+        for p in self.pieces:
+            out[self.nodes[p.writer]] += p.nbytes
+        return out
+
+
+# Piece._make's way, without its checks: plans make hundreds of thousands.
+make_piece = functools.partial(tuple.__new__, Piece)
+
+
+def own_items(items: Sequence[Item], shared: bytes) -> list[Item]:
+    """The items whose bit is clear in `shared` (bitmap's)."""
+    own = itertools.chain.from_iterable(map(_CLEAR_BITS.__getitem__, shared))
+    return list(itertools.compress(items, own))
+
+
+# Per byte value, whether each of its bits (lowest first) is clear.
+_CLEAR_BITS = [tuple(not b >> i & 1 for i in range(8)) for b in range(256)]
+
+
+def bitmap(flags: Sequence[bool]) -> bytes:
+    """Bit n set where flags[n]: a layout's shared items in 1/8 byte each."""
+    out = bytearray((len(flags) + 7) // 8)
+    for n, flag in enumerate(flags):
+        if flag:
+            out[n >> 3] |= 1 << (n & 7)
+    return bytes(out)
+
+
+def _merged(mine: list[Piece], chosen: Sequence[Piece], order: dict[str, int]) -> list[Piece]:
+    """A rank's pieces of its own boxes (in the keys' order) with its pieces
+    of shared boxes put in between: a rank holds one box of a key, own or
+    shared, so each goes after the keys before it."""
+    for p in chosen:
+        mine.insert(bisect.bisect_right(mine, order[p.key], key=lambda q: order[q.key]), p)
+    return mine
+
+
+def sizes_of(boxes: Iterable[Item], memo: dict[tuple[str, tuple[int, ...]], int]) -> list[int]:
+    """Each box's bytes (Item.nbytes), worked out once per dtype and shape:
+    a job has few shapes and many boxes."""
+    out = []
+    for box in boxes:
+        shape = (box.dtype, box.shape)
+        n = memo.get(shape)
+        if n is None:
+            n = memo[shape] = box.nbytes
+        out.append(n)
+    return out
+
+
+class PlanCache:
+    """The last plan (the coordinator's) or share (another rank's) and the
+    descriptions it was made for: an unchanged layout (the usual case, save
+    after save) costs a digest comparison, not a plan."""
+
+    def __init__(self) -> None:
+        self.digests: tuple[str, ...] | None = None
+        self.plan: Plan | Share | None = None
+
+    def get(self, digests: Sequence[str]) -> Plan | Share | None:
+        return self.plan if self.digests == tuple(digests) else None
+
+    def put(self, digests: Sequence[str], plan: Plan | Share) -> None:
+        self.digests, self.plan = tuple(digests), plan
+
+
+__all__ = ["DEFAULT_MIN_PIECE_BYTES", "Item", "Layout", "Piece", "Plan", "PlanCache", "RankInfo",
+           "Share", "bitmap", "layout_digest", "make_piece", "sizes_of"]
