@@ -214,17 +214,16 @@ def own_items(items: Sequence[Item], shared: bytes) -> list[Item]:
     return list(itertools.compress(items, own))
 
 
-# Per byte value, whether each of its bits (lowest first) is clear.
-_CLEAR_BITS = [tuple(not b >> i & 1 for i in range(8)) for b in range(256)]
-
-
 def bitmap(flags: Sequence[bool]) -> bytes:
     """Bit n set where flags[n]: a layout's shared items in 1/8 byte each."""
-    out = bytearray((len(flags) + 7) // 8)
-    for n, flag in enumerate(flags):
-        if flag:
-            out[n >> 3] |= 1 << (n & 7)
-    return bytes(out)
+    padded = [*flags, *[False] * (-len(flags) % 8)]
+    return bytes(map(_PACKED.__getitem__, zip(*[iter(padded)] * 8, strict=True)))
+
+
+# own_items' and bitmap's tables, so that both run in C: per byte value,
+# whether each of its bits (lowest first) is clear, and the other way round.
+_CLEAR_BITS = [tuple(not b >> i & 1 for i in range(8)) for b in range(256)]
+_PACKED = {tuple(bool(b >> i & 1) for i in range(8)): b for b in range(256)}
 
 
 def _merged(mine: list[Piece], chosen: Sequence[Piece], order: dict[str, int]) -> list[Piece]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 
 from ..errors import CheckpointError
@@ -35,7 +36,6 @@ from .plan import (
     bitmap,
     layout_digest,
     make_piece,
-    sizes_of,
 )
 from .tiling import tiling_problem, unique_bytes
 
@@ -65,8 +65,15 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
     problem = tiling_problem(by_key)
     if problem:
         raise PlanError(problem)
-    total = unique_bytes(by_key)
-    memo: dict[tuple[str, tuple[int, ...]], int] = {}
+    memo: dict[tuple[str, tuple[int, ...]], int] = {}  # bytes per dtype and shape
+    # Each layout's own bytes (what only its members hold), and so the job's:
+    # those plus the shared boxes', each counted once.
+    shared_flags, own_bytes = {}, {}
+    for layout, items in layouts.items():
+        flags = shared_flags[layout] = list(map(several.__contains__, items))
+        own_bytes[layout] = (unique_bytes([items], memo)
+                             - unique_bytes([list(itertools.compress(items, flags))], memo))
+    total = sum(own_bytes.values()) + unique_bytes([list(several)], memo)
     # Cut so that each writer gets many pieces: the greedy choice below
     # balances to within about one piece, here 1/16 of a writer's share.
     target = max(min_piece_bytes, math.ceil(total / (len(ranks) * 16)), 1)
@@ -94,11 +101,9 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
     # plan's time.
     planned: dict[str, Layout] = {}
     for layout, items in layouts.items():
-        flags = [i in several for i in items]
-        own_bytes = sum(sizes_of(itertools.compress(items, (not f for f in flags)), memo))
         planned[layout] = Layout(items, tuple(members[layout]),
-                                 tuple(bounds(chooser, members[layout], own_bytes)),
-                                 bitmap(flags))
+                                 tuple(bounds(chooser, members[layout], own_bytes[layout])),
+                                 bitmap(shared_flags[layout]))
     return Plan(tuple(keys), nodes, planned,
                 {r: tuple(sorted(got, key=lambda p: (keys[p.key], p.offsets)))
                  for r, got in chosen.items()},
@@ -110,16 +115,19 @@ def _first_three(p: tuple[int, int, tuple[int, ...], Item, tuple[str, ...]]
     return p[0], p[1], p[2]
 
 
+_KEY_DTYPE_SHAPE = operator.itemgetter(0, 1, 2)  # an Item's, in C
+
+
 def _check_keys(layouts: dict[str, tuple[Item, ...]], members: dict[str, list[int]]
                 ) -> dict[str, int]:
     """Every rank must hold the same tensors (keys, dtypes, global shapes), in one order."""
     (first_layout, first), *others = layouts.items()
     rank0 = members[first_layout][0]
-    want = [(i.key, i.dtype, i.global_shape) for i in first]
+    want = list(map(_KEY_DTYPE_SHAPE, first))
     if len({k for k, _, _ in want}) != len(want):
         raise PlanError(f"rank {rank0} describes a key twice")
     for layout, items in others:
-        got = [(i.key, i.dtype, i.global_shape) for i in items]
+        got = list(map(_KEY_DTYPE_SHAPE, items))
         if got != want:
             raise PlanError(f"rank {members[layout][0]} and rank {rank0} disagree on the "
                             f"state's tensors: {_first_difference(got, want)}")

@@ -8,6 +8,7 @@ import itertools
 import math
 import operator
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from ..format import dtypes
@@ -54,9 +55,11 @@ def tiling_problem(by_key: list[list[Box]]) -> str | None:
     return None
 
 
-def unique_bytes(by_key: list[list[Box]]) -> int:
-    """The bytes of the boxes, counted once per dtype and shape."""
-    sizes: dict[tuple[str, tuple[int, ...]], int] = {}
+def unique_bytes(by_key: Sequence[Sequence[Box]],
+                 sizes: dict[tuple[str, tuple[int, ...]], int] | None = None) -> int:
+    """The bytes of the boxes, worked out once per dtype and shape (in
+    `sizes`, which the caller may keep for its next call)."""
+    sizes = {} if sizes is None else sizes
     total = 0
     for items in by_key:
         for (dtype, shape), n in Counter(map(_DTYPE_SHAPE, items)).items():
