@@ -78,7 +78,7 @@ def reference(doc: Any, base: Base, verify: bool) -> Any:
     if not isinstance(doc, dict) or doc.get("format") != "fastpersist-checkpoint":
         raise Invalid
     version, files, records = doc.get("schema_version"), doc.get("files"), doc.get("tensors")
-    if type(version) is not int or version not in (1, 2) or not isinstance(files, list) or (
+    if type(version) is not int or version not in (1, 2, 3) or not isinstance(files, list) or (
             not isinstance(records, list)) or "tree" not in doc:
         raise Invalid
     originals = {_file_identity(f, verify) for f in base.doc["files"]}
@@ -99,9 +99,9 @@ def reference(doc: Any, base: Base, verify: bool) -> Any:
         return flat.view(dtype).reshape(r["shape"])
 
     if "globals" in doc:
-        if version != 2:
+        if version == 1:
             raise Invalid
-        entries = _globals(doc["globals"], record, records)
+        entries = _globals(doc["globals"], record, records, version)
     else:
         entries = [record(i) for i in range(len(records))]  # every record is read
     if _depth(doc["tree"]) > 100:
@@ -123,12 +123,34 @@ def _chunk_data(i: int, record: Callable[[Any], torch.Tensor], records: list[Any
     return record(i)
 
 
-def _globals(raw: Any, record: Callable[[Any], torch.Tensor], records: list[Any]
-             ) -> list[torch.Tensor]:
+def _implied(name: str, records: list[Any]) -> list[dict[str, Any]]:
+    """Schema 3: the chunks of a global that leaves out "chunks", from the
+    records named `<name>@<offsets>` (offsets: decimal digits without sign or
+    leading zero, joined by ","; nothing for a 0-dim global), in their order."""
+    out = []
+    for i, r in enumerate(records):
+        full = r.get("name") if isinstance(r, dict) else None
+        if not isinstance(full, str) or "@" not in full:
+            continue
+        head, _, text = full.rpartition("@")
+        parts = text.split(",") if text else []
+        if head != name or not all(
+                p and len(p) < 100 and all(ch in "0123456789" for ch in p)
+                and (p == "0" or not p.startswith("0")) for p in parts):
+            continue
+        out.append({"tensor": i, "offsets": [int(p) for p in parts]})
+    return out
+
+
+def _globals(raw: Any, record: Callable[[Any], torch.Tensor], records: list[Any],
+             version: int) -> list[torch.Tensor]:
     if not isinstance(raw, list):
         raise Invalid
     out, used = [], set()
     for g in raw:
+        if isinstance(g, dict) and "chunks" not in g and version >= 3 and isinstance(
+                g.get("name"), str):
+            g = {**g, "chunks": _implied(g["name"], records)}
         if not isinstance(g, dict) or not isinstance(g.get("chunks"), list):
             raise Invalid
         shape = g.get("shape")

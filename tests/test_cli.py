@@ -228,6 +228,19 @@ def test_inspect_lists_dtypes_shapes_and_tree(
     assert [k["key"] for k in info["tree"]["keys"]] == ["model", "optimizer", "epoch", "name"]
 
 
+def test_inspect_names_a_distributed_checkpoints_global_tensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tree of a distributed checkpoint refers to its globals, not its records."""
+    from hostile_support import distributed_state
+
+    distributed_state(tmp_path / "dist")
+    rc, out, _ = run(capsys, "inspect", str(tmp_path / "dist"))
+    assert rc == 0
+    assert "  w: tensor w\n" in out and "  rows: tensor rows\n" in out
+    assert "  w_tied: tensor w\n" in out
+
+
 # ---- verify ------------------------------------------------------------------------------
 
 

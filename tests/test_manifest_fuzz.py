@@ -1,7 +1,8 @@
 """Mutated manifests load as exactly what they describe, or are refused.
 
 Hypothesis takes valid checkpoints (a single-process one with every kind of
-value, and a schema-2 one made of chunks), mutates their manifests (keys and
+value, a schema-2 one made of chunks, and that one in schema 3 with its
+chunks implied by the records' names), mutates their manifests (keys and
 list items dropped, duplicated, reordered and swapped; values replaced by 0,
 -1, off-by-one, huge numbers, other types, other names from the manifest;
 nesting bombs) and loads them. fastpersist.load must either raise a
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hostile_support import MANIFEST, aliasing, distributed_state, same, single_state
+from hostile_support import MANIFEST, aliasing, distributed_state, edit, same, single_state
 from hypothesis import event, given, note
 from hypothesis import strategies as st
 from manifest_reference import Base, Invalid, TooBig, base_of, reference
@@ -48,8 +49,19 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Base]:
     root = tmp_path_factory.mktemp("fuzz-bases")
     single = root / "single"
     fastpersist.save(single_state(), single)
+    implied = root / "implied"
+    implied_state = distributed_state(implied)
+    edit(implied, _imply)
     return {"single": base_of(single, single_state()),
-            "distributed": base_of(root / "dist", distributed_state(root / "dist"))}
+            "distributed": base_of(root / "dist", distributed_state(root / "dist")),
+            "implied": base_of(implied, implied_state)}
+
+
+def _imply(doc: dict[str, Any]) -> None:
+    """Schema 3, every global's chunks implied by its records' names."""
+    doc["schema_version"] = 3
+    for g in doc["globals"]:
+        del g["chunks"]
 
 
 # --- mutations -----------------------------------------------------------------------------

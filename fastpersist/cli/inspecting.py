@@ -51,8 +51,10 @@ def _describe(node: Any, manifest: Manifest) -> str:
             return (f"numpy {numpy['kind']} {numpy['dtype']} "
                     f"[{', '.join(map(str, numpy['shape']))}] (tensor {numpy['tensor']})")
         e = node.get("e")
-        name = manifest.tensors[e].name if isinstance(e, int) and 0 <= e < len(
-            manifest.tensors) else f"<bad entry {e!r}>"
+        # A distributed checkpoint's tree refers to its globals, a single one's to its tensors.
+        entries = manifest.globals if manifest.globals is not None else manifest.tensors
+        name = entries[e].name if isinstance(e, int) and 0 <= e < len(
+            entries) else f"<bad entry {e!r}>"
         return f"tensor {name}" + (" (view)" if "view" in node else "")
     if tag == "pickle":
         return "pickled value"

@@ -51,6 +51,7 @@ from ..errors import ManifestError
 from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import (
     DISTRIBUTED_SCHEMA_VERSION,
+    IMPLIED_CHUNKS_SCHEMA_VERSION,
     MANIFEST_NAME,
     FileRecord,
     Manifest,
@@ -262,7 +263,10 @@ def check_job_manifest(job: Job[P], data: bytes, node: str) -> None:
         raise ValueError(str(exc)) from None
     except RecursionError:
         raise ValueError("the manifest is nested too deeply") from None
-    if manifest.globals is None or manifest.schema_version != DISTRIBUTED_SCHEMA_VERSION:
+    # A job's manifest lists its chunks (schema 2) or lets the records' names
+    # imply them (schema 3); either way its globals were checked by from_json.
+    if manifest.globals is None or manifest.schema_version not in (
+            DISTRIBUTED_SCHEMA_VERSION, IMPLIED_CHUNKS_SCHEMA_VERSION):
         raise ValueError("the manifest is not a distributed checkpoint's (no globals)")
     here = {f.name: f for f in manifest.files if not node or f.node == node}
     if node and any(f.node is None for f in manifest.files):

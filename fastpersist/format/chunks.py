@@ -11,12 +11,19 @@ the global box exactly once if and only if their signed corners add up to the
 global box's own corners. That costs (chunks x 2**d) for d the dimensions the
 chunks actually cut, with no assumption about their layout (grids, row pieces,
 bricks); the cost is bounded up front, in proportion to the manifest's size.
+
+From schema version 3 a global may leave out "chunks": its chunks are then
+implied by the tensor records' names, `<global name>@<offsets>` (the names a
+distributed save gives its pieces), so that a large job's coordinator need not
+list hundreds of thousands of them. Implied chunks are derived in one pass
+over the records and then checked exactly as listed ones are.
 Torch-free.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -30,6 +37,18 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
 # Corners the tiling check may visit: this many, or 8 a chunk (three cut
 # dimensions) if the manifest has more chunks, whichever is larger.
 MIN_CORNER_BUDGET = 1 << 22
+
+# The first schema version in which a global may leave out "chunks".
+IMPLIED_CHUNKS_SCHEMA_VERSION = 3
+
+# The offsets in a chunk record's name, canonical: one spelling per offsets, so
+# that no two names can mean one chunk and a name's text is its offsets. Empty
+# for a 0-dim global.
+_OFFSETS = re.compile(r"(0|[1-9][0-9]*)(,(0|[1-9][0-9]*))*|")
+# An offset of more digits exceeds every dimension (at most 2**60): it is kept
+# as text, never converted (int() of a 5,000-digit string raises), and the
+# chunk then fails the same "does not fit" check as any offset out of range.
+_MAX_OFFSET_DIGITS = 19
 
 
 class Chunk(NamedTuple):
@@ -46,17 +65,25 @@ class GlobalTensor:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
+    # The manifest leaves out "chunks": they are the records named
+    # `<name>@<offsets>` (schema version 3). `chunks` holds them all the same,
+    # so that readers need not tell; the writer needs it to write the global back
+    # as it was read (and then writes no chunks: whoever sets it must have named
+    # the records so).
+    implied: bool = False
 
 
-def parse_globals(raw: Any, tensors: Sequence[TensorRecord], where: str
+def parse_globals(raw: Any, tensors: Sequence[TensorRecord], where: str, version: int
                   ) -> tuple[GlobalTensor, ...]:
     if not isinstance(raw, list):
         raise malformed(where, "'globals' must be a list")
     out: list[GlobalTensor] = []
     names: dict[str, int] = {}
     user: dict[int, tuple[int, int]] = {}  # record index -> (global, chunk) that uses it
+    implied = implied_chunks(raw, tensors) if version >= IMPLIED_CHUNKS_SCHEMA_VERSION else {}
     total_chunks = sum(len(g["chunks"]) for g in raw
                        if isinstance(g, dict) and isinstance(g.get("chunks"), list))
+    total_chunks += sum(len(c) for c in implied.values())
     budget = max(MIN_CORNER_BUDGET, 8 * total_chunks)
     for i, g in enumerate(raw):
         ctx = f"globals[{i}]"
@@ -71,35 +98,95 @@ def parse_globals(raw: Any, tensors: Sequence[TensorRecord], where: str
                             f"globals[{names[name]}])")
         names[name] = i
         ctx = f"{ctx} ({short(name)})"
-        dtype, shape, raw_chunks = g.get("dtype"), g.get("shape"), g.get("chunks")
+        dtype, shape = g.get("dtype"), g.get("shape")
         if not isinstance(dtype, str) or dtype not in dtypes.SUPPORTED_NAMES:
             raise malformed(where, f"{ctx}: unknown dtype {short(dtype)}")
         problem = shape_problem(shape)
         if problem is not None:
             raise malformed(where, f"{ctx}: shape {short(shape)} {problem}")
-        if not isinstance(raw_chunks, list):
-            raise malformed(where, f"{ctx}: 'chunks' must be a list")
         dims: tuple[int, ...] = tuple(shape)  # type: ignore[arg-type]  # checked above
-        chunks = tuple(_chunk(c, (i, j), dims, dtype, tensors, user, where, ctx)
-                       for j, c in enumerate(raw_chunks))
+        is_implied = "chunks" not in g and version >= IMPLIED_CHUNKS_SCHEMA_VERSION
+        if is_implied:
+            chunks = tuple(_chunk(index, offsets, (i, j), dims, dtype, tensors, user, where,
+                                  ctx) for j, (index, offsets) in enumerate(implied[name]))
+        else:
+            raw_chunks = g.get("chunks")
+            if not isinstance(raw_chunks, list):
+                raise malformed(where, f"{ctx}: 'chunks' must be a list" + (
+                    "" if "chunks" in g else f" (a global may leave it out only from schema "
+                    f"version {IMPLIED_CHUNKS_SCHEMA_VERSION}; this manifest is {version})"))
+            chunks = tuple(_listed_chunk(c, (i, j), dims, dtype, tensors, user, where, ctx)
+                           for j, c in enumerate(raw_chunks))
         budget -= _check_tiling(dims, [(c.offsets, tensors[c.tensor].shape) for c in chunks],
                                 budget, where, ctx)
-        out.append(GlobalTensor(name, dtype, dims, chunks))
+        out.append(GlobalTensor(name, dtype, dims, chunks, is_implied))
     return tuple(out)
 
 
-def _chunk(c: Any, at: tuple[int, int], shape: tuple[int, ...], dtype: str,
+def implied_chunks(raw: list[Any], tensors: Sequence[TensorRecord]
+                   ) -> dict[str, list[tuple[int, list[Any]]]]:
+    """For each global of `raw` that leaves out "chunks" (by name), its chunks
+    as (record index, offsets), in the records' order: every record named
+    `<name>@<offsets>`, split at the last "@", with offsets in canonical form.
+    Unchecked (parse_globals checks them). One pass over the records: a
+    manifest holds hundreds of thousands."""
+    out: dict[str, list[tuple[int, list[Any]]]] = {
+        g["name"]: [] for g in raw
+        if isinstance(g, dict) and "chunks" not in g and isinstance(g.get("name"), str)}
+    if not out:
+        return out
+    # The offsets of each spelling, None where it is not canonical: a job's
+    # layers are cut alike, so most spellings recur, and the lookup halves the
+    # time of a pass (the lists are shared; nothing changes them).
+    seen: dict[str, list[Any] | None] = {}
+    for index, t in enumerate(tensors):
+        name = t.name
+        at = name.rfind("@")
+        if at < 0:
+            continue
+        chunks = out.get(name[:at])
+        if chunks is None:
+            continue
+        text = name[at + 1:]
+        offsets = seen.get(text, _UNSEEN)
+        if offsets is _UNSEEN:
+            offsets = seen[text] = _offsets(text)
+        if offsets is not None:  # else no chunk's name (one meant as one leaves a gap)
+            chunks.append((index, offsets))
+    return out
+
+
+_UNSEEN: Any = object()
+
+
+def _offsets(text: str) -> list[Any] | None:
+    """The offsets a chunk's name spells after its last "@", or None."""
+    if _OFFSETS.fullmatch(text) is None:
+        return None
+    return [int(o) if len(o) <= _MAX_OFFSET_DIGITS else o
+            for o in text.split(",")] if text else []
+
+
+def _listed_chunk(c: Any, at: tuple[int, int], shape: tuple[int, ...], dtype: str,
+                  tensors: Sequence[TensorRecord], user: dict[int, tuple[int, int]],
+                  where: str, ctx: str) -> Chunk:
+    """Chunk at[1] of global at[0], as "chunks" lists it."""
+    if not isinstance(c, dict):
+        raise malformed(where, f"{ctx}: chunk {at[1]} is not an object")
+    index = c.get("tensor")
+    if not is_int(index, 0, len(tensors) - 1):
+        raise malformed(where, f"{ctx}: chunk {at[1]} refers to tensor {short(index)}, not "
+                        f"one of the {len(tensors)} tensors")
+    return _chunk(index, c.get("offsets"), at, shape, dtype, tensors, user, where, ctx)
+
+
+def _chunk(index: int, offsets: Any, at: tuple[int, int], shape: tuple[int, ...], dtype: str,
            tensors: Sequence[TensorRecord], user: dict[int, tuple[int, int]], where: str,
            ctx: str) -> Chunk:
-    """Chunk at[1] of global at[0]; messages are made only when raised (a
+    """Chunk at[1] of global at[0], record `index` (in range) at `offsets`
+    (unchecked), listed or implied; messages are made only when raised (a
     manifest may hold millions of chunks)."""
     j = at[1]
-    if not isinstance(c, dict):
-        raise malformed(where, f"{ctx}: chunk {j} is not an object")
-    index, offsets = c.get("tensor"), c.get("offsets")
-    if not is_int(index, 0, len(tensors) - 1):
-        raise malformed(where, f"{ctx}: chunk {j} refers to tensor {short(index)}, not one "
-                        f"of the {len(tensors)} tensors")
     t = tensors[index]
     if index in user:
         # Two chunks would show the same bytes in two places.
