@@ -371,14 +371,19 @@ def test_a_rank_killed_mid_window_fails_the_job_and_leaves_nothing(tmp_path: Pat
     assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"
 
 
-# --- the schema-2 manifest refuses what does not fit ---------------------------------------
+# --- the schema-3 manifest refuses what does not fit ---------------------------------------
+
+
+def _embed_record(doc: dict[str, Any]) -> dict[str, Any]:
+    """The first tensor record of the global model.embed (its chunks are implied)."""
+    return next(t for t in doc["tensors"] if t["name"].startswith("model.embed@"))
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda d: d["globals"][0]["chunks"][0].update(tensor=10_000), "refers to tensor"),
-    (lambda d: d["globals"][0]["chunks"].pop(), "chunks hold"),
-    (lambda d: d["globals"][0]["chunks"][0].update(offsets=[10_000, 0]), "does not fit"),
+    (lambda d: _embed_record(d).update(name="model.other@0,0"), "chunks hold"),
+    (lambda d: _embed_record(d).update(name="model.embed@10000,0"), "does not fit"),
     (lambda d: d["globals"][0].update(dtype="F16"), "does not fit"),
+    (lambda d: d.update(schema_version=2), "may leave it out only from schema version 3"),
     (lambda d: d.update(schema_version=1), "needs schema version 2"),
     (lambda d: d["files"][0].update(node=""), "'node' must be"),
 ])
@@ -387,8 +392,10 @@ def test_malformed_distributed_manifests_are_refused(tmp_path: Path, damage: Any
     ckpt = tmp_path / "ckpt"
     ok(run_job(tmp_path, "save", ["n0", "n0"], {"path": str(ckpt)}))
     doc = json.loads((ckpt / "manifest.json").read_text())
-    assert doc["schema_version"] == 2 and doc["globals"][0]["name"] == "model.embed"
-    assert len(doc["globals"][0]["chunks"]) > 1  # cut over the two writers
+    assert doc["schema_version"] == 3 and doc["globals"][0]["name"] == "model.embed"
+    assert "chunks" not in doc["globals"][0]  # implied by the records' names
+    # cut over the two writers
+    assert sum(t["name"].startswith("model.embed@") for t in doc["tensors"]) > 1
     damage(doc)
     (ckpt / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(fastpersist.ManifestError, match=message):

@@ -1,7 +1,9 @@
 """What ranks send the coordinator after writing (rendered manifest JSON) and
-the job manifest it makes of them: byte for byte the manifest that
-global_manifest writes of the same records, whatever order a rank's files
-hold its pieces in, and a clear error when the records do not fit the plan."""
+the job manifest it makes of them (schema 3, chunks implied by the records'
+names): the same files, records and tensors, chunk for chunk, as the
+schema-2 manifest global_manifest writes of the same records (chunks listed),
+whatever order a rank's files hold its pieces in, and a clear error when a
+rank's records are not its pieces."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from fastpersist.distributed import layout, written
 from fastpersist.distributed.planner import Item, Plan, RankInfo, layout_digest, make_plan
 from fastpersist.errors import DistributedCheckpointError
 from fastpersist.format.frames import Frame
-from fastpersist.format.manifest import Manifest
+from fastpersist.format.manifest import IMPLIED_CHUNKS_SCHEMA_VERSION, Manifest
 from fastpersist.format.names import part_file_name
 from fastpersist.format.records import FileRecord, TensorRecord
 from fastpersist.tensors import state
@@ -61,7 +63,7 @@ def records(rank: int, pieces: list[Any], compressed: bool = False
 
 
 def expected(plan: Plan, per_rank: list[Any], tree: Any) -> bytes:
-    """The manifest as global_manifest writes it of the same records."""
+    """The manifest as global_manifest writes it of the same records (schema 2)."""
     files = [f for rank in per_rank for f, _ in rank]
     tensors = [t for rank in per_rank for _, ts in rank for t in ts]
     globals_: dict[str, Any] = {k: None for k in plan.keys}
@@ -72,9 +74,22 @@ def expected(plan: Plan, per_rank: list[Any], tree: Any) -> bytes:
     return layout.global_manifest(files, tensors, list(globals_.values()), tree)
 
 
+def same_checkpoint(implied: bytes, listed: bytes) -> None:
+    """The two manifests describe the same checkpoint: files, records, tree,
+    and each tensor's chunks (as records and offsets, in any order)."""
+    a, b = Manifest.from_json(implied, "job"), Manifest.from_json(listed, "expected")
+    assert (a.schema_version, b.schema_version) == (IMPLIED_CHUNKS_SCHEMA_VERSION, 2)
+    assert (a.files, a.tensors, a.tree) == (b.files, b.tensors, b.tree)
+
+    def chunks(m: Manifest) -> list[tuple[str, str, tuple[int, ...], set[Any]]]:
+        return [(g.name, g.dtype, g.shape, {(m.tensors[c.tensor].name, c.offsets)
+                                            for c in g.chunks}) for g in m.globals or ()]
+    assert chunks(a) == chunks(b)
+
+
 @pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("compressed", [False, True])
-def test_the_job_manifest_is_the_one_global_manifest_writes(shuffled: bool,
+def test_the_job_manifest_holds_what_global_manifest_lists(shuffled: bool,
                                                            compressed: bool) -> None:
     plan = job()
     per_rank, sent = [], []
@@ -83,13 +98,11 @@ def test_the_job_manifest_is_the_one_global_manifest_writes(shuffled: bool,
         files = records(rank, mine[::-1] if shuffled else mine, compressed)
         per_rank.append(files)
         sent.append(pickle.loads(pickle.dumps(written.rendered(mine, files))))
-    assert any(w.order is not None for w in sent) == shuffled
     tree = plan_tree(plan)
     data = written.job_manifest(plan, tree, sent)
-    assert data == expected(plan, per_rank, tree)
-    manifest = Manifest.from_json(data, "job")  # it is valid: chunks tile every tensor
-    assert [g.name for g in manifest.globals or ()] == list(plan.keys)
-    # Again with the same plan (its chunks are then taken from the plan's memo).
+    same_checkpoint(data, expected(plan, per_rank, tree))
+    assert b'"chunks"' not in data  # rank 0 lists no chunk
+    # Again with the same plan (its tensors are then taken from the plan's memo).
     assert written.job_manifest(plan, tree, sent) == data
 
 
@@ -108,25 +121,25 @@ def test_a_rank_without_pieces_adds_nothing() -> None:
     plan = make_plan(infos)
     per_rank = [records(r, plan.for_rank(r)) for r in range(4)]
     sent = [written.rendered(plan.for_rank(r), per_rank[r]) for r in range(4)]
-    assert sum(w.tensor_records for w in sent) == 1
+    assert sum(bool(w.tensors) for w in sent) == 1
     tree = plan_tree(plan)
-    assert written.job_manifest(plan, tree, sent) == expected(plan, per_rank, tree)
+    same_checkpoint(written.job_manifest(plan, tree, sent), expected(plan, per_rank, tree))
 
 
 def test_a_rank_whose_files_lack_a_piece_is_refused_by_name() -> None:
     plan = job()
     mine = plan.for_rank(0)
-    files = records(0, mine[1:])
     with pytest.raises(DistributedCheckpointError, match=f"{mine[0].name!r} is missing"):
-        written.rendered(mine, files)
+        written.rendered(mine, records(0, mine[1:]))
+    other = plan.for_rank(1)[0]
+    with pytest.raises(DistributedCheckpointError,
+                       match=f"{other.name!r} is not one of them"):
+        written.rendered(mine, records(0, [*mine[1:], other]))
 
 
-def test_records_that_do_not_fit_the_plan_are_refused() -> None:
+def test_records_of_too_few_ranks_are_refused() -> None:
     plan = job()
     sent = [written.rendered(plan.for_rank(r), records(r, plan.for_rank(r)))
             for r in range(8)]
-    short = [*sent[:3], sent[3]._replace(tensor_records=sent[3].tensor_records - 1), *sent[4:]]
-    with pytest.raises(DistributedCheckpointError, match="rank 3 reported"):
-        written.job_manifest(plan, plan_tree(plan), short)
     with pytest.raises(DistributedCheckpointError, match="7 ranks reported for a plan of 8"):
         written.job_manifest(plan, plan_tree(plan), sent[:7])

@@ -11,7 +11,8 @@ import functools
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -116,11 +117,12 @@ class Share:
     def pieces(self, items: Sequence[Item]) -> list[Piece]:
         """Its pieces, given the items of its layout: in the keys' order, then by offsets."""
         own = own_items(items, self.shared)
-        mine = run_pieces(own, sizes_of(own, {}), self.start, self.end, self.target, self.rank,
+        mine = run_pieces(own, sizes_of(own), self.start, self.end, self.target, self.rank,
                           make_piece)
         if not self.chosen:
             return mine
-        return _merged(mine, self.chosen, {i.key: n for n, i in enumerate(items)})
+        order = dict(zip(map(_KEY, items), itertools.count()))
+        return _merged(mine, self.chosen, order)
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # Pieces travel as plain tuples: pickle writes those in C, and a named
@@ -184,7 +186,7 @@ class Plan:
             mine: dict[int, list[Piece]] = {}
             for lay in self.layouts.values():
                 own = own_items(lay.items, lay.shared)
-                mine.update(layout_pieces(own, sizes_of(own, {}), lay.ends, lay.members,
+                mine.update(layout_pieces(own, sizes_of(own), lay.ends, lay.members,
                                           self.target, make_piece))
             pieces = self.memo["pieces"] = tuple(itertools.chain.from_iterable(
                 _merged(mine[r], self.chosen.get(r, ()), order) for r in sorted(mine)))
@@ -235,17 +237,18 @@ def _merged(mine: list[Piece], chosen: Sequence[Piece], order: dict[str, int]) -
     return mine
 
 
-def sizes_of(boxes: Iterable[Item], memo: dict[tuple[str, tuple[int, ...]], int]) -> list[int]:
-    """Each box's bytes (Item.nbytes), worked out once per dtype and shape:
-    a job has few shapes and many boxes."""
-    out = []
-    for box in boxes:
-        shape = (box.dtype, box.shape)
-        n = memo.get(shape)
-        if n is None:
-            n = memo[shape] = box.nbytes
-        out.append(n)
-    return out
+def sizes_of(boxes: Sequence[Item]) -> list[int]:
+    """Each box's bytes (Item.nbytes), worked out once per dtype and shape
+    (a job has few shapes and many boxes), the rest in C: each rank does
+    this for its layout's thousands of boxes at every plan."""
+    kinds = list(map(_DTYPE_SHAPE, boxes))
+    size = {(dtype, shape): math.prod(shape) * dtypes.itemsize(dtype)
+            for dtype, shape in dict.fromkeys(kinds)}
+    return list(map(size.__getitem__, kinds))
+
+
+_DTYPE_SHAPE = operator.itemgetter(1, 4)  # an Item's
+_KEY = operator.itemgetter(0)
 
 
 class PlanCache:
