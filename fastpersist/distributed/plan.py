@@ -138,7 +138,9 @@ def _share_of(rank: int, node: str, start: int, end: int | None, shared: bytes, 
 
 @dataclass(frozen=True)
 class Plan:
-    """The coordinator's plan: every rank's share, and the whole of it."""
+    """The coordinator's plan: the layouts with their runs, and the pieces of
+    shared boxes by writer; from those, every rank's share (shares) and, on
+    demand, every piece (pieces)."""
 
     keys: tuple[str, ...]  # the job's tensors, in the ranks' order
     nodes: dict[int, str] = field(hash=False)
@@ -153,24 +155,22 @@ class Plan:
 
     def shares(self) -> list[Share]:
         """Each rank's share, in rank order: O(1) a rank, plus its chosen pieces."""
-        out: dict[int, Share] = {}
-        for lay in self.layouts.values():
-            start = 0
-            for j, r in enumerate(lay.members):
-                end = None if j == len(lay.members) - 1 else lay.ends[j]
-                out[r] = Share(r, self.nodes[r], start, end, lay.shared, self.target,
-                               self.chosen.get(r, ()))
-                start = lay.ends[j]
+        out = {r: self._share(lay, j) for lay in self.layouts.values()
+               for j, r in enumerate(lay.members)}
         return [out[r] for r in sorted(out)]
 
     def share(self, rank: int) -> Share:
         for lay in self.layouts.values():
             if rank in lay.members:
-                j = lay.members.index(rank)
-                return Share(rank, self.nodes[rank], lay.ends[j - 1] if j else 0,
-                             None if j == len(lay.members) - 1 else lay.ends[j], lay.shared,
-                             self.target, self.chosen.get(rank, ()))
+                return self._share(lay, lay.members.index(rank))
         raise KeyError(rank)
+
+    def _share(self, lay: Layout, j: int) -> Share:
+        """The share of lay's member j: the run between the ends before and its own."""
+        r = lay.members[j]
+        return Share(r, self.nodes[r], lay.ends[j - 1] if j else 0,
+                     None if j == len(lay.members) - 1 else lay.ends[j], lay.shared,
+                     self.target, self.chosen.get(r, ()))
 
     def for_rank(self, rank: int) -> list[Piece]:
         return [p for p in self.pieces if p.writer == rank]
