@@ -185,4 +185,5 @@ def test_a_peer_that_announces_a_manifest_and_stalls_gives_its_room_back(
         done.set()
         stalled.join(60)
     assert errors and errors[0].code() == Code.CANCELLED, errors
-    assert holder.daemon.events("commit-stream-stalled")
+    assert holder.daemon.events("replica-manifest-stalled")
+    assert not holder.daemon.events("commit-stream-stalled")  # a commit's event: not this

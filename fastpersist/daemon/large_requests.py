@@ -67,10 +67,11 @@ class Room:
 
 
 class _Receiving:
-    """A payload being received: when its last chunk came, and how to cancel it."""
+    """A payload being received: when its last chunk came, how to cancel it,
+    and the event that says it stalled."""
 
-    def __init__(self, cancel: Callable[[], None]) -> None:
-        self.cancel = cancel
+    def __init__(self, cancel: Callable[[], None], event: str = "commit-stream-stalled") -> None:
+        self.cancel, self.event = cancel, event
         self.last_chunk: float | None = time.monotonic()
 
 
@@ -85,7 +86,7 @@ def reap_stalled(now: float, timeout: float) -> None:
         for receiving in list(_receiving):
             last = receiving.last_chunk
             if last is not None and now - last > timeout:
-                logs.warning("commit-stream-stalled", seconds=round(now - last))  # or Replicate
+                logs.warning(receiving.event, seconds=round(now - last))
                 receiving.last_chunk = None  # cancelled once
                 receiving.cancel()
 
@@ -94,12 +95,12 @@ _room = Room(PAYLOAD_BUDGET)
 
 
 @contextlib.contextmanager
-def stall_watch(cancel: Callable[[], None]) -> Iterator[Callable[[], None]]:
+def stall_watch(cancel: Callable[[], None], event: str) -> Iterator[Callable[[], None]]:
     """Watch another stream that holds room (a Replicate's manifest,
     replica_manifest.py) as the payload streams are: reap_stalled cancels it
-    when it sends nothing for --idle-timeout. Call the function yielded on
-    every chunk it sends."""
-    receiving = _Receiving(cancel)
+    when it sends nothing for --idle-timeout, logging `event`. Call the
+    function yielded on every chunk it sends."""
+    receiving = _Receiving(cancel, event)
 
     def touch() -> None:
         if receiving.last_chunk is not None:  # (None: cancelled)

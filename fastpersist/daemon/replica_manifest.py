@@ -79,7 +79,7 @@ def room(header: pb.ReplicaHeader, chunks: Chunks, context: grpc.ServicerContext
         return
     _room.take(declared, context.is_active)
     try:
-        with stall_watch(context.cancel) as touch:
+        with stall_watch(context.cancel, "replica-manifest-stalled") as touch:
             yield _touching(chunks, touch)
     finally:
         _room.give(declared)
