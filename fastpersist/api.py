@@ -36,7 +36,8 @@ from .tier.url import TierURL, is_tier_url
 
 def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
          daemon: str | None = None, process_group: Any = None,
-         node_local: bool = False, compression: str | None = None) -> None:
+         node_local: bool = False, compression: str | None = None, union: bool = False
+         ) -> None:
     """Save `obj` as a checkpoint directory at `path`.
 
     `obj` is what torch.save takes for checkpoints: nested dicts, OrderedDicts,
@@ -64,7 +65,12 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     saved as their global tensors. The tree's non-tensor values are taken from
     rank 0. node_local=True: each rank passes its node's local path and each
     node keeps the files its ranks wrote. With a daemon, each rank hands its
-    part to its own node's daemon and the job is committed there.
+    part to its own node's daemon and the job is committed there. Every rank
+    must hold the same tensors unless union=True: then ranks may hold
+    different parts of the state (pipeline stages, experts) and the
+    checkpoint is their union; a key names one tensor wherever it appears,
+    and a non-tensor value that ranks of different stages hold must be the
+    same on each (docs/guides/distributed.md, "Pipeline stages").
 
     compression="zstd" (default None: raw) stores each tensor of 4 KiB or more
     byte-grouped and zstd-compressed, in frames of FASTPERSIST_FRAME_BYTES
@@ -96,10 +102,11 @@ def save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
     if is_file_target(path):
         save_file(obj, path, allow_pickle=allow_pickle, options={
             "daemon": daemon, "process_group": process_group, "node_local": node_local,
-            "compression": compression})
+            "compression": compression, "union": union})
         return
     packed.check_compression(compression)
-    pipeline_for(daemon, process_group, node_local, store=is_tier_url(path)).save_blocking(
+    pipeline_for(daemon, process_group, node_local, store=is_tier_url(path),
+                 union=union).save_blocking(
         obj, path, allow_pickle=allow_pickle, compression=compression)
 
 
@@ -205,13 +212,15 @@ def load_from_tier(url: str, map_location: MapLocation = None, *, allow_pickle: 
 
 
 def sink_for(daemon: str | None = None, process_group: Any = None,
-             node_local: bool = False, *, store: bool = False) -> Sink:
+             node_local: bool = False, *, store: bool = False, union: bool = False) -> Sink:
     """The destination of a save: an object store (store=True: the target is
     an s3:// URL; this process writes it, whatever FASTPERSIST_DAEMON says), a
     torch.distributed job's (process_group; "world" or
     torch.distributed.group.WORLD for the default group), through
     fastpersistd at `daemon` (None: FASTPERSIST_DAEMON, if set; "": in-process),
-    or this process's local files."""
+    or this process's local files. union: save's."""
+    if union and process_group is None:
+        raise ValueError("union=True needs process_group (a distributed save)")
     if store:
         if process_group is not None or node_local or daemon:
             raise UnsupportedPathError(
@@ -226,7 +235,7 @@ def sink_for(daemon: str | None = None, process_group: Any = None,
         from .distributed.sink import DistributedSink
 
         group = None if process_group == "world" else process_group
-        return DistributedSink(group, node_local=node_local, daemon=address)
+        return DistributedSink(group, node_local=node_local, daemon=address, union=union)
     if node_local:
         raise ValueError("node_local=True needs process_group (a distributed save)")
     if address:
@@ -238,25 +247,28 @@ def sink_for(daemon: str | None = None, process_group: Any = None,
 
 def pipeline_for(daemon: str | None = None, process_group: Any = None,
                  node_local: bool = False, *, max_in_flight: int | None = None,
-                 shared: bool = True, store: bool = False) -> SavePipeline:
+                 shared: bool = True, store: bool = False, union: bool = False
+                 ) -> SavePipeline:
     """The save pipeline to sink_for's destination: the process-wide one for
     it (save, async_save, prepare_staging), or with shared=False a new one
     (a Checkpointer's, an integration's), holding staging of its own."""
     if store:  # one store sink serves every URL
         def make() -> SavePipeline:
-            return SavePipeline(sink_for(daemon, process_group, node_local, store=True),
-                                max_in_flight)
+            return SavePipeline(sink_for(daemon, process_group, node_local, store=True,
+                                         union=union), max_in_flight)
         return pipelines.shared(("store",), make) if shared else make()
     if not shared:
-        return SavePipeline(sink_for(daemon, process_group, node_local), max_in_flight)
+        return SavePipeline(sink_for(daemon, process_group, node_local, union=union),
+                            max_in_flight)
     address = current_knobs().daemon if daemon is None else daemon
-    if process_group is None and node_local:
-        raise ValueError("node_local=True needs process_group (a distributed save)")
+    if process_group is None and (node_local or union):
+        raise ValueError(f"{'node_local' if node_local else 'union'}=True needs process_group "
+                         "(a distributed save)")
     key = ("distributed", "world" if process_group is None or process_group == "world"
-           else process_group, node_local, address) if process_group is not None else (
+           else process_group, node_local, address, union) if process_group is not None else (
         "daemon", address) if address else ("local",)
     return pipelines.shared(key, lambda: SavePipeline(
-        sink_for(address, process_group, node_local), max_in_flight))
+        sink_for(address, process_group, node_local, union=union), max_in_flight))
 
 
 def prepare_staging(obj: Any, *, allow_pickle: bool = False, daemon: str | None = None) -> int:
@@ -272,7 +284,7 @@ def prepare_staging(obj: Any, *, allow_pickle: bool = False, daemon: str | None 
 def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
                wait_for_snapshot: bool = True, daemon: str | None = None,
                process_group: Any = None, node_local: bool = False,
-               compression: str | None = None) -> SaveFuture:
+               compression: str | None = None, union: bool = False) -> SaveFuture:
     """Save `obj` to `path` in the background; returns once the snapshot is taken.
 
     On return every tensor has been copied into staging memory and the caller
@@ -292,6 +304,7 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
     fastpersist.save: each rank snapshots only the pieces it was assigned, and
     the writes and the global commit run in the background (the next call
     waits for them); with a daemon, each rank's node's daemon writes its part.
+    union=True: as in fastpersist.save, ranks may hold different tensors.
 
     compression="zstd": as in fastpersist.save; the background thread (or
     the daemon) compresses, the caller's stall is the snapshot's copy as
@@ -304,6 +317,7 @@ def async_save(obj: Any, path: str | os.PathLike[str], *, allow_pickle: bool = F
             "(a file object or a .pt/.pth/.bin/.safetensors name): use save() for it, or "
             "a directory name")
     packed.check_compression(compression)
-    return pipeline_for(daemon, process_group, node_local, store=is_tier_url(path)).save(
+    return pipeline_for(daemon, process_group, node_local, store=is_tier_url(path),
+                        union=union).save(
         obj, path, allow_pickle=allow_pickle, wait_for_snapshot=wait_for_snapshot,
         compression=compression)

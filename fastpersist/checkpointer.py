@@ -99,7 +99,8 @@ class Checkpointer(CheckpointerBase):
     process_group: a torch.distributed job (call save() on every rank; `root`
         on storage they all see): distributed saves, each unique byte written
         once; whoever commits the job (rank 0, or its daemon) moves `latest`
-        and applies retention.
+        and applies retention. union=True: ranks may hold different tensors
+        (pipeline stages), as in fastpersist.save.
     tier: "s3://BUCKET/PREFIX": copy each checkpoint there in the background
         (see the module docstring). Not through fastpersistd: give the daemon
         the tier (fastpersistd --tier). With process_group, rank 0 uploads
@@ -143,7 +144,7 @@ class Checkpointer(CheckpointerBase):
                  memory_every: int | None = None, disk_every: int | None = None,
                  tier_every: int | None = None, save_every: int | None = None,
                  keep_best: int | None = None, best_metric: str | None = None,
-                 best_mode: str = "min") -> None:
+                 best_mode: str = "min", union: bool = False) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if keep_every is not None and keep_every < 1:
@@ -172,7 +173,7 @@ class Checkpointer(CheckpointerBase):
             raise ValueError("tier= uploads what this process commits; with fastpersistd "
                              "give the daemon the tier (fastpersistd --tier)")
         self._pipeline = pipeline_for(address, process_group, max_in_flight=max_in_flight,
-                                      shared=False)
+                                      shared=False, union=union)
         self.metrics.writes = self._pipeline.sink.leader  # rank 0 records, applies retention
         if tier is not None:
             # In a distributed job, rank 0 uploads (every rank's files are on

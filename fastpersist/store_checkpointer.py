@@ -39,6 +39,7 @@ from .tier.url import TierURL
 
 _REFUSED = {"daemon": "fastpersistd saves to a filesystem: give it --tier",
             "process_group": "a distributed job saves to a shared filesystem: use tier=",
+            "union": "a distributed job saves to a shared filesystem: use tier=",
             "tier": "the root is in the store already",
             "tier_keep_last": "keep_last applies in the store",
             "tier_endpoint": "set AWS_ENDPOINT_URL",

@@ -68,9 +68,10 @@ from .layout import (
 )
 from .outcome import Ballot, SaveStore, forget, job_store, post_mortem, this_process
 from .phases import Coordinator, Failure, Phase, RanksLost, coordinator_for, failure
-from .planner import Item, Plan, RankInfo, Share, layout_digest, make_plan
+from .planner import Item, Plan, RankInfo, Share, keys_digest, layout_digest, make_plan
 from .settling import has_prepared, settle_with
 from .storage import Storage, ident_of
+from .trees import joined, renumbered
 from .written import job_manifest, rendered
 
 
@@ -84,8 +85,9 @@ class Save(CommitPoint):
                  storage: Storage, *, node_local: bool, allow_pickle: bool,
                  aborted: Callable[[], bool] = lambda: False,
                  after_commit: AfterCommit | None = None,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, union: bool = False) -> None:
         self.co = co
+        self.union = union  # ranks may hold different tensors (planner.py, trees.py)
         # A Checkpointer's policy: applied with rank 0's publish, the job's
         # commit point (never before it: other nodes' publishes may be undone).
         self.after_commit_policy = after_commit
@@ -131,7 +133,8 @@ class Save(CommitPoint):
             items = tuple(h.item for h in self.held)
             values = replica_values(self.obj)
             me = RankView(knobs.node, layout_digest(items), str(self.target),
-                          values_digest(values), this_process(), prepared)
+                          values_digest(values), this_process(), prepared,
+                          keys_digest(items) if self.union else "")
         except Exception as exc:
             error = failure(co.rank, "describe", exc)
             me = RankView(knobs.node, "", str(self.target), "", this_process(), prepared)
@@ -144,19 +147,22 @@ class Save(CommitPoint):
             forget(SaveStore(self.store.store, f"fastpersist/{co.token}/{co.saves - 1}"),
                    ["save", "after"], co.rank, co.size)
         self.nodes = [v.node for v in everyone]
+        self.layouts = [v.layout for v in everyone]
         domain = domains(everyone, self.node_local)
         conflict = target_conflict(everyone, domain)
         if conflict is not None:
             raise conflict
-        if len({v.values for v in everyone}) > 1 and not co.warned_values:
-            self._warn_differing_values(values)
+        stages = [v.keys for v in everyone]  # all "" unless union=True
+        if not co.warned_values and any(
+                len({v.values for v in everyone if v.keys == k}) > 1 for k in set(stages)):
+            self._warn_differing_values(values, stages)
         leaders = {d: min(r for r in range(co.size) if domain[r] == d) for d in set(domain)}
         if any(v.prepared for v in everyone):
             self._settle(leaders[domain[co.rank]] == co.rank)
 
         # 2 plan (cached while no rank's layout changes)
         key = [repr((v.node, v.layout)) for v in everyone] + [
-            f"piece_bytes={knobs.piece_bytes}"]
+            f"piece_bytes={knobs.piece_bytes}", f"union={self.union}"]
         plan = co.cache.get(key)
         if plan is None:
             # Ranks of one layout hold the same items: the first of each sends them.
@@ -171,7 +177,7 @@ class Save(CommitPoint):
                 try:
                     made = make_plan([RankInfo(r, v.node, tuple(infos[first[v.layout]]), v.layout)
                                       for r, v in enumerate(everyone)],
-                                     min_piece_bytes=knobs.piece_bytes)
+                                     min_piece_bytes=knobs.piece_bytes, union=self.union)
                 except CheckpointError as exc:
                     made = failure(0, "plan", exc)
             # Each rank gets its share only (Plan.shares); rank 0 keeps the
@@ -191,6 +197,8 @@ class Save(CommitPoint):
         # This rank's pieces, from its share and its own items (plan.py):
         # a rank's work, not the coordinator's.
         self.mine = (plan.share(co.rank) if isinstance(plan, Plan) else plan).pieces(items)
+        if self.union:
+            self._join_trees(stages)
 
         # 3 stage: the first rank of each domain makes the directory
         error, made_path = None, ""
@@ -216,18 +224,44 @@ class Save(CommitPoint):
                 warnings.warn(f"{exc} (before the save of {self.target.name})",
                               RuntimeWarning, stacklevel=3)
 
-    def _warn_differing_values(self, values: list[tuple[str, str]]) -> None:
+    def _join_trees(self, stages: list[str]) -> None:
+        """union=True, at every save (the non-tensor values change): rank 0
+        joins the trees of the first rank of each stage (trees.py) into the
+        job's; a conflict fails the save on every rank before any write."""
+        co = self.co
+        firsts = sorted({k: r for r, k in reversed(list(enumerate(stages)))}.values())
+        trees = self.phase.collective("plan", lambda: co.gather_from(self.tree, firsts))
+        error = None
+        if co.rank == 0:
+            assert trees is not None and isinstance(self.plan, Plan)
+            order = {k: n for n, k in enumerate(self.plan.keys)}
+            layouts = self.plan.layouts
+            try:
+                self.tree = joined([
+                    (r, renumbered(trees[r], [i.key for i in layouts[self.layouts[r]].items],
+                                   order)) for r in firsts])
+            except CheckpointError as exc:
+                error = failure(0, "plan", exc)
+        self.phase.agree("plan", error)
+
+    def _warn_differing_values(self, values: list[tuple[str, str]], stages: list[str]
+                               ) -> None:
         """Once per process group (every rank takes this branch together): the
-        values that differ, named by rank 0."""
+        values that differ between ranks of one stage (union=True; else
+        between any ranks), named by rank 0."""
         co = self.co
         co.warned_values = True
         per_rank = self.phase.collective("describe", lambda: co.all_gather(values))
         if co.rank == 0:
-            keys = differing_keys(per_rank)
+            keys = sorted(set().union(*(
+                differing_keys([v for v, k in zip(per_rank, stages, strict=True) if k == stage])
+                for stage in sorted(set(stages)))))
             warnings.warn(
                 f"distributed checkpoint {self.target}: the ranks hold different values for "
                 f"{len(keys)} key(s) that a job checkpoint stores once: {', '.join(keys[:8])}"
-                f"{', ...' if len(keys) > 8 else ''}. It keeps rank 0's non-tensor values and "
+                f"{', ...' if len(keys) > 8 else ''}. It keeps "
+                f"{'each stage' + chr(39) + 's first rank' if self.union else 'rank 0'}"
+                "'s non-tensor values and "
                 "one rank's copy of each plain tensor; save per-rank values (RNG states, "
                 "counters) with fastpersist.save to a path per rank. (Reported once.)",
                 RuntimeWarning, stacklevel=3)

@@ -34,6 +34,7 @@ class RankView(NamedTuple):
     values: str  # describe.values_digest of the values saved once for the job
     process: ProcessId  # so that ranks on its machine can tell if it died
     prepared: bool  # node-local: its target's directory holds prepared parts (settling.py)
+    keys: str = ""  # union=True: plan.keys_digest of its items (ranks of one stage alike)
 
 
 def unaliased(leaves: list[TensorLeaf]) -> list[TensorLeaf]:

@@ -55,6 +55,12 @@ def layout_digest(items: Sequence[Item]) -> str:
     return h.hexdigest()
 
 
+def keys_digest(items: Sequence[Item]) -> str:
+    """Fingerprint of the keys a rank holds (not their boxes): with
+    union=True, ranks with equal keys (a pipeline stage) have one tree."""
+    return hashlib.blake2b("\n".join(map(_KEY, items)).encode(), digest_size=16).hexdigest()
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """What one rank tells the coordinator: where it runs and what it holds.
@@ -142,7 +148,7 @@ class Plan:
     shared boxes by writer; from those, every rank's share (shares) and, on
     demand, every piece (pieces)."""
 
-    keys: tuple[str, ...]  # the job's tensors, in the ranks' order
+    keys: tuple[str, ...]  # the job's tensors, in the ranks' order (union=True: the union)
     nodes: dict[int, str] = field(hash=False)
     layouts: dict[str, Layout] = field(hash=False)
     chosen: dict[int, tuple[Piece, ...]] = field(hash=False)  # pieces of shared boxes
@@ -182,14 +188,17 @@ class Plan:
         benchmarks), worked out once. A save does not need it."""
         pieces = self.memo.get("pieces")
         if pieces is None:
-            order = {k: n for n, k in enumerate(self.keys)}
             mine: dict[int, list[Piece]] = {}
             for lay in self.layouts.values():
                 own = own_items(lay.items, lay.shared)
-                mine.update(layout_pieces(own, sizes_of(own), lay.ends, lay.members,
-                                          self.target, make_piece))
+                # In the layout's order of keys, as Share.pieces (with
+                # union=True, layouts may list their keys in different orders).
+                order = dict(zip(map(_KEY, lay.items), itertools.count()))
+                for r, got in layout_pieces(own, sizes_of(own), lay.ends, lay.members,
+                                            self.target, make_piece).items():
+                    mine[r] = _merged(got, self.chosen.get(r, ()), order)
             pieces = self.memo["pieces"] = tuple(itertools.chain.from_iterable(
-                _merged(mine[r], self.chosen.get(r, ()), order) for r in sorted(mine)))
+                mine[r] for r in sorted(mine)))
         assert isinstance(pieces, tuple)
         return pieces
 
@@ -268,4 +277,4 @@ class PlanCache:
 
 
 __all__ = ["DEFAULT_MIN_PIECE_BYTES", "Item", "Layout", "Piece", "Plan", "PlanCache", "RankInfo",
-           "Share", "bitmap", "layout_digest", "make_piece", "sizes_of"]
+           "Share", "bitmap", "keys_digest", "layout_digest", "make_piece", "sizes_of"]

@@ -10,6 +10,12 @@ one set of drives) and per rank within the node alike (balance.py): boxes
 that several layouts share are chosen for one by one, and each layout's own
 boxes are cut into one consecutive run per replica.
 
+Every rank holds the same tensors (the keys, dtypes and global shapes) unless
+the save says union=True: then ranks may hold different ones (pipeline
+stages, experts), the job's tensors are their union, and a key that several
+ranks hold names one tensor, whose boxes those ranks hold (as in
+data parallelism, a key is a global name).
+
 make_plan is a pure, deterministic function of the ranks' descriptions: the
 same descriptions give the same plan on any machine, and it can be tested with
 thousands of simulated ranks in one process.
@@ -34,6 +40,7 @@ from .plan import (
     RankInfo,
     Share,
     bitmap,
+    keys_digest,
     layout_digest,
     make_piece,
 )
@@ -44,9 +51,10 @@ class PlanError(CheckpointError):
     """The ranks' descriptions do not fit together (different keys, dtypes, shapes)."""
 
 
-def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
-              ) -> Plan:
-    """The plan for these ranks' descriptions; raises PlanError when they disagree."""
+def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES,
+              union: bool = False) -> Plan:
+    """The plan for these ranks' descriptions; raises PlanError when they
+    disagree. union: the ranks may hold different tensors (module docstring)."""
     if not ranks:
         raise PlanError("no ranks to plan for")
     ranks = sorted(ranks, key=lambda r: r.rank)
@@ -60,8 +68,12 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
     for r in ranks:
         layouts.setdefault(r.layout, r.items)
         members.setdefault(r.layout, []).append(r.rank)
-    keys = _check_keys(layouts, members)
-    by_key, several = _unique_boxes(layouts)
+    if union:
+        keys = _union_keys(layouts, members)
+        by_key, several = _unique_boxes_of_union(layouts, keys)
+    else:
+        keys = _check_keys(layouts, members)
+        by_key, several = _unique_boxes(layouts)
     problem = tiling_problem(by_key)
     if problem:
         raise PlanError(problem)
@@ -130,8 +142,36 @@ def _check_keys(layouts: dict[str, tuple[Item, ...]], members: dict[str, list[in
         got = list(map(_KEY_DTYPE_SHAPE, items))
         if got != want:
             raise PlanError(f"rank {members[layout][0]} and rank {rank0} disagree on the "
-                            f"state's tensors: {_first_difference(got, want)}")
+                            f"state's tensors: {_first_difference(got, want)}"
+                            + ("" if {k for k, _, _ in got} == {k for k, _, _ in want} else
+                               _UNION_HINT))
     return {k: n for n, (k, _, _) in enumerate(want)}
+
+
+_UNION_HINT = (" (ranks that hold different tensors, such as pipeline stages, save with "
+               "union=True; a key must then name the same tensor on every rank that holds it)")
+
+
+def _union_keys(layouts: dict[str, tuple[Item, ...]], members: dict[str, list[int]]
+                ) -> dict[str, int]:
+    """The job's tensors when ranks may hold different ones: every key any
+    layout holds, in the order the layouts (by first rank) first list them.
+    A key that several layouts hold must have one dtype and global shape."""
+    seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    for layout, items in layouts.items():
+        rank = members[layout][0]
+        if len({i.key for i in items}) != len(items):
+            raise PlanError(f"rank {rank} describes a key twice")
+        for key, dtype, shape in map(_KEY_DTYPE_SHAPE, items):
+            first = seen.setdefault(key, (dtype, shape, rank))
+            if first[:2] != (dtype, shape):
+                raise PlanError(
+                    f"{key!r} is {dtype} {list(shape)} on rank {rank} but {first[0]} "
+                    f"{list(first[1])} on rank {first[2]}: with union=True a key names one "
+                    "tensor on every rank that holds it (key each stage's values by "
+                    "parameter name, e.g. torch.distributed.checkpoint.state_dict's "
+                    "get_state_dict, or nest each stage's state under a key of its own)")
+    return {k: n for n, k in enumerate(seen)}
 
 
 def _first_difference(got: list[tuple[str, str, tuple[int, ...]]],
@@ -164,6 +204,18 @@ def _unique_boxes(layouts: dict[str, tuple[Item, ...]]
     return by_key, several
 
 
+def _unique_boxes_of_union(layouts: dict[str, tuple[Item, ...]], keys: dict[str, int]
+                           ) -> tuple[list[list[Item]], dict[Item, tuple[str, ...]]]:
+    """_unique_boxes when layouts may hold different keys: a box at a time."""
+    by_key: list[dict[Item, list[str]]] = [{} for _ in keys]
+    for layout, items in layouts.items():
+        for item in items:
+            by_key[keys[item.key]].setdefault(item, []).append(layout)
+    several = {box: tuple(held) for boxes in by_key for box, held in boxes.items()
+               if len(held) > 1}
+    return [list(boxes) for boxes in by_key], several
+
+
 def _cut(item: Item, target: int, holders: int) -> list[Item]:
     """Row ranges of item, each about `target` bytes (one piece if only one rank holds it)."""
     if not item.shape or item.shape[0] <= 1 or holders <= 1 or item.nbytes <= target:
@@ -185,4 +237,4 @@ def _cut(item: Item, target: int, holders: int) -> list[Item]:
 
 
 __all__ = ["DEFAULT_MIN_PIECE_BYTES", "Item", "Piece", "Plan", "PlanCache", "PlanError",
-           "RankInfo", "Share", "layout_digest", "make_plan"]
+           "RankInfo", "Share", "keys_digest", "layout_digest", "make_plan"]

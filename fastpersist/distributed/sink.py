@@ -90,9 +90,10 @@ class DistributedSink:
     takes_urls = False
 
     def __init__(self, group: dist.ProcessGroup | None, *, node_local: bool = False,
-                 daemon: str = "") -> None:
+                 daemon: str = "", union: bool = False) -> None:
         self.co: Coordinator = coordinator_for(group)
         self.node_local = node_local
+        self.union = union  # ranks may hold different tensors (api.save)
         self.storage: Storage = storage_for(daemon)
         self.pool = self.storage.pool
         # In-process, a blocking save writes from the live tensors in the caller.
@@ -124,7 +125,8 @@ class DistributedSink:
             raise ValueError("a distributed save cannot be memory-only")
         job = Save(self.co, planned, request.path, self.storage, node_local=self.node_local,
                    allow_pickle=request.allow_pickle, aborted=request.aborted,
-                   after_commit=request.after_commit, compression=request.compression)
+                   after_commit=request.after_commit, compression=request.compression,
+                   union=self.union)
         job.prepare()  # raises the same error on every rank
         # From here on an error is this rank's alone: DistributedJob keeps it
         # for the write phase (the daemon's budgets are asked there too).

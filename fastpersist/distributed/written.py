@@ -31,7 +31,7 @@ from ..format.manifest import (
     tensor_json,
 )
 from ..format.records import FileRecord, TensorRecord
-from .plan import Piece, Plan
+from .plan import Item, Piece, Plan
 
 
 class Written(NamedTuple):
@@ -69,10 +69,16 @@ def job_manifest(plan: Plan, tree: Any, gathered: list[Written]) -> bytes:
             f"plan of {len(plan.nodes)}")
     globals_ = plan.memo.get("globals")
     if globals_ is None:
-        # A tensor's dtype and shape are the same in every layout (planner._check_keys).
-        items = next(iter(plan.layouts.values())).items
-        globals_ = plan.memo["globals"] = [global_json(i.key, i.dtype, i.global_shape, None)
-                                           for i in items]
+        # A tensor's dtype and shape are the same in every layout that holds
+        # it (the planner checks); with union=True, not every layout holds
+        # every tensor. (Without it the first layout holds them all.)
+        found: dict[str, Item] = {}
+        for layout in plan.layouts.values():
+            found.update((i.key, i) for i in layout.items if i.key not in found)
+            if len(found) == len(plan.keys):
+                break
+        globals_ = plan.memo["globals"] = [
+            global_json(k, found[k].dtype, found[k].global_shape, None) for k in plan.keys]
     assert isinstance(globals_, list)
     return render(IMPLIED_CHUNKS_SCHEMA_VERSION, __version__, time.time(),
                   [w.files for w in gathered], [w.tensors for w in gathered], globals_, tree)

@@ -1,0 +1,109 @@
+"""One rank of a pipeline-parallel x data-parallel gloo job (tests/test_pipeline_stages.py).
+
+    python stage_worker.py SCENARIO OUT_DIR ARGS_JSON
+
+Ranks 2s and 2s+1 are the two data-parallel replicas of pipeline stage s
+(world 4: stages 0 and 1). Each stage holds its layers of one small model,
+keyed by their names in the whole model, its optimizer's state keyed by
+parameter name (get_optimizer_state_dict, flattened), a tied embedding that
+the first and last stages both hold, and values of its own. Writes
+OUT_DIR/rank-R.json: {"ok": ...} or {"error": ...}.
+
+Scenarios:
+    save      save with union=True, then load into a zeroed copy (into=) and
+              check it bit-exactly; report the keys of a whole load
+    indexed   union=True with torch.optim's index-keyed state_dict on each stage
+    no_union  the stages' states without union=True
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+import fastpersist
+
+LAYERS, STAGES = 4, 2
+
+
+def whole_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"embed": torch.nn.Embedding(16, 8),
+                                "layers": torch.nn.ModuleList(
+                                    torch.nn.Linear(8, 8) for _ in range(LAYERS))})
+
+
+def stage_state(stage: int, indexed: bool) -> dict[str, Any]:
+    model = whole_model()
+    mine = range(stage * LAYERS // STAGES, (stage + 1) * LAYERS // STAGES)
+    for n in range(LAYERS):  # this stage's layers only, under their names in the model
+        if n not in mine:
+            model.layers[n] = torch.nn.Identity()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # The tied embedding's gradient is the same on both stages (pipeline
+    # jobs all-reduce it between them), so its states are replicas.
+    loss = model.embed(torch.arange(4)).sum()
+    for n in mine:
+        loss = loss + model.layers[n](torch.ones(4, 8) * (n + 1)).square().sum()
+    loss.backward()
+    opt.step()
+    optim = opt.state_dict() if indexed else get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {"model": model.state_dict(), "optim": optim, "step": 7,
+            f"stage{stage}": {"lr": 1e-3 * (stage + 1), "micro_batches": 4 + stage}}
+
+
+def zeroed(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, zeroed(v)) for k, v in obj.items())
+    return obj
+
+
+def same(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where b, loaded, lacks or differs from what a holds."""
+    if isinstance(a, torch.Tensor):
+        return [] if isinstance(b, torch.Tensor) and torch.equal(a, b) else [path]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) - set(b):
+            return [path]
+        return [p for k in a for p in same(a[k], b[k], f"{path}.{k}")]
+    return [] if a == b else [path]
+
+
+def main() -> None:
+    scenario, out, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    report: dict[str, Any] = {"rank": rank}
+    try:
+        stage = rank * STAGES // dist.get_world_size()
+        state = stage_state(stage, indexed=scenario == "indexed")
+        path = args["path"]
+        fastpersist.save(state, path, process_group=dist.group.WORLD,
+                         union=scenario != "no_union")
+        back = fastpersist.load(path, into=zeroed(state))
+        report["differs"] = same(state, back)
+        # Values outside the rank's tensors come back whole (load's into=): the other stage's.
+        report["extra"] = sorted(set(back) - set(state))
+        report["keys"] = sorted(fastpersist.load(path)["model"])
+        report["ok"] = True
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["trace"] = traceback.format_exc()[-2000:]
+    (out / f"rank-{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

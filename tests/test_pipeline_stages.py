@@ -1,0 +1,51 @@
+"""Pipeline stages (ranks that hold different tensors) saved with union=True:
+real gloo ranks, 2 stages x 2 data-parallel replicas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dist_support import ok, run_ranks
+
+import fastpersist
+from fastpersist.tensors.checkpoint import read_manifest
+
+WORKER = Path(__file__).parent / "helpers" / "stage_worker.py"
+
+
+def test_stages_save_their_union_and_each_loads_its_own_part(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    reports = run_ranks(WORKER, "save", tmp_path / "out", 4, {"path": str(ckpt)})
+    ok(reports)
+    assert [r["differs"] for r in reports] == [[]] * 4  # each rank got its state back, exactly
+    assert [r["extra"] for r in reports] == [["stage1"]] * 2 + [["stage0"]] * 2
+    whole = fastpersist.load(ckpt)
+    layers = [f"layers.{n}.{p}" for n in range(4) for p in ("weight", "bias")]
+    assert sorted(whole["model"]) == sorted(["embed.weight", *layers])
+    assert whole["step"] == 7 and whole["stage0"]["micro_batches"] == 4
+    assert whole["stage1"]["lr"] == 2e-3
+    # Each stage's optimizer state, under its parameters' names; the tied
+    # embedding's (both stages hold it: their replicas) once.
+    optim_keys = [k for k in whole["optim"] if k.startswith("state.layers.")]
+    assert len(optim_keys) == 8 * 3, sorted(whole["optim"])
+    manifest = read_manifest(ckpt)
+    assert manifest.schema_version == 3
+    writers = {t.file.split("-")[1] for t in manifest.tensors}
+    assert writers == {"r00000", "r00001", "r00002", "r00003"}, writers
+
+
+def test_an_index_keyed_optimizer_on_each_stage_is_refused_on_every_rank(tmp_path: Path
+                                                                        ) -> None:
+    ckpt = tmp_path / "ckpt"
+    reports = run_ranks(WORKER, "indexed", tmp_path / "out", 4, {"path": str(ckpt)})
+    for r in reports:
+        assert "keyed by parameter index" in r.get("error", ""), r
+    assert not ckpt.exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_stages_without_union_are_refused_with_a_hint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    reports = run_ranks(WORKER, "no_union", tmp_path / "out", 4, {"path": str(ckpt)})
+    for r in reports:
+        assert "disagree" in r.get("error", "") and "union=True" in r["error"], r
+    assert not ckpt.exists()
