@@ -4,7 +4,9 @@ real gloo ranks, 2 stages x 2 data-parallel replicas."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 from dist_support import ok, run_ranks
 
 import fastpersist
@@ -15,9 +17,12 @@ WORKER = Path(__file__).parent / "helpers" / "stage_worker.py"
 
 def test_stages_save_their_union_and_each_loads_its_own_part(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    reports = run_ranks(WORKER, "save", tmp_path / "out", 4, {"path": str(ckpt)})
+    reports = run_ranks(WORKER, "save", tmp_path / "out", 4, {"path": str(ckpt),
+                                                              "root": str(tmp_path)})
     ok(reports)
     assert [r["differs"] for r in reports] == [[]] * 4  # each rank got its state back, exactly
+    assert [r["async_differs"] for r in reports] == [[]] * 4
+    assert [r["checkpointer_differs"] for r in reports] == [[]] * 4
     assert [r["extra"] for r in reports] == [["stage1"]] * 2 + [["stage0"]] * 2
     whole = fastpersist.load(ckpt)
     layers = [f"layers.{n}.{p}" for n in range(4) for p in ("weight", "bias")]
@@ -49,3 +54,17 @@ def test_stages_without_union_are_refused_with_a_hint(tmp_path: Path) -> None:
     for r in reports:
         assert "disagree" in r.get("error", "") and "union=True" in r["error"], r
     assert not ckpt.exists()
+
+
+def test_stages_save_their_union_through_the_daemon(daemon: Any, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each rank hands its part to fastpersistd, which checks the job manifest
+    # (the stages' union) against the parts before it commits.
+    ckpt = daemon.root / "pp" / "ckpt"
+    monkeypatch.setenv("FASTPERSIST_DAEMON", daemon.address)
+    reports = run_ranks(WORKER, "save", tmp_path / "out", 4, {"path": str(ckpt)})
+    ok(reports)
+    assert [r["differs"] for r in reports] == [[]] * 4
+    assert sorted(e["rank"] for e in daemon.events("part-written")) == [0, 1, 2, 3]
+    assert len(daemon.events("committed-job")) == 1
+    assert sorted(fastpersist.load(ckpt)["model"])[0] == "embed.weight"

@@ -52,7 +52,7 @@ def test_stages_join_into_one_state_that_decodes_to_the_union() -> None:
 def test_module_metadata_of_each_stage_is_kept() -> None:
     a = torch.nn.Sequential(torch.nn.Linear(2, 2)).state_dict()
     b = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(2, 2)).state_dict()
-    tree, keys = job_tree({"m": a}, {"m": b})
+    tree, _ = job_tree({"m": a}, {"m": b})
     meta = state.decode(tree, lambda node: torch.zeros(2))["m"]._metadata
     assert set(meta) >= {"", "0", "1"}
 
@@ -83,7 +83,7 @@ def test_an_index_keyed_optimizer_on_two_stages_is_refused() -> None:
                        r"parameter index on rank 0 and rank 1.*flatten_optimizer_state_dict"):
         job_tree(optim_state(4), optim_state(4))
     # Nested under a key per stage, the same optimizers join.
-    tree, keys = job_tree({"stage0": optim_state(4)}, {"stage1": optim_state(4)})
+    _, keys = job_tree({"stage0": optim_state(4)}, {"stage1": optim_state(4)})
     assert "stage1.optim.state.0.exp_avg" in keys
 
 

@@ -97,6 +97,16 @@ def main() -> None:
         # Values outside the rank's tensors come back whole (load's into=): the other stage's.
         report["extra"] = sorted(set(back) - set(state))
         report["keys"] = sorted(fastpersist.load(path)["model"])
+        if "root" in args:  # the same through async_save and a Checkpointer
+            fastpersist.async_save(state, args["root"] + "/async", union=True,
+                                   process_group=dist.group.WORLD).result()
+            ckpt = fastpersist.Checkpointer(args["root"] + "/run", keep_last=1, union=True,
+                                            process_group=dist.group.WORLD)
+            ckpt.save(1, state).result()
+            report["checkpointer_differs"] = same(state, ckpt.load_latest(into=zeroed(state)))
+            ckpt.close()
+            report["async_differs"] = same(state, fastpersist.load(
+                args["root"] + "/async", into=zeroed(state)))
         report["ok"] = True
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
