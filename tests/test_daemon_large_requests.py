@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +262,46 @@ def test_payloads_wait_for_room_rather_than_add_up() -> None:
     with pytest.raises(RequestError) as caught:
         room.take(6, lambda: False)
     assert caught.value.code == "CANCELLED" and room.held == 5
+
+
+def test_room_goes_to_calls_in_the_order_they_asked() -> None:
+    """A large payload waiting for room is not overtaken by smaller ones
+    that would fit (it waited behind each of them before, possibly for
+    ever); a waiter whose call ends leaves the line to the next."""
+    from fastpersist.daemon.large_requests import Room
+
+    room = Room(100)
+    room.take(60, lambda: True)
+    order: list[str] = []
+    cancelled = threading.Event()
+
+    def take(name: str, nbytes: int, alive: Any = lambda: True) -> threading.Thread:
+        """Start a call that asks for room; return once it is in line."""
+        def run() -> None:
+            try:
+                room.take(nbytes, alive)
+                order.append(name)
+            except Exception:
+                order.append(f"{name} gave up")
+        in_line = len(room.waiting) + 1
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 10
+        while len(room.waiting) < in_line and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return t
+
+    large = take("large", 50)  # does not fit: waits
+    gone = take("gone", 10, lambda: not cancelled.is_set())  # would fit; in line behind it
+    small = take("small", 30)  # would fit too
+    assert order == [] and room.held == 60
+    cancelled.set()
+    gone.join(10)
+    assert order == ["gone gave up"] and room.held == 60
+    room.give(60)
+    large.join(10)
+    small.join(10)
+    assert order == ["gone gave up", "large", "small"] and room.held == 80
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ Torch-free: this runs in the daemon.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import threading
@@ -45,20 +46,30 @@ Request = TypeVar("Request", pb.CommitRequest, pb.CommitJobRequest)
 
 
 class Room:
-    """The payload bytes that calls hold at once, within PAYLOAD_BUDGET."""
+    """The payload bytes that calls hold at once, within PAYLOAD_BUDGET.
+    Calls take room in the order they asked for it: a large payload waiting
+    for room is not overtaken, for ever, by smaller ones that would fit."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.held = 0
         self.cond = threading.Condition()
+        self.waiting: collections.deque[object] = collections.deque()  # in order of asking
 
     def take(self, nbytes: int, alive: Callable[[], bool]) -> None:
         with self.cond:
-            while self.held + nbytes > self.budget:
-                if not alive():
-                    raise RequestError("CANCELLED", "the call ended while it waited for room")
-                self.cond.wait(1.0)
-            self.held += nbytes
+            me = object()
+            self.waiting.append(me)
+            try:
+                while self.waiting[0] is not me or self.held + nbytes > self.budget:
+                    if not alive():
+                        raise RequestError("CANCELLED",
+                                           "the call ended while it waited for room")
+                    self.cond.wait(1.0)  # given room wakes it; a call's end, within 1 s
+                self.held += nbytes
+            finally:
+                self.waiting.remove(me)
+                self.cond.notify_all()  # the next in line may fit now
 
     def give(self, nbytes: int) -> None:
         with self.cond:
