@@ -44,6 +44,7 @@ from .plan import (
     layout_digest,
     make_piece,
 )
+from .runs import split_rows
 from .tiling import tiling_problem, unique_bytes
 
 
@@ -224,16 +225,7 @@ def _cut(item: Item, target: int, holders: int) -> list[Item]:
     if n > holders:
         # A multiple of the holders, so that a huge tensor alone splits evenly.
         n = math.ceil(n / holders) * holders
-    n = min(item.shape[0], n)
-    rows, extra = divmod(item.shape[0], n)
-    out, start = [], 0
-    for i in range(n):
-        count = rows + (i < extra)
-        out.append(Item(item.key, item.dtype, item.global_shape,
-                        (item.offsets[0] + start, *item.offsets[1:]),
-                        (count, *item.shape[1:])))
-        start += count
-    return out
+    return list(map(Item._make, split_rows(item, 0, item.shape[0], min(item.shape[0], n))))
 
 
 __all__ = ["DEFAULT_MIN_PIECE_BYTES", "Item", "Piece", "Plan", "PlanCache", "PlanError",

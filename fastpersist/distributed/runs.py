@@ -104,6 +104,15 @@ def _pieces(box: Box, size: int, rows: tuple[int, int], target: int, rank: int,
     n = 1 if nbytes <= target or hi - lo <= 1 else min(hi - lo, math.ceil(nbytes / target))
     if n == 1 and whole:
         return [piece((*box, rank))]
+    return list(map(piece, split_rows(box, lo, hi, n, (rank,))))
+
+
+def split_rows(box: Box, lo: int, hi: int, n: int, tail: tuple[Any, ...] = ()
+               ) -> list[tuple[Any, ...]]:
+    """Rows lo..hi of `box` in n consecutive ranges as near equal as rows
+    allow (the first ones a row longer), each as the box's fields with its
+    offsets and shape, then `tail`: the one way a box is cut into pieces,
+    here and for the planner's shared boxes."""
     key, dtype, global_shape, offsets, shape = box
     first, other_offsets, other_sizes = offsets[0], offsets[1:], shape[1:]
     each, extra = divmod(hi - lo, n)
@@ -111,10 +120,10 @@ def _pieces(box: Box, size: int, rows: tuple[int, int], target: int, rank: int,
     start = lo
     for i in range(n):
         count = each + (i < extra)
-        out.append(piece((key, dtype, global_shape, (first + start, *other_offsets),
-                          (count, *other_sizes), rank)))
+        out.append((key, dtype, global_shape, (first + start, *other_offsets),
+                    (count, *other_sizes), *tail))
         start += count
     return out
 
 
-__all__ = ["layout_pieces", "rows_in", "run_pieces"]
+__all__ = ["layout_pieces", "rows_in", "run_pieces", "split_rows"]
