@@ -105,7 +105,8 @@ def test_replicates_to_r_peers_outside_the_failure_domain_first(
     assert sent['fastpersist_replication_copies_bucket{le="2.0"}'] == 1
     assert sent["fastpersist_replication_same_domain_total"] == 0
     assert sent["fastpersist_replication_pending"] == 0
-    assert received["fastpersist_replica_bytes"] == size
+    manifest_bytes = (sender.daemon.root / "step-1" / "manifest.json").stat().st_size
+    assert received["fastpersist_replica_bytes"] == size + manifest_bytes  # both held in memory
     assert received["fastpersist_replicas_held"] == 1
     assert other_b.complete() == other_c.complete() == [("n0", "step-1")]
     assert same.replicas() == []
@@ -120,7 +121,7 @@ def test_replicates_to_r_peers_outside_the_failure_domain_first(
     assert fpctl(["daemon", "status", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["replication"]
     assert (shown["node"], shown["failure_domain"], shown["held"], shown["held_bytes"]) == (
-        "n2", "rack-b", 1, size)
+        "n2", "rack-b", 1, size + manifest_bytes)
 
     # With one other rack down, the second copy goes to the sender's own rack, and says so.
     other_c.daemon.kill()
@@ -233,6 +234,13 @@ def test_refused_replicas(group: PeerGroup, monkeypatch: pytest.MonkeyPatch,
     assert error.code() == Code.RESOURCE_EXHAUSTED and "over --replica-bytes" in (
         error.details() or "")
     assert holder.replicas() == [] and holder.replica_dirs() == []
+    # The budget holds the manifest too: room for the data files alone is not enough.
+    data = sum(p.stat().st_size for p in ck.glob("data-*"))
+    tight = group.add("n3", "b", "--replica-bytes", str(data))
+    error = _replicate(tight, chunks(header, blobs))
+    assert error.code() == Code.RESOURCE_EXHAUSTED and "(its data files and manifest) is over" \
+        in (error.details() or ""), error
+    assert tight.replicas() == [] and tight.replica_dirs() == []
 
     # A daemon of another job, or with another token, replicates nothing to it.
     other = tmp_path / "other-token"

@@ -58,7 +58,7 @@ def _big_checkpoint(node: Node, name: str, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.slow
 def test_a_replica_whose_manifest_is_over_64_mib_arrives_whole(
         group: PeerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
-    holder = group.add("n1", "b", "--replica-bytes", "64M")
+    holder = group.add("n1", "b", "--replica-bytes", "192M")  # its 68 MB manifest counts too
     sender = group.add("n0", "a", "--replicas", "1", peers=[holder])
     target, state = _big_checkpoint(sender, "step-1", monkeypatch)
     wait_for("step-1 replicated or given up", lambda: sender.daemon.events("replicated")
@@ -112,7 +112,7 @@ def test_a_manifest_sent_in_parts_arrives_and_a_hostile_sequence_is_refused(
     parts past the announced length, a data chunk before the manifest ends, a
     stream that ends in the manifest, a header with the manifest both in it and
     announced: each INVALID_ARGUMENT with its reason, and nothing left behind."""
-    holder = group.add("n1", "b", "--replica-bytes", "64M")
+    holder = group.add("n1", "b", "--replica-bytes", "192M")  # its 68 MB manifest counts too
     local = group.add("n0", "a")
     monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(local.daemon.shm_dir))
     ck = local.daemon.root / "step-1"

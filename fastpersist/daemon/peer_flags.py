@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser, size: Callable[[str], int]) -> Non
                    help="the job this daemon serves; replicas from daemons of another job are "
                         "refused, and theirs are not sent to")
     g.add_argument("--replica-bytes", type=size, default=0, metavar="BYTES",
-                   help="memory (files in --shm-dir) for replicas held for other nodes; the "
-                        "oldest is evicted to make room (default 0: refuse replicas)")
+                   help="memory (files in --shm-dir) for replicas held for other nodes, "
+                        "their data files and manifests; the oldest is evicted to make room "
+                        "(default 0: refuse replicas)")
     g.add_argument("--replication-rate", type=size, default=0, metavar="BYTES",
                    help="bytes a second sent to peers, all together (default 0: unlimited)")
     g.add_argument("--replication-timeout", type=float, default=600.0, metavar="SECONDS",

@@ -16,8 +16,9 @@ off, or any refused chunk, removes what arrived, and nothing of it was ever
 visible. A newer complete replica of the same (node, path) replaces the
 older one.
 
-Budget: --replica-bytes for all replicas, complete and arriving. A replica's
-size is reserved from its header; the oldest complete replicas are evicted
+Budget: --replica-bytes for all replicas, complete and arriving, each its
+data files and its manifest.json. A replica's size is reserved from its
+header; the oldest complete replicas are evicted
 to make room (before a byte of the new one is written), the one of the
 same (node, path) that the new one will replace first; what does not fit
 beside the replicas still arriving is refused (RESOURCE_EXHAUSTED), as is
@@ -75,7 +76,10 @@ class Replica:
     files: list[tuple[str, int]]
     name: str = ""  # its directory in --shm-dir
     fd: int = -1
-    size: int = 0
+    size: int = 0  # its data files' bytes
+    # What it holds of --replica-bytes: its data files and its manifest.json
+    # (a 405B job's manifest is hundreds of MB, in the same memory).
+    footprint: int = 0
     complete: bool = False
     received: int = 0  # bytes so far
     fds: dict[str, int] = field(default_factory=dict)
@@ -160,8 +164,9 @@ class ReplicaStore:
                                "this fastpersistd keeps no replicas for other nodes "
                                "(--replica-bytes 0)")
         files = _check_header(header, manifest, self.job)
+        size = sum(s for _, s in files)
         r = Replica(header.node, header.path, manifest, header.failure_domain,
-                    header.committed_unix, files, size=sum(s for _, s in files))
+                    header.committed_unix, files, size=size, footprint=size + len(manifest))
         self._reserve(r)
         try:
             r.name = REPLICA_PREFIX + secrets.token_hex(12)
@@ -182,24 +187,25 @@ class ReplicaStore:
     def _reserve(self, r: Replica) -> None:
         victims = []
         with self._lock:
-            if r.size > self.budget:
+            if r.footprint > self.budget:
                 raise RequestError("RESOURCE_EXHAUSTED",
-                                   f"a replica of {r.size} bytes is over --replica-bytes "
+                                   f"a replica of {r.footprint} bytes (its data files and "
+                                   "manifest) is over --replica-bytes "
                                    f"({self.budget})")
             # The replica this one replaces goes first: it is of a checkpoint
             # its node has replaced already.
-            if self._used + r.size > self.budget and r.key in self._held:
+            if self._used + r.footprint > self.budget and r.key in self._held:
                 victims.append(self._held.pop(r.key))
-                self._used -= victims[-1].size
-            while self._used + r.size > self.budget and self._held:
+                self._used -= victims[-1].footprint
+            while self._used + r.footprint > self.budget and self._held:
                 victims.append(self._held.popitem(last=False)[1])
-                self._used -= victims[-1].size
-            if self._used + r.size > self.budget:
+                self._used -= victims[-1].footprint
+            if self._used + r.footprint > self.budget:
                 self._used_gauges()
                 raise RequestError("RESOURCE_EXHAUSTED",
                                    f"replicas arriving hold {self._used} of --replica-bytes "
-                                   f"({self.budget}); no room for {r.size} bytes")
-            self._used += r.size
+                                   f"({self.budget}); no room for {r.footprint} bytes")
+            self._used += r.footprint
             self._all[id(r)] = r
         self._remove(victims, "evicted")  # before a byte of the new one is written
 
@@ -264,7 +270,7 @@ class ReplicaStore:
             self._all.pop(id(r), None)
             old = self._held.pop(r.key, None)
             if old is not None:
-                self._used -= old.size
+                self._used -= old.footprint
                 victims.append(old)
             r.complete = True
             self._held[r.key] = r
@@ -278,7 +284,7 @@ class ReplicaStore:
         r.fds.clear()
         with self._lock:
             if self._all.pop(id(r), None) is not None:
-                self._used -= r.size
+                self._used -= r.footprint
         self._remove([r], "incomplete")
 
     # -- serving ---------------------------------------------------------------
@@ -319,7 +325,7 @@ class ReplicaStore:
         with self._lock:
             victims = list(self._held.values())
             self._held.clear()
-            self._used = sum(r.size for r in self._all.values())
+            self._used = sum(r.footprint for r in self._all.values())
         self._remove(victims, "shutdown")
 
     def sweep(self) -> list[str]:
