@@ -65,24 +65,31 @@ Chunks = Iterator[pb.ReplicaChunk | Data]
 
 @contextlib.contextmanager
 def room(header: pb.ReplicaHeader, chunks: Chunks, context: grpc.ServicerContext
-         ) -> Iterator[Chunks]:
+         ) -> Iterator[tuple[Chunks, Callable[[], None]]]:
     """Hold room for the manifest `header` announces while the call receives
-    and checks it (and its data: a replica's manifest is held until it is
-    visible), the call cancelled if it sends nothing for --idle-timeout
+    and checks it, the call cancelled if it sends nothing for --idle-timeout
     (large_requests.stall_watch: a peer that announces 1 GiB and stalls must
-    not hold the room for ever); yields the call's chunks. Nothing for a
-    manifest in the header (gRPC bounds it) or one over the limit (receive
-    refuses it unread)."""
+    not hold the room for ever); yields the call's chunks and what gives the
+    room back (once the manifest is in the replica's file, counted in
+    --replica-bytes: the data that follows may take minutes, and other
+    peers' manifests would wait for it). Nothing for a manifest in the header
+    (gRPC bounds it) or one over the limit (receive refuses it unread)."""
     declared = header.manifest_bytes
     if not 0 < declared <= MAX_MANIFEST_BYTES:
-        yield chunks
+        yield chunks, lambda: None
         return
     _room.take(declared, context.is_active)
+    held = [declared]
+
+    def give_back() -> None:
+        if held:
+            _room.give(held.pop())
+
     try:
         with stall_watch(context.cancel, "replica-manifest-stalled") as touch:
-            yield _touching(chunks, touch)
+            yield _touching(chunks, touch), give_back
     finally:
-        _room.give(declared)
+        give_back()
 
 
 def _touching(chunks: Chunks, touch: Callable[[], None]) -> Chunks:

@@ -43,7 +43,7 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,10 +155,13 @@ class ReplicaStore:
 
     # -- receiving ------------------------------------------------------------
 
-    def receive(self, header: pb.ReplicaHeader, manifest: bytes, chunks: Iterator[Data]
-                ) -> Replica:
+    def receive(self, header: pb.ReplicaHeader, manifest: bytes, chunks: Iterator[Data],
+                kept: Callable[[], None] = lambda: None) -> Replica:
         """Receive one replica (Replicate: its header, its manifest, in the header
-        or after it, replica_manifest.py); it is visible when this returns."""
+        or after it, replica_manifest.py); it is visible when this returns.
+        kept() is called once the manifest is checked and in its file (counted
+        in --replica-bytes), before the data: a large one is then no longer
+        in the daemon's memory, and the call gives back its room for it."""
         if self.budget <= 0:
             raise RequestError("RESOURCE_EXHAUSTED",
                                "this fastpersistd keeps no replicas for other nodes "
@@ -173,11 +176,13 @@ class ReplicaStore:
             os.mkdir(r.name, 0o750, dir_fd=self.shm_fd)
             r.fd = dirs.open_dir(r.name, self.shm_fd)
             fcntl.flock(r.fd, fcntl.LOCK_EX)
-            self._write(r, chunks)
             self._write_manifest(r)
             r.manifest_len, r.digest = len(manifest), hashlib.sha256(manifest).digest()
+            del manifest  # (the caller passes its only reference)
             if not r.inline:
                 r.manifest = b""  # not held twice: ReadReplica serves its file
+            kept()
+            self._write(r, chunks)
         except BaseException:
             self._discard(r)
             raise

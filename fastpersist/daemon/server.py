@@ -332,9 +332,13 @@ class Servicer(pb_grpc.FastPersistServicer):
             first = next(request_iterator, None)
             if not isinstance(first, pb.ReplicaChunk) or first.WhichOneof("part") != "header":
                 raise invalid("a Replicate stream must start with a header chunk")
-            with replica_manifest.room(first.header, request_iterator, context) as chunks:
-                manifest = replica_manifest.receive(first.header, chunks)
-                self._store().receive(first.header, manifest, _replica_chunks(chunks))
+            with replica_manifest.room(first.header, request_iterator, context) as (
+                    chunks, kept):
+                # No name for the manifest here: the store drops a large one
+                # once it is in its file.
+                self._store().receive(first.header,
+                                      replica_manifest.receive(first.header, chunks),
+                                      _replica_chunks(chunks), kept)
             return pb.ReplicateResponse()
         return self._guard(context, run)
 
