@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -26,7 +27,7 @@ from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
 from fastpersist.format.bounds import MAX_MANIFEST_BYTES
 from fastpersist.format.manifest import MANIFEST_NAME
 from fastpersist.loading.load import load_from
-from fastpersist.tensors import peer_read
+from fastpersist.tensors import peer_manifest, peer_read
 
 BIG = 65 * MIB  # just over the 64 MiB a Replicate header could carry
 
@@ -81,6 +82,38 @@ def test_a_replica_whose_manifest_is_over_64_mib_arrives_whole(
     loaded = load_from(source)
     assert loaded["note"] == state["note"]
     assert torch.equal(loaded["w"], state["w"])  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_a_lookup_reads_only_the_large_manifest_it_chooses(
+        group: PeerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer lists a manifest over 16 MiB by its SHA-256 only: listing the
+    replicas a peer holds (every latest() on a node whose disk is gone)
+    reads none of them, and finding one reads that one's, once."""
+    holder = group.add("n1", "b", "--replica-bytes", "192M")
+    sender = group.add("n0", "a", "--replicas", "1", peers=[holder])
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(sender.daemon.shm_dir))
+    for step in (1, 2):
+        fastpersist.save({"w": torch.full((64,), float(step)), "note": str(step) * (17 * MIB)},
+                         sender.daemon.root / f"step-{step}", daemon=sender.daemon.address)
+    wait_for("both replicated", lambda: len(sender.daemon.events("replicated")) >= 2
+             or sender.daemon.events("replication-attempt-failed"), timeout=120)
+    assert not sender.daemon.events("replication-attempt-failed")
+    read: list[str] = []
+    real = peer_manifest.manifest_of
+
+    def counting(*args: Any) -> bytes:
+        read.append(args[2])  # the replica's path
+        return real(*args)
+
+    monkeypatch.setattr(peer_manifest, "manifest_of", counting)
+    found, why = peer_read.held([holder.address])
+    assert sorted(r.path for r in found) == ["step-1", "step-2"] and read == [], why
+    source, why = peer_read.find([holder.address], "step-2", node="n0")
+    assert source is not None, why
+    loaded = load_from(source)
+    assert loaded["w"][0] == 2.0 and len(loaded["note"]) == 17 * MIB
+    assert read == ["step-2"]
 
 
 def _replicate(node: Node, messages: Iterator[pb.ReplicaChunk]) -> grpc.RpcError:

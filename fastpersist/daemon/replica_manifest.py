@@ -98,6 +98,14 @@ def _touching(chunks: Chunks, touch: Callable[[], None]) -> Chunks:
         yield chunk
 
 
+def data_only(chunks: Chunks) -> Iterator[Data]:
+    """The data chunks that follow a Replicate's header and manifest."""
+    for chunk in chunks:  # transport.py decodes data chunks as Data (replica_wire.py)
+        if not isinstance(chunk, Data):
+            raise invalid("only data chunks may follow a Replicate's header chunk")
+        yield chunk
+
+
 def header_and_parts(header: pb.ReplicaHeader, manifest: bytes, inline_max: int = INLINE_MAX
                      ) -> Iterator[pb.ReplicaChunk]:
     """The sender's first messages: the header, with the manifest in it up to
@@ -148,5 +156,5 @@ def receive(header: pb.ReplicaHeader, chunks: Chunks) -> bytes:
     return b"".join(parts)
 
 
-__all__ = ["INLINE_MAX", "OLD_INLINE_MAX", "OLD_PEER_HINT", "PART", "header_and_parts",
+__all__ = ["INLINE_MAX", "OLD_INLINE_MAX", "OLD_PEER_HINT", "PART", "data_only", "header_and_parts",
            "older_peer_refused", "receive", "room"]

@@ -333,12 +333,10 @@ class Servicer(pb_grpc.FastPersistServicer):
             if not isinstance(first, pb.ReplicaChunk) or first.WhichOneof("part") != "header":
                 raise invalid("a Replicate stream must start with a header chunk")
             with replica_manifest.room(first.header, request_iterator, context) as (
-                    chunks, kept):
-                # No name for the manifest here: the store drops a large one
-                # once it is in its file.
+                    chunks, kept):  # (the manifest unnamed: the store drops a large one)
                 self._store().receive(first.header,
                                       replica_manifest.receive(first.header, chunks),
-                                      _replica_chunks(chunks), kept)
+                                      replica_manifest.data_only(chunks), kept)
             return pb.ReplicateResponse()
         return self._guard(context, run)
 
@@ -387,13 +385,6 @@ def _data_chunks(chunks: Iterator[pb.StreamChunk]) -> Iterator[memoryview]:
             raise invalid(f"a data chunk of {len(chunk.data)} bytes is over the "
                           f"{MAX_STREAM_CHUNK}-byte limit")
         yield memoryview(chunk.data)
-
-
-def _replica_chunks(chunks: Iterator[pb.ReplicaChunk | Data]) -> Iterator[Data]:
-    for chunk in chunks:  # transport.py decodes data chunks as Data (replica_wire.py)
-        if not isinstance(chunk, Data):
-            raise invalid("only data chunks may follow a Replicate's header chunk")
-        yield chunk
 
 
 def _after_commit(request: pb.CommitRequest | pb.CommitJobRequest) -> AfterCommit | None:

@@ -1,4 +1,5 @@
-"""A peer's replica's manifest too large for its Replicas reply, read with ReadReplica.
+"""A replica a peer lists (PeerReplica), and its manifest when too large for
+the Replicas reply, read with ReadReplica.
 
 A daemon lists a complete replica's manifest in its Replicas reply only up
 to 16 MiB (daemon/replica_manifest.INLINE_MAX): a job's manifest may be up
@@ -12,6 +13,8 @@ SHA-256, so a replica is loadable whatever its manifest's size.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,24 +25,68 @@ from ..format.bounds import MAX_MANIFEST_BYTES
 from ..format.manifest import MANIFEST_NAME
 from ..protocol.client import DaemonClient
 
+READ_TIMEOUT = 600.0  # one ReadReplica stream
 
-def manifest_of(client: DaemonClient, r: pb.ReplicaInfo, timeout: float) -> bytes:
-    """The replica's manifest: the reply's, or read from the peer when the
-    reply left it out (a complete replica with manifest_bytes but no manifest)."""
-    if r.manifest or not r.complete or not r.manifest_bytes:
-        return r.manifest
-    where = f"{client.address}: node {r.node}'s replica of {r.path}"
-    if r.manifest_bytes > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"{where}: a manifest of {r.manifest_bytes} bytes is over "
+
+@dataclass(frozen=True)
+class PeerReplica:
+    """A replica a peer daemon holds: whose (node), of what (path), and its
+    manifest (its SHA-256 tells copies apart; the bytes are read from the
+    peer when first asked for, where the listing did not hold them)."""
+
+    address: str
+    node: str
+    path: str
+    nbytes: int  # of its files
+    complete: bool
+    failure_domain: str
+    committed_unix: float
+    files: Mapping[str, int]  # data file -> size
+    sha256: bytes = b""  # of its manifest; empty unless complete
+    listed: bytes = b""  # its manifest where the listing held it (up to 16 MiB)
+    manifest_len: int = 0
+    _read: list[bytes] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def manifest(self) -> bytes:
+        """Its manifest (empty unless complete). One over 16 MiB is read from
+        the peer, once: a lookup lists every replica a peer holds, and a
+        large job's manifest is hundreds of MB, so only the one chosen is read."""
+        if self.listed or not self.complete or not self.manifest_len:
+            return self.listed
+        if not self._read:
+            client = DaemonClient(self.address)
+            try:
+                self._read.append(manifest_of(client, self.node, self.path, self.sha256,
+                                              self.manifest_len, READ_TIMEOUT))
+            finally:
+                client.close()
+        return self._read[0]
+
+
+def listed_sha256(r: pb.ReplicaInfo) -> bytes:
+    """A complete replica's manifest's SHA-256, as listed (or of the listed manifest)."""
+    if not r.complete:
+        return b""
+    return r.manifest_sha256 or hashlib.sha256(r.manifest).digest()
+
+
+def manifest_of(client: DaemonClient, node: str, path: str, sha256: bytes, length: int,
+                timeout: float) -> bytes:
+    """The manifest (`length` bytes, of this SHA-256) of node's replica of
+    `path` that the peer at `client` holds, read as its file."""
+    where = f"{client.address}: node {node}'s replica of {path}"
+    if length > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: a manifest of {length} bytes is over "
                                      f"the {MAX_MANIFEST_BYTES} this version reads")
-    request = pb.ReadReplicaRequest(node=r.node, path=r.path, manifest_sha256=r.manifest_sha256)
-    request.ranges.add(file=MANIFEST_NAME, offset=0, length=r.manifest_bytes)
+    request = pb.ReadReplicaRequest(node=node, path=path, manifest_sha256=sha256)
+    request.ranges.add(file=MANIFEST_NAME, offset=0, length=length)
     parts: list[bytes] = []
     got = 0
     try:
         for chunk in client.stub.ReadReplica(request, timeout=timeout):
             data = chunk.data  # each access copies the bytes
-            if chunk.file != 0 or chunk.offset != got or got + len(data) > r.manifest_bytes \
+            if chunk.file != 0 or chunk.offset != got or got + len(data) > length \
                     or crc32c(data) != chunk.crc32c:
                 raise CorruptCheckpointError(f"{where}: its manifest came out of order or "
                                              f"with a wrong CRC32C (at {chunk.offset})")
@@ -48,7 +95,10 @@ def manifest_of(client: DaemonClient, r: pb.ReplicaInfo, timeout: float) -> byte
     except grpc.RpcError as exc:
         raise client.error(exc, f"cannot read the manifest of {where}") from None
     data = b"".join(parts)
-    if hashlib.sha256(data).digest() != r.manifest_sha256:
-        raise CorruptCheckpointError(f"{where}: its manifest ({got} of {r.manifest_bytes} "
+    if hashlib.sha256(data).digest() != sha256:
+        raise CorruptCheckpointError(f"{where}: its manifest ({got} of {length} "
                                      "bytes) does not match the SHA-256 the peer listed")
     return data
+
+
+__all__ = ["READ_TIMEOUT", "PeerReplica", "listed_sha256", "manifest_of"]

@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -58,30 +57,14 @@ from . import packed
 from .committed import records_by_file
 from .headers import header_problems, parse_header
 from .mismatch import Mismatch, raise_for
-from .peer_manifest import manifest_of
+from .peer_manifest import READ_TIMEOUT, PeerReplica, listed_sha256
 from .plan import memory_of
 from .source import Progress
 
 LOOKUP_TIMEOUT = 5.0  # Replicas: a peer that does not answer in this long is passed over
-READ_TIMEOUT = 600.0  # one ReadReplica stream
 MAX_RANGES = 4096  # per ReadReplica (the daemon's limit)
 THREADS = 4  # data files read at once
 GRACE = 1.0  # past LOOKUP_TIMEOUT: for a call's own deadline to fire and be reported
-
-
-@dataclass(frozen=True)
-class PeerReplica:
-    """A replica a peer daemon holds: whose (node), of what (path), and its manifest."""
-
-    address: str
-    node: str
-    path: str
-    nbytes: int  # of its files
-    complete: bool
-    manifest: bytes  # empty unless complete
-    failure_domain: str
-    committed_unix: float
-    files: Mapping[str, int]  # data file -> size
 
 
 def replicas(address: str, timeout: float = LOOKUP_TIMEOUT) -> list[PeerReplica]:
@@ -92,9 +75,10 @@ def replicas(address: str, timeout: float = LOOKUP_TIMEOUT) -> list[PeerReplica]
             reply = client.stub.Replicas(pb.ReplicasRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             raise client.error(exc, "cannot list the peer's replicas") from None
-        return [PeerReplica(address, r.node, r.path, r.bytes, r.complete,
-                            manifest_of(client, r, READ_TIMEOUT), r.failure_domain,
-                            r.committed_unix, {f.name: f.size for f in r.files})
+        return [PeerReplica(address, r.node, r.path, r.bytes, r.complete, r.failure_domain,
+                            r.committed_unix, {f.name: f.size for f in r.files},
+                            listed_sha256(r), r.manifest if r.complete else b"",
+                            r.manifest_bytes or len(r.manifest))
                 for r in reply.replicas]
     finally:
         client.close()
@@ -158,12 +142,13 @@ def choose(found: Sequence[PeerReplica], path: str) -> tuple[PeerSource | None, 
     by_manifest: dict[bytes, list[PeerReplica]] = {}
     for r in found:
         if r.complete and r.path == path:
-            by_manifest.setdefault(r.manifest, []).append(r)
-    for data, group in sorted(by_manifest.items(), reverse=True,
-                              key=lambda kv: max(r.committed_unix for r in kv[1])):
-        try:
-            manifest = Manifest.from_json(data, f"the peers' replica of {path}")
-        except ManifestError as exc:
+            by_manifest.setdefault(r.sha256, []).append(r)
+    for _, group in sorted(by_manifest.items(), reverse=True,
+                           key=lambda kv: max(r.committed_unix for r in kv[1])):
+        try:  # (the manifest read here, from a peer that holds it, if not listed)
+            manifest = Manifest.from_json(_manifest_of(group),
+                                          f"the peers' replica of {path}")
+        except CheckpointError as exc:
             why.append(str(exc))
             continue
         missing = [f.name for f in manifest.files if not any(f.name in r.files for r in group)]
@@ -176,6 +161,18 @@ def choose(found: Sequence[PeerReplica], path: str) -> tuple[PeerSource | None, 
     return None, "; ".join(why) or f"no peer holds a replica of {path}"
 
 
+def _manifest_of(group: Sequence[PeerReplica]) -> bytes:
+    """The manifest the replicas of `group` share: from the first whose peer
+    gives it (one may be down, or have dropped the replica)."""
+    errors: list[str] = []
+    for r in group:
+        try:
+            return r.manifest
+        except CheckpointError as exc:
+            errors.append(str(exc))
+    raise CheckpointNotFoundError("; ".join(errors))
+
+
 class PeerSource:
     """A checkpoint's replica on a peer daemon, read over ReadReplica (see the
     module docstring). Build it from a listing: PeerSource(replica) with a
@@ -184,7 +181,7 @@ class PeerSource:
     def __init__(self, replica: PeerReplica | Sequence[PeerReplica],
                  timeout: float = READ_TIMEOUT) -> None:
         group = [replica] if isinstance(replica, PeerReplica) else list(replica)
-        if not group or len({r.manifest for r in group}) != 1:
+        if not group or len({r.sha256 for r in group}) != 1:
             raise ValueError("a PeerSource needs replicas of one manifest")
         for r in group:
             if not r.complete:
@@ -194,7 +191,7 @@ class PeerSource:
         # from the next one if that peer is down or dropped the replica.
         self.replicas, self.timeout = group, timeout
         self.replica = group[0]
-        self.manifest_bytes = group[0].manifest  # the restore chain compares copies by it
+        self.manifest_bytes = _manifest_of(group)  # the restore chain compares copies by it
         self._sha = hashlib.sha256(self.manifest_bytes).digest()
         self._manifest: Manifest | None = None
 
@@ -211,7 +208,7 @@ class PeerSource:
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
-            self._manifest = Manifest.from_json(self.replica.manifest, self.where)
+            self._manifest = Manifest.from_json(self.manifest_bytes, self.where)
         return self._manifest
 
     def read_tensors(self, manifest: Manifest, *, verify: bool, progress: Progress | None = None,
