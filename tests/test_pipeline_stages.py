@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dist_support import ok, run_ranks
+import torch
+from dist_support import ok, run_ranks, worker_module
 
 import fastpersist
 from fastpersist.tensors.checkpoint import read_manifest
@@ -37,6 +38,21 @@ def test_stages_save_their_union_and_each_loads_its_own_part(tmp_path: Path) -> 
     assert manifest.schema_version == 3
     writers = {t.file.split("-")[1] for t in manifest.tensors}
     assert writers == {"r00000", "r00001", "r00002", "r00003"}, writers
+
+
+def test_tensor_parallel_stages_reshard_on_load(tmp_path: Path) -> None:
+    # 2 stages x 2 tensor-parallel ranks: each stage's weights are DTensors
+    # sharded by rows over its own ranks; each rank loads its stage's part
+    # sharded by columns (like=), and a whole load gives every layer.
+    ckpt = tmp_path / "ckpt"
+    reports = run_ranks(WORKER, "tp", tmp_path / "out", 4, {"path": str(ckpt)})
+    ok(reports)
+    assert [r["wrong"] for r in reports] == [[]] * 4
+    whole = fastpersist.load(ckpt)
+    model = worker_module("stage_worker").whole_model().state_dict()
+    layers = {k: v for k, v in model.items() if k.startswith("layers.")}
+    assert sorted(whole["model"]) == sorted(layers)
+    assert all(torch.equal(whole["model"][k], v) for k, v in layers.items())
 
 
 def test_an_index_keyed_optimizer_on_each_stage_is_refused_on_every_rank(tmp_path: Path

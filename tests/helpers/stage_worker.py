@@ -14,6 +14,9 @@ Scenarios:
               check it bit-exactly; report the keys of a whole load
     indexed   union=True with torch.optim's index-keyed state_dict on each stage
     no_union  the stages' states without union=True
+    tp        each stage's layers tensor-parallel over its 2 ranks (DTensors
+              sharded by rows), saved with union=True and loaded with like=
+              into column shards; reports where a weight came back wrong
 """
 
 from __future__ import annotations
@@ -81,38 +84,80 @@ def same(a: Any, b: Any, path: str = "") -> list[str]:
     return [] if a == b else [path]
 
 
+def tensor_parallel_stages(path: str) -> list[str]:
+    """The tp scenario: what came back wrong (empty: nothing)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (STAGES, dist.get_world_size() // STAGES),
+                            mesh_dim_names=("pp", "tp"))
+    stage, tp = mesh.get_coordinate()[0], mesh["tp"]  # type: ignore[index]
+    full = whole_model().state_dict()
+    mine = [k for k in full for n in range(stage * LAYERS // STAGES,
+                                           (stage + 1) * LAYERS // STAGES)
+            if k.startswith(f"layers.{n}.")]
+
+    def sharded(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return distribute_tensor(t, tp, [Shard(dim)]) if t.dim() == 2 else t
+
+    state = {"model": {k: sharded(full[k], 0) for k in mine}, f"stage{stage}": {"tp": 2}}
+    fastpersist.save(state, path, process_group=dist.group.WORLD, union=True)
+    like = {"model": {k: sharded(torch.zeros_like(full[k]), 1) for k in mine}}
+    back = fastpersist.load(path, like=like)["model"]
+    wrong = sorted(set(back) ^ set(mine))
+    for k in mine:
+        t = back[k]
+        if isinstance(t, DTensor):
+            if t.placements != (Shard(1),) or not torch.equal(t.full_tensor(), full[k]):
+                wrong.append(k)
+        elif full[k].dim() == 2 or not torch.equal(t, full[k]):
+            wrong.append(k)
+    return wrong
+
+
 def main() -> None:
     scenario, out, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     report: dict[str, Any] = {"rank": rank}
     try:
-        stage = rank * STAGES // dist.get_world_size()
-        state = stage_state(stage, indexed=scenario == "indexed")
         path = args["path"]
-        fastpersist.save(state, path, process_group=dist.group.WORLD,
-                         union=scenario != "no_union")
-        back = fastpersist.load(path, into=zeroed(state))
-        report["differs"] = same(state, back)
-        # Values outside the rank's tensors come back whole (load's into=): the other stage's.
-        report["extra"] = sorted(set(back) - set(state))
-        report["keys"] = sorted(fastpersist.load(path)["model"])
-        if "root" in args:  # the same through async_save and a Checkpointer
-            fastpersist.async_save(state, args["root"] + "/async", union=True,
-                                   process_group=dist.group.WORLD).result()
-            ckpt = fastpersist.Checkpointer(args["root"] + "/run", keep_last=1, union=True,
-                                            process_group=dist.group.WORLD)
-            ckpt.save(1, state).result()
-            report["checkpointer_differs"] = same(state, ckpt.load_latest(into=zeroed(state)))
-            ckpt.close()
-            report["async_differs"] = same(state, fastpersist.load(
-                args["root"] + "/async", into=zeroed(state)))
+        if scenario == "tp":
+            report["wrong"] = tensor_parallel_stages(path)
+        else:
+            report.update(save_and_load(scenario, path, args, rank))
         report["ok"] = True
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["trace"] = traceback.format_exc()[-2000:]
     (out / f"rank-{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def save_and_load(scenario: str, path: str, args: dict[str, Any], rank: int
+                  ) -> dict[str, Any]:
+    """The save, indexed and no_union scenarios: what the rank saw."""
+    stage = rank * STAGES // dist.get_world_size()
+    state = stage_state(stage, indexed=scenario == "indexed")
+    fastpersist.save(state, path, process_group=dist.group.WORLD,
+                     union=scenario != "no_union")
+    back = fastpersist.load(path, into=zeroed(state))
+    report = {"differs": same(state, back),
+              # Values outside the rank's tensors come back whole (load's into=): the other
+              # stage's.
+              "extra": sorted(set(back) - set(state)),
+              "keys": sorted(fastpersist.load(path)["model"])}
+    if "root" in args:  # the same through async_save and a Checkpointer
+        fastpersist.async_save(state, args["root"] + "/async", union=True,
+                               process_group=dist.group.WORLD).result()
+        ckpt = fastpersist.Checkpointer(args["root"] + "/run", keep_last=1, union=True,
+                                        process_group=dist.group.WORLD)
+        ckpt.save(1, state).result()
+        report["checkpointer_differs"] = same(state, ckpt.load_latest(into=zeroed(state)))
+        ckpt.close()
+        report["async_differs"] = same(state, fastpersist.load(
+            args["root"] + "/async", into=zeroed(state)))
+    return report
 
 
 if __name__ == "__main__":
