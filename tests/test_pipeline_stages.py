@@ -11,6 +11,7 @@ import torch
 from dist_support import ok, run_ranks, worker_module
 
 import fastpersist
+from fastpersist.cli import main as fpctl
 from fastpersist.tensors.checkpoint import read_manifest
 
 WORKER = Path(__file__).parent / "helpers" / "stage_worker.py"
@@ -53,6 +54,24 @@ def test_tensor_parallel_stages_reshard_on_load(tmp_path: Path) -> None:
     layers = {k: v for k, v in model.items() if k.startswith("layers.")}
     assert sorted(whole["model"]) == sorted(layers)
     assert all(torch.equal(whole["model"][k], v) for k, v in layers.items())
+
+
+def test_a_stage_killed_as_its_tree_is_joined_loses_nothing_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The second save of the same path loses rank 2 (stage 1's first rank) at
+    # the step only union saves have: every survivor fails naming it, and the
+    # first save's checkpoint stays, whole.
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setenv("FASTPERSIST_DIST_TIMEOUT", "5")
+    reports = run_ranks(WORKER, "die_joining", tmp_path / "out", 4, {"path": str(ckpt)})
+    assert not (tmp_path / "out" / "rank-2.json").exists()  # killed before it reported
+    for r in (reports[0], reports[1], reports[3]):
+        assert "DistributedCheckpointError" in r.get("error", "") and "rank 2 died" in r["error"]
+        assert "nothing was committed" in r["error"], r
+    kept = fastpersist.load(ckpt)
+    assert kept["step"] == 7 and len(kept["model"]) == 9
+    assert fpctl(["verify", str(ckpt)]) == 0  # every file and CRC32C of it
+    assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"
 
 
 def test_an_index_keyed_optimizer_on_each_stage_is_refused_on_every_rank(tmp_path: Path

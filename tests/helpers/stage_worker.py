@@ -14,6 +14,8 @@ Scenarios:
               check it bit-exactly; report the keys of a whole load
     indexed   union=True with torch.optim's index-keyed state_dict on each stage
     no_union  the stages' states without union=True
+    die_joining  save once, then save again with rank 2 (stage 1's first)
+              SIGKILLed as it would send rank 0 its tree (union=True's own step)
     tp        each stage's layers tensor-parallel over its 2 ranks (DTensors
               sharded by rows), saved with union=True and loaded with like=
               into column shards; reports where a weight came back wrong
@@ -24,6 +26,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -124,6 +127,15 @@ def main() -> None:
         path = args["path"]
         if scenario == "tp":
             report["wrong"] = tensor_parallel_stages(path)
+        elif scenario == "die_joining":
+            state = stage_state(rank * STAGES // dist.get_world_size(), indexed=False)
+            fastpersist.save(state, path, process_group=dist.group.WORLD, union=True)
+            if rank == 2:
+                from fastpersist.distributed.coordinator import Save
+
+                Save._join_trees = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+            state["step"] = 8
+            fastpersist.save(state, path, process_group=dist.group.WORLD, union=True)
         else:
             report.update(save_and_load(scenario, path, args, rank))
         report["ok"] = True
