@@ -126,13 +126,13 @@ def parse_globals(raw: Any, tensors: Sequence[TensorRecord], where: str, version
 
 
 def implied_chunks(raw: list[Any], tensors: Sequence[TensorRecord]
-                   ) -> dict[str, list[tuple[int, list[Any]]]]:
+                   ) -> dict[str, list[tuple[int, tuple[Any, ...]]]]:
     """For each global of `raw` that leaves out "chunks" (by name), its chunks
     as (record index, offsets), in the records' order: every record named
     `<name>@<offsets>`, split at the last "@", with offsets in canonical form.
     Unchecked (parse_globals checks them). One pass over the records: a
     manifest holds hundreds of thousands."""
-    out: dict[str, list[tuple[int, list[Any]]]] = {
+    out: dict[str, list[tuple[int, tuple[Any, ...]]]] = {
         g["name"]: [] for g in raw
         if isinstance(g, dict) and "chunks" not in g and isinstance(g.get("name"), str)}
     if not out:
@@ -140,7 +140,7 @@ def implied_chunks(raw: list[Any], tensors: Sequence[TensorRecord]
     # The offsets of each spelling, None where it is not canonical: a job's
     # layers are cut alike, so most spellings recur, and the lookup halves the
     # time of a pass (the lists are shared; nothing changes them).
-    seen: dict[str, list[Any] | None] = {}
+    seen: dict[str, tuple[Any, ...] | None] = {}
     for index, t in enumerate(tensors):
         name = t.name
         at = name.rfind("@")
@@ -161,12 +161,13 @@ def implied_chunks(raw: list[Any], tensors: Sequence[TensorRecord]
 _UNSEEN: Any = object()
 
 
-def _offsets(text: str) -> list[Any] | None:
-    """The offsets a chunk's name spells after its last "@", or None."""
+def _offsets(text: str) -> tuple[Any, ...] | None:
+    """The offsets a chunk's name spells after its last "@", or None. A tuple,
+    shared by every chunk of that spelling (its Chunk's own)."""
     if _OFFSETS.fullmatch(text) is None:
         return None
-    return [int(o) if len(o) <= _MAX_OFFSET_DIGITS else o
-            for o in text.split(",")] if text else []
+    return tuple(int(o) if len(o) <= _MAX_OFFSET_DIGITS else o
+                 for o in text.split(",")) if text else ()
 
 
 def _listed_chunk(c: Any, at: tuple[int, int], shape: tuple[int, ...], dtype: str,
@@ -199,11 +200,14 @@ def _chunk(index: int, offsets: Any, at: tuple[int, int], shape: tuple[int, ...]
     if t.dtype != dtype:
         raise malformed(where, f"{ctx}: chunk {j} ({short(t.name)}) of dtype {t.dtype} does "
                         f"not fit a tensor of dtype {dtype}")
-    if (type(offsets) is not list or len(offsets) != len(shape) or len(t.shape) != len(shape)
-            or not _fits(offsets, t.shape, shape)):
-        raise malformed(where, f"{ctx}: chunk {j} ({short(t.name)}) at {short(offsets)} of "
+    # A list as "chunks" lists them (JSON), a tuple as implied_chunks spells them.
+    kind = type(offsets)
+    if ((kind is not list and kind is not tuple) or len(offsets) != len(shape)
+            or len(t.shape) != len(shape) or not _fits(offsets, t.shape, shape)):
+        raise malformed(where, f"{ctx}: chunk {j} ({short(t.name)}) at "
+                        f"{short(list(offsets) if kind is tuple else offsets)} of "
                         f"shape {list(t.shape)} does not fit in {list(shape)}")
-    return _make_chunk((index, tuple(offsets)))
+    return _make_chunk((index, offsets if kind is tuple else tuple(offsets)))
 
 
 # Chunk._make's way, without its checks; and _fits inlines is_int: a
@@ -211,7 +215,7 @@ def _chunk(index: int, offsets: Any, at: tuple[int, int], shape: tuple[int, ...]
 _make_chunk = functools.partial(tuple.__new__, Chunk)
 
 
-def _fits(offsets: list[Any], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+def _fits(offsets: Sequence[Any], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     """Each offset a JSON integer (bool is not: type, not isinstance) with the
     chunk's extent from it within the global's."""
     for o, n, d in zip(offsets, sizes, shape, strict=True):  # (lengths checked first)
