@@ -3,14 +3,18 @@
     python benchmarks/scale_sim.py                              # 1,024 / 4,096 / 16,384 ranks
     python benchmarks/scale_sim.py --ranks 1024 --models llama-70b --repeats 3
     python benchmarks/scale_sim.py --json out.json --dcp-timeout 120
+    python benchmarks/scale_sim.py --models llama-70b --pp 4    # pipeline stages (union=True)
 
 No tensor byte moves and no process is started: the ranks' descriptions are
 simulated (_scale_model.py: a Llama 70B and 405B, params + Adam states, TP x
-FSDP with data-parallel replicas) and the REAL code of the job's coordinator
+FSDP with data-parallel replicas; with --pp N, N pipeline stages each holding
+its layers, saved with union=True) and the REAL code of the job's coordinator
 runs on them, as rank 0 runs it (coordinator.Save's steps 2-5):
 
 - plan: planner.make_plan over every rank's RankInfo (deduplication and
   balance), then Plan.shares and the pickling scatter_object_list does;
+- with --pp, at every save: the join of the stages' trees (trees.renumbered,
+  trees.joined, as Save._join_trees), counted in the commit;
 - commit: rank 0 unpickles what every rank sent (its file and tensor records
   as storage.write returns them, one data file per rank, rendered by
   written.rendered on that rank, which first works out its pieces from its
@@ -48,6 +52,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +80,7 @@ from fastpersist.distributed.outcome import (  # noqa: E402
 )
 from fastpersist.distributed.phases import Phase  # noqa: E402
 from fastpersist.distributed.planner import RankInfo, layout_digest, make_plan  # noqa: E402
+from fastpersist.distributed.trees import joined, renumbered  # noqa: E402
 from fastpersist.distributed.written import job_manifest, rendered  # noqa: E402
 from fastpersist.knobs import current as current_knobs  # noqa: E402
 
@@ -94,9 +100,23 @@ class Job:
         self.views = [RankView(node_of(r), self.layouts[c][1], "/ckpt/step-1", "v" * 32,
                                ProcessId("m" * 40, 100000 + r, "1234567"), False)
                       for r, c in enumerate(self.coords)]
-        first = next(iter(self.layouts.values()))[0]
-        self.tree = tree_for([i.key for i in first])
+        # Each stage's tree, from its first rank (as Save._join_trees gathers
+        # them): one, the job's, without pipeline stages.
+        self.stages: dict[int, tuple[int, Any, list[str]]] = {}
+        for r, c in enumerate(self.coords):
+            if c[0] not in self.stages:
+                keys = [i.key for i in self.layouts[c][0]]
+                self.stages[c[0]] = (r, tree_for(keys), keys)
+        self.tree = self.stages[0][1]
         self.unique_bytes = 0
+
+    def job_tree(self, keys: tuple[str, ...]) -> Any:
+        """The tree rank 0 commits: with pipeline stages, the stages' joined."""
+        if len(self.stages) == 1:
+            return self.tree
+        order = {k: n for n, k in enumerate(keys)}
+        return joined([(r, renumbered(tree, entries, order))
+                       for r, tree, entries in self.stages.values()])
 
 
 def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
@@ -107,7 +127,7 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     start = time.perf_counter()
     infos = [RankInfo(r, v.node, job.layouts[job.coords[r]][0], v.layout)
              for r, v in enumerate(job.views)]
-    plan = make_plan(infos, min_piece_bytes=piece_bytes)
+    plan = make_plan(infos, min_piece_bytes=piece_bytes, union=job.model.pp > 1)
     planned = time.perf_counter()
     shares = [pickle.dumps(s) for s in plan.shares()]  # scatter_object_list pickles each
     shared = time.perf_counter()
@@ -123,8 +143,9 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
         sent.append(pickle.dumps(rendered(pieces, records)))
         render_max = max(render_max, expanded + time.perf_counter() - began)
     record_start = time.perf_counter()
+    tree = job.job_tree(plan.keys)  # (in the save's prepare, on rank 0)
     gathered = [pickle.loads(m) for m in sent]  # gather_object unpickles on rank 0
-    manifest = job_manifest(plan, job.tree, gathered)
+    manifest = job_manifest(plan, tree, gathered)
     store = CountingStore()
     co = SimCoordinator(0, job.world)
     commit = CommitPoint()
@@ -139,7 +160,7 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     # The next save, with the layout unchanged: the plan is cached (no plan,
     # no scatter), rank 0 unpickles and joins the ranks' records again.
     again = time.perf_counter()
-    job_manifest(plan, job.tree, [pickle.loads(m) for m in sent])
+    job_manifest(plan, job.job_tree(plan.keys), [pickle.loads(m) for m in sent])
     steady = time.perf_counter() - again
     peak = None
     if memory:
@@ -243,6 +264,7 @@ def run_size(model: Model, world: int, repeats: int, dcp_repeats: int, dcp_timeo
     last = fp[-1]
     out = {
         "model": model.name, "ranks": world, "mesh": {"tp": tp, "pp": pp, "fsdp": fsdp, "dp": dp},
+        "union": pp > 1,
         "layouts": len(job.layouts), "items_per_rank": len(next(iter(job.layouts.values()))[0]),
         "unique_bytes": job.unique_bytes, "build_s": build_s,
         "plan_s": _spread([r["plan_s"] for r in fp]),
@@ -269,10 +291,10 @@ def _fmt_dcp(d: float | None, timeout: float) -> str:
 
 
 def report(results: list[dict[str, Any]]) -> list[str]:
-    lines = ["| model | ranks | TP x FSDP x DP | pieces | plan s | plan+commit s | next save's "
-             "commit s (plan cached) | DCP global plan s | DCP / plan | max/mean bytes | "
-             "store calls/rank (max) | msg bytes/rank (rank!=0, max) | rank 0 msg bytes | "
-             "coordinator peak MiB |",
+    lines = ["| model | ranks | TP x PP x FSDP x DP | pieces | plan s | plan+commit s | "
+             "next save's commit s (plan cached) | DCP global plan s | DCP / plan | "
+             "max/mean bytes | store calls/rank (max) | msg bytes/rank (rank!=0, max) | "
+             "rank 0 msg bytes | coordinator peak MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r["mesh"]
@@ -285,7 +307,8 @@ def report(results: list[dict[str, Any]]) -> list[str]:
                  else "-")
         p, pc, cc = r["plan_s"], r["plan_commit_s"], r["cached_commit_s"]
         lines.append(
-            f"| {r['model']} | {r['ranks']} | {m['tp']}x{m['fsdp']}x{m['dp']} | {r['pieces']} | "
+            f"| {r['model']} | {r['ranks']} | {m['tp']}x{m['pp']}x{m['fsdp']}x{m['dp']} | "
+            f"{r['pieces']} | "
             f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] | "
             f"{pc['median']:.2f} [{pc['min']:.2f}-{pc['max']:.2f}] | "
             f"{cc['median']:.2f} [{cc['min']:.2f}-{cc['max']:.2f}] | {dcp_cell} | {ratio} | "
@@ -316,12 +339,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dcp-repeats", type=int, default=5)
     ap.add_argument("--dcp-timeout", type=float, default=120.0)
+    ap.add_argument("--pp", type=int, default=None,
+                    help="pipeline stages (default: the model's, 1); over 1 plans with union=True")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     results = []
     for name in args.models.split(","):
         for world in (int(w) for w in args.ranks.split(",")):
-            results.append(run_size(MODELS[name], world, args.repeats, args.dcp_repeats,
+            model = MODELS[name] if args.pp is None else replace(MODELS[name], pp=args.pp)
+            results.append(run_size(model, world, args.repeats, args.dcp_repeats,
                                     args.dcp_timeout))
     lines = report(results)
     print("\n".join(lines))

@@ -157,22 +157,38 @@ def _union_keys(layouts: dict[str, tuple[Item, ...]], members: dict[str, list[in
                 ) -> dict[str, int]:
     """The job's tensors when ranks may hold different ones: every key any
     layout holds, in the order the layouts (by first rank) first list them.
-    A key that several layouts hold must have one dtype and global shape."""
-    seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    A key that several layouts hold must have one dtype and global shape.
+    Layouts that hold the same keys (a stage's) are compared as lists, in C."""
+    groups: dict[tuple[str, ...], list[str]] = {}
     for layout, items in layouts.items():
-        rank = members[layout][0]
-        if len({i.key for i in items}) != len(items):
+        groups.setdefault(tuple(map(_KEY, items)), []).append(layout)
+    seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    for group_keys, group in groups.items():
+        rank = members[group[0]][0]
+        if len(set(group_keys)) != len(group_keys):
             raise PlanError(f"rank {rank} describes a key twice")
-        for key, dtype, shape in map(_KEY_DTYPE_SHAPE, items):
+        want = list(map(_KEY_DTYPE_SHAPE, layouts[group[0]]))
+        for layout in group[1:]:
+            got = list(map(_KEY_DTYPE_SHAPE, layouts[layout]))
+            if got != want:
+                (key, dtype, shape), (_, first_dtype, first_shape) = next(
+                    (a, b) for a, b in zip(got, want, strict=True) if a != b)
+                raise PlanError(_disagree(key, dtype, shape, members[layout][0],
+                                          first_dtype, first_shape, rank))
+        for key, dtype, shape in want:
             first = seen.setdefault(key, (dtype, shape, rank))
             if first[:2] != (dtype, shape):
-                raise PlanError(
-                    f"{key!r} is {dtype} {list(shape)} on rank {rank} but {first[0]} "
-                    f"{list(first[1])} on rank {first[2]}: with union=True a key names one "
-                    "tensor on every rank that holds it (key each stage's values by "
-                    "parameter name, e.g. torch.distributed.checkpoint.state_dict's "
-                    "get_state_dict, or nest each stage's state under a key of its own)")
+                raise PlanError(_disagree(key, dtype, shape, rank, *first))
     return {k: n for n, k in enumerate(seen)}
+
+
+def _disagree(key: str, dtype: str, shape: tuple[int, ...], rank: int, first_dtype: str,
+              first_shape: tuple[int, ...], first_rank: int) -> str:
+    return (f"{key!r} is {dtype} {list(shape)} on rank {rank} but {first_dtype} "
+            f"{list(first_shape)} on rank {first_rank}: with union=True a key names one "
+            "tensor on every rank that holds it (key each stage's values by parameter name, "
+            "e.g. torch.distributed.checkpoint.state_dict's get_state_dict, or nest each "
+            "stage's state under a key of its own)")
 
 
 def _first_difference(got: list[tuple[str, str, tuple[int, ...]]],
@@ -207,14 +223,40 @@ def _unique_boxes(layouts: dict[str, tuple[Item, ...]]
 
 def _unique_boxes_of_union(layouts: dict[str, tuple[Item, ...]], keys: dict[str, int]
                            ) -> tuple[list[list[Item]], dict[Item, tuple[str, ...]]]:
-    """_unique_boxes when layouts may hold different keys: a box at a time."""
-    by_key: list[dict[Item, list[str]]] = [{} for _ in keys]
+    """_unique_boxes when layouts may hold different keys. Layouts that hold
+    the same keys (a pipeline stage's) are deduplicated together as columns
+    (_unique_boxes, in C); only the keys that several such groups hold (a
+    tied embedding) are gone through a box at a time, over every layout."""
+    groups: dict[tuple[str, ...], dict[str, tuple[Item, ...]]] = {}
     for layout, items in layouts.items():
-        for item in items:
-            by_key[keys[item.key]].setdefault(item, []).append(layout)
-    several = {box: tuple(held) for boxes in by_key for box, held in boxes.items()
-               if len(held) > 1}
-    return [list(boxes) for boxes in by_key], several
+        groups.setdefault(tuple(map(_KEY, items)), {})[layout] = items
+    seen: dict[str, int] = {}
+    for group_keys in groups:
+        for k in group_keys:
+            seen[k] = seen.get(k, 0) + 1
+    across = {k for k, n in seen.items() if n > 1}
+    by_key: list[list[Item]] = [[] for _ in keys]
+    several: dict[Item, tuple[str, ...]] = {}
+    for group_keys, members in groups.items():
+        boxes, shared = _unique_boxes(members)
+        for key, distinct in zip(group_keys, boxes, strict=True):
+            if key not in across:
+                by_key[keys[key]] = distinct
+        several.update((box, held) for box, held in shared.items() if box.key not in across)
+    if across:
+        holders: list[dict[Item, list[str]]] = [{} for _ in keys]
+        for layout, items in layouts.items():
+            for item in items:
+                if item.key in across:
+                    holders[keys[item.key]].setdefault(item, []).append(layout)
+        for k in across:
+            by_key[keys[k]] = list(holders[keys[k]])
+            several.update((box, tuple(held)) for box, held in holders[keys[k]].items()
+                           if len(held) > 1)
+    return by_key, several
+
+
+_KEY = operator.itemgetter(0)  # an Item's
 
 
 def _cut(item: Item, target: int, holders: int) -> list[Item]:
