@@ -74,6 +74,20 @@ def test_a_stage_killed_as_its_tree_is_joined_loses_nothing_committed(
     assert list(tmp_path.glob(".ckpt.fp-*")) == [], "staging directory left behind"
 
 
+def test_node_local_stages_gather_into_their_union(tmp_path: Path) -> None:
+    # Each node keeps the files its ranks wrote (one replica of each stage on
+    # each node); fpctl gather makes one checkpoint of the stages' union.
+    base = tmp_path / "disks"
+    reports = run_ranks(WORKER, "node_local", tmp_path / "out", 4,
+                        {"path": str(base / "{node}" / "ckpt")})
+    ok(reports)
+    assert fpctl(["gather", str(base / "a" / "ckpt"), str(base / "b" / "ckpt"),
+                  "--to", str(tmp_path / "gathered")]) == 0
+    held = worker_module("stage_worker").digests(fastpersist.load(tmp_path / "gathered"))
+    for r in reports:  # every value of every rank's state, as that rank held it
+        assert {k: held.get(k) for k in r["digests"]} == r["digests"], r["rank"]
+
+
 def test_an_index_keyed_optimizer_on_each_stage_is_refused_on_every_rank(tmp_path: Path
                                                                         ) -> None:
     ckpt = tmp_path / "ckpt"

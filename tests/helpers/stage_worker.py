@@ -16,6 +16,9 @@ Scenarios:
     no_union  the stages' states without union=True
     die_joining  save once, then save again with rank 2 (stage 1's first)
               SIGKILLed as it would send rank 0 its tree (union=True's own step)
+    node_local  save with union=True and node_local=True, ranks 0 and 2 on node
+              "a", 1 and 3 on "b" (a replica of each stage on each), to
+              args["path"] with "{node}" replaced
     tp        each stage's layers tensor-parallel over its 2 ranks (DTensors
               sharded by rows), saved with union=True and loaded with like=
               into column shards; reports where a weight came back wrong
@@ -24,6 +27,7 @@ Scenarios:
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -74,6 +78,16 @@ def zeroed(obj: Any) -> Any:
     if isinstance(obj, dict):
         return type(obj)((k, zeroed(v)) for k, v in obj.items())
     return obj
+
+
+def digests(obj: Any, path: str = "") -> dict[str, str]:
+    """Each value of a nested state by its path: a tensor's bytes' SHA-256, else repr."""
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items()
+                for k, v in digests(value, f"{path}.{key}" if path else str(key)).items()}
+    if isinstance(obj, torch.Tensor):
+        return {path: hashlib.sha256(obj.contiguous().numpy().tobytes()).hexdigest()}
+    return {path: repr(obj)}
 
 
 def same(a: Any, b: Any, path: str = "") -> list[str]:
@@ -127,6 +141,13 @@ def main() -> None:
         path = args["path"]
         if scenario == "tp":
             report["wrong"] = tensor_parallel_stages(path)
+        elif scenario == "node_local":
+            node = "ab"[rank % 2]
+            os.environ["FASTPERSIST_NODE"] = node
+            state = stage_state(rank * STAGES // dist.get_world_size(), indexed=False)
+            fastpersist.save(state, path.replace("{node}", node), union=True, node_local=True,
+                             process_group=dist.group.WORLD)
+            report["digests"] = digests(state)
         elif scenario == "die_joining":
             state = stage_state(rank * STAGES // dist.get_world_size(), indexed=False)
             fastpersist.save(state, path, process_group=dist.group.WORLD, union=True)
