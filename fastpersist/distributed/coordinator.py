@@ -256,12 +256,11 @@ class Save(CommitPoint):
             keys = sorted(set().union(*(
                 differing_keys([v for v, k in zip(per_rank, stages, strict=True) if k == stage])
                 for stage in sorted(set(stages)))))
+            kept = "each stage's first rank" if self.union else "rank 0"
             warnings.warn(
                 f"distributed checkpoint {self.target}: the ranks hold different values for "
                 f"{len(keys)} key(s) that a job checkpoint stores once: {', '.join(keys[:8])}"
-                f"{', ...' if len(keys) > 8 else ''}. It keeps "
-                f"{'each stage' + chr(39) + 's first rank' if self.union else 'rank 0'}"
-                "'s non-tensor values and "
+                f"{', ...' if len(keys) > 8 else ''}. It keeps {kept}'s non-tensor values and "
                 "one rank's copy of each plain tensor; save per-rank values (RNG states, "
                 "counters) with fastpersist.save to a path per rank. (Reported once.)",
                 RuntimeWarning, stacklevel=3)

@@ -70,8 +70,12 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
         layouts.setdefault(r.layout, r.items)
         members.setdefault(r.layout, []).append(r.rank)
     if union:
-        keys = _union_keys(layouts, members)
-        by_key, several = _unique_boxes_of_union(layouts, keys)
+        # Layouts that hold the same keys (a pipeline stage's), grouped once.
+        groups: dict[tuple[str, ...], dict[str, tuple[Item, ...]]] = {}
+        for layout, items in layouts.items():
+            groups.setdefault(tuple(map(_KEY, items)), {})[layout] = items
+        keys = _union_keys(groups, members)
+        by_key, several = _unique_boxes_of_union(layouts, groups, keys)
     else:
         keys = _check_keys(layouts, members)
         by_key, several = _unique_boxes(layouts)
@@ -153,23 +157,22 @@ _UNION_HINT = (" (ranks that hold different tensors, such as pipeline stages, sa
                "union=True; a key must then name the same tensor on every rank that holds it)")
 
 
-def _union_keys(layouts: dict[str, tuple[Item, ...]], members: dict[str, list[int]]
-                ) -> dict[str, int]:
+def _union_keys(groups: dict[tuple[str, ...], dict[str, tuple[Item, ...]]],
+                members: dict[str, list[int]]) -> dict[str, int]:
     """The job's tensors when ranks may hold different ones: every key any
     layout holds, in the order the layouts (by first rank) first list them.
     A key that several layouts hold must have one dtype and global shape.
-    Layouts that hold the same keys (a stage's) are compared as lists, in C."""
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for layout, items in layouts.items():
-        groups.setdefault(tuple(map(_KEY, items)), []).append(layout)
+    Layouts that hold the same keys (`groups`, a stage's each) are compared
+    as lists, in C."""
     seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
     for group_keys, group in groups.items():
-        rank = members[group[0]][0]
+        (lead, lead_items), *others = group.items()
+        rank = members[lead][0]
         if len(set(group_keys)) != len(group_keys):
             raise PlanError(f"rank {rank} describes a key twice")
-        want = list(map(_KEY_DTYPE_SHAPE, layouts[group[0]]))
-        for layout in group[1:]:
-            got = list(map(_KEY_DTYPE_SHAPE, layouts[layout]))
+        want = list(map(_KEY_DTYPE_SHAPE, lead_items))
+        for layout, items in others:
+            got = list(map(_KEY_DTYPE_SHAPE, items))
             if got != want:
                 (key, dtype, shape), (_, first_dtype, first_shape) = next(
                     (a, b) for a, b in zip(got, want, strict=True) if a != b)
@@ -221,15 +224,15 @@ def _unique_boxes(layouts: dict[str, tuple[Item, ...]]
     return by_key, several
 
 
-def _unique_boxes_of_union(layouts: dict[str, tuple[Item, ...]], keys: dict[str, int]
+def _unique_boxes_of_union(layouts: dict[str, tuple[Item, ...]],
+                           groups: dict[tuple[str, ...], dict[str, tuple[Item, ...]]],
+                           keys: dict[str, int]
                            ) -> tuple[list[list[Item]], dict[Item, tuple[str, ...]]]:
     """_unique_boxes when layouts may hold different keys. Layouts that hold
-    the same keys (a pipeline stage's) are deduplicated together as columns
-    (_unique_boxes, in C); only the keys that several such groups hold (a
-    tied embedding) are gone through a box at a time, over every layout."""
-    groups: dict[tuple[str, ...], dict[str, tuple[Item, ...]]] = {}
-    for layout, items in layouts.items():
-        groups.setdefault(tuple(map(_KEY, items)), {})[layout] = items
+    the same keys (`groups`, a pipeline stage's each) are deduplicated
+    together as columns (_unique_boxes, in C); only the keys that several
+    such groups hold (a tied embedding) are gone through a box at a time,
+    over every layout."""
     seen: dict[str, int] = {}
     for group_keys in groups:
         for k in group_keys:
