@@ -12,9 +12,10 @@ SHA-256, so a replica is loadable whatever its manifest's size.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -45,23 +46,20 @@ class PeerReplica:
     sha256: bytes = b""  # of its manifest; empty unless complete
     listed: bytes = b""  # its manifest where the listing held it (up to 16 MiB)
     manifest_len: int = 0
-    _read: list[bytes] = field(default_factory=list, compare=False, repr=False)
 
-    @property
+    @functools.cached_property  # (kept in the instance's __dict__, not a field)
     def manifest(self) -> bytes:
         """Its manifest (empty unless complete). One over 16 MiB is read from
         the peer, once: a lookup lists every replica a peer holds, and a
         large job's manifest is hundreds of MB, so only the one chosen is read."""
         if self.listed or not self.complete or not self.manifest_len:
             return self.listed
-        if not self._read:
-            client = DaemonClient(self.address)
-            try:
-                self._read.append(manifest_of(client, self.node, self.path, self.sha256,
-                                              self.manifest_len, READ_TIMEOUT))
-            finally:
-                client.close()
-        return self._read[0]
+        client = DaemonClient(self.address)
+        try:
+            return manifest_of(client, self.node, self.path, self.sha256, self.manifest_len,
+                               READ_TIMEOUT)
+        finally:
+            client.close()
 
 
 def listed_sha256(r: pb.ReplicaInfo) -> bytes:

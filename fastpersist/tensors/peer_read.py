@@ -31,7 +31,6 @@ within the timeout (DaemonUnavailableError). Either way a chain of sources
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -192,7 +191,7 @@ class PeerSource:
         self.replicas, self.timeout = group, timeout
         self.replica = group[0]
         self.manifest_bytes = _manifest_of(group)  # the restore chain compares copies by it
-        self._sha = hashlib.sha256(self.manifest_bytes).digest()
+        self._sha = self.replica.sha256  # (a manifest read is checked against it)
         self._manifest: Manifest | None = None
 
     @property
