@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,6 +28,7 @@ import fastpersist
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist._proto import fastpersist_pb2_grpc as pb_grpc
 from fastpersist.format.safetensors_file import HeaderEntry, layout
+from fastpersist.protocol.chunked import INLINE_HEADER_BYTES
 from fastpersist.protocol.shm import Segment
 from fastpersist.tensors import plan, state
 
@@ -120,14 +122,23 @@ class Raw:
                length: int = 0, *, seal: bool = True) -> pb.SubmitResponse:
         """SubmitShm of `length` bytes at `offset` in the data of `segment`. With
         `seal`, a segment of this Raw's is first marked as the checkpoint's, as its
-        owner does (shm.Segment.seal); without, it is named as another client would."""
+        owner does (shm.Segment.seal); without, it is named as another client would.
+        A header over 1 MiB goes in a sealed segment of its own, as the client sends it."""
         mine = next((s for s in self._segments if s.name == segment), None)
         if mine is not None and seal:
             mine.seal(ident)
-        return self.stub.SubmitShm(pb.SubmitShmRequest(
+        request = pb.SubmitShmRequest(
             checkpoint_id=ident, file=pb.DataFile(index=index, header=header),
             data=pb.ShmRef(segment=segment, offset=min(offset + Segment.data_offset, 2**64 - 1),
-                           length=length)), timeout=10)
+                           length=length))
+        if len(header) > INLINE_HEADER_BYTES:  # out of the message, as the client sends it
+            held = self.segment(header)
+            held.seal(ident)
+            request.file.header = b""
+            request.header_ref.CopyFrom(pb.ShmRef(segment=held.name,
+                                                  offset=Segment.data_offset,
+                                                  length=len(header)))
+        return self.stub.SubmitShm(request, timeout=10)
 
     def stream(self, chunks: Iterable[pb.StreamChunk]) -> pb.SubmitResponse:
         return self.stub.SubmitStream(iter(list(chunks)), timeout=10)
@@ -221,3 +232,37 @@ def assert_serving(daemon: Daemon, name: str = "final") -> None:
     value = torch.arange(16, dtype=torch.float32)
     fastpersist.save({"w": value}, target, daemon=daemon.address)
     assert torch.equal(fastpersist.load(target)["w"], value)
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM: the most resident memory the process ever had."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM in /proc")
+
+
+def sent_at_once(daemon: Daemon, method: str, message: bytes, callers: int
+                 ) -> tuple[list[Code], int]:
+    """`callers` unary calls of `method` holding `message` (raw bytes), at once,
+    each on a connection of its own: their status codes, and how much the
+    daemon's peak RSS grew meanwhile."""
+    assert daemon.proc is not None
+    codes: list[Code] = []
+
+    def send() -> None:
+        with grpc.insecure_channel(f"unix:{daemon.socket}",
+                                   [("grpc.max_send_message_length", -1)]) as channel:
+            try:
+                channel.unary_unary(f"/fastpersist.v1.FastPersist/{method}")(message, timeout=60)
+                codes.append(Code.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+
+    before = peak_rss(daemon.proc.pid)
+    threads = [threading.Thread(target=send) for _ in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return codes, peak_rss(daemon.proc.pid) - before

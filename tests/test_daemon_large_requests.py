@@ -19,10 +19,10 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from daemon_raw import Raw, assert_serving, file_header
+from daemon_raw import Raw, assert_serving, close_remote_savers, file_header, sent_at_once
 from daemon_support import Daemon
 from grpc import StatusCode as Code
-from test_daemon_tcp import peak_rss
+from test_daemon_tcp import TCP
 from test_distributed_daemon import _manifest, _part
 
 import fastpersist
@@ -111,19 +111,51 @@ def test_a_payload_over_the_limit_is_refused_before_it_is_received(daemon: Daemo
     assert_serving(daemon)
 
 
-def test_an_older_clients_large_unary_commit_is_told_to_upgrade(daemon: Daemon) -> None:
+def test_an_older_clients_large_unary_commit_is_told_to_upgrade(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client older than CommitStream sends a large Commit as one message:
-    refused, with what to do about it (the daemon is often upgraded first)."""
-    client = daemon.client()
+    refused, with what to do about it (the daemon is often upgraded first).
+    Over TCP, where gRPC receives up to 64 MiB (a peer's Replicate); on the
+    Unix socket gRPC's own limit refuses it first, with its own words."""
+    for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.delenv(var, raising=False)  # (a TCP channel to 127.0.0.1)
+    tcp = TCP(tmp_path).start()
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", str(tcp.daemon.shm_dir))
+    client = tcp.daemon.client()
+    channel = tcp.channel(tcp.files["token"].read_text().strip())
     try:
         ident = client.begin("old-client", 0, 1)
         with pytest.raises(grpc.RpcError) as caught:
-            client.stub.Commit(pb.CommitRequest(
-                checkpoint_id=ident, tree_json="x" * (chunked.UNARY_PAYLOAD_BYTES + MIB)),
-                timeout=30)
+            channel.unary_unary(SERVICE + "Commit")(pb.CommitRequest(
+                checkpoint_id=ident, tree_json="x" * (chunked.UNARY_PAYLOAD_BYTES + MIB)
+            ).SerializeToString(), timeout=30)
         assert caught.value.code() == Code.RESOURCE_EXHAUSTED
         details = caught.value.details() or ""
         assert "larger ones go as CommitStream" in details, details
+        assert "upgrade fastpersist where the trainer runs" in details, details
+        assert_serving(tcp.daemon)
+    finally:
+        channel.close()
+        client.close()
+        close_remote_savers()
+        tcp.daemon.cleanup()
+
+
+def test_an_older_clients_large_header_is_told_to_upgrade(daemon: Daemon) -> None:
+    """A client older than the large-headers feature sends a header of 1-4 MiB
+    in its SubmitShm: refused, saying where a newer client puts it."""
+    client = daemon.client()
+    try:
+        ident = client.begin("old-header", 1 << 20, 1)
+        header, n = file_header([(f"t{i:06d}", 4) for i in range(20_000)])
+        assert chunked.INLINE_HEADER_BYTES < len(header) < 4 * MIB
+        with pytest.raises(grpc.RpcError) as caught:
+            client.stub.SubmitShm(pb.SubmitShmRequest(
+                checkpoint_id=ident, file=pb.DataFile(index=0, header=header),
+                data=pb.ShmRef(segment="fastpersist-none", offset=4096, length=n)), timeout=30)
+        assert caught.value.code() == Code.RESOURCE_EXHAUSTED
+        details = caught.value.details() or ""
+        assert "a larger header goes in shared memory" in details, details
         assert "upgrade fastpersist where the trainer runs" in details, details
     finally:
         client.close()
@@ -138,27 +170,8 @@ def test_garbage_commits_of_60_mib_are_refused_without_the_daemon_holding_them(
     +390 MiB of RSS. Now a unary Commit is limited to a few MiB, refused by
     gRPC from the message's length prefix, and the daemon's peak memory
     grows by less than one such message."""
-    assert daemon.proc is not None
-    pid = daemon.proc.pid
     garbage = pb.CommitRequest(checkpoint_id="x", tree_json="x" * (60 * MIB)).SerializeToString()
-    codes: list[Code] = []
-
-    def send() -> None:
-        with grpc.insecure_channel(f"unix:{daemon.socket}",
-                                   [("grpc.max_send_message_length", -1)]) as channel:
-            try:
-                channel.unary_unary(SERVICE + "Commit")(garbage, timeout=60)
-                codes.append(Code.OK)
-            except grpc.RpcError as exc:
-                codes.append(exc.code())
-
-    before = peak_rss(pid)
-    threads = [threading.Thread(target=send) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    grown = peak_rss(pid) - before
+    codes, grown = sent_at_once(daemon, "Commit", garbage, 8)
     assert codes == [Code.RESOURCE_EXHAUSTED] * 8, codes
     assert grown < 60 * MIB, f"the daemon's peak RSS grew by {grown / MIB:.0f} MiB"
     assert_serving(daemon)

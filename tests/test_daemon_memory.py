@@ -41,7 +41,7 @@ from fastpersist import DiskFullError
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist.daemon.budgets import DEFAULT_STREAMS, cgroup_memory_limit, own_memory
 from fastpersist.format.manifest import MANIFEST_NAME
-from fastpersist.protocol.client import CHUNK
+from fastpersist.protocol.chunked import CHUNK
 
 MIB = 1 << 20
 Status = pb.CheckpointStatus

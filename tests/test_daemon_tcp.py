@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 import pytest
 import tls_support
-from daemon_raw import assert_serving, close_remote_savers, file_header
+from daemon_raw import assert_serving, close_remote_savers, file_header, peak_rss
 from daemon_support import Daemon
 from grpc import StatusCode as Code
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -101,14 +101,6 @@ def tcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TCP]:
         t.daemon.cleanup()
 
 
-def peak_rss(pid: int) -> int:
-    """VmHWM: the most resident memory the process ever had."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) << 10
-    raise AssertionError("no VmHWM in /proc")
-
-
 @pytest.mark.slow
 def test_unauthenticated_calls_are_refused_before_their_body_is_read(tcp: TCP) -> None:
     """Five peers without the token (or with a wrong one) send 60 MiB each.
@@ -171,10 +163,12 @@ def _field(number: int, data: bytes) -> bytes:
 
 
 def test_each_method_parses_only_requests_of_the_size_it_needs(daemon: Daemon) -> None:
-    """gRPC knows one message limit (on the Unix socket SubmitShm's, the
-    largest a client needs); every other method is refused (RESOURCE_EXHAUSTED,
-    naming its limit) above the size its fields need, before the request is
-    parsed. Commit and CommitJob take a few MiB: more is streamed."""
+    """gRPC knows one message limit (on the Unix socket the largest a client
+    needs, a stream's 4 MiB chunk); every other method is refused
+    (RESOURCE_EXHAUSTED, naming its limit) above the size its fields need,
+    before the request is parsed. Commit and CommitJob take a few MiB: more is
+    streamed. SubmitShm takes a header of 1 MiB: a larger one comes in shared
+    memory."""
     header, n = file_header([("w", 4)])
     channel = grpc.insecure_channel(f"unix:{daemon.socket}",
                                     [("grpc.max_send_message_length", -1)])
@@ -202,6 +196,8 @@ def test_each_method_parses_only_requests_of_the_size_it_needs(daemon: Daemon) -
             "Abort": raw("Abort", junk),
             "health": _health_check(channel, junk),
             "SubmitShm": raw("SubmitShm", pb.SubmitShmRequest(
+                checkpoint_id="x", file=pb.DataFile(header=bytes(2 * MIB))).SerializeToString()),
+            "SubmitShm 40 MiB": raw("SubmitShm", pb.SubmitShmRequest(
                 checkpoint_id="x", file=pb.DataFile(header=bytes(40 * MIB))).SerializeToString()),
         }
         stream = channel.stream_unary(SERVICE + "SubmitStream")
@@ -219,11 +215,12 @@ def test_each_method_parses_only_requests_of_the_size_it_needs(daemon: Daemon) -
             checkpoint_id="nope", tree_json="x" * (5 * MIB)).SerializeToString())
         cases["CommitJob"] = raw("CommitJob", pb.CommitJobRequest(
             job_id="nope", manifest=bytes(5 * MIB)).SerializeToString())
-        # (SubmitShm's is the largest a client needs: gRPC's own limit on the
-        # Unix socket, which it checks from the length prefix.)
-        limits = {"SubmitShm": 32 * MIB + 64 * 1024, "SubmitStream header": 32 * MIB + 64 * 1024,
-                  "SubmitStream data": 32 * MIB + 64 * 1024, "Commit": 4 * MIB + 64 * 1024,
-                  "CommitJob": 4 * MIB + 64 * 1024}
+        # (A stream's chunk is the largest a client needs: gRPC's own limit on
+        # the Unix socket, which it checks from the length prefix.)
+        largest = 4 * MIB + 64 * 1024
+        limits = {"SubmitShm": MIB + 64 * 1024, "SubmitShm 40 MiB": largest,
+                  "SubmitStream header": largest, "SubmitStream data": largest,
+                  "Commit": largest, "CommitJob": largest}
         wrong = {name: f"{code.name}: {details[:200]}" for name, (code, details) in cases.items()
                  if code != Code.RESOURCE_EXHAUSTED
                  or (f"limited to {limits.get(name, 64 * 1024)} bytes" not in details

@@ -122,14 +122,16 @@ class ShmRef(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class SubmitShmRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "file", "data")
+    __slots__ = ("checkpoint_id", "file", "data", "header_ref")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    HEADER_REF_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     file: DataFile
     data: ShmRef
-    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[_Union[DataFile, _Mapping]] = ..., data: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
+    header_ref: ShmRef
+    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[_Union[DataFile, _Mapping]] = ..., data: _Optional[_Union[ShmRef, _Mapping]] = ..., header_ref: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class StreamChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -140,14 +142,16 @@ class StreamChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("checkpoint_id", "file", "data_length")
+    __slots__ = ("checkpoint_id", "file", "data_length", "header_length")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     DATA_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HEADER_LENGTH_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     file: DataFile
     data_length: int
-    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[_Union[DataFile, _Mapping]] = ..., data_length: _Optional[int] = ...) -> None: ...
+    header_length: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[_Union[DataFile, _Mapping]] = ..., data_length: _Optional[int] = ..., header_length: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ()

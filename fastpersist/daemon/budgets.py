@@ -130,16 +130,23 @@ class Ledger:
 # daemon at 400 MiB of RSS (measured). Big parses take turns instead.
 BIG_PARSE_BYTES = 1 << 20
 _big_parses = threading.BoundedSemaphore(2)
+_holds_a_turn = threading.local()
 
 
 @contextlib.contextmanager
 def parsing(nbytes: int) -> Iterator[None]:
-    """Hold this while parsing `nbytes` of a request (never with the service lock)."""
-    if nbytes < BIG_PARSE_BYTES:
+    """Hold this while receiving or parsing `nbytes` of a request (never with
+    the service lock). Within a thread's turn it takes no second one: two
+    threads each holding one and waiting for another would wait forever."""
+    if nbytes < BIG_PARSE_BYTES or getattr(_holds_a_turn, "held", False):
         yield
         return
     with _big_parses:
-        yield
+        _holds_a_turn.held = True
+        try:
+            yield
+        finally:
+            _holds_a_turn.held = False
 
 
 def default_budgets(shm_dir: Path) -> Budgets:

@@ -22,9 +22,11 @@ from .._proto import fastpersist_pb2_grpc as pb_grpc
 from .._version import __version__
 from ..errors import CheckpointError
 from ..protocol import shm
+from ..protocol.chunked import LARGE_HEADERS
 from ..storage.commit import os_error
 from ..storage.retention import AfterCommit
-from . import large_requests, logs, replica_manifest, replicas
+from . import large_requests, logs, replica_manifest, replicas, submitted
+from .budgets import parsing
 from .checkpoints import Checkpoint
 from .paths import PathError, parse
 from .peers import PeerSettings
@@ -32,7 +34,6 @@ from .replica_wire import Data
 from .replication import Replicator
 from .requests import (
     MAX_ID_BYTES,
-    MAX_STREAM_CHUNK,
     RequestError,
     check_extra_files,
     check_names,
@@ -42,7 +43,8 @@ from .requests import (
 from .service import Service
 
 # InfoResponse.features: what clients may not assume of every daemon.
-FEATURES = ["commit-files", "commit-stream", "memory-copy", "memory-only", "replicas"]
+FEATURES = ["commit-files", "commit-stream", LARGE_HEADERS, "memory-copy", "memory-only",
+            "replicas"]
 MAX_ERROR_CHARS = 1000
 
 T = TypeVar("T")
@@ -169,11 +171,13 @@ class Servicer(pb_grpc.FastPersistServicer):
                   ) -> pb.SubmitResponse:
         def run() -> pb.SubmitResponse:
             f, ref = request.file, request.data
-            ck, entries = self.service.check_submit(request.checkpoint_id, f.index, f.header,
-                                                    ref.length)
+            with parsing(submitted.header_size(f.header, request.header_ref.length)):
+                header = submitted.shm_header(request, self.service.shm_fd)
+                ck, entries = self.service.check_submit(request.checkpoint_id, f.index, header,
+                                                        ref.length)
             mapping = shm.open_range(self.service.shm_fd, ref.segment, ref.offset, ref.length,
                                      shm.tag_for(ck.id))
-            self.service.submit(ck, f.index, f.header, entries, mapping)
+            self.service.submit(ck, f.index, header, entries, mapping)
             return pb.SubmitResponse()
         return self._guard(context, run)
 
@@ -183,13 +187,14 @@ class Servicer(pb_grpc.FastPersistServicer):
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("part") != "header":
                 raise invalid("a SubmitStream must start with a header chunk")
-            head = first.header
-            ck, entries = self.service.check_submit(head.checkpoint_id, head.file.index,
-                                                    head.file.header, head.data_length,
-                                                    streamed=True)
+            head, chunks = first.header, submitted.data_chunks(request_iterator)
+            with parsing(submitted.header_size(head.file.header, head.header_length)):
+                header = submitted.stream_header(head, chunks, self.service.registry)
+                ck, entries = self.service.check_submit(head.checkpoint_id, head.file.index,
+                                                        header, head.data_length, streamed=True)
             # Written to disk as it arrives; the call returns when the file is durable.
-            self.service.streams.receive(ck, head.file.index, head.file.header, entries,
-                                         head.data_length, _data_chunks(request_iterator),
+            self.service.streams.receive(ck, head.file.index, header, entries,
+                                         head.data_length, chunks,
                                          cancel=context.cancel, alive=context.is_active)
             return pb.SubmitResponse()
         return self._guard(context, run)
@@ -375,16 +380,6 @@ class Servicer(pb_grpc.FastPersistServicer):
             self.service.jobs.abort_job(request.job_id)
             return pb.AbortJobResponse()
         return self._guard(context, run)
-
-
-def _data_chunks(chunks: Iterator[pb.StreamChunk]) -> Iterator[memoryview]:
-    for chunk in chunks:
-        if chunk.WhichOneof("part") != "data":
-            raise invalid("only data chunks may follow the header chunk")
-        if len(chunk.data) > MAX_STREAM_CHUNK:
-            raise invalid(f"a data chunk of {len(chunk.data)} bytes is over the "
-                          f"{MAX_STREAM_CHUNK}-byte limit")
-        yield memoryview(chunk.data)
 
 
 def _after_commit(request: pb.CommitRequest | pb.CommitJobRequest) -> AfterCommit | None:

@@ -23,7 +23,7 @@ unary request is received whole and deserialized before the behavior runs
   checked on the serialized bytes before they are parsed, but after gRPC
   received them whole: gRPC itself knows one limit for all, which it checks
   from a message's length prefix. On the Unix socket that is the largest a
-  client needs (CLIENT_MESSAGE_BYTES, SubmitShm's header); over TCP a peer's
+  client needs (CLIENT_MESSAGE_BYTES, a stream's chunk); over TCP a peer's
   Replicate header (MAX_MESSAGE_BYTES). Commit's and CommitJob's payloads,
   which grow with the job, are streamed in chunks (large_requests.py): eight
   60 MiB unary Commits, taken whole when they needed 64 MiB, had raised the
@@ -48,10 +48,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from .._proto import fastpersist_pb2_grpc as pb_grpc
-from ..protocol.chunked import UNARY_PAYLOAD_BYTES
+from ..protocol.chunked import INLINE_HEADER_BYTES, UNARY_PAYLOAD_BYTES
 from . import logs, replica_wire
 from .metrics import Metrics
-from .requests import MAX_HEADER_BYTES, MAX_STREAM_CHUNK, RequestError
+from .requests import MAX_STREAM_CHUNK, RequestError
 
 # What gRPC receives over TCP: an older peer's Replicate header may hold a
 # manifest of up to this (a newer peer's holds at most 16 MiB and sends a
@@ -67,8 +67,10 @@ MAX_STREAMS_PER_CONNECTION = 64
 # Every request but the ones below: ids, paths (1 KiB), counts.
 SMALL_REQUEST_BYTES = 64 << 10
 REQUEST_BYTES = {
-    "SubmitShm": MAX_HEADER_BYTES + SMALL_REQUEST_BYTES,  # a data file's header
-    "SubmitStream": MAX_HEADER_BYTES + SMALL_REQUEST_BYTES,  # a chunk: header, or <= 4 MiB
+    # A data file's header; a larger one comes out of the message (submitted.py).
+    "SubmitShm": INLINE_HEADER_BYTES + SMALL_REQUEST_BYTES,
+    # A chunk: the header, or <= 4 MiB of data.
+    "SubmitStream": max(INLINE_HEADER_BYTES, MAX_STREAM_CHUNK) + SMALL_REQUEST_BYTES,
     # The tree and every tensor's name, the job's manifest: larger ones are
     # streamed (large_requests.py).
     "Commit": UNARY_PAYLOAD_BYTES + SMALL_REQUEST_BYTES,
@@ -80,11 +82,14 @@ REQUEST_BYTES = {
 }
 # What a client of this version sends instead of a unary call over its bound:
 # a client older than the daemon does not, and is told to upgrade.
-STREAMED_AS = {"Commit": "CommitStream", "CommitJob": "CommitJobStream"}
+SENT_INSTEAD = {"Commit": "larger ones go as CommitStream",
+                "CommitJob": "larger ones go as CommitJobStream",
+                "SubmitShm": "a larger header goes in shared memory",
+                "SubmitStream": "a larger header goes in the stream's chunks"}
 # What gRPC receives on the Unix socket, where no peer daemon calls
 # (Replicate comes over TCP, with the token): the largest message a client
-# needs, SubmitShm's header. gRPC refuses a larger one from its length prefix,
-# without receiving it; below this, MessageBounds refuses it whole.
+# needs, a few MiB. gRPC refuses a larger one from its length prefix, without
+# receiving it; below this, MessageBounds refuses it whole.
 CLIENT_MESSAGE_BYTES = max(b for m, b in REQUEST_BYTES.items() if m != "Replicate")
 
 # Instead of the generated deserializer: Replicate's data chunks without
@@ -148,10 +153,9 @@ class MessageBounds(grpc.ServerInterceptor):  # type: ignore[misc]
 
         def message(size: int) -> str:
             text = f"{method} requests are limited to {bound} bytes; this one holds {size}"
-            if method in STREAMED_AS:
-                text += (f" (larger ones go as {STREAMED_AS[method]}: a fastpersist client "
-                         "older than this daemon does not send them so; upgrade fastpersist "
-                         "where the trainer runs)")
+            if method in SENT_INSTEAD:
+                text += (f" ({SENT_INSTEAD[method]}, but not by a fastpersist client older "
+                         "than this daemon: upgrade fastpersist where the trainer runs)")
             return text
 
         def refuse(context: grpc.ServicerContext, size: int) -> None:

@@ -8,7 +8,7 @@ Torch-free (fpctl daemon status uses the client).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -25,6 +25,14 @@ CHUNK = 1 << 20
 # second more for each STREAM_RATE bytes.
 UNARY_PAYLOAD_BYTES = 4 << 20
 STREAM_RATE = 64 << 20
+# A data file's header above this goes out of its SubmitShm or SubmitStream
+# message, to a daemon with the LARGE_HEADERS feature: in a shared-memory
+# segment, or in the stream's first chunks. gRPC receives a unary message
+# whole before the daemon can look at it, so the daemon bounds these messages
+# by this (daemon/transport.py); headers of up to 32 MiB (a file of 200,000
+# tensors) need not raise that bound for every client.
+INLINE_HEADER_BYTES = 1 << 20
+LARGE_HEADERS = "large-headers"
 
 Large = TypeVar("Large", pb.CommitRequest, pb.CommitJobRequest)
 
@@ -53,3 +61,21 @@ def send_large(unary: Callable[..., Any], stream: Callable[..., Any],
                 raise
     header.MergeFrom(payload)
     return unary(header, timeout=timeout)
+
+
+def submit_messages(ident: str, index: int, header: bytes, length: int,
+                    chunks: Iterable[bytes | memoryview], header_in_parts: bool
+                    ) -> Iterator[pb.StreamChunk]:
+    """A SubmitStream's messages: the file, its header in the first one or
+    (header_in_parts) in data chunks of their own, then the data section's
+    bytes in CHUNKs."""
+    file = pb.DataFile(index=index, header=b"" if header_in_parts else header)
+    yield pb.StreamChunk(header=pb.StreamHeader(
+        checkpoint_id=ident, file=file, data_length=length,
+        header_length=len(header) if header_in_parts else 0))
+    if header_in_parts:
+        for start in range(0, len(header), CHUNK):
+            yield pb.StreamChunk(data=header[start:start + CHUNK])
+    for chunk in chunks:
+        for start in range(0, len(chunk), CHUNK):
+            yield pb.StreamChunk(data=bytes(chunk[start:start + CHUNK]))

@@ -14,7 +14,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,7 +26,7 @@ from .._proto import fastpersist_pb2_grpc as pb_grpc
 from ..errors import CheckpointError, DaemonError, DaemonMayStillCommitError, DaemonUnavailableError
 from ..storage.retention import AfterCommit
 from .channels import open_channel
-from .chunked import CHUNK, send_large
+from .chunked import INLINE_HEADER_BYTES, LARGE_HEADERS, send_large, submit_messages
 
 # Unary calls are quick (no I/O waits in them); a daemon that does not answer
 # in this long is treated as gone rather than hung on.
@@ -248,26 +248,29 @@ class DaemonClient:
         self._call("cannot abort the distributed checkpoint", lambda: self.stub.AbortJob(
             pb.AbortJobRequest(job_id=job_id), timeout=CALL_TIMEOUT))
 
+    def takes_large_headers(self) -> bool:
+        """Whether the daemon takes a header over INLINE_HEADER_BYTES out of
+        the message (an older one takes it in the message, up to 32 MiB)."""
+        return LARGE_HEADERS in self.info(cached=True).features
+
     def submit_shm(self, ident: str, index: int, header: bytes, segment: str, offset: int,
-                   length: int) -> None:
+                   length: int, header_at: tuple[str, int] | None = None) -> None:
+        """header_at: the segment and offset where the header's bytes lie instead."""
+        request = pb.SubmitShmRequest(
+            checkpoint_id=ident, file=pb.DataFile(index=index, header=header),
+            data=pb.ShmRef(segment=segment, offset=offset, length=length))
+        if header_at is not None:
+            request.file.header = b""
+            request.header_ref.CopyFrom(pb.ShmRef(segment=header_at[0], offset=header_at[1],
+                                                  length=len(header)))
         self._call(f"cannot hand data file {index} over", lambda: self.stub.SubmitShm(
-            pb.SubmitShmRequest(
-                checkpoint_id=ident, file=pb.DataFile(index=index, header=header),
-                data=pb.ShmRef(segment=segment, offset=offset, length=length)),
-            timeout=CALL_TIMEOUT))
+            request, timeout=CALL_TIMEOUT))
 
     def submit_stream(self, ident: str, index: int, header: bytes, length: int,
                       chunks: Iterable[bytes | memoryview]) -> None:
-        def messages() -> Iterator[pb.StreamChunk]:
-            yield pb.StreamChunk(header=pb.StreamHeader(
-                checkpoint_id=ident, file=pb.DataFile(index=index, header=header),
-                data_length=length))
-            for chunk in chunks:
-                for start in range(0, len(chunk), CHUNK):
-                    yield pb.StreamChunk(data=bytes(chunk[start:start + CHUNK]))
-
+        in_parts = len(header) > INLINE_HEADER_BYTES and self.takes_large_headers()
         self._call(f"cannot stream data file {index}", lambda: self.stub.SubmitStream(
-            messages()))
+            submit_messages(ident, index, header, length, chunks, in_parts)))
 
     def commit(self, ident: str, tree_json: str, tensor_order: list[str], *,
                after_commit: AfterCommit | None = None, timeout: float = CALL_TIMEOUT) -> None:

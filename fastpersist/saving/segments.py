@@ -29,6 +29,7 @@ from .. import knobs
 from ..errors import CheckpointError, DaemonError
 from ..protocol import shm
 from ..protocol.channels import grpc_target
+from ..protocol.chunked import INLINE_HEADER_BYTES
 from ..protocol.client import DaemonClient
 from ..tensors.datafile import plan_file
 from ..tensors.plan import StoredTensor, memory_of
@@ -121,8 +122,22 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
     # mapped the segment all the same.
     staged.lend()
     segment.seal(ident)  # the daemon takes only segments that carry the checkpoint's tag
-    client.submit_shm(ident, index, layout.layout.header, segment.name, segment.data_offset,
-                      length)
+    header = layout.layout.header
+    if len(header) <= INLINE_HEADER_BYTES or not client.takes_large_headers():
+        client.submit_shm(ident, index, header, segment.name, segment.data_offset, length)
+        return
+    # Too large for the message: in a segment of its own, sealed as the data's.
+    # The daemon copies it out during the call, so it goes when the call does
+    # (a daemon still reading it after a lost reply keeps its own mapping).
+    held = shm.Segment(shm.shm_dir(), len(header), segments.group)
+    try:
+        assert held.map is not None
+        held.map[:] = header
+        held.seal(ident)
+        client.submit_shm(ident, index, header, segment.name, segment.data_offset, length,
+                          header_at=(held.name, held.data_offset))
+    finally:
+        held.close()
 
 
 def _chunks(order: list[StoredTensor]) -> Iterator[memoryview]:
