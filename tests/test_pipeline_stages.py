@@ -26,6 +26,9 @@ def test_stages_save_their_union_and_each_loads_its_own_part(tmp_path: Path) -> 
     assert [r["async_differs"] for r in reports] == [[]] * 4
     assert [r["checkpointer_differs"] for r in reports] == [[]] * 4
     assert [r["extra"] for r in reports] == [["stage1"]] * 2 + [["stage0"]] * 2
+    # Stages hold values of their own ("stage0", "stage1"): not a difference
+    # between replicas, so nothing is warned of.
+    assert [r["warnings"] for r in reports] == [[]] * 4
     whole = fastpersist.load(ckpt)
     layers = [f"layers.{n}.{p}" for n in range(4) for p in ("weight", "bias")]
     assert sorted(whole["model"]) == sorted(["embed.weight", *layers])
@@ -39,6 +42,21 @@ def test_stages_save_their_union_and_each_loads_its_own_part(tmp_path: Path) -> 
     assert manifest.schema_version == 3
     writers = {t.file.split("-")[1] for t in manifest.tensors}
     assert writers == {"r00000", "r00001", "r00002", "r00003"}, writers
+
+
+def test_replicas_of_a_stage_that_differ_are_warned_of_once(tmp_path: Path) -> None:
+    # Rank 3 holds another "step" than rank 2, the first rank of its stage:
+    # rank 0 warns, naming the key and whose values are kept; the checkpoint
+    # holds rank 2's, and stage 0's replicas, which agree, are not named.
+    ckpt = tmp_path / "ckpt"
+    reports = run_ranks(WORKER, "diverged", tmp_path / "out", 4, {"path": str(ckpt)})
+    ok(reports)
+    assert [len(r["warnings"]) for r in reports] == [1, 0, 0, 0], reports
+    warned = reports[0]["warnings"][0]
+    assert "different values for 1 key(s)" in warned and ": step." in warned, warned
+    assert "It keeps each stage's first rank's non-tensor values" in warned, warned
+    assert [r["differs"] for r in reports] == [[]] * 3 + [[".step"]]
+    assert fastpersist.load(ckpt)["step"] == 7
 
 
 def test_tensor_parallel_stages_reshard_on_load(tmp_path: Path) -> None:

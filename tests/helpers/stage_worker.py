@@ -19,6 +19,7 @@ Scenarios:
     node_local  save with union=True and node_local=True, ranks 0 and 2 on node
               "a", 1 and 3 on "b" (a replica of each stage on each), to
               args["path"] with "{node}" replaced
+    diverged  save, with rank 3's "step" unlike rank 2's (replicas of stage 1)
     tp        each stage's layers tensor-parallel over its 2 ranks (DTensors
               sharded by rows), saved with union=True and loaded with like=
               into column shards; reports where a weight came back wrong
@@ -33,6 +34,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -169,13 +171,18 @@ def main() -> None:
 
 def save_and_load(scenario: str, path: str, args: dict[str, Any], rank: int
                   ) -> dict[str, Any]:
-    """The save, indexed and no_union scenarios: what the rank saw."""
+    """The save, indexed, no_union and diverged scenarios: what the rank saw."""
     stage = rank * STAGES // dist.get_world_size()
     state = stage_state(stage, indexed=scenario == "indexed")
-    fastpersist.save(state, path, process_group=dist.group.WORLD,
-                     union=scenario != "no_union")
+    if scenario == "diverged" and rank == 3:  # stage 1's second replica has drifted
+        state["step"] = 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fastpersist.save(state, path, process_group=dist.group.WORLD,
+                         union=scenario != "no_union")
     back = fastpersist.load(path, into=zeroed(state))
     report = {"differs": same(state, back),
+              "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
               # Values outside the rank's tensors come back whole (load's into=): the other
               # stage's.
               "extra": sorted(set(back) - set(state)),
