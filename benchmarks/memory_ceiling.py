@@ -4,6 +4,7 @@
     python benchmarks/memory_ceiling.py --size-gib 1 --budget 256MiB --json out.json
     python benchmarks/memory_ceiling.py --size-gib 8 --budget 1GiB   # the issue's figure
     python benchmarks/memory_ceiling.py --paths inproc,inproc-zstd   # a subset
+    python benchmarks/memory_ceiling.py --repeats 5 --json out.json  # medians of 5 runs
 
 The state is S GiB of float32 in --tensors tensors (default 64). Every path runs in a
 fresh process that builds the state, resets its peak (VmHWM := VmRSS, by writing "5"
@@ -60,6 +61,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -353,6 +355,29 @@ def fmt(v: int | None) -> str:
     return "-" if v is None else f"{v / MIB:.0f}"
 
 
+COLUMNS = ("trainer_over", "daemon_peak", "daemon_private_peak", "shm_peak")
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One path's runs: each column's median and [min-max]; the worst verdict."""
+    out: dict[str, Any] = {"path": runs[0]["path"], "runs": len(runs)}
+    for column in COLUMNS:
+        values = sorted(r[column] for r in runs if r[column] is not None)
+        out[column] = ({"median": statistics.median(values), "min": values[0],
+                        "max": values[-1]} if values else None)
+    verdicts = {r["verdict"] for r in runs}
+    out["verdict"] = next((v for v in ("error", "FAIL", "refused") if v in verdicts), "PASS")
+    return out
+
+
+def fmt_spread(v: dict[str, float] | None) -> str:
+    if v is None:
+        return "-"
+    if v["min"] == v["max"]:
+        return fmt(int(v["median"]))
+    return f"{fmt(int(v['median']))} [{fmt(int(v['min']))}-{fmt(int(v['max']))}]"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -363,6 +388,8 @@ def main() -> int:
     p.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset")
     p.add_argument("--dir", type=Path, default=Path("/var/tmp"))
     p.add_argument("--json", type=Path)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every path, interleaved (path by path, then again)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
     p.add_argument("--daemon", help=argparse.SUPPRESS)
@@ -380,7 +407,7 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="fp-memceil-", dir=args.dir))
     results = []
     try:
-        for path in paths:
+        for path in [path for _ in range(args.repeats) for path in paths]:
             r = measure(args, path, base)
             results.append(r)
             print(f"  {path:<14} trainer +{fmt(r['trainer_over'])} MiB, daemon "
@@ -391,16 +418,19 @@ def main() -> int:
     limit = args.budget + SLACK
     print(f"\n{args.nbytes / GIB:.3g} GiB state ({args.tensors} float32 tensors), staging "
           f"budget B = {args.budget / MIB:.0f} MiB, limit B + 64 MiB = {limit / MIB:.0f} MiB")
-    print(f"  {'path':<14} {'trainer +MiB':>12} {'daemon +MiB':>11} {'daemon priv':>11} "
-          f"{'shm MiB':>8}  verdict")
-    for r in results:
-        print(f"  {r['path']:<14} {fmt(r['trainer_over']):>12} {fmt(r['daemon_peak']):>11} "
-              f"{fmt(r['daemon_private_peak']):>11} {fmt(r['shm_peak']):>8}  {r['verdict']}")
+    summaries = [summary([r for r in results if r["path"] == path]) for path in paths]
+    print(f"  medians of {args.repeats} run(s) [min-max]")
+    print(f"  {'path':<14} {'trainer +MiB':>16} {'daemon +MiB':>16} {'daemon priv':>16} "
+          f"{'shm MiB':>16}  verdict (worst run)")
+    for r in summaries:
+        print(f"  {r['path']:<14} " + " ".join(f"{fmt_spread(r[c]):>16}" for c in COLUMNS)
+              + f"  {r['verdict']}")
     print("  (loads: trainer beyond the bytes returned; open-get: beyond the largest tensor)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"argv": sys.argv, "state_bytes": args.nbytes,
                                          "budget": args.budget, "tensors": args.tensors,
+                                         "repeats": args.repeats, "summary": summaries,
                                          "results": results}, indent=1))
     return 0
 

@@ -26,6 +26,9 @@ runs on them, as rank 0 runs it (coordinator.Save's steps 2-5):
 - the store: every rank's store calls of one save (outcome.check_in, forget,
   rank 0's Ballot) against CountingStore, an in-memory fake of the c10d
   Store interface that counts round trips and bytes per rank;
+- the load's first step, not timed in plan + commit: Manifest.from_json on the
+  job manifest (parse, and check that the chunks tile every tensor), which
+  every load and a daemon's CommitJob run;
 - messages: the bytes each rank sends and receives in the save's collectives,
   from the pickled sizes of what it exchanges and the way torch's *_object
   collectives pad every rank's message to the largest.
@@ -82,6 +85,7 @@ from fastpersist.distributed.phases import Phase  # noqa: E402
 from fastpersist.distributed.planner import RankInfo, layout_digest, make_plan  # noqa: E402
 from fastpersist.distributed.trees import joined, renumbered  # noqa: E402
 from fastpersist.distributed.written import job_manifest, rendered  # noqa: E402
+from fastpersist.format.manifest import Manifest  # noqa: E402
 from fastpersist.knobs import current as current_knobs  # noqa: E402
 
 GOAL_SECONDS, GOAL_SPEEDUP, GOAL_BALANCE = 1.0, 10.0, 1.05
@@ -166,6 +170,11 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     if memory:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+    # Not the coordinator's: what every load of the checkpoint, and a daemon's
+    # CommitJob, does with the manifest first (parse and check its chunks).
+    checked = time.perf_counter()
+    Manifest.from_json(manifest, "simulated job manifest")
+    manifest_check = time.perf_counter() - checked
     # The store calls of one save, every rank (the previous save's keys are forgotten).
     for r in range(job.world):
         store.rank = r
@@ -181,6 +190,7 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
         "plan_commit_s": (shared - start) + (done - record_start),
         "rank_render_max_s": render_max,
         "cached_commit_s": steady,
+        "manifest_check_s": manifest_check,
         "pieces": len(plan.pieces),
         "balance_max_over_mean": max(per_rank.values()) / mean,
         "bytes_per_rank_max": max(per_rank.values()),
@@ -270,6 +280,7 @@ def run_size(model: Model, world: int, repeats: int, dcp_repeats: int, dcp_timeo
         "plan_s": _spread([r["plan_s"] for r in fp]),
         "plan_commit_s": _spread([r["plan_commit_s"] for r in fp]),
         "cached_commit_s": _spread([r["cached_commit_s"] for r in fp]),
+        "manifest_check_s": _spread([r["manifest_check_s"] for r in fp]),
         "rank_render_max_s": _spread([r["rank_render_max_s"] for r in fp]),
         "dcp_s": [d for d in dcp], "dcp_timeout_s": dcp_timeout,
         "coordinator_peak_bytes": mem["coordinator_peak_bytes"],
@@ -286,6 +297,10 @@ def run_size(model: Model, world: int, repeats: int, dcp_repeats: int, dcp_timeo
     return out
 
 
+def _cell(x: dict[str, float]) -> str:
+    return f"{x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}]"
+
+
 def _fmt_dcp(d: float | None, timeout: float) -> str:
     return f">{timeout:.0f} s (stopped)" if d is None else f"{d:.2f} s"
 
@@ -294,8 +309,8 @@ def report(results: list[dict[str, Any]]) -> list[str]:
     lines = ["| model | ranks | TP x PP x FSDP x DP | pieces | plan s | plan+commit s | "
              "next save's commit s (plan cached) | DCP global plan s | DCP / plan | "
              "max/mean bytes | store calls/rank (max) | msg bytes/rank (rank!=0, max) | "
-             "rank 0 msg bytes | coordinator peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "rank 0 msg bytes | coordinator peak MiB | manifest MB | load's manifest check s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r["mesh"]
         dcp = r["dcp_s"]
@@ -315,7 +330,8 @@ def report(results: list[dict[str, Any]]) -> list[str]:
             f"{r['balance_max_over_mean']:.3f} | {r['store']['calls_per_rank_max']} "
             f"(rank 0: {r['store']['calls_rank0']}) | "
             f"{r['messages']['other_rank_max']:,} | {r['messages']['rank0']:,} | "
-            f"{(r['coordinator_peak_bytes'] or 0) / 2**20:.0f} |")
+            f"{(r['coordinator_peak_bytes'] or 0) / 2**20:.0f} | {r['manifest_bytes'] / 1e6:.1f} | "
+            f"{_cell(r['manifest_check_s'])} |")
     lines.append("")
     for r in results:
         pc = r["plan_commit_s"]["median"]
