@@ -119,11 +119,13 @@ class Raw:
         return str(reply.checkpoint_id)
 
     def submit(self, ident: str, index: int, header: bytes, segment: str, offset: int = 0,
-               length: int = 0, *, seal: bool = True) -> pb.SubmitResponse:
+               length: int = 0, *, seal: bool = True, in_message: bool = False
+               ) -> pb.SubmitResponse:
         """SubmitShm of `length` bytes at `offset` in the data of `segment`. With
         `seal`, a segment of this Raw's is first marked as the checkpoint's, as its
         owner does (shm.Segment.seal); without, it is named as another client would.
-        A header over 1 MiB goes in a sealed segment of its own, as the client sends it."""
+        A header over 1 MiB goes in a sealed segment of its own, as the client sends it,
+        unless `in_message` (as an older client sends it)."""
         mine = next((s for s in self._segments if s.name == segment), None)
         if mine is not None and seal:
             mine.seal(ident)
@@ -131,7 +133,7 @@ class Raw:
             checkpoint_id=ident, file=pb.DataFile(index=index, header=header),
             data=pb.ShmRef(segment=segment, offset=min(offset + Segment.data_offset, 2**64 - 1),
                            length=length))
-        if len(header) > INLINE_HEADER_BYTES:  # out of the message, as the client sends it
+        if len(header) > INLINE_HEADER_BYTES and not in_message:
             held = self.segment(header)
             held.seal(ident)
             request.file.header = b""

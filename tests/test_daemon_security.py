@@ -429,8 +429,8 @@ def test_message_over_the_limit(daemon: Daemon, raw: Raw) -> None:
     raw.watch(ident)
     big = '"' + "x" * (70 << 20) + '"'
     assert code_of(lambda: raw.commit(ident, big, ["w"])) == EXHAUSTED
-    assert code_of(lambda: raw.submit(ident, 0, b"\x00" * (70 << 20), seg.name, 0, n)) \
-        == EXHAUSTED
+    assert code_of(lambda: raw.submit(ident, 0, b"\x00" * (70 << 20), seg.name, 0, n,
+                                      in_message=True)) == EXHAUSTED
     raw.commit(ident, valid_tree(), ["w"])
     assert raw.wait(ident).state == Status.COMMITTED
     assert_serving(daemon)
