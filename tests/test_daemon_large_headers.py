@@ -108,7 +108,7 @@ def _header_in_shm(raw: Raw, ident: str, header: bytes, *, seal: bool = True
 
 
 def _submit(raw: Raw, ident: str, n: int, data: Segment, header_ref: pb.ShmRef,
-            inline: bytes = b"") -> Code:
+            inline: bytes = b"", why: list[str] | None = None) -> Code:
     data.seal(ident)
     try:
         raw.stub.SubmitShm(pb.SubmitShmRequest(
@@ -117,18 +117,28 @@ def _submit(raw: Raw, ident: str, n: int, data: Segment, header_ref: pb.ShmRef,
             header_ref=header_ref), timeout=30)
         return Code.OK
     except grpc.RpcError as exc:
+        if why is not None:
+            why.append(exc.details() or "")
         return exc.code()
 
 
 def test_hostile_out_of_message_headers_are_refused(daemon: Daemon) -> None:
     """A header in another checkpoint's (unsealed) segment, in both places,
-    over 32 MiB, or past its segment's end: refused with a specific code;
-    nothing is written and the daemon serves on."""
+    over 32 MiB, past its segment's end, or an empty reference next to an
+    inline header: refused with a specific code; nothing is written and the
+    daemon serves on."""
     raw = Raw(daemon)
     try:
         header, n = file_header([(f"t{i:06d}", 4) for i in range(30_000)])
         data = raw.segment(bytes(n))
         ident = raw.begin("hostile", staging=data.size)
+        why: list[str] = []
+        small, small_n = file_header([("t", 4)])
+        empty_ref = _submit(raw, ident, small_n, raw.segment(bytes(small_n)), pb.ShmRef(
+            segment=data.name, offset=Segment.data_offset, length=0), inline=small, why=why)
+        assert (empty_ref, why) == (Code.INVALID_ARGUMENT, [
+            "header_ref names an empty header: leave it unset to send the header in the "
+            "request"])
         codes = {
             "unsealed": _submit(raw, ident, n, data, _header_in_shm(raw, ident, header,
                                                                     seal=False)),

@@ -43,6 +43,9 @@ def shm_header(request: pb.SubmitShmRequest, shm_fd: int) -> bytes:
     if not request.HasField("header_ref"):
         return request.file.header
     ref = request.header_ref
+    if not ref.length:  # else read as an empty header, refused later without a reason
+        raise invalid("header_ref names an empty header: leave it unset to send the "
+                      "header in the request")
     mapping = shm.open_range(shm_fd, ref.segment, ref.offset, ref.length,
                              shm.tag_for(request.checkpoint_id))
     try:

@@ -253,14 +253,20 @@ class DaemonClient:
         the message (an older one takes it in the message, up to 32 MiB)."""
         return LARGE_HEADERS in self.info(cached=True).features
 
+    def sends_header_apart(self, header: bytes) -> bool:
+        """Whether a data file's header goes out of its Submit message (in a
+        segment of its own, or the stream's first chunks): the one rule for both."""
+        return len(header) > INLINE_HEADER_BYTES and self.takes_large_headers()
+
     def submit_shm(self, ident: str, index: int, header: bytes, segment: str, offset: int,
                    length: int, header_at: tuple[str, int] | None = None) -> None:
-        """header_at: the segment and offset where the header's bytes lie instead."""
+        """header_at: the segment and offset where the header's bytes lie instead
+        (then the message carries only its length, not a copy of up to 32 MiB)."""
         request = pb.SubmitShmRequest(
-            checkpoint_id=ident, file=pb.DataFile(index=index, header=header),
+            checkpoint_id=ident,
+            file=pb.DataFile(index=index, header=b"" if header_at else header),
             data=pb.ShmRef(segment=segment, offset=offset, length=length))
         if header_at is not None:
-            request.file.header = b""
             request.header_ref.CopyFrom(pb.ShmRef(segment=header_at[0], offset=header_at[1],
                                                   length=len(header)))
         self._call(f"cannot hand data file {index} over", lambda: self.stub.SubmitShm(
@@ -268,7 +274,7 @@ class DaemonClient:
 
     def submit_stream(self, ident: str, index: int, header: bytes, length: int,
                       chunks: Iterable[bytes | memoryview]) -> None:
-        in_parts = len(header) > INLINE_HEADER_BYTES and self.takes_large_headers()
+        in_parts = self.sends_header_apart(header)
         self._call(f"cannot stream data file {index}", lambda: self.stub.SubmitStream(
             submit_messages(ident, index, header, length, chunks, in_parts)))
 

@@ -29,7 +29,6 @@ from .. import knobs
 from ..errors import CheckpointError, DaemonError
 from ..protocol import shm
 from ..protocol.channels import grpc_target
-from ..protocol.chunked import INLINE_HEADER_BYTES
 from ..protocol.client import DaemonClient
 from ..tensors.datafile import plan_file
 from ..tensors.plan import StoredTensor, memory_of
@@ -123,7 +122,7 @@ def submit_staged(client: DaemonClient, segments: SegmentBuffers, ident: str, in
     staged.lend()
     segment.seal(ident)  # the daemon takes only segments that carry the checkpoint's tag
     header = layout.layout.header
-    if len(header) <= INLINE_HEADER_BYTES or not client.takes_large_headers():
+    if not client.sends_header_apart(header):
         client.submit_shm(ident, index, header, segment.name, segment.data_offset, length)
         return
     # Too large for the message: in a segment of its own, sealed as the data's.
