@@ -25,6 +25,7 @@ import fastpersist
 from fastpersist._proto import fastpersist_pb2 as pb
 from fastpersist.engine import get_engine
 from fastpersist.protocol import chunked
+from fastpersist.protocol.client import DaemonClient
 from fastpersist.protocol.shm import Segment
 from fastpersist.saving.registry import close_shared
 from fastpersist.tensors import plan, state, verifying
@@ -75,7 +76,7 @@ def test_a_streamed_file_sends_its_large_header_in_chunks(daemon: Daemon) -> Non
     data = b"".join(tensors[s.name].numpy().tobytes() for s in stored)
     client = daemon.client()
     try:
-        assert client.takes_large_headers()
+        assert client.sends_header_apart(bytes(chunked.INLINE_HEADER_BYTES + 1))
         ident = client.begin("streamed", 0, 1)
         client.submit_stream(ident, 0, header, n, [data])
         client.commit(ident, json.dumps(tree), [s.name for s in stored])
@@ -97,6 +98,16 @@ def test_a_daemon_without_the_feature_gets_the_header_in_the_message() -> None:
     assert new[0].header.file.header == b"" and new[0].header.header_length == 2 * MIB
     assert b"".join(m.data for m in new[1:]) == header + b"abc"
     assert all(len(m.data) <= chunked.CHUNK for m in new[1:])
+    # The rule: apart only when large and the daemon says it takes that.
+    client = DaemonClient("unix:///nonexistent.sock")
+    try:
+        client._info = pb.InfoResponse(features=[])  # what an older daemon answers
+        assert not client.sends_header_apart(header)
+        client._info = pb.InfoResponse(features=[chunked.LARGE_HEADERS])
+        assert client.sends_header_apart(header)
+        assert not client.sends_header_apart(bytes(chunked.INLINE_HEADER_BYTES))
+    finally:
+        client.close()
 
 
 def _header_in_shm(raw: Raw, ident: str, header: bytes, *, seal: bool = True

@@ -248,15 +248,11 @@ class DaemonClient:
         self._call("cannot abort the distributed checkpoint", lambda: self.stub.AbortJob(
             pb.AbortJobRequest(job_id=job_id), timeout=CALL_TIMEOUT))
 
-    def takes_large_headers(self) -> bool:
-        """Whether the daemon takes a header over INLINE_HEADER_BYTES out of
-        the message (an older one takes it in the message, up to 32 MiB)."""
-        return LARGE_HEADERS in self.info(cached=True).features
-
     def sends_header_apart(self, header: bytes) -> bool:
-        """Whether a data file's header goes out of its Submit message (in a
-        segment of its own, or the stream's first chunks): the one rule for both."""
-        return len(header) > INLINE_HEADER_BYTES and self.takes_large_headers()
+        """Whether a header goes out of its Submit message (the one rule for shm
+        and streams): one over INLINE_HEADER_BYTES, to a daemon that takes that."""
+        return (len(header) > INLINE_HEADER_BYTES
+                and LARGE_HEADERS in self.info(cached=True).features)
 
     def submit_shm(self, ident: str, index: int, header: bytes, segment: str, offset: int,
                    length: int, header_at: tuple[str, int] | None = None) -> None:
