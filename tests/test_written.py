@@ -7,7 +7,10 @@ rank's records are not its pieces."""
 
 from __future__ import annotations
 
+import gc
 import pickle
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,6 +37,10 @@ def fixed_time(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def job(world: int = 8) -> Plan:
     """TP 2 x FSDP 2 with 2 data-parallel replicas, and a scalar on every rank."""
+    return make_plan(job_ranks(world), min_piece_bytes=1024)
+
+
+def job_ranks(world: int = 8) -> list[RankInfo]:
     infos = []
     for r in range(world):
         tp, fsdp = r % 2, (r // 2) % 2
@@ -45,7 +52,7 @@ def job(world: int = 8) -> Plan:
                               (half, 16)))
         items.append(Item.whole("step", "I64", ()))
         infos.append(RankInfo(r, f"node{r // 4}", tuple(items), layout_digest(items)))
-    return make_plan(infos, min_piece_bytes=1024)
+    return infos
 
 
 def records(rank: int, pieces: list[Any], compressed: bool = False
@@ -143,3 +150,54 @@ def test_records_of_too_few_ranks_are_refused() -> None:
             for r in range(8)]
     with pytest.raises(DistributedCheckpointError, match="7 ranks reported for a plan of 8"):
         written.job_manifest(plan, plan_tree(plan), sent[:7])
+
+
+def test_rank_0s_steps_pause_the_collector_and_resume_it() -> None:
+    """The plan, the ranks' shares, the job manifest and every manifest check
+    make hundreds of thousands of objects and no cycles at scale: the
+    collector's passes over them (a full one traverses a trainer's whole heap)
+    wait until each ends, and it runs again after (gcpause)."""
+    plan = job()
+    sent = [written.rendered(plan.for_rank(r), records(r, plan.for_rank(r)))
+            for r in sorted(plan.nodes)]
+    tree = plan_tree(plan)
+    data = written.job_manifest(plan, tree, sent)
+    ranks = job_ranks()
+    # Each step, and its body undecorated (so that the check can fail).
+    steps: dict[str, tuple[Any, Callable[[Any], object]]] = {
+        "make_plan": (make_plan, lambda f: f(ranks, min_piece_bytes=1024)),
+        "shares": (Plan.shares, lambda f: f(plan)),
+        "job_manifest": (written.job_manifest, lambda f: f(plan, tree, sent)),
+        "from_json": (Manifest.from_json, lambda f: f(data, "job")),
+    }
+    body: list[Any] = []  # the code object whose passes are counted
+    passes: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        frame = sys._getframe(1)
+        while phase == "start" and body and frame is not None:
+            if frame.f_code is body[0]:
+                passes.append(info["generation"])
+                return
+            frame = frame.f_back
+
+    def collections(fn: Any, call: Callable[[Any], object], paused: bool = True) -> int:
+        body[:] = [fn.__wrapped__.__code__]
+        passes.clear()
+        call(fn if paused else fn.__wrapped__)
+        return len(passes)
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(count)
+    gc.set_threshold(1)  # a pass at every allocation the collector is not paused for
+    try:
+        assert gc.isenabled()
+        during = {name: collections(fn, call) for name, (fn, call) in steps.items()}
+        assert gc.isenabled()
+        without = {name: collections(fn, call, paused=False)
+                   for name, (fn, call) in steps.items()}
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(count)
+    assert during == dict.fromkeys(steps, 0)
+    assert all(n > 0 for n in without.values()), without  # the check can fail

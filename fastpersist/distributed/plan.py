@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .. import gcpause
 from ..format import dtypes
 from .runs import layout_pieces, run_pieces
 
@@ -159,6 +160,7 @@ class Plan:
     memo: dict[str, object] = field(default_factory=dict, hash=False, compare=False,
                                     repr=False)
 
+    @gcpause.paused()  # as make_plan
     def shares(self) -> list[Share]:
         """Each rank's share, in rank order: O(1) a rank, plus its chosen pieces."""
         out = {r: self._share(lay, j) for lay in self.layouts.values()

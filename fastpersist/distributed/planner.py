@@ -28,6 +28,7 @@ import math
 import operator
 from collections.abc import Sequence
 
+from .. import gcpause
 from ..errors import CheckpointError
 from .balance import Chooser, bounds
 from .plan import (
@@ -52,6 +53,7 @@ class PlanError(CheckpointError):
     """The ranks' descriptions do not fit together (different keys, dtypes, shapes)."""
 
 
+@gcpause.paused()  # the plan's many small objects hold no cycles: see gcpause
 def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES,
               union: bool = False) -> Plan:
     """The plan for these ranks' descriptions; raises PlanError when they

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
+from .. import gcpause
 from .._version import __version__
 from ..errors import DistributedCheckpointError
 from ..format.manifest import (
@@ -59,6 +60,7 @@ def rendered(pieces: list[Piece], records: list[tuple[FileRecord, list[TensorRec
                    ITEM_SEPARATOR.join(map(tensor_json, tensors)))
 
 
+@gcpause.paused()  # a record per piece: many objects, no cycles (see gcpause)
 def job_manifest(plan: Plan, tree: Any, gathered: list[Written]) -> bytes:
     """The job manifest (schema 3): the ranks' files and tensor records, in
     rank order, and the job's tensors (plan.keys), whose chunks are the

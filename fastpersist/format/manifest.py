@@ -64,6 +64,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import gcpause
 from ..errors import ManifestError
 from . import dtypes
 from .bounds import MAX_MANIFEST_BYTES, is_int, malformed, numel, short
@@ -122,6 +123,7 @@ class Manifest:
                       self.tree)
 
     @staticmethod
+    @gcpause.paused()  # a record per tensor and chunk: many objects, no cycles (gcpause)
     def from_json(data: bytes, where: str) -> Manifest:
         """Parse and validate; ManifestError names `where` and the first problem."""
         scan = Scan.of(data) if len(data) <= MAX_MANIFEST_BYTES else None
