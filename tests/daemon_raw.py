@@ -111,6 +111,14 @@ class Raw:
         self._segments.append(seg)
         return seg
 
+    def header_ref(self, ident: str, header: bytes, *, seal: bool = True) -> pb.ShmRef:
+        """A data file's header in a segment of its own (SubmitShmRequest.header_ref),
+        sealed as the checkpoint's unless `seal` is false."""
+        seg = self.segment(header)
+        if seal:
+            seg.seal(ident)
+        return pb.ShmRef(segment=seg.name, offset=Segment.data_offset, length=len(header))
+
     def begin(self, path: str = "a/ck", client: str = "t", staging: int = 1 << 20,
               files: int = 1) -> str:
         reply = self.stub.Begin(pb.BeginRequest(path=path, client_id=client,
@@ -134,12 +142,8 @@ class Raw:
             data=pb.ShmRef(segment=segment, offset=min(offset + Segment.data_offset, 2**64 - 1),
                            length=length))
         if len(header) > INLINE_HEADER_BYTES and not in_message:
-            held = self.segment(header)
-            held.seal(ident)
             request.file.header = b""
-            request.header_ref.CopyFrom(pb.ShmRef(segment=held.name,
-                                                  offset=Segment.data_offset,
-                                                  length=len(header)))
+            request.header_ref.CopyFrom(self.header_ref(ident, header))
         return self.stub.SubmitShm(request, timeout=10)
 
     def stream(self, chunks: Iterable[pb.StreamChunk]) -> pb.SubmitResponse:

@@ -110,14 +110,6 @@ def test_a_daemon_without_the_feature_gets_the_header_in_the_message() -> None:
         client.close()
 
 
-def _header_in_shm(raw: Raw, ident: str, header: bytes, *, seal: bool = True
-                   ) -> pb.ShmRef:
-    seg = raw.segment(header)
-    if seal:
-        seg.seal(ident)
-    return pb.ShmRef(segment=seg.name, offset=Segment.data_offset, length=len(header))
-
-
 def _submit(raw: Raw, ident: str, n: int, data: Segment, header_ref: pb.ShmRef,
             inline: bytes = b"", why: list[str] | None = None) -> Code:
     data.seal(ident)
@@ -151,24 +143,24 @@ def test_hostile_out_of_message_headers_are_refused(daemon: Daemon) -> None:
             "header_ref names an empty header: leave it unset to send the header in the "
             "request"])
         codes = {
-            "unsealed": _submit(raw, ident, n, data, _header_in_shm(raw, ident, header,
-                                                                    seal=False)),
-            "both": _submit(raw, ident, n, data, _header_in_shm(raw, ident, header),
+            "unsealed": _submit(raw, ident, n, data,
+                                raw.header_ref(ident, header, seal=False)),
+            "both": _submit(raw, ident, n, data, raw.header_ref(ident, header),
                             inline=header[:1000]),
             "over 32 MiB": _submit(raw, ident, n, data, pb.ShmRef(
                 segment=data.name, offset=Segment.data_offset, length=(32 << 20) + 1)),
             "past the end": _submit(raw, ident, n, data, pb.ShmRef(
-                segment=_header_in_shm(raw, ident, header).segment,
+                segment=raw.header_ref(ident, header).segment,
                 offset=Segment.data_offset, length=len(header) + 3 * 4096)),
-            "not a header": _submit(raw, ident, n, data, _header_in_shm(
-                raw, ident, bytes(2 * MIB))),
+            "not a header": _submit(raw, ident, n, data, raw.header_ref(
+                ident, bytes(2 * MIB))),
         }
         assert codes == {"unsealed": Code.PERMISSION_DENIED, "both": Code.INVALID_ARGUMENT,
                          "over 32 MiB": Code.INVALID_ARGUMENT,
                          "past the end": Code.INVALID_ARGUMENT,
                          "not a header": Code.INVALID_ARGUMENT}
         # The same file, its header sealed in shared memory: taken.
-        assert _submit(raw, ident, n, data, _header_in_shm(raw, ident, header)) == Code.OK
+        assert _submit(raw, ident, n, data, raw.header_ref(ident, header)) == Code.OK
         raw.abort(ident)
     finally:
         raw.close()

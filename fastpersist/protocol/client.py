@@ -260,7 +260,7 @@ class DaemonClient:
         (then the message carries only its length, not a copy of up to 32 MiB)."""
         request = pb.SubmitShmRequest(
             checkpoint_id=ident,
-            file=pb.DataFile(index=index, header=b"" if header_at else header),
+            file=pb.DataFile(index=index, header=header if header_at is None else b""),
             data=pb.ShmRef(segment=segment, offset=offset, length=length))
         if header_at is not None:
             request.header_ref.CopyFrom(pb.ShmRef(segment=header_at[0], offset=header_at[1],
