@@ -5,7 +5,7 @@ hundreds of thousands of small containers, and keeps a Python object per
 tensor; none of it forms cycles. The collector's passes over all of them,
 triggered by the allocations, were about half the time of such a save or
 load. A distributed plan and job manifest at thousands of ranks are the same
-(a 16,384-rank plan: 0.58-0.59 s paused, 0.60-0.85 s not, the slow runs
+(a 16,384-rank plan: 0.56-0.63 s paused, 0.59-0.85 s not, the slow runs
 being those with a full pass; every manifest check goes through it too).
 Objects are still freed by reference counting while it is paused; only
 cycles wait, for the collector's next pass after the block.
