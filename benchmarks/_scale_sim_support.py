@@ -150,6 +150,11 @@ def _size(obj: Any) -> int:
     return len(pickle.dumps(obj))
 
 
+def _gathered_size(obj: Any) -> int:
+    """Bytes of obj in Coordinator's gathers: pickled, and the bytes pickled again."""
+    return _size(pickle.dumps(obj))
+
+
 def collective_bytes(views: list[RankView], infos: list[RankInfo], shares: list[bytes],
                      gathered: list[Any], manifest: bytes) -> dict[str, Any]:
     """Bytes each rank sends plus receives in one save's collectives (coordinator.Save,
@@ -160,14 +165,14 @@ def collective_bytes(views: list[RankView], infos: list[RankInfo], shares: list[
     item_size: dict[str, int] = {}
     for i in infos:
         if i.layout not in item_size:
-            item_size[i.layout] = _size(i.items)
-    none = _size(None)
+            item_size[i.layout] = _gathered_size(i.items)
+    none = _gathered_size(None)
     sizes = 8 * n
-    view = max(_size(v) for v in views)
+    view = max(_gathered_size(v) for v in views)
     items = max(item_size.values())
     share = max(len(s) for s in shares)
-    records = max(_size(g) for g in gathered)
-    path = _size("/ckpt/.step-1.staging-0123456789abcdef")
+    records = max(_gathered_size(g) for g in gathered)
+    path = _gathered_size("/ckpt/.step-1.staging-0123456789abcdef")
     empty = _size(b"")
     # (name, a rank other than 0, rank 0)
     steps = [

@@ -11,11 +11,13 @@ FSDP with data-parallel replicas; with --pp N, N pipeline stages each holding
 its layers, saved with union=True) and the REAL code of the job's coordinator
 runs on them, as rank 0 runs it (coordinator.Save's steps 2-5):
 
-- plan: planner.make_plan over every rank's RankInfo (deduplication and
-  balance), then Plan.shares and the pickling scatter_object_list does;
+- plan: rank 0 unpickles the items that the first rank of each layout sent
+  (phases.unpickled, as Coordinator.gather_from does), then
+  planner.make_plan over every rank's RankInfo (deduplication and balance),
+  then Plan.shares and the pickling scatter_object_list does;
 - with --pp, at every save: the join of the stages' trees (trees.renumbered,
   trees.joined, as Save._join_trees), counted in the commit;
-- commit: rank 0 unpickles what every rank sent (its file and tensor records
+- commit: rank 0 unpickles (phases.unpickled) what every rank sent (its file and tensor records
   as storage.write returns them, one data file per rank, rendered by
   written.rendered on that rank, which first works out its pieces from its
   share (Share.pieces): untimed, as the ranks do it in parallel; the slowest
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import pickle
 import signal
@@ -72,6 +75,7 @@ from _scale_sim_support import (  # noqa: E402
     tree_for,
 )
 
+from fastpersist import gcpause  # noqa: E402
 from fastpersist.distributed.commit_point import CommitPoint  # noqa: E402
 from fastpersist.distributed.layout import RankView  # noqa: E402
 from fastpersist.distributed.outcome import (  # noqa: E402
@@ -81,7 +85,8 @@ from fastpersist.distributed.outcome import (  # noqa: E402
     check_in,
     forget,
 )
-from fastpersist.distributed.phases import Phase  # noqa: E402
+from fastpersist.distributed.phases import Phase, unpickled  # noqa: E402
+from fastpersist.distributed.plan import described  # noqa: E402
 from fastpersist.distributed.planner import RankInfo, layout_digest, make_plan  # noqa: E402
 from fastpersist.distributed.trees import joined, renumbered  # noqa: E402
 from fastpersist.distributed.written import job_manifest, rendered  # noqa: E402
@@ -113,6 +118,13 @@ class Job:
                 self.stages[c[0]] = (r, tree_for(keys), keys)
         self.tree = self.stages[0][1]
         self.unique_bytes = 0
+        # What the first rank of each layout sends rank 0 (its items, pickled
+        # in parallel with the others: not timed).
+        self.first: dict[str, int] = {}
+        for r, v in enumerate(self.views):
+            self.first.setdefault(v.layout, r)
+        self.described = [pickle.dumps(described(self.layouts[self.coords[r]][0]))
+                          for r in self.first.values()]
 
     def job_tree(self, keys: tuple[str, ...]) -> Any:
         """The tree rank 0 commits: with pipeline stages, the stages' joined."""
@@ -128,12 +140,18 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     piece_bytes = current_knobs().piece_bytes
     if memory:
         tracemalloc.start()
+    gc.collect()
+    began = time.perf_counter()
+    gc.collect()  # a full pass over the simulation's own objects, for comparison
+    collect_before = time.perf_counter() - began
     start = time.perf_counter()
-    infos = [RankInfo(r, v.node, job.layouts[job.coords[r]][0], v.layout)
-             for r, v in enumerate(job.views)]
-    plan = make_plan(infos, min_piece_bytes=piece_bytes, union=job.model.pp > 1)
-    planned = time.perf_counter()
-    shares = [pickle.dumps(s) for s in plan.shares()]  # scatter_object_list pickles each
+    with gcpause.paused():  # as Save._plan
+        got = dict(zip(job.first.values(), unpickled(job.described), strict=True))
+        infos = [RankInfo(r, v.node, tuple(got[job.first[v.layout]]), v.layout)
+                 for r, v in enumerate(job.views)]
+        plan = make_plan(infos, min_piece_bytes=piece_bytes, union=job.model.pp > 1)
+        planned = time.perf_counter()
+        shares = [pickle.dumps(s) for s in plan.shares()]  # scatter_object_list pickles each
     shared = time.perf_counter()
     # Each rank's records (storage.write's), rendered and pickled for the
     # gather: the ranks' work, in parallel; untimed, but the slowest is kept.
@@ -146,10 +164,6 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
         began = time.perf_counter()
         sent.append(pickle.dumps(rendered(pieces, records)))
         render_max = max(render_max, expanded + time.perf_counter() - began)
-    record_start = time.perf_counter()
-    tree = job.job_tree(plan.keys)  # (in the save's prepare, on rank 0)
-    gathered = [pickle.loads(m) for m in sent]  # gather_object unpickles on rank 0
-    manifest = job_manifest(plan, tree, gathered)
     store = CountingStore()
     co = SimCoordinator(0, job.world)
     commit = CommitPoint()
@@ -159,12 +173,22 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     commit.store = SaveStore(store, "fastpersist/sim/2")
     commit.ballot, commit.staged = Ballot(commit.store), "/c.staging"
     store.rank = 0
-    commit.commit(manifest)
+    record_start = time.perf_counter()
+    tree = job.job_tree(plan.keys)  # (in the save's prepare, on rank 0)
+    with gcpause.paused():  # as Save._finish, from the gather to the commit
+        gathered = unpickled(sent)  # as Coordinator.gather on rank 0
+        manifest = job_manifest(plan, tree, gathered)
+        commit.commit(manifest)
     done = time.perf_counter()
+    # What the collector's passes, paused through the commit, then find: a
+    # full pass now, less one over the simulation's own objects before.
+    began = time.perf_counter()
+    gc.collect()
+    collect_after = time.perf_counter() - began
     # The next save, with the layout unchanged: the plan is cached (no plan,
     # no scatter), rank 0 unpickles and joins the ranks' records again.
     again = time.perf_counter()
-    job_manifest(plan, job.job_tree(plan.keys), [pickle.loads(m) for m in sent])
+    job_manifest(plan, job.job_tree(plan.keys), unpickled(sent))
     steady = time.perf_counter() - again
     peak = None
     if memory:
@@ -190,6 +214,7 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
         "plan_commit_s": (shared - start) + (done - record_start),
         "rank_render_max_s": render_max,
         "cached_commit_s": steady,
+        "collector_after_s": collect_after - collect_before,
         "manifest_check_s": manifest_check,
         "pieces": len(plan.pieces),
         "balance_max_over_mean": max(per_rank.values()) / mean,
@@ -280,6 +305,7 @@ def run_size(model: Model, world: int, repeats: int, dcp_repeats: int, dcp_timeo
         "plan_s": _spread([r["plan_s"] for r in fp]),
         "plan_commit_s": _spread([r["plan_commit_s"] for r in fp]),
         "cached_commit_s": _spread([r["cached_commit_s"] for r in fp]),
+        "collector_after_s": _spread([r["collector_after_s"] for r in fp]),
         "manifest_check_s": _spread([r["manifest_check_s"] for r in fp]),
         "rank_render_max_s": _spread([r["rank_render_max_s"] for r in fp]),
         "dcp_s": [d for d in dcp], "dcp_timeout_s": dcp_timeout,

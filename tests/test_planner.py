@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import itertools
 import math
 import pickle
@@ -9,6 +11,7 @@ import random
 
 import pytest
 
+from fastpersist.distributed.plan import described
 from fastpersist.distributed.planner import (
     Item,
     PlanCache,
@@ -252,6 +255,32 @@ def test_random_meshes_are_covered_once_by_holders_in_bounded_balanced_pieces(se
     # items is its part of the coordinator's plan, in the same order.
     for r, share in zip(ranks, plan.shares(), strict=True):
         assert pickle.loads(pickle.dumps(share)).pieces(r.items) == plan.for_rank(r.rank)
+    # Planned from what the ranks send (plain tuples, unpickled): the same plan.
+    sent = make_plan(as_sent(ranks), min_piece_bytes=min_piece)
+    assert sent == plan and sent.pieces == plan.pieces
+
+
+def test_a_plan_of_what_ranks_send_leaves_the_collector_nothing_to_track() -> None:
+    # Rank 0 keeps its plan save after save. Of named tuples (Item), every box
+    # of every layout stays tracked by the cyclic collector, and each of its
+    # full passes goes over them; of plain tuples (what ranks send), a pass
+    # stops tracking them.
+    layouts = [tuple(Item(f"k{n}", "F32", (64, 8), (16 * f, 0), (16, 8)) for n in range(50))
+               for f in range(4)]
+    ranks = ranks_of([layouts[r % 4] for r in range(16)], per_node=4)
+    kept = make_plan(as_sent(ranks))
+    gc.collect()
+    assert not any(gc.is_tracked(b) for lay in kept.layouts.values() for b in lay.items)
+    control = make_plan(ranks)  # the same plan, of Items
+    gc.collect()
+    assert control == kept
+    assert all(gc.is_tracked(b) for lay in control.layouts.values() for b in lay.items)
+
+
+def as_sent(ranks: list[RankInfo]) -> list[RankInfo]:
+    """The ranks' descriptions as rank 0 gets them: described, pickled, unpickled."""
+    return [dataclasses.replace(r, items=pickle.loads(pickle.dumps(described(r.items))))
+            for r in ranks]
 
 
 def test_a_share_is_small_however_many_pieces_its_rank_writes() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from fastpersist.distributed import layout, written
+from fastpersist.distributed import layout, phases, written
 from fastpersist.distributed.planner import Item, Plan, RankInfo, layout_digest, make_plan
 from fastpersist.errors import DistributedCheckpointError
 from fastpersist.format.frames import Frame
@@ -153,8 +153,8 @@ def test_records_of_too_few_ranks_are_refused() -> None:
 
 
 def test_rank_0s_steps_pause_the_collector_and_resume_it() -> None:
-    """The plan, the ranks' shares, the job manifest and every manifest check
-    make hundreds of thousands of objects and no cycles at scale: the
+    """The plan, the ranks' shares, the gathered messages, the job manifest
+    and every manifest check make hundreds of thousands of objects and no cycles at scale: the
     collector's passes over them (a full one traverses a trainer's whole heap)
     wait until each ends, and it runs again after (gcpause)."""
     plan = job()
@@ -169,6 +169,8 @@ def test_rank_0s_steps_pause_the_collector_and_resume_it() -> None:
         "shares": (Plan.shares, lambda f: f(plan)),
         "job_manifest": (written.job_manifest, lambda f: f(plan, tree, sent)),
         "from_json": (Manifest.from_json, lambda f: f(data, "job")),
+        # Rank 0's gathers: what every rank sent, unpickled.
+        "unpickled": (phases.unpickled, lambda f: f([pickle.dumps(w) for w in sent])),
     }
     body: list[Any] = []  # the code object whose passes are counted
     passes: list[int] = []

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import gcpause
 from ..errors import (
     CheckpointAbortedError,
     CheckpointError,
@@ -68,6 +69,7 @@ from .layout import (
 )
 from .outcome import Ballot, SaveStore, forget, job_store, post_mortem, this_process
 from .phases import Coordinator, Failure, Phase, RanksLost, coordinator_for, failure
+from .plan import described
 from .planner import Item, Plan, RankInfo, Share, keys_digest, layout_digest, make_plan
 from .settling import has_prepared, settle_with
 from .storage import Storage, ident_of
@@ -161,38 +163,7 @@ class Save(CommitPoint):
             self._settle(leaders[domain[co.rank]] == co.rank)
 
         # 2 plan (cached while no rank's layout changes)
-        key = [repr((v.node, v.layout)) for v in everyone] + [
-            f"piece_bytes={knobs.piece_bytes}", f"union={self.union}"]
-        plan = co.cache.get(key)
-        if plan is None:
-            # Ranks of one layout hold the same items: the first of each sends them.
-            first: dict[str, int] = {}
-            for r, v in enumerate(everyone):
-                first.setdefault(v.layout, r)
-            infos = phase.collective("plan", lambda: co.gather_from(
-                items, sorted(first.values())))
-            made: Plan | Failure | None = None
-            if co.rank == 0:
-                assert infos is not None
-                try:
-                    made = make_plan([RankInfo(r, v.node, tuple(infos[first[v.layout]]), v.layout)
-                                      for r, v in enumerate(everyone)],
-                                     min_piece_bytes=knobs.piece_bytes, union=self.union)
-                except CheckpointError as exc:
-                    made = failure(0, "plan", exc)
-            # Each rank gets its share only (Plan.shares); rank 0 keeps the
-            # whole plan for the manifest. A failure goes to every rank.
-            shares: list[Any] | None = None
-            if co.rank == 0:
-                shares = [made] * co.size if isinstance(made, Failure) else (
-                    list(made.shares()) if isinstance(made, Plan) else None)
-            share = phase.collective("plan", lambda: co.scatter(shares))
-            if isinstance(share, Failure):
-                phase.agree("plan", share if co.rank == 0 else None)
-            assert isinstance(share, Share)
-            plan = made if isinstance(made, Plan) else share
-            co.cache.put(key, plan)
-            co.plans_made += 1
+        plan = self._plan(everyone, items, knobs.piece_bytes)
         self.plan = plan
         # This rank's pieces, from its share and its own items (plan.py):
         # a rank's work, not the coordinator's.
@@ -213,6 +184,48 @@ class Save(CommitPoint):
         if domain[co.rank] == domain[0]:
             # What survivors look for if rank 0 is lost at its publish (storage.fate).
             self.staging_ident = ident_of(self.storage.place(self.target, self.directory))
+
+    @gcpause.paused()  # rank 0 unpickles and plans 100,000s of items: see phases' gathers
+    def _plan(self, everyone: list[RankView], items: tuple[Item, ...], piece_bytes: int
+              ) -> Plan | Share:
+        """The job's plan on rank 0 and this rank's share elsewhere: from the
+        cache while no rank's layout changes. The collector's passes over what
+        it makes wait for the write phase, where rank 0 writes its pieces
+        (and the other ranks theirs) rather than wait for it."""
+        co, phase = self.co, self.phase
+        key = [repr((v.node, v.layout)) for v in everyone] + [
+            f"piece_bytes={piece_bytes}", f"union={self.union}"]
+        plan = co.cache.get(key)
+        if plan is None:
+            # Ranks of one layout hold the same items: the first of each sends them.
+            first: dict[str, int] = {}
+            for r, v in enumerate(everyone):
+                first.setdefault(v.layout, r)
+            infos = phase.collective("plan", lambda: co.gather_from(
+                described(items), sorted(first.values())))
+            made: Plan | Failure | None = None
+            if co.rank == 0:
+                assert infos is not None
+                try:
+                    made = make_plan([RankInfo(r, v.node, tuple(infos[first[v.layout]]),
+                                               v.layout) for r, v in enumerate(everyone)],
+                                     min_piece_bytes=piece_bytes, union=self.union)
+                except CheckpointError as exc:
+                    made = failure(0, "plan", exc)
+            # Each rank gets its share only (Plan.shares); rank 0 keeps the
+            # whole plan for the manifest. A failure goes to every rank.
+            shares: list[Any] | None = None
+            if co.rank == 0:
+                shares = [made] * co.size if isinstance(made, Failure) else (
+                    list(made.shares()) if isinstance(made, Plan) else None)
+            share = phase.collective("plan", lambda: co.scatter(shares))
+            if isinstance(share, Failure):
+                phase.agree("plan", share if co.rank == 0 else None)
+            assert isinstance(share, Share)
+            plan = made if isinstance(made, Plan) else share
+            co.cache.put(key, plan)
+            co.plans_made += 1
+        return plan
 
     def _settle(self, leader: bool) -> None:
         """settling.py for the target's directory. A failure there is not this
@@ -238,7 +251,7 @@ class Save(CommitPoint):
             layouts = self.plan.layouts
             try:
                 self.tree = joined([
-                    (r, renumbered(trees[r], [i.key for i in layouts[self.layouts[r]].items],
+                    (r, renumbered(trees[r], [i[0] for i in layouts[self.layouts[r]].items],
                                    order)) for r in firsts])
             except CheckpointError as exc:
                 error = failure(0, "plan", exc)
@@ -307,15 +320,20 @@ class Save(CommitPoint):
         # From here on rank 0 may hold every record, build the manifest and
         # commit: a lost exchange no longer means that the job failed.
         self.committing = True
-        gathered = phase.collective("write", lambda: co.gather(written))
-        # 5 commit (commit_point.py)
-        manifest = None
-        if co.rank == 0:
-            assert gathered is not None
-            # Every rank wrote (the write phase agreed), so every rank sent its records.
-            assert isinstance(self.plan, Plan)
-            manifest = job_manifest(self.plan, self.tree, [w for w in gathered if w is not None])
-        self.commit(manifest)
+        # Every rank is past its writes (the write phase agreed): nothing
+        # here waits long, and the collector's passes over the records rank 0
+        # gathers and joins wait until the job is committed.
+        with gcpause.paused():
+            gathered = phase.collective("write", lambda: co.gather(written))
+            # 5 commit (commit_point.py)
+            manifest = None
+            if co.rank == 0:
+                assert gathered is not None
+                # Every rank wrote (the write phase agreed), so every rank sent its records.
+                assert isinstance(self.plan, Plan)
+                manifest = job_manifest(self.plan, self.tree,
+                                        [w for w in gathered if w is not None])
+            self.commit(manifest)
 
     def _raise_if_aborted(self) -> None:
         if self.aborted():

@@ -11,6 +11,7 @@ RanksLost, and the save finds out who is gone and whether the job committed
 from __future__ import annotations
 
 import datetime
+import pickle
 import secrets
 import traceback
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from .. import gcpause
 from ..errors import CheckpointError, DistributedCheckpointError
 from ..knobs import current as current_knobs
 from .outcome import ProcessId
@@ -50,15 +52,21 @@ class Coordinator:
         # a rank lost before the next save's describe exchange.
         self.processes: list[ProcessId] | None = None
 
+    # The gathers move pickled bytes and unpickle them here (unpickled): the
+    # messages of thousands of ranks are hundreds of thousands of objects,
+    # unpickled with the cyclic collector paused, and only then; torch's
+    # *_object collectives unpickle inside the call, and the call also waits
+    # for the slowest rank, which a pause must not span.
+
     def all_gather(self, value: T) -> list[T]:
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+        dist.all_gather_object(out, pickle.dumps(value), group=self.group)
+        return unpickled(out)
 
     def gather(self, value: T) -> list[T] | None:
         out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(value, out, dst=self.ranks[0], group=self.group)
-        return out
+        dist.gather_object(pickle.dumps(value), out, dst=self.ranks[0], group=self.group)
+        return None if out is None else unpickled(out)
 
     def gather_from(self, value: T, sources: list[int]) -> dict[int, T] | None:
         """Rank 0 gets `value` from each of `sources` (ranks of the group) and
@@ -67,15 +75,16 @@ class Coordinator:
         pads every rank's message to the largest, so rank 0 would receive
         size x largest bytes (gigabytes at thousands of ranks)."""
         if self.rank == 0:
-            out: dict[int, Any] = {}
+            got: dict[int, bytes] = {}
             for src in sources:
-                box: list[Any] = [value]
+                box: list[Any] = [None]
                 if src != 0:
                     dist.recv_object_list(box, src=self.ranks[src], group=self.group)
-                out[src] = box[0]
-            return out
+                    got[src] = box[0]
+            values = iter(unpickled(list(got.values())))
+            return {src: value if src == 0 else next(values) for src in sources}
         if self.rank in sources:
-            dist.send_object_list([value], dst=self.ranks[0], group=self.group)
+            dist.send_object_list([pickle.dumps(value)], dst=self.ranks[0], group=self.group)
         return None
 
     def scatter(self, values: list[T] | None) -> T:
@@ -89,6 +98,12 @@ class Coordinator:
         box = [value]
         dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
         return box[0]  # type: ignore[return-value]
+
+
+@gcpause.paused()
+def unpickled(messages: list[bytes]) -> list[Any]:
+    """What the ranks sent, from their pickled messages (Coordinator's gathers)."""
+    return list(map(pickle.loads, messages))
 
 
 _coordinators: dict[Any, Coordinator] = {}

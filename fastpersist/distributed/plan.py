@@ -46,6 +46,23 @@ class Item(NamedTuple):
         return Item(key, dtype, shape, (0,) * len(shape), shape)
 
 
+# An Item's fields as a plain tuple: what a rank sends the coordinator of
+# its items (described) and what a plan keeps of every layout's. Rank 0
+# unpickles 370,000 of them at 16,384 ranks: as named tuples, a Python call
+# each made that three times slower, and Python's cyclic collector never
+# stops tracking a named tuple, where it stops tracking a plain tuple of
+# numbers and strings; so the plan, kept save after save, would have added
+# them all to every full pass of the trainer's collector. An Item is a Box
+# (equal to and hashed as its fields); code that reads a Box by position
+# takes either.
+Box = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def described(items: Sequence[Item]) -> tuple[Box, ...]:
+    """A rank's items as it sends them to the coordinator (Box)."""
+    return tuple(map(tuple, items))  # type: ignore[arg-type]
+
+
 def layout_digest(items: Sequence[Item]) -> str:
     """Fingerprint of a rank's items. Each rank computes its own (in parallel),
     so that the planner groups ranks of one layout without comparing items,
@@ -69,7 +86,7 @@ class RankInfo:
 
     rank: int
     node: str
-    items: tuple[Item, ...]
+    items: tuple[Box, ...]
     layout: str
 
 
@@ -99,7 +116,7 @@ class Layout(NamedTuple):
     and which of its items are shared with other layouts (a bitmap, bit n for
     item n: those are not its own; their pieces are chosen one by one)."""
 
-    items: tuple[Item, ...]
+    items: tuple[Box, ...]
     members: tuple[int, ...]
     ends: tuple[int, ...]
     shared: bytes
@@ -121,7 +138,7 @@ class Share:
     target: int  # the plan's piece size
     chosen: tuple[Piece, ...]  # its pieces of shared boxes, in the keys' order
 
-    def pieces(self, items: Sequence[Item]) -> list[Piece]:
+    def pieces(self, items: Sequence[Box]) -> list[Piece]:
         """Its pieces, given the items of its layout: in the keys' order, then by offsets."""
         own = own_items(items, self.shared)
         mine = run_pieces(own, sizes_of(own), self.start, self.end, self.target, self.rank,
@@ -221,7 +238,7 @@ class Plan:
 make_piece = functools.partial(tuple.__new__, Piece)
 
 
-def own_items(items: Sequence[Item], shared: bytes) -> list[Item]:
+def own_items(items: Sequence[Box], shared: bytes) -> list[Box]:
     """The items whose bit is clear in `shared` (bitmap's)."""
     own = itertools.chain.from_iterable(map(_CLEAR_BITS.__getitem__, shared))
     return list(itertools.compress(items, own))
@@ -248,7 +265,7 @@ def _merged(mine: list[Piece], chosen: Sequence[Piece], order: dict[str, int]) -
     return mine
 
 
-def sizes_of(boxes: Sequence[Item]) -> list[int]:
+def sizes_of(boxes: Sequence[Box]) -> list[int]:
     """Each box's bytes (Item.nbytes), worked out once per dtype and shape
     (a job has few shapes and many boxes), the rest in C: each rank does
     this for its layout's thousands of boxes at every plan."""
@@ -278,5 +295,6 @@ class PlanCache:
         self.digests, self.plan = tuple(digests), plan
 
 
-__all__ = ["DEFAULT_MIN_PIECE_BYTES", "Item", "Layout", "Piece", "Plan", "PlanCache", "RankInfo",
-           "Share", "bitmap", "keys_digest", "layout_digest", "make_piece", "sizes_of"]
+__all__ = ["DEFAULT_MIN_PIECE_BYTES", "Box", "Item", "Layout", "Piece", "Plan", "PlanCache",
+           "RankInfo", "Share", "bitmap", "described", "keys_digest", "layout_digest",
+           "make_piece", "sizes_of"]

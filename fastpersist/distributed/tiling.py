@@ -13,9 +13,12 @@ from typing import Any
 
 from ..format import dtypes
 
-# A box: planner.Item (key, dtype, global_shape, offsets, shape), typed loosely
-# here so that this module does not import the planner that imports it.
+# A box: planner.Item (key, dtype, global_shape, offsets, shape) or a plain
+# tuple of those fields (what ranks send: plan.Box), so read by position;
+# typed loosely here so that this module does not import the planner that
+# imports it.
 Box = Any
+_KEY, _GLOBAL_SHAPE, _OFFSETS, _SHAPE = 0, 2, 3, 4
 
 _PLACE = operator.itemgetter(slice(2, None))  # an Item's (global_shape, offsets, shape)
 _BOX = operator.itemgetter(slice(3, None))  # its (offsets, shape)
@@ -26,32 +29,32 @@ def tiling_problem(by_key: list[list[Box]]) -> str | None:
     """What is wrong with the distinct boxes of each key, which must lie
     inside it and cover it exactly once; None if nothing. Jobs repeat few
     shapes (a layer's params and their optimizer states, layer after layer),
-    so each check is made once per (shapes, boxes) it sees."""
-    inside: set[tuple[tuple[int, ...], ...]] = set()
+    so each check is made once per grid it sees."""
     checked: dict[tuple[object, ...], tuple[int, bool]] = {}
     for items in by_key:
-        for place in set(map(_PLACE, items)) - inside:
-            global_shape, offsets, shape = place
-            if len(offsets) != len(global_shape) or len(shape) != len(global_shape) or any(
-                    o < 0 or o + n > g for o, n, g in zip(offsets, shape, global_shape,
-                                                          strict=True)):
-                return (f"{items[0].key}: box at {list(offsets)} of shape {list(shape)} "
-                        f"lies outside the tensor's shape {list(global_shape)}")
-            inside.add(place)
-        # An optimizer's states are sharded as their parameter is: one check
-        # serves every key with the same boxes.
-        grid = (items[0].global_shape, *sorted(map(_BOX, items)))
+        # An optimizer's states are sharded as their parameter is, layer after
+        # layer: a grid (the tensor's shape and its boxes, in the layouts'
+        # order, which is the same from key to key) seen once and found good
+        # is good again, and nothing about it is worked out twice.
+        key, global_shape = items[0][_KEY], items[0][_GLOBAL_SHAPE]
+        grid = (global_shape, *map(_BOX, items))
         found = checked.get(grid)
         if found is None:
-            volume = sum(math.prod(i.shape) for i in items)
-            whole = math.prod(items[0].global_shape)
+            for outer, offsets, shape in set(map(_PLACE, items)):
+                if len(offsets) != len(outer) or len(shape) != len(outer) or any(
+                        o < 0 or o + n > g for o, n, g in zip(offsets, shape, outer,
+                                                              strict=True)):
+                    return (f"{key}: box at {list(offsets)} of shape {list(shape)} "
+                            f"lies outside the tensor's shape {list(outer)}")
+            volume = sum(math.prod(i[_SHAPE]) for i in items)
+            whole = math.prod(global_shape)
             found = checked[grid] = (volume, volume == whole and len(items) > 1
-                                     and _overlapping(items))
+                                     and _overlapping(list(map(_BOX, items))))
         volume, overlap = found
-        whole = math.prod(items[0].global_shape)
-        if volume != whole or overlap:
-            return (f"{items[0].key}: the ranks' shards hold {volume} elements of a tensor "
-                    f"of {whole}, and must cover it once (shards overlap or leave gaps)")
+        if overlap or volume != math.prod(global_shape):
+            return (f"{key}: the ranks' shards hold {volume} elements of a tensor "
+                    f"of {math.prod(global_shape)}, and must cover it once (shards "
+                    "overlap or leave gaps)")
     return None
 
 
@@ -73,37 +76,35 @@ def unique_bytes(by_key: Sequence[Sequence[Box]],
 _MAX_GRID_CELLS = 1 << 20
 
 
-def _overlapping(items: list[Box]) -> bool:
-    """Whether two boxes overlap: mark the cells of the grid their edges make.
-    Shard layouts make small grids (one cell per shard); a grid too large to
-    mark is left to the volume check alone. Boxes cut along one dimension
-    only (the usual FSDP or TP shard) need no grid: sorted, none may start
-    before the one before it ends. Empty boxes overlap nothing, wherever
-    their offsets put them."""
-    items = [i for i in items if 0 not in i.shape]
-    if len(items) < 2:
+def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether two boxes (offsets, shape) overlap: mark the cells of the grid
+    their edges make. Shard layouts make small grids (one cell per shard); a
+    grid too large to mark is left to the volume check alone. Boxes cut along
+    one dimension only (the usual FSDP or TP shard) need no grid: sorted, none
+    may start before the one before it ends. Empty boxes overlap nothing,
+    wherever their offsets put them."""
+    boxes = [b for b in boxes if 0 not in b[1]]
+    if len(boxes) < 2:
         return False
-    dims = range(len(items[0].global_shape))
-    first = items[0]
-    varying = [d for d in dims if any(i.offsets[d] != first.offsets[d] or i.shape[d]
-                                      != first.shape[d] for i in items)]
+    dims = range(len(boxes[0][0]))
+    first_offsets, first_shape = boxes[0]
+    varying = [d for d in dims if any(o[d] != first_offsets[d] or s[d] != first_shape[d]
+                                      for o, s in boxes)]
     if len(varying) == 1:
         d = varying[0]
         end = -1
-        for start, length in sorted((i.offsets[d], i.shape[d]) for i in items):
+        for start, length in sorted((o[d], s[d]) for o, s in boxes):
             if start < end:
                 return True
             end = start + length
         return False
-    cuts = [sorted({c for i in items for c in (i.offsets[d], i.offsets[d] + i.shape[d])})
-            for d in range(len(items[0].global_shape))]
+    cuts = [sorted({c for o, s in boxes for c in (o[d], o[d] + s[d])}) for d in dims]
     if math.prod(max(len(c) - 1, 1) for c in cuts) > _MAX_GRID_CELLS:
         return False
     index = [{c: n for n, c in enumerate(cs)} for cs in cuts]
     seen: set[tuple[int, ...]] = set()
-    for i in items:
-        ranges = [range(index[d][i.offsets[d]], index[d][i.offsets[d] + i.shape[d]])
-                  for d in range(len(cuts))]
+    for o, s in boxes:
+        ranges = [range(index[d][o[d]], index[d][o[d] + s[d]]) for d in dims]
         for cell in itertools.product(*ranges):
             if cell in seen:
                 return True

@@ -25,21 +25,21 @@ from .._version import __version__
 from ..errors import DistributedCheckpointError
 from ..format.manifest import (
     IMPLIED_CHUNKS_SCHEMA_VERSION,
-    ITEM_SEPARATOR,
     file_json,
     global_json,
+    joined,
     render,
     tensor_json,
 )
 from ..format.records import FileRecord, TensorRecord
-from .plan import Item, Piece, Plan
+from .plan import Box, Piece, Plan
 
 
 class Written(NamedTuple):
     """A rank's data files and the tensors in them, as manifest JSON."""
 
-    files: str  # its file records, joined with ITEM_SEPARATOR ("": none)
-    tensors: str  # its tensor records, likewise
+    files: bytes  # its file records, joined with ITEM_SEPARATOR and encoded (b"": none)
+    tensors: bytes  # its tensor records, likewise
 
 
 def rendered(pieces: list[Piece], records: list[tuple[FileRecord, list[TensorRecord]]]
@@ -56,8 +56,7 @@ def rendered(pieces: list[Piece], records: list[tuple[FileRecord, list[TensorRec
             f"this rank's files hold {len(tensors)} tensors for its {len(pieces)} pieces"
             + (f"; {missing[0]!r} is missing" if missing else "")
             + (f"; {extra[0]!r} is not one of them" if extra else ""))
-    return Written(ITEM_SEPARATOR.join(file_json(f) for f, _ in records),
-                   ITEM_SEPARATOR.join(map(tensor_json, tensors)))
+    return Written(joined(file_json(f) for f, _ in records), joined(map(tensor_json, tensors)))
 
 
 @gcpause.paused()  # a record per piece: many objects, no cycles (see gcpause)
@@ -74,13 +73,13 @@ def job_manifest(plan: Plan, tree: Any, gathered: list[Written]) -> bytes:
         # A tensor's dtype and shape are the same in every layout that holds
         # it (the planner checks); with union=True, not every layout holds
         # every tensor. (Without it the first layout holds them all.)
-        found: dict[str, Item] = {}
+        found: dict[str, Box] = {}
         for layout in plan.layouts.values():
-            found.update((i.key, i) for i in layout.items if i.key not in found)
+            found.update((i[0], i) for i in layout.items if i[0] not in found)
             if len(found) == len(plan.keys):
                 break
-        globals_ = plan.memo["globals"] = [
-            global_json(k, found[k].dtype, found[k].global_shape, None) for k in plan.keys]
+        globals_ = plan.memo["globals"] = [joined(
+            global_json(k, found[k][1], found[k][2], None) for k in plan.keys)]
     assert isinstance(globals_, list)
     return render(IMPLIED_CHUNKS_SCHEMA_VERSION, __version__, time.time(),
                   [w.files for w in gathered], [w.tensors for w in gathered], globals_, tree)

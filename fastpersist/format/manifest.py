@@ -113,13 +113,13 @@ class Manifest:
         the json module's C encoder; indented JSON would not (it was most of
         the time of a save of 100,000 small tensors)."""
         return render(self.schema_version, self.fastpersist_version, self.created_unix,
-                      [file_json(f) for f in self.files],
-                      [tensor_json(t) for t in self.tensors],
-                      None if self.globals is None else [global_json(
+                      [joined(map(file_json, self.files))],
+                      [joined(map(tensor_json, self.tensors))],
+                      None if self.globals is None else [joined(global_json(
                           g.name, g.dtype, g.shape,
                           None if g.implied else
                           [chunk_json(c.tensor, ",".join(map(str, c.offsets)))
-                           for c in g.chunks]) for g in self.globals],
+                           for c in g.chunks]) for g in self.globals)],
                       self.tree)
 
     @staticmethod
@@ -146,36 +146,49 @@ _string = json.encoder.encode_basestring_ascii
 # Items of a list in the manifest are joined with this: one item a line. A
 # run of items already joined with it is itself one item of render's lists.
 ITEM_SEPARATOR = ",\n  "
+_ITEM_SEPARATOR_BYTES = ITEM_SEPARATOR.encode()
 
 
-def render(schema_version: int, version: str, created_unix: float, files: list[str],
-           tensors: list[str], globals_: list[str] | None, tree: Any) -> bytes:
+def render(schema_version: int, version: str, created_unix: float, files: list[bytes],
+           tensors: list[bytes], globals_: list[bytes] | None, tree: Any) -> bytes:
     """The manifest file from its rendered parts (file_json, tensor_json,
-    global_json): Manifest.to_json, and a distributed job's coordinator,
-    which joins what its ranks rendered (distributed/written.py), write it
-    the same way."""
+    global_json, encoded; a run of them joined with ITEM_SEPARATOR is one
+    part): Manifest.to_json, and a distributed job's coordinator, which joins
+    what its ranks rendered (distributed/written.py), write it the same way.
+    The parts are copied once, into the file's bytes: at 16,384 ranks they
+    are 60 MB, and joining them a list at a time, then the lines, then
+    encoding the text, was three copies and most of the coordinator's join."""
     head = {
         "format": FORMAT_NAME,
         "schema_version": schema_version,
         "fastpersist_version": version,
         "created_unix": created_unix,
     }
-    lines = ["{"]
-    lines += [f" {_encode(k)}: {_encode(v)}," for k, v in head.items()]
-    lines += _json_list("files", files)
-    lines += _json_list("tensors", tensors)
+    parts = [b"{\n"]
+    parts += [f" {_encode(k)}: {_encode(v)},\n".encode() for k, v in head.items()]
+    _json_list(parts, "files", files)
+    _json_list(parts, "tensors", tensors)
     if globals_ is not None:
-        lines += _json_list("globals", globals_)
-    lines += [f' "tree": {_encode(tree)}', "}", ""]
-    return "\n".join(lines).encode()
+        _json_list(parts, "globals", globals_)
+    parts.append(f' "tree": {_encode(tree)}\n}}\n'.encode())
+    return b"".join(parts)
 
 
-def _json_list(key: str, items: list[str]) -> list[str]:
-    """` "key": [` and its items, one a line."""
+def _json_list(parts: list[bytes], key: str, items: list[bytes]) -> None:
+    """` "key": [` and its items, one a line, added to `parts`."""
     items = [i for i in items if i]  # an empty run of items (a rank that wrote none)
     if not items:
-        return [f" {_encode(key)}: [],"]
-    return [f" {_encode(key)}: [", "  " + ITEM_SEPARATOR.join(items), " ],"]
+        parts.append(f" {_encode(key)}: [],\n".encode())
+        return
+    parts.append(f" {_encode(key)}: [\n  ".encode())
+    for item in items:
+        parts += (item, _ITEM_SEPARATOR_BYTES)
+    parts[-1] = b"\n ],\n"
+
+
+def joined(items: Iterable[str]) -> bytes:
+    """Rendered items as one part of render's lists (ITEM_SEPARATOR between them)."""
+    return ITEM_SEPARATOR.join(items).encode()
 
 
 def file_json(f: FileRecord) -> str:

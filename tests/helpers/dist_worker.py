@@ -168,17 +168,22 @@ def _count_received() -> list[int]:
 
 
 def _count_items_sent() -> list[int]:
-    """How many planner Items this rank sends to rank 0 (gathered or point to
-    point): a rank's description goes once per layout, not once per rank."""
-    import torch.distributed as dist
+    """How many planner boxes (plan.described's, an Item's fields) this rank
+    sends to rank 0 (gathered or point to point; the coordinator pickles
+    each message itself): a rank's description goes once per layout, not
+    once per rank."""
+    import pickle
 
-    from fastpersist.distributed.planner import Item
+    import torch.distributed as dist
 
     sent: list[int] = []
     gather, send = dist.gather_object, dist.send_object_list
 
     def items_in(obj: Any) -> int:
-        return len(obj) if isinstance(obj, tuple) and obj and isinstance(obj[0], Item) else 0
+        if isinstance(obj, bytes):
+            obj = pickle.loads(obj)
+        return len(obj) if (isinstance(obj, tuple) and obj and type(obj[0]) is tuple
+                            and len(obj[0]) == 5 and isinstance(obj[0][0], str)) else 0
 
     def counted_gather(obj: Any, *a: Any, **kw: Any) -> None:
         sent.append(items_in(obj))
