@@ -185,13 +185,13 @@ class Save(CommitPoint):
             # What survivors look for if rank 0 is lost at its publish (storage.fate).
             self.staging_ident = ident_of(self.storage.place(self.target, self.directory))
 
-    @gcpause.paused()  # rank 0 unpickles and plans 100,000s of items: see phases' gathers
+    @gcpause.paused()  # rank 0 unpickles and plans 100,000s of boxes (see gcpause)
     def _plan(self, everyone: list[RankView], items: tuple[Item, ...], piece_bytes: int
               ) -> Plan | Share:
         """The job's plan on rank 0 and this rank's share elsewhere: from the
         cache while no rank's layout changes. The collector's passes over what
-        it makes wait for the write phase, where rank 0 writes its pieces
-        (and the other ranks theirs) rather than wait for it."""
+        rank 0 makes here come after it, as the ranks go on to stage and
+        write, not while every other rank waits for the plan."""
         co, phase = self.co, self.phase
         key = [repr((v.node, v.layout)) for v in everyone] + [
             f"piece_bytes={piece_bytes}", f"union={self.union}"]
@@ -320,9 +320,10 @@ class Save(CommitPoint):
         # From here on rank 0 may hold every record, build the manifest and
         # commit: a lost exchange no longer means that the job failed.
         self.committing = True
-        # Every rank is past its writes (the write phase agreed): nothing
-        # here waits long, and the collector's passes over the records rank 0
-        # gathers and joins wait until the job is committed.
+        # Every rank is past its writes (the write phase agreed), so nothing
+        # here waits long unless a rank is lost (then up to the exchange's
+        # timeout): the collector's passes over the records rank 0 gathers
+        # and joins wait until the job is committed.
         with gcpause.paused():
             gathered = phase.collective("write", lambda: co.gather(written))
             # 5 commit (commit_point.py)

@@ -18,7 +18,7 @@ from ..format import dtypes
 # typed loosely here so that this module does not import the planner that
 # imports it.
 Box = Any
-_KEY, _GLOBAL_SHAPE, _OFFSETS, _SHAPE = 0, 2, 3, 4
+_KEY, _GLOBAL_SHAPE, _SHAPE = 0, 2, 4
 
 _PLACE = operator.itemgetter(slice(2, None))  # an Item's (global_shape, offsets, shape)
 _BOX = operator.itemgetter(slice(3, None))  # its (offsets, shape)
