@@ -77,8 +77,8 @@ class Coordinator:
         if self.rank == 0:
             got: dict[int, bytes] = {}
             for src in sources:
-                box: list[Any] = [None]
                 if src != 0:
+                    box: list[Any] = [None]
                     dist.recv_object_list(box, src=self.ranks[src], group=self.group)
                     got[src] = box[0]
             values = iter(unpickled(list(got.values())))

@@ -147,19 +147,28 @@ def _check_keys(layouts: dict[str, tuple[Box, ...]], members: dict[str, list[int
     want = list(map(_KEY_DTYPE_SHAPE, first))
     if len({k for k, _, _ in want}) != len(want):
         raise PlanError(f"rank {rank0} describes a key twice")
-    # Compared a field at a time: lists of references, where a list of
-    # (key, dtype, shape) tuples a layout made 370,000 tuples at 16,384 ranks.
-    fields = [list(map(field, first)) for field in _FIELDS]
+    fields = _tensor_fields(first)
     for layout, items in others:
-        if len(items) != len(first) or any(list(map(field, items)) != want_field
-                                           for field, want_field in zip(_FIELDS, fields,
-                                                                        strict=True)):
+        if not _same_tensors(items, fields):
             got = list(map(_KEY_DTYPE_SHAPE, items))
             raise PlanError(f"rank {members[layout][0]} and rank {rank0} disagree on the "
                             f"state's tensors: {_first_difference(got, want)}"
                             + ("" if {k for k, _, _ in got} == {k for k, _, _ in want} else
                                _UNION_HINT))
     return {k: n for n, (k, _, _) in enumerate(want)}
+
+
+def _tensor_fields(items: tuple[Box, ...]) -> list[list[object]]:
+    """The items' keys, dtypes and global shapes, a list each (_same_tensors)."""
+    return [list(map(field, items)) for field in _FIELDS]
+
+
+def _same_tensors(items: tuple[Box, ...], fields: list[list[object]]) -> bool:
+    """Whether items hold the tensors of `fields` (_tensor_fields), in that
+    order. Compared a field at a time: lists of references, where a list of
+    (key, dtype, shape) tuples a layout made 370,000 tuples at 16,384 ranks."""
+    return len(items) == len(fields[0]) and all(
+        list(map(field, items)) == want for field, want in zip(_FIELDS, fields, strict=True))
 
 
 _UNION_HINT = (" (ranks that hold different tensors, such as pipeline stages, save with "
@@ -172,7 +181,7 @@ def _union_keys(groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]],
     layout holds, in the order the layouts (by first rank) first list them.
     A key that several layouts hold must have one dtype and global shape.
     Layouts that hold the same keys (`groups`, a stage's each) are compared
-    as lists, in C."""
+    as lists, in C (_same_tensors)."""
     seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
     for group_keys, group in groups.items():
         (lead, lead_items), *others = group.items()
@@ -180,9 +189,10 @@ def _union_keys(groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]],
         if len(set(group_keys)) != len(group_keys):
             raise PlanError(f"rank {rank} describes a key twice")
         want = list(map(_KEY_DTYPE_SHAPE, lead_items))
+        fields = _tensor_fields(lead_items)
         for layout, items in others:
-            got = list(map(_KEY_DTYPE_SHAPE, items))
-            if got != want:
+            if not _same_tensors(items, fields):
+                got = list(map(_KEY_DTYPE_SHAPE, items))
                 (key, dtype, shape), (_, first_dtype, first_shape) = next(
                     (a, b) for a, b in zip(got, want, strict=True) if a != b)
                 raise PlanError(_disagree(key, dtype, shape, members[layout][0],
