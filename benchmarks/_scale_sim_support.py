@@ -165,7 +165,7 @@ def collective_bytes(views: list[RankView], infos: list[RankInfo], shares: list[
     item_size: dict[str, int] = {}
     for i in infos:
         if i.layout not in item_size:
-            item_size[i.layout] = _gathered_size(i.items)
+            item_size[i.layout] = _gathered_size((i.tensors, i.items))  # plan.described
     none = _gathered_size(None)
     sizes = 8 * n
     view = max(_gathered_size(v) for v in views)

@@ -86,7 +86,7 @@ from fastpersist.distributed.outcome import (  # noqa: E402
     forget,
 )
 from fastpersist.distributed.phases import Phase, unpickled  # noqa: E402
-from fastpersist.distributed.plan import described  # noqa: E402
+from fastpersist.distributed.plan import Share, described  # noqa: E402
 from fastpersist.distributed.planner import RankInfo, layout_digest, make_plan  # noqa: E402
 from fastpersist.distributed.trees import joined, renumbered  # noqa: E402
 from fastpersist.distributed.written import job_manifest, rendered  # noqa: E402
@@ -147,7 +147,8 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     start = time.perf_counter()
     with gcpause.paused():  # as Save._plan
         got = dict(zip(job.first.values(), unpickled(job.described), strict=True))
-        infos = [RankInfo(r, v.node, tuple(got[job.first[v.layout]]), v.layout)
+        infos = [RankInfo(r, v.node, tuple(got[job.first[v.layout]][1]), v.layout,
+                          got[job.first[v.layout]][0])
                  for r, v in enumerate(job.views)]
         plan = make_plan(infos, min_piece_bytes=piece_bytes, union=job.model.pp > 1)
         planned = time.perf_counter()
@@ -158,7 +159,7 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     sent, render_max = [], 0.0
     for r, s in enumerate(shares):
         began = time.perf_counter()
-        pieces = pickle.loads(s).pieces(job.layouts[job.coords[r]][0])
+        pieces = Share.of(pickle.loads(s)).pieces(job.layouts[job.coords[r]][0])
         expanded = time.perf_counter() - began
         records = records_for(r, pieces)  # storage.write's: not timed
         began = time.perf_counter()

@@ -10,8 +10,9 @@ import pickle
 import random
 
 import pytest
+from mesh_support import Tensor, mesh_items
 
-from fastpersist.distributed.plan import described
+from fastpersist.distributed.plan import Share, described
 from fastpersist.distributed.planner import (
     Item,
     PlanCache,
@@ -149,6 +150,25 @@ def test_disagreeing_ranks_are_refused_by_name() -> None:
         make_plan(ranks_of([items, missing], per_node=2))
 
 
+def test_fingerprints_spare_the_comparison_but_not_the_refusal() -> None:
+    # As sent, each layout carries the fingerprint of its tensors
+    # (plan.tensors_digest): equal ones are not compared by value, and a
+    # rank whose differ is still refused by name.
+    items = model(5)
+    other = (*items[:4], Item.whole("layer4.weight", "F32", (1, 1)))
+    with pytest.raises(PlanError, match=r"rank 3 and rank 0 disagree.*layer4.weight"):
+        make_plan(as_sent(ranks_of([items, items, items, other], per_node=2)))
+    with pytest.raises(PlanError, match=r"4 tensors vs 5"):
+        make_plan(as_sent(ranks_of([items, items[:4]], per_node=2)))
+    # Fingerprints that differ, or are missing, on equal tensors: compared by value.
+    sharded = [tuple(Item(f"w{n}", "F32", (8 * n, 16), (r * 2 * n, 0), (2 * n, 16))
+                     for n in range(1, 6)) for r in range(4)]
+    sent = as_sent(ranks_of(sharded, per_node=2))
+    assert len({r.tensors for r in sent}) == 1 and sent[0].tensors
+    mixed = [dataclasses.replace(r, tensors="" if r.rank == 1 else r.tensors) for r in sent]
+    assert make_plan(mixed) == make_plan(sent) == make_plan(ranks_of(sharded, per_node=2))
+
+
 def test_shards_that_overlap_or_leave_gaps_are_refused() -> None:
     def ranks(boxes: list[tuple[int, int]]) -> list[RankInfo]:
         return ranks_of([(Item("w", "F32", (10, 4), (o, 0), (n, 4)),) for o, n in boxes], 2)
@@ -188,13 +208,6 @@ def test_cache_returns_the_plan_only_for_the_same_descriptions() -> None:
     assert cache.get([*digests[:3], layout_digest(model(10, seed=9))]) is None
 
 
-def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
-    """torch.chunk's part i of n rows: (start, length); the last may be short or empty."""
-    size = math.ceil(n / parts)
-    start = min(i * size, n)
-    return start, max(0, min(n, start + size) - start)
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_random_meshes_are_covered_once_by_holders_in_bounded_balanced_pieces(seed: int
                                                                             ) -> None:
@@ -205,7 +218,7 @@ def test_random_meshes_are_covered_once_by_holders_in_bounded_balanced_pieces(se
     rng = random.Random(seed)
     tp, fsdp, dp_ = rng.choice([1, 2, 4]), rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 5])
     per_node = rng.choice([1, 2, 3, 4])
-    shapes = []
+    shapes: list[Tensor] = []
     for n in range(rng.randint(5, 40)):
         kind = rng.random()
         shape: tuple[int, ...] = (() if kind < 0.1 else (1, rng.randint(1, 64)) if kind < 0.2
@@ -214,21 +227,9 @@ def test_random_meshes_are_covered_once_by_holders_in_bounded_balanced_pieces(se
                                         rng.randint(1, 96)))
         shapes.append((f"k{n}", rng.choice(["F32", "BF16"]), shape, rng.random() < 0.3))
 
-    def items(t: int, f: int) -> tuple[Item, ...]:
-        out = []
-        for key, dtype, shape, replicated in shapes:
-            if not shape:
-                out.append(Item.whole(key, dtype, shape))
-                continue
-            offsets, sizes = [0, 0], list(shape)
-            if not replicated:  # TP cuts dim 1, then FSDP dim 0
-                offsets[1], sizes[1] = chunk(shape[1], tp, t)
-            offsets[0], sizes[0] = chunk(shape[0], fsdp, f)
-            out.append(Item(key, dtype, shape, tuple(offsets), tuple(sizes)))
-        return tuple(out)
-
     world = tp * fsdp * dp_
-    ranks = ranks_of([items(r % tp, (r // tp) % fsdp) for r in range(world)], per_node)
+    ranks = ranks_of([mesh_items(shapes, tp, fsdp, r % tp, (r // tp) % fsdp)
+                      for r in range(world)], per_node)
     min_piece = rng.choice([256, 4096, 64 << 10])
     plan = make_plan(ranks, min_piece_bytes=min_piece)
     for key, _, shape, _ in shapes:
@@ -254,7 +255,9 @@ def test_random_meshes_are_covered_once_by_holders_in_bounded_balanced_pieces(se
     # What each rank works out from its share (sent pickled) and its own
     # items is its part of the coordinator's plan, in the same order.
     for r, share in zip(ranks, plan.shares(), strict=True):
-        assert pickle.loads(pickle.dumps(share)).pieces(r.items) == plan.for_rank(r.rank)
+        got = Share.of(pickle.loads(pickle.dumps(share)))
+        assert got.pieces(r.items) == plan.for_rank(r.rank)
+        assert got == plan.share(r.rank)
     # Planned from what the ranks send (plain tuples, unpickled): the same plan.
     sent = make_plan(as_sent(ranks), min_piece_bytes=min_piece)
     assert sent == plan and sent.pieces == plan.pieces
@@ -280,8 +283,9 @@ def test_a_plan_of_what_ranks_send_leaves_the_collector_nothing_to_track() -> No
 
 def as_sent(ranks: list[RankInfo]) -> list[RankInfo]:
     """The ranks' descriptions as rank 0 gets them: described, pickled, unpickled."""
-    return [dataclasses.replace(r, items=pickle.loads(pickle.dumps(described(r.items))))
-            for r in ranks]
+    sent = [pickle.loads(pickle.dumps(described(r.items))) for r in ranks]
+    return [dataclasses.replace(r, items=boxes, tensors=digest)
+            for r, (digest, boxes) in zip(ranks, sent, strict=True)]
 
 
 def test_a_share_is_small_however_many_pieces_its_rank_writes() -> None:

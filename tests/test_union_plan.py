@@ -10,14 +10,15 @@ import random
 
 import pytest
 
-from fastpersist.distributed.plan import described
+from fastpersist.distributed.plan import Share, described
 from fastpersist.distributed.planner import Item, PlanError, RankInfo, layout_digest, make_plan
 
 
 def as_sent(ranks: list[RankInfo]) -> list[RankInfo]:
     """The ranks' descriptions as rank 0 gets them: described, pickled, unpickled."""
-    return [dataclasses.replace(r, items=pickle.loads(pickle.dumps(described(r.items))))
-            for r in ranks]
+    sent = [pickle.loads(pickle.dumps(described(r.items))) for r in ranks]
+    return [dataclasses.replace(r, items=boxes, tensors=digest)
+            for r, (digest, boxes) in zip(ranks, sent, strict=True)]
 
 def ranks_of(items_per_rank: list[tuple[Item, ...]], per_node: int) -> list[RankInfo]:
     return [RankInfo(r, f"node{r // per_node}", items, layout_digest(items))
@@ -81,7 +82,9 @@ def test_pipeline_stages_are_covered_once_by_their_holders(seed: int) -> None:
             box.offsets, box.shape, p.offsets, p.shape, strict=True)), (p, box)
     assert plan == make_plan(list(reversed(ranks)), min_piece_bytes=min_piece, union=True)
     for r, share in zip(ranks, plan.shares(), strict=True):
-        assert pickle.loads(pickle.dumps(share)).pieces(r.items) == plan.for_rank(r.rank)
+        got = Share.of(pickle.loads(pickle.dumps(share)))
+        assert got.pieces(r.items) == plan.for_rank(r.rank)
+        assert got == plan.share(r.rank)
     # Planned from what the ranks send (plain tuples, unpickled): the same plan.
     sent = make_plan(as_sent(ranks), min_piece_bytes=min_piece, union=True)
     assert sent == plan and sent.pieces == plan.pieces

@@ -207,8 +207,9 @@ class Save(CommitPoint):
             if co.rank == 0:
                 assert infos is not None
                 try:
-                    made = make_plan([RankInfo(r, v.node, tuple(infos[first[v.layout]]),
-                                               v.layout) for r, v in enumerate(everyone)],
+                    made = make_plan([RankInfo(r, v.node, tuple(infos[first[v.layout]][1]),
+                                               v.layout, infos[first[v.layout]][0])
+                                      for r, v in enumerate(everyone)],
                                      min_piece_bytes=piece_bytes, union=self.union)
                 except CheckpointError as exc:
                     made = failure(0, "plan", exc)
@@ -217,12 +218,11 @@ class Save(CommitPoint):
             shares: list[Any] | None = None
             if co.rank == 0:
                 shares = [made] * co.size if isinstance(made, Failure) else (
-                    list(made.shares()) if isinstance(made, Plan) else None)
-            share = phase.collective("plan", lambda: co.scatter(shares))
-            if isinstance(share, Failure):
-                phase.agree("plan", share if co.rank == 0 else None)
-            assert isinstance(share, Share)
-            plan = made if isinstance(made, Plan) else share
+                    made.shares() if isinstance(made, Plan) else None)
+            sent = phase.collective("plan", lambda: co.scatter(shares))
+            if isinstance(sent, Failure):
+                phase.agree("plan", sent if co.rank == 0 else None)
+            plan = made if isinstance(made, Plan) else Share.of(sent)
             co.cache.put(key, plan)
             co.plans_made += 1
         return plan

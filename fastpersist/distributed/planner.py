@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from .. import gcpause
 from ..errors import CheckpointError
 from .balance import Chooser, bounds
+from .columns import unique_columns
 from .plan import (
     DEFAULT_MIN_PIECE_BYTES,
     Box,
@@ -69,9 +70,12 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
     # (pure data parallelism is one layout however many ranks there are).
     layouts: dict[str, tuple[Box, ...]] = {}
     members: dict[str, list[int]] = {}
+    tensors: dict[str, str] = {}
     for r in ranks:
         layouts.setdefault(r.layout, r.items)
         members.setdefault(r.layout, []).append(r.rank)
+        tensors.setdefault(r.layout, r.tensors)
+    memo: dict[tuple[str, tuple[int, ...]], int] = {}  # bytes per dtype and shape
     if union:
         # Layouts that hold the same keys (a pipeline stage's), grouped once.
         groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]] = {}
@@ -79,20 +83,22 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
             groups.setdefault(tuple(map(_KEY, items)), {})[layout] = items
         keys = _union_keys(groups, members)
         by_key, several = _unique_boxes_of_union(layouts, groups, keys)
+        problem = tiling_problem(by_key)
+        shared_flags = {layout: tuple(map(several.__contains__, items))
+                        for layout, items in layouts.items()}
+        # Each layout's own bytes (what only its members hold).
+        own_bytes = {layout: unique_bytes([list(itertools.compress(
+            items, map(operator.not_, shared_flags[layout])))], memo)
+            for layout, items in layouts.items()}
     else:
-        keys = _check_keys(layouts, members)
-        by_key, several = _unique_boxes(layouts)
-    problem = tiling_problem(by_key)
+        keys = _check_keys(layouts, members, tensors)
+        columns = unique_columns(layouts)
+        several, problem = columns.several, columns.problem
+        shared_flags = dict(zip(layouts, columns.flags, strict=True))
+        own_bytes = dict(zip(layouts, columns.own, strict=True))
     if problem:
         raise PlanError(problem)
-    memo: dict[tuple[str, tuple[int, ...]], int] = {}  # bytes per dtype and shape
-    # Each layout's own bytes (what only its members hold), and so the job's:
-    # those plus the shared boxes', each counted once.
-    shared_flags, own_bytes = {}, {}
-    for layout, items in layouts.items():
-        flags = shared_flags[layout] = list(map(several.__contains__, items))
-        own_bytes[layout] = unique_bytes(
-            [list(itertools.compress(items, map(operator.not_, flags)))], memo)
+    # The job's bytes: the layouts' own, and the shared boxes', each counted once.
     total = sum(own_bytes.values()) + unique_bytes([list(several)], memo)
     # Cut so that each writer gets many pieces: the greedy choice below
     # balances to within about one piece, here 1/16 of a writer's share.
@@ -139,23 +145,30 @@ _KEY_DTYPE_SHAPE = operator.itemgetter(0, 1, 2)  # an Item's, in C
 _FIELDS = tuple(map(operator.itemgetter, range(3)))  # its key, dtype and global shape
 
 
-def _check_keys(layouts: dict[str, tuple[Box, ...]], members: dict[str, list[int]]
-                ) -> dict[str, int]:
-    """Every rank must hold the same tensors (keys, dtypes, global shapes), in one order."""
+def _check_keys(layouts: dict[str, tuple[Box, ...]], members: dict[str, list[int]],
+                tensors: dict[str, str]) -> dict[str, int]:
+    """Every rank must hold the same tensors (keys, dtypes, global shapes),
+    in one order. Layouts whose ranks fingerprinted their tensors alike
+    (plan.tensors_digest) hold the same ones, as ranks with one layout
+    digest hold the same boxes; the others are compared by value, to find
+    and name the difference."""
     (first_layout, first), *others = layouts.items()
     rank0 = members[first_layout][0]
-    want = list(map(_KEY_DTYPE_SHAPE, first))
-    if len({k for k, _, _ in want}) != len(want):
+    keys = {k: n for n, k in enumerate(map(_KEY, first))}
+    if len(keys) != len(first):
         raise PlanError(f"rank {rank0} describes a key twice")
-    fields = _tensor_fields(first)
+    digest = tensors[first_layout]
+    fields: list[list[object]] | None = None
     for layout, items in others:
+        if digest and tensors[layout] == digest:
+            continue
+        fields = fields or _tensor_fields(first)
         if not _same_tensors(items, fields):
-            got = list(map(_KEY_DTYPE_SHAPE, items))
+            got, want = list(map(_KEY_DTYPE_SHAPE, items)), list(map(_KEY_DTYPE_SHAPE, first))
             raise PlanError(f"rank {members[layout][0]} and rank {rank0} disagree on the "
                             f"state's tensors: {_first_difference(got, want)}"
-                            + ("" if {k for k, _, _ in got} == {k for k, _, _ in want} else
-                               _UNION_HINT))
-    return {k: n for n, (k, _, _) in enumerate(want)}
+                            + ("" if {k for k, _, _ in got} == set(keys) else _UNION_HINT))
+    return keys
 
 
 def _tensor_fields(items: tuple[Box, ...]) -> list[list[object]]:
@@ -221,35 +234,15 @@ def _first_difference(got: list[tuple[str, str, tuple[int, ...]]],
     return f"{len(got)} tensors vs {len(want)}"
 
 
-def _unique_boxes(layouts: dict[str, tuple[Box, ...]]
-                  ) -> tuple[list[list[Box]], dict[Box, tuple[str, ...]]]:
-    """The distinct boxes of each key (in the keys' order), and those that
-    several layouts hold with the layouts that hold them. Every layout lists
-    the keys in one order (_check_keys), so a key's boxes are a column of
-    the layouts' items, deduplicated in C: a Python step per box was a large
-    part of a plan at thousands of ranks, and most keys are sharded (no box
-    shared) or replicated (one box)."""
-    names = list(layouts)
-    by_key: list[list[Box]] = []
-    several: dict[Box, tuple[str, ...]] = {}
-    for column in zip(*layouts.values(), strict=True):
-        distinct = dict.fromkeys(column)
-        if len(distinct) < len(column):
-            held: dict[Box, list[str]] = {}
-            for layout, box in zip(names, column, strict=True):
-                held.setdefault(box, []).append(layout)
-            several.update((box, tuple(h)) for box, h in held.items() if len(h) > 1)
-        by_key.append(list(distinct))
-    return by_key, several
-
-
 def _unique_boxes_of_union(layouts: dict[str, tuple[Box, ...]],
                            groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]],
                            keys: dict[str, int]
                            ) -> tuple[list[list[Box]], dict[Box, tuple[str, ...]]]:
-    """_unique_boxes when layouts may hold different keys. Layouts that hold
-    the same keys (`groups`, a pipeline stage's each) are deduplicated
-    together as columns (_unique_boxes, in C); only the keys that several
+    """The distinct boxes of each key (in the keys' order), and those that
+    several layouts hold with the layouts that hold them, when layouts may
+    hold different keys. Layouts that hold the same keys (`groups`, a
+    pipeline stage's each) are deduplicated together as columns
+    (columns.unique_columns); only the keys that several
     such groups hold (a tied embedding) are gone through a box at a time,
     over every layout."""
     seen: dict[str, int] = {}
@@ -260,7 +253,8 @@ def _unique_boxes_of_union(layouts: dict[str, tuple[Box, ...]],
     by_key: list[list[Box]] = [[] for _ in keys]
     several: dict[Box, tuple[str, ...]] = {}
     for group_keys, members in groups.items():
-        boxes, shared = _unique_boxes(members)
+        group = unique_columns(members)
+        boxes, shared = group.by_key, group.several
         for key, distinct in zip(group_keys, boxes, strict=True):
             if key not in across:
                 by_key[keys[key]] = distinct

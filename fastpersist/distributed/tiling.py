@@ -18,9 +18,8 @@ from ..format import dtypes
 # typed loosely here so that this module does not import the planner that
 # imports it.
 Box = Any
-_KEY, _GLOBAL_SHAPE, _SHAPE = 0, 2, 4
+_KEY, _GLOBAL_SHAPE = 0, 2
 
-_PLACE = operator.itemgetter(slice(2, None))  # an Item's (global_shape, offsets, shape)
 _BOX = operator.itemgetter(slice(3, None))  # its (offsets, shape)
 _DTYPE_SHAPE = operator.itemgetter(1, 4)
 
@@ -30,31 +29,37 @@ def tiling_problem(by_key: list[list[Box]]) -> str | None:
     inside it and cover it exactly once; None if nothing. Jobs repeat few
     shapes (a layer's params and their optimizer states, layer after layer),
     so each check is made once per grid it sees."""
-    checked: dict[tuple[object, ...], tuple[int, bool]] = {}
+    checked: dict[tuple[object, ...], str | None] = {}
     for items in by_key:
         # An optimizer's states are sharded as their parameter is, layer after
         # layer: a grid (the tensor's shape and its boxes, in the layouts'
-        # order, which is the same from key to key) seen once and found good
-        # is good again, and nothing about it is worked out twice.
-        key, global_shape = items[0][_KEY], items[0][_GLOBAL_SHAPE]
+        # order, which is the same from key to key) seen once is not checked
+        # again.
+        global_shape = items[0][_GLOBAL_SHAPE]
         grid = (global_shape, *map(_BOX, items))
-        found = checked.get(grid)
-        if found is None:
-            for outer, offsets, shape in set(map(_PLACE, items)):
-                if len(offsets) != len(outer) or len(shape) != len(outer) or any(
-                        o < 0 or o + n > g for o, n, g in zip(offsets, shape, outer,
-                                                              strict=True)):
-                    return (f"{key}: box at {list(offsets)} of shape {list(shape)} "
-                            f"lies outside the tensor's shape {list(outer)}")
-            volume = sum(math.prod(i[_SHAPE]) for i in items)
-            whole = math.prod(global_shape)
-            found = checked[grid] = (volume, volume == whole and len(items) > 1
-                                     and _overlapping(list(map(_BOX, items))))
-        volume, overlap = found
-        if overlap or volume != math.prod(global_shape):
-            return (f"{key}: the ranks' shards hold {volume} elements of a tensor "
-                    f"of {math.prod(global_shape)}, and must cover it once (shards "
-                    "overlap or leave gaps)")
+        if grid not in checked:
+            checked[grid] = grid_problem(global_shape, list(map(_BOX, items)))
+        problem = checked[grid]
+        if problem is not None:
+            return f"{items[0][_KEY]}: {problem}"
+    return None
+
+
+def grid_problem(global_shape: tuple[int, ...],
+                 boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+    """What is wrong with a tensor's distinct boxes (offsets, shape), which
+    must lie inside it and cover it exactly once; None if nothing. The
+    message names no key: the caller's grid may stand for many."""
+    for offsets, shape in set(boxes):
+        if len(offsets) != len(global_shape) or len(shape) != len(global_shape) or any(
+                o < 0 or o + n > g for o, n, g in zip(offsets, shape, global_shape, strict=True)):
+            return (f"box at {list(offsets)} of shape {list(shape)} lies outside the "
+                    f"tensor's shape {list(global_shape)}")
+    volume = sum(math.prod(shape) for _, shape in boxes)
+    whole = math.prod(global_shape)
+    if volume != whole or (len(boxes) > 1 and _overlapping(boxes)):
+        return (f"the ranks' shards hold {volume} elements of a tensor of {whole}, and must "
+                "cover it once (shards overlap or leave gaps)")
     return None
 
 
@@ -112,4 +117,4 @@ def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     return False
 
 
-__all__ = ["tiling_problem", "unique_bytes"]
+__all__ = ["grid_problem", "tiling_problem", "unique_bytes"]
