@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from fastpersist.distributed.plan import Share, described
+from fastpersist.distributed.plan import Share, bitmap, described
 from fastpersist.distributed.planner import Item, PlanError, RankInfo, layout_digest, make_plan
 
 
@@ -38,18 +38,20 @@ def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
 @pytest.mark.parametrize("seed", range(12))
 def test_pipeline_stages_are_covered_once_by_their_holders(seed: int) -> None:
     # PP x TP x FSDP x DP jobs: each stage holds its own keys, listed in an
-    # order of its own; a few keys (a tied embedding, a step counter) are held
-    # by several stages. Every byte of the union is written once, by a rank
-    # that holds it; replicas end level; each rank's share gives its part of
-    # the coordinator's plan.
+    # order of its own; in two jobs of three a few keys (a tied embedding, a
+    # step counter) are held by several stages. Every byte of the union is
+    # written once, by a rank that holds it; the shared boxes and the job's
+    # bytes are what a box at a time finds; replicas end level; each rank's
+    # share gives its part of the coordinator's plan.
     rng = random.Random(seed)
     pp, tp, fsdp, dp = (rng.choice([2, 3, 4]), rng.choice([1, 2]), rng.choice([1, 2]),
                         rng.choice([1, 2, 3]))
     shapes = []
+    tied = seed % 3 != 0  # a third of the jobs hold no key in several stages
     for n in range(rng.randint(6, 30)):
         shape = (rng.randint(1, 200), rng.randint(1, 64)) if rng.random() > 0.1 else ()
-        stages = (set(range(pp)) if rng.random() < 0.1 else {0, pp - 1}
-                  if rng.random() < 0.1 else {rng.randrange(pp)})
+        stages = (set(range(pp)) if tied and rng.random() < 0.1 else {0, pp - 1}
+                  if tied and rng.random() < 0.1 else {rng.randrange(pp)})
         shapes.append((f"k{n}", rng.choice(["F32", "BF16"]), shape, stages))
 
     def items(stage: int, t: int, f: int) -> tuple[Item, ...]:
@@ -81,6 +83,14 @@ def test_pipeline_stages_are_covered_once_by_their_holders(seed: int) -> None:
         assert all(bo <= po and po + ps <= bo + bs for bo, bs, po, ps in zip(
             box.offsets, box.shape, p.offsets, p.shape, strict=True)), (p, box)
     assert plan == make_plan(list(reversed(ranks)), min_piece_bytes=min_piece, union=True)
+    # Box at a time: which boxes several layouts hold, and the job's bytes.
+    holders: dict[Item, set[str]] = {}
+    for r in ranks:
+        for i in r.items:
+            holders.setdefault(i, set()).add(r.layout)
+    assert plan.unique_bytes == sum(i.nbytes for i in holders)
+    for planned in plan.layouts.values():
+        assert planned.shared == bitmap([len(holders[Item._make(b)]) > 1 for b in planned.items])
     for r, share in zip(ranks, plan.shares(), strict=True):
         got = Share.of(pickle.loads(pickle.dumps(share)))
         assert got.pieces(r.items) == plan.for_rank(r.rank)
@@ -124,6 +134,21 @@ def test_without_union_ranks_with_other_keys_are_refused_with_a_hint() -> None:
     plan = make_plan(ranks_of([a, b], per_node=2), union=True)
     assert plan.keys == ("layers.0.w", "layers.1.w")
     assert {p.key: p.writer for p in plan.pieces} == {"layers.0.w": 0, "layers.1.w": 1}
+
+
+def test_a_stages_gap_is_refused_by_its_first_key() -> None:
+    # Two stages, each with a damaged key (a gap between its shards): the
+    # error names the first of them in the job's order of keys.
+    def stage(keys: list[str], rows: int) -> list[tuple[Item, ...]]:
+        return [tuple(Item(k, "F32", (8, 4), (4 * f, 0), (rows if k.endswith("bad") else 4, 4))
+                      for k in keys) for f in range(2)]
+
+    first, second = stage(["a", "b.bad"], 3), stage(["c.bad", "d"], 3)
+    ranks = ranks_of([*first, *second], per_node=2)
+    with pytest.raises(PlanError, match=r"^b.bad: the ranks' shards hold 24 elements"):
+        make_plan(ranks, union=True)
+    with pytest.raises(PlanError, match=r"^c.bad: "):
+        make_plan(ranks_of([*second, *first], per_node=2), union=True)
 
 
 def test_a_key_held_twice_by_one_rank_is_refused() -> None:

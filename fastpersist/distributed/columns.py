@@ -16,18 +16,17 @@ goes through shared boxes one by one. Torch-free and pure.
 from __future__ import annotations
 
 import math
-import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..format import dtypes
+from .boxes import DTYPE, GLOBAL_SHAPE, KEY, offsets_of, shape_of
 from .tiling import grid_problem
 
-# A box: plan.Box (key, dtype, global_shape, offsets, shape), or an Item,
-# read by position; typed loosely here, as in tiling.py.
+# A box: plan.Box or an Item, read by position (boxes.py); typed loosely
+# here, as in tiling.py.
 Box = Any
-_OFFSETS, _SHAPE = operator.itemgetter(3), operator.itemgetter(4)
 
 
 class Grid(NamedTuple):
@@ -47,7 +46,8 @@ class Grid(NamedTuple):
 
 class Columns(NamedTuple):
     """unique_columns' result: per key, in the layouts' order of keys, its
-    distinct boxes (`by_key`) and the first tiling problem found; the boxes
+    distinct boxes (`by_key`) and the first tiling problem found, with its
+    key (`problem`, `problem_key`); the boxes
     several layouts hold with those layouts (`several`); per layout, in
     `layouts`' order, which of its items are such (`flags`) and its own
     bytes (`own`)."""
@@ -57,6 +57,7 @@ class Columns(NamedTuple):
     flags: list[tuple[bool, ...]]
     own: list[int]
     problem: str | None
+    problem_key: str | None
 
 
 def unique_columns(layouts: Mapping[str, Sequence[Box]]) -> Columns:
@@ -67,11 +68,12 @@ def unique_columns(layouts: Mapping[str, Sequence[Box]]) -> Columns:
     seen: list[Grid] = []
     by_key: list[list[Box]] = []
     several: dict[Box, tuple[str, ...]] = {}
-    problem = None
+    problem = problem_key = None
     for column in zip(*layouts.values(), strict=True):
         first = column[0]
         # A grid's key: lists of references, hashed in C.
-        at = (first[1], first[2], tuple(map(_OFFSETS, column)), tuple(map(_SHAPE, column)))
+        at = (first[DTYPE], first[GLOBAL_SHAPE], tuple(map(offsets_of, column)),
+              tuple(map(shape_of, column)))
         grid = grids.get(at)
         if grid is None:
             grid = grids[at] = _grid(names, *at)
@@ -82,14 +84,14 @@ def unique_columns(layouts: Mapping[str, Sequence[Box]]) -> Columns:
             by_key.append([column[j] for j in grid.firsts])
             several.update((column[j], held) for j, held in grid.shared)
         if problem is None and grid.problem is not None:
-            problem = f"{first[0]}: {grid.problem}"
+            problem_key, problem = first[KEY], f"{first[KEY]}: {grid.problem}"
     own = [0] * len(names)
     by_id = {id(g): g for g in grids.values()}
     for ident, times in Counter(map(id, seen)).items():
         own = [a + times * b for a, b in zip(own, by_id[ident].own, strict=True)]
     flags: list[tuple[bool, ...]] = (list(zip(*(g.flags for g in seen), strict=True)) if seen
                                      else [()] * len(names))
-    return Columns(by_key, several, flags, own, problem)
+    return Columns(by_key, several, flags, own, problem, problem_key)
 
 
 def _grid(names: list[str], dtype: str, global_shape: tuple[int, ...],

@@ -50,6 +50,7 @@ from ..storage.local_path import checkpoint_path
 from ..storage.retention import AfterCommit
 from ..tensors import packed, state
 from ..tensors.plan import StoredTensor
+from .boxes import key_of
 from .commit_point import CommitPoint
 from .describe import (
     Held,
@@ -251,7 +252,7 @@ class Save(CommitPoint):
             layouts = self.plan.layouts
             try:
                 self.tree = joined([
-                    (r, renumbered(trees[r], [i[0] for i in layouts[self.layouts[r]].items],
+                    (r, renumbered(trees[r], list(map(key_of, layouts[self.layouts[r]].items)),
                                    order)) for r in firsts])
             except CheckpointError as exc:
                 error = failure(0, "plan", exc)

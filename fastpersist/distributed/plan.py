@@ -11,13 +11,13 @@ import functools
 import hashlib
 import itertools
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .. import gcpause
 from ..format import dtypes
+from .boxes import key_of, kind_of, tensor_of
 from .runs import layout_pieces, run_pieces
 
 # Boxes larger than this are cut into row ranges (unless the caller says
@@ -70,7 +70,7 @@ def tensors_digest(items: Sequence[Item]) -> str:
     in parallel, so that the planner checks that layouts hold the same
     tensors by comparing these, not 370,000 boxes field by field at 16,384
     ranks; it compares values only where fingerprints differ, to say how."""
-    text = repr(list(map(_TENSOR, items))).encode()
+    text = repr(list(map(tensor_of, items))).encode()
     return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
@@ -87,7 +87,7 @@ def layout_digest(items: Sequence[Item]) -> str:
 def keys_digest(items: Sequence[Item]) -> str:
     """Fingerprint of the keys a rank holds (not their boxes): with
     union=True, ranks with equal keys (a pipeline stage) have one tree."""
-    return hashlib.blake2b("\n".join(map(_KEY, items)).encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b("\n".join(map(key_of, items)).encode(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class Share:
                           make_piece)
         if not self.chosen:
             return mine
-        order = dict(zip(map(_KEY, items), itertools.count()))
+        order = dict(zip(map(key_of, items), itertools.count()))
         return _merged(mine, self.chosen, order)
 
     @staticmethod
@@ -234,7 +234,7 @@ class Plan:
                 own = own_items(lay.items, lay.shared)
                 # In the layout's order of keys, as Share.pieces (with
                 # union=True, layouts may list their keys in different orders).
-                order = dict(zip(map(_KEY, lay.items), itertools.count()))
+                order = dict(zip(map(key_of, lay.items), itertools.count()))
                 for r, got in layout_pieces(own, sizes_of(own), lay.ends, lay.members,
                                             self.target, make_piece).items():
                     mine[r] = _merged(got, self.chosen.get(r, ()), order)
@@ -291,15 +291,11 @@ def sizes_of(boxes: Sequence[Box]) -> list[int]:
     """Each box's bytes (Item.nbytes), worked out once per dtype and shape
     (a job has few shapes and many boxes), the rest in C: each rank does
     this for its layout's thousands of boxes at every plan."""
-    kinds = list(map(_DTYPE_SHAPE, boxes))
+    kinds = list(map(kind_of, boxes))
     size = {(dtype, shape): math.prod(shape) * dtypes.itemsize(dtype)
             for dtype, shape in dict.fromkeys(kinds)}
     return list(map(size.__getitem__, kinds))
 
-
-_DTYPE_SHAPE = operator.itemgetter(1, 4)  # an Item's
-_KEY = operator.itemgetter(0)
-_TENSOR = operator.itemgetter(0, 1, 2)  # its key, dtype and global shape
 
 
 class PlanCache:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from .. import gcpause
 from ..errors import CheckpointError
 from .balance import Chooser, bounds
+from .boxes import DTYPE, GLOBAL_SHAPE, KEY, key_of, tensor_of
 from .columns import unique_columns
 from .plan import (
     DEFAULT_MIN_PIECE_BYTES,
@@ -80,16 +81,9 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
         # Layouts that hold the same keys (a pipeline stage's), grouped once.
         groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]] = {}
         for layout, items in layouts.items():
-            groups.setdefault(tuple(map(_KEY, items)), {})[layout] = items
+            groups.setdefault(tuple(map(key_of, items)), {})[layout] = items
         keys = _union_keys(groups, members)
-        by_key, several = _unique_boxes_of_union(layouts, groups, keys)
-        problem = tiling_problem(by_key)
-        shared_flags = {layout: tuple(map(several.__contains__, items))
-                        for layout, items in layouts.items()}
-        # Each layout's own bytes (what only its members hold).
-        own_bytes = {layout: unique_bytes([list(itertools.compress(
-            items, map(operator.not_, shared_flags[layout])))], memo)
-            for layout, items in layouts.items()}
+        several, shared_flags, own_bytes, problem = _union_columns(layouts, groups, keys, memo)
     else:
         keys = _check_keys(layouts, members, tensors)
         columns = unique_columns(layouts)
@@ -141,8 +135,7 @@ def _first_three(p: tuple[int, int, tuple[int, ...], Item, tuple[str, ...]]
     return p[0], p[1], p[2]
 
 
-_KEY_DTYPE_SHAPE = operator.itemgetter(0, 1, 2)  # an Item's, in C
-_FIELDS = tuple(map(operator.itemgetter, range(3)))  # its key, dtype and global shape
+_FIELDS = tuple(map(operator.itemgetter, (KEY, DTYPE, GLOBAL_SHAPE)))  # a box's tensor's
 
 
 def _check_keys(layouts: dict[str, tuple[Box, ...]], members: dict[str, list[int]],
@@ -154,7 +147,7 @@ def _check_keys(layouts: dict[str, tuple[Box, ...]], members: dict[str, list[int
     and name the difference."""
     (first_layout, first), *others = layouts.items()
     rank0 = members[first_layout][0]
-    keys = {k: n for n, k in enumerate(map(_KEY, first))}
+    keys = {k: n for n, k in enumerate(map(key_of, first))}
     if len(keys) != len(first):
         raise PlanError(f"rank {rank0} describes a key twice")
     digest = tensors[first_layout]
@@ -164,7 +157,7 @@ def _check_keys(layouts: dict[str, tuple[Box, ...]], members: dict[str, list[int
             continue
         fields = fields or _tensor_fields(first)
         if not _same_tensors(items, fields):
-            got, want = list(map(_KEY_DTYPE_SHAPE, items)), list(map(_KEY_DTYPE_SHAPE, first))
+            got, want = list(map(tensor_of, items)), list(map(tensor_of, first))
             raise PlanError(f"rank {members[layout][0]} and rank {rank0} disagree on the "
                             f"state's tensors: {_first_difference(got, want)}"
                             + ("" if {k for k, _, _ in got} == set(keys) else _UNION_HINT))
@@ -201,11 +194,11 @@ def _union_keys(groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]],
         rank = members[lead][0]
         if len(set(group_keys)) != len(group_keys):
             raise PlanError(f"rank {rank} describes a key twice")
-        want = list(map(_KEY_DTYPE_SHAPE, lead_items))
+        want = list(map(tensor_of, lead_items))
         fields = _tensor_fields(lead_items)
         for layout, items in others:
             if not _same_tensors(items, fields):
-                got = list(map(_KEY_DTYPE_SHAPE, items))
+                got = list(map(tensor_of, items))
                 (key, dtype, shape), (_, first_dtype, first_shape) = next(
                     (a, b) for a, b in zip(got, want, strict=True) if a != b)
                 raise PlanError(_disagree(key, dtype, shape, members[layout][0],
@@ -234,9 +227,46 @@ def _first_difference(got: list[tuple[str, str, tuple[int, ...]]],
     return f"{len(got)} tensors vs {len(want)}"
 
 
+def _union_columns(layouts: dict[str, tuple[Box, ...]],
+                   groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]],
+                   keys: dict[str, int], memo: dict[tuple[str, tuple[int, ...]], int]
+                   ) -> tuple[dict[Box, tuple[str, ...]], dict[str, tuple[bool, ...]],
+                              dict[str, int], str | None]:
+    """What unique_columns gives (the shared boxes, each layout's shared
+    flags and own bytes, the first tiling problem) when layouts may hold
+    different keys. Layouts that hold the same keys (`groups`, a pipeline
+    stage's each) are columns of their own; when no key is held by several
+    groups (no tied embedding across stages), that is all. Otherwise the
+    keys that several groups hold are gone through a box at a time, over
+    every layout, and the flags and bytes counted again from the boxes."""
+    counts: dict[str, int] = {}
+    for group_keys in groups:
+        for k in group_keys:
+            counts[k] = counts.get(k, 0) + 1
+    across = {k for k, n in counts.items() if n > 1}
+    if not across:
+        several: dict[Box, tuple[str, ...]] = {}
+        flags: dict[str, tuple[bool, ...]] = {}
+        own: dict[str, int] = {}
+        problems: list[tuple[int, str]] = []
+        for group in groups.values():
+            columns = unique_columns(group)
+            several.update(columns.several)
+            flags.update(zip(group, columns.flags, strict=True))
+            own.update(zip(group, columns.own, strict=True))
+            if columns.problem is not None and columns.problem_key is not None:
+                problems.append((keys[columns.problem_key], columns.problem))
+        return several, flags, own, min(problems)[1] if problems else None
+    by_key, several = _unique_boxes_of_union(layouts, groups, keys, across)
+    flags = {layout: tuple(map(several.__contains__, items)) for layout, items in layouts.items()}
+    own = {layout: unique_bytes([list(itertools.compress(items, map(operator.not_, mine)))], memo)
+           for (layout, items), mine in zip(layouts.items(), flags.values(), strict=True)}
+    return several, flags, own, tiling_problem(by_key)
+
+
 def _unique_boxes_of_union(layouts: dict[str, tuple[Box, ...]],
                            groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]],
-                           keys: dict[str, int]
+                           keys: dict[str, int], across: set[str]
                            ) -> tuple[list[list[Box]], dict[Box, tuple[str, ...]]]:
     """The distinct boxes of each key (in the keys' order), and those that
     several layouts hold with the layouts that hold them, when layouts may
@@ -245,11 +275,6 @@ def _unique_boxes_of_union(layouts: dict[str, tuple[Box, ...]],
     (columns.unique_columns); only the keys that several
     such groups hold (a tied embedding) are gone through a box at a time,
     over every layout."""
-    seen: dict[str, int] = {}
-    for group_keys in groups:
-        for k in group_keys:
-            seen[k] = seen.get(k, 0) + 1
-    across = {k for k, n in seen.items() if n > 1}
     by_key: list[list[Box]] = [[] for _ in keys]
     several: dict[Box, tuple[str, ...]] = {}
     for group_keys, members in groups.items():
@@ -258,21 +283,18 @@ def _unique_boxes_of_union(layouts: dict[str, tuple[Box, ...]],
         for key, distinct in zip(group_keys, boxes, strict=True):
             if key not in across:
                 by_key[keys[key]] = distinct
-        several.update((box, held) for box, held in shared.items() if box[0] not in across)
+        several.update((box, held) for box, held in shared.items() if box[KEY] not in across)
     if across:
         holders: list[dict[Box, list[str]]] = [{} for _ in keys]
         for layout, items in layouts.items():
             for item in items:
-                if item[0] in across:
-                    holders[keys[item[0]]].setdefault(item, []).append(layout)
+                if item[KEY] in across:
+                    holders[keys[item[KEY]]].setdefault(item, []).append(layout)
         for k in across:
             by_key[keys[k]] = list(holders[keys[k]])
             several.update((box, tuple(held)) for box, held in holders[keys[k]].items()
                            if len(held) > 1)
     return by_key, several
-
-
-_KEY = operator.itemgetter(0)  # an Item's
 
 
 def _cut(box: Box, target: int, holders: int) -> list[Item]:

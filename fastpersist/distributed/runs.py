@@ -25,11 +25,12 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# A box: planner.Item (key, dtype, global_shape, offsets, shape) or a plain
-# tuple of those fields (plan.Box), so read by position; typed loosely here
-# so that this module does not import the planner that imports it.
+from .boxes import SHAPE
+
+# A box: planner.Item or a plain tuple of its fields (plan.Box), read by
+# position (boxes.py); typed loosely here so that this module does not
+# import the planner that imports it.
 Box = Any
-_SHAPE = 4
 MakePiece = Callable[[tuple[Any, ...]], Box]
 
 
@@ -39,7 +40,7 @@ def rows_in(box: Box, size: int, at: int, start: int, end: int | None, target: i
     `at` of the layout's own bytes) whose middle falls in [start, end), or
     None; end None: no end. An uncut box is all of it (a box of no rows
     included: it has a writer too) or None."""
-    shape = box[_SHAPE]
+    shape = box[SHAPE]
     rows = shape[0] if shape else 1
     if rows <= 1 or size <= target // 16:
         middle2 = 2 * at + size  # twice the middle: integers only
@@ -102,7 +103,7 @@ def _pieces(box: Box, size: int, rows: tuple[int, int], target: int, rank: int,
     """Rows lo..hi of `box` (`size` bytes whole) as rank's pieces of about
     `target` bytes each: the box itself where that is all of it."""
     lo, hi = rows
-    shape = box[_SHAPE]
+    shape = box[SHAPE]
     whole = not shape or (lo == 0 and hi == shape[0])
     nbytes = size if whole else size // shape[0] * (hi - lo)
     n = 1 if nbytes <= target or hi - lo <= 1 else min(hi - lo, math.ceil(nbytes / target))

@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from ..format import dtypes
+from .boxes import GLOBAL_SHAPE, KEY, kind_of, place_of
 
-# A box: planner.Item (key, dtype, global_shape, offsets, shape) or a plain
-# tuple of those fields (what ranks send: plan.Box), so read by position;
-# typed loosely here so that this module does not import the planner that
-# imports it.
+# A box: planner.Item or a plain tuple of its fields (what ranks send:
+# plan.Box), read by position (boxes.py); typed loosely here so that this
+# module does not import the planner that imports it.
 Box = Any
-_KEY, _GLOBAL_SHAPE = 0, 2
-
-_BOX = operator.itemgetter(slice(3, None))  # its (offsets, shape)
-_DTYPE_SHAPE = operator.itemgetter(1, 4)
 
 
 def tiling_problem(by_key: list[list[Box]]) -> str | None:
@@ -35,13 +30,13 @@ def tiling_problem(by_key: list[list[Box]]) -> str | None:
         # layer: a grid (the tensor's shape and its boxes, in the layouts'
         # order, which is the same from key to key) seen once is not checked
         # again.
-        global_shape = items[0][_GLOBAL_SHAPE]
-        grid = (global_shape, *map(_BOX, items))
+        global_shape = items[0][GLOBAL_SHAPE]
+        grid = (global_shape, *map(place_of, items))
         if grid not in checked:
-            checked[grid] = grid_problem(global_shape, list(map(_BOX, items)))
+            checked[grid] = grid_problem(global_shape, list(map(place_of, items)))
         problem = checked[grid]
         if problem is not None:
-            return f"{items[0][_KEY]}: {problem}"
+            return f"{items[0][KEY]}: {problem}"
     return None
 
 
@@ -70,7 +65,7 @@ def unique_bytes(by_key: Sequence[Sequence[Box]],
     sizes = {} if sizes is None else sizes
     total = 0
     for items in by_key:
-        for (dtype, shape), n in Counter(map(_DTYPE_SHAPE, items)).items():
+        for (dtype, shape), n in Counter(map(kind_of, items)).items():
             size = sizes.get((dtype, shape))
             if size is None:
                 size = sizes[dtype, shape] = math.prod(shape) * dtypes.itemsize(dtype)

@@ -32,6 +32,7 @@ from ..format.manifest import (
     tensor_json,
 )
 from ..format.records import FileRecord, TensorRecord
+from .boxes import DTYPE, GLOBAL_SHAPE, KEY
 from .plan import Box, Piece, Plan
 
 
@@ -75,11 +76,11 @@ def job_manifest(plan: Plan, tree: Any, gathered: list[Written]) -> bytes:
         # every tensor. (Without it the first layout holds them all.)
         found: dict[str, Box] = {}
         for layout in plan.layouts.values():
-            found.update((i[0], i) for i in layout.items if i[0] not in found)
+            found.update((i[KEY], i) for i in layout.items if i[KEY] not in found)
             if len(found) == len(plan.keys):
                 break
         globals_ = plan.memo["globals"] = [joined(
-            global_json(k, found[k][1], found[k][2], None) for k in plan.keys)]
+            global_json(k, found[k][DTYPE], found[k][GLOBAL_SHAPE], None) for k in plan.keys)]
     assert isinstance(globals_, list)
     return render(IMPLIED_CHUNKS_SCHEMA_VERSION, __version__, time.time(),
                   [w.files for w in gathered], [w.tensors for w in gathered], globals_, tree)
