@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from fastpersist.distributed.layout import RankView, unaliased
+from fastpersist.distributed.plan import described
 from fastpersist.distributed.planner import Piece, RankInfo
+from fastpersist.distributed.table import BoxTable
 from fastpersist.format.names import part_file_name
 from fastpersist.format.records import FileRecord, TensorRecord
 from fastpersist.tensors import state
@@ -165,7 +167,9 @@ def collective_bytes(views: list[RankView], infos: list[RankInfo], shares: list[
     item_size: dict[str, int] = {}
     for i in infos:
         if i.layout not in item_size:
-            item_size[i.layout] = _gathered_size((i.tensors, i.items))  # plan.described
+            # plan.described: the table the layout's first rank sends.
+            sent = i.items.sent() if isinstance(i.items, BoxTable) else described(i.items)
+            item_size[i.layout] = _gathered_size(sent)
     none = _gathered_size(None)
     sizes = 8 * n
     view = max(_gathered_size(v) for v in views)

@@ -11,8 +11,9 @@ FSDP with data-parallel replicas; with --pp N, N pipeline stages each holding
 its layers, saved with union=True) and the REAL code of the job's coordinator
 runs on them, as rank 0 runs it (coordinator.Save's steps 2-5):
 
-- plan: rank 0 unpickles the items that the first rank of each layout sent
-  (phases.unpickled, as Coordinator.gather_from does), then
+- plan: rank 0 unpickles the tables of boxes that the first rank of each
+  layout sent (phases.unpickled, as Coordinator.gather_from does; then
+  table.BoxTable.received, as Save._plan), then
   planner.make_plan over every rank's RankInfo (deduplication and balance),
   then Plan.shares and the pickling scatter_object_list does;
 - with --pp, at every save: the join of the stages' trees (trees.renumbered,
@@ -88,6 +89,7 @@ from fastpersist.distributed.outcome import (  # noqa: E402
 from fastpersist.distributed.phases import Phase, unpickled  # noqa: E402
 from fastpersist.distributed.plan import Share, described  # noqa: E402
 from fastpersist.distributed.planner import RankInfo, layout_digest, make_plan  # noqa: E402
+from fastpersist.distributed.table import BoxTable  # noqa: E402
 from fastpersist.distributed.trees import joined, renumbered  # noqa: E402
 from fastpersist.distributed.written import job_manifest, rendered  # noqa: E402
 from fastpersist.format.manifest import Manifest  # noqa: E402
@@ -147,9 +149,8 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     start = time.perf_counter()
     with gcpause.paused():  # as Save._plan
         got = dict(zip(job.first.values(), unpickled(job.described), strict=True))
-        infos = [RankInfo(r, v.node, tuple(got[job.first[v.layout]][1]), v.layout,
-                          got[job.first[v.layout]][0])
-                 for r, v in enumerate(job.views)]
+        tables = {layout: BoxTable.received(got[r], r) for layout, r in job.first.items()}
+        infos = [RankInfo(r, v.node, tables[v.layout], v.layout) for r, v in enumerate(job.views)]
         plan = make_plan(infos, min_piece_bytes=piece_bytes, union=job.model.pp > 1)
         planned = time.perf_counter()
         shares = [pickle.dumps(s) for s in plan.shares()]  # scatter_object_list pickles each
@@ -189,7 +190,9 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     # The next save, with the layout unchanged: the plan is cached (no plan,
     # no scatter), rank 0 unpickles and joins the ranks' records again.
     again = time.perf_counter()
-    job_manifest(plan, job.job_tree(plan.keys), unpickled(sent))
+    tree = job.job_tree(plan.keys)
+    with gcpause.paused():  # as Save._finish (it was not paused here until 2026-12-06)
+        job_manifest(plan, tree, unpickled(sent))
     steady = time.perf_counter() - again
     peak = None
     if memory:

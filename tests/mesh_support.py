@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import pickle
 import random
 
-from fastpersist.distributed.plan import Item
+from fastpersist.distributed.plan import Item, RankInfo, described, layout_digest
+from fastpersist.distributed.table import BoxTable
 
 # A tensor of a simulated state: key, dtype, global shape, and whether it is
 # replicated over TP (a norm) rather than cut by it.
@@ -39,3 +42,17 @@ def mesh_items(tensors: list[Tensor], tp: int, fsdp: int, t: int, f: int,
             offsets[0] += damage.choice([-1, 1])
         out.append(Item(key, dtype, shape, tuple(offsets), tuple(sizes)))
     return tuple(out)
+
+
+def as_sent(ranks: list[RankInfo]) -> list[RankInfo]:
+    """The ranks' descriptions as rank 0 gets them: described, pickled,
+    unpickled and read as tables, as the coordinator does."""
+    sent = [pickle.loads(pickle.dumps(described(r.items))) for r in ranks]
+    return [dataclasses.replace(r, items=BoxTable.received(s, r.rank))
+            for r, s in zip(ranks, sent, strict=True)]
+
+
+def ranks_of(items_per_rank: list[tuple[Item, ...]], per_node: int) -> list[RankInfo]:
+    """Ranks that hold these items, per_node to a node."""
+    return [RankInfo(r, f"node{r // per_node}", items, layout_digest(items))
+            for r, items in enumerate(items_per_rank)]

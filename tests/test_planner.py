@@ -10,9 +10,9 @@ import pickle
 import random
 
 import pytest
-from mesh_support import Tensor, mesh_items
+from mesh_support import Tensor, as_sent, mesh_items, ranks_of
 
-from fastpersist.distributed.plan import Share, described
+from fastpersist.distributed.plan import Share
 from fastpersist.distributed.planner import (
     Item,
     PlanCache,
@@ -21,13 +21,10 @@ from fastpersist.distributed.planner import (
     layout_digest,
     make_plan,
 )
+from fastpersist.distributed.table import BoxTable
+from fastpersist.errors import DistributedCheckpointError
 
 MIB = 1 << 20
-
-
-def ranks_of(items_per_rank: list[tuple[Item, ...]], per_node: int) -> list[RankInfo]:
-    return [RankInfo(r, f"node{r // per_node}", items, layout_digest(items))
-            for r, items in enumerate(items_per_rank)]
 
 
 def dp(world: int, items: tuple[Item, ...], per_node: int = 2) -> list[RankInfo]:
@@ -151,22 +148,54 @@ def test_disagreeing_ranks_are_refused_by_name() -> None:
 
 
 def test_fingerprints_spare_the_comparison_but_not_the_refusal() -> None:
-    # As sent, each layout carries the fingerprint of its tensors
-    # (plan.tensors_digest): equal ones are not compared by value, and a
-    # rank whose differ is still refused by name.
+    # As sent, each layout's table carries the fingerprint of its tensors
+    # (plan.tensors_digest): a rank whose differ is refused by name.
     items = model(5)
     other = (*items[:4], Item.whole("layer4.weight", "F32", (1, 1)))
     with pytest.raises(PlanError, match=r"rank 3 and rank 0 disagree.*layer4.weight"):
         make_plan(as_sent(ranks_of([items, items, items, other], per_node=2)))
     with pytest.raises(PlanError, match=r"4 tensors vs 5"):
         make_plan(as_sent(ranks_of([items, items[:4]], per_node=2)))
-    # Fingerprints that differ, or are missing, on equal tensors: compared by value.
     sharded = [tuple(Item(f"w{n}", "F32", (8 * n, 16), (r * 2 * n, 0), (2 * n, 16))
                      for n in range(1, 6)) for r in range(4)]
     sent = as_sent(ranks_of(sharded, per_node=2))
-    assert len({r.tensors for r in sent}) == 1 and sent[0].tensors
-    mixed = [dataclasses.replace(r, tensors="" if r.rank == 1 else r.tensors) for r in sent]
+    tables = [r.items for r in sent]
+    assert all(isinstance(t, BoxTable) for t in tables)
+    digest = tables[0].digest
+    assert {t.digest for t in tables} == {digest} and digest
+
+    def forged(r: RankInfo, digest: str, pickled: bytes | None = None) -> RankInfo:
+        t = r.items
+        assert isinstance(t, BoxTable)
+        return dataclasses.replace(r, items=BoxTable(digest, pickled or t.pickled, t.places,
+                                                     t.place_numbers))
+
+    # Fingerprints that are missing or differ, on equal tensors: read and
+    # compared by value, the same plan.
+    mixed = [forged(r, {1: "", 2: "another"}.get(r.rank, digest)) for r in sent]
     assert make_plan(mixed) == make_plan(sent) == make_plan(ranks_of(sharded, per_node=2))
+    # The first's fingerprint: the tensors are neither read nor compared (not
+    # even unpickled, so these bytes that are no pickle go unnoticed).
+    trusted = [forged(r, digest, b"not a pickle") if r.rank else r for r in sent]
+    assert make_plan(trusted) == make_plan(sent)
+    with pytest.raises(pickle.UnpicklingError):
+        make_plan([forged(r, "", b"not a pickle") if r.rank else r for r in sent])
+
+
+def test_a_malformed_table_is_refused_by_its_rank() -> None:
+    sent = as_sent(ranks_of([model(3)] * 2, per_node=2))
+    t = sent[1].items
+    assert isinstance(t, BoxTable)
+    short = BoxTable(t.digest, t.pickled, t.places, t.place_numbers[:-4])
+    with pytest.raises(PlanError, match=r"rank 1.s description is malformed: it sent 2 boxes "
+                                        "for 3 tensors"):
+        make_plan([sent[0], dataclasses.replace(sent[1], items=short, layout="x")])
+    far = BoxTable(t.digest, t.pickled, t.places, t.place_numbers[:-4] + (9).to_bytes(4, "little"))
+    with pytest.raises(PlanError, match=r"rank 1.s .* names place 9 of [1-8]$"):
+        make_plan([sent[0], dataclasses.replace(sent[1], items=far, layout="x")])
+    # What a rank of an older fastpersist sends (its digest and boxes).
+    with pytest.raises(DistributedCheckpointError, match=r"rank 3 described .* same fastpersist"):
+        BoxTable.received(("d" * 32, tuple(model(3))), 3)
 
 
 def test_shards_that_overlap_or_leave_gaps_are_refused() -> None:
@@ -264,28 +293,23 @@ def test_random_meshes_are_covered_once_by_holders_in_bounded_balanced_pieces(se
 
 
 def test_a_plan_of_what_ranks_send_leaves_the_collector_nothing_to_track() -> None:
-    # Rank 0 keeps its plan save after save. Of named tuples (Item), every box
-    # of every layout stays tracked by the cyclic collector, and each of its
-    # full passes goes over them; of plain tuples (what ranks send), the
-    # collector stops tracking them: a tuple once the tuples in it are
-    # untracked, so a box (tuples in a tuple) within two passes.
+    # Rank 0 keeps its plan save after save. It keeps each layout's table
+    # (table.BoxTable: a few bytes objects and tuples of numbers), and the
+    # boxes a table gives are plain tuples, which the collector stops
+    # tracking (a tuple once the tuples in it are untracked: a box within two
+    # passes), where it never stops tracking a named tuple (plan.Item).
     layouts = [tuple(Item(f"k{n}", "F32", (64, 8), (16 * f, 0), (16, 8)) for n in range(50))
                for f in range(4)]
     ranks = ranks_of([layouts[r % 4] for r in range(16)], per_node=4)
     kept = make_plan(as_sent(ranks))
     control = make_plan(ranks)  # the same plan, of Items
-    gc.collect()
-    gc.collect()
-    assert not any(gc.is_tracked(b) for lay in kept.layouts.values() for b in lay.items)
     assert control == kept
-    assert all(gc.is_tracked(b) for lay in control.layouts.values() for b in lay.items)
-
-
-def as_sent(ranks: list[RankInfo]) -> list[RankInfo]:
-    """The ranks' descriptions as rank 0 gets them: described, pickled, unpickled."""
-    sent = [pickle.loads(pickle.dumps(described(r.items))) for r in ranks]
-    return [dataclasses.replace(r, items=boxes, tensors=digest)
-            for r, (digest, boxes) in zip(ranks, sent, strict=True)]
+    boxes = [b for plan in (kept, control) for lay in plan.layouts.values() for b in lay.items]
+    assert len(boxes) == 2 * 4 * 50 and all(type(b) is tuple for b in boxes)
+    gc.collect()
+    gc.collect()
+    assert not any(gc.is_tracked(b) for b in boxes)
+    assert all(gc.is_tracked(i) for i in layouts[0])
 
 
 def test_a_share_is_small_however_many_pieces_its_rank_writes() -> None:

@@ -3,26 +3,15 @@ experts), in one process with simulated ranks."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pickle
 import random
 
 import pytest
+from mesh_support import as_sent, ranks_of
 
-from fastpersist.distributed.plan import Share, bitmap, described
-from fastpersist.distributed.planner import Item, PlanError, RankInfo, layout_digest, make_plan
-
-
-def as_sent(ranks: list[RankInfo]) -> list[RankInfo]:
-    """The ranks' descriptions as rank 0 gets them: described, pickled, unpickled."""
-    sent = [pickle.loads(pickle.dumps(described(r.items))) for r in ranks]
-    return [dataclasses.replace(r, items=boxes, tensors=digest)
-            for r, (digest, boxes) in zip(ranks, sent, strict=True)]
-
-def ranks_of(items_per_rank: list[tuple[Item, ...]], per_node: int) -> list[RankInfo]:
-    return [RankInfo(r, f"node{r // per_node}", items, layout_digest(items))
-            for r, items in enumerate(items_per_rank)]
+from fastpersist.distributed.plan import Share, bitmap
+from fastpersist.distributed.planner import Item, PlanError, make_plan
 
 
 def elements_written(plan, key: str) -> int:  # type: ignore[no-untyped-def]

@@ -74,6 +74,7 @@ from .plan import described
 from .planner import Item, Plan, RankInfo, Share, keys_digest, layout_digest, make_plan
 from .settling import has_prepared, settle_with
 from .storage import Storage, ident_of
+from .table import BoxTable
 from .trees import joined, renumbered
 from .written import job_manifest, rendered
 
@@ -208,8 +209,8 @@ class Save(CommitPoint):
             if co.rank == 0:
                 assert infos is not None
                 try:
-                    made = make_plan([RankInfo(r, v.node, tuple(infos[first[v.layout]][1]),
-                                               v.layout, infos[first[v.layout]][0])
+                    tables = {layout: BoxTable.received(infos[r], r) for layout, r in first.items()}
+                    made = make_plan([RankInfo(r, v.node, tables[v.layout], v.layout)
                                       for r, v in enumerate(everyone)],
                                      min_piece_bytes=piece_bytes, union=self.union)
                 except CheckpointError as exc:

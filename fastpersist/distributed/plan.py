@@ -11,7 +11,7 @@ import functools
 import hashlib
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -19,6 +19,7 @@ from .. import gcpause
 from ..format import dtypes
 from .boxes import key_of, kind_of, tensor_of
 from .runs import layout_pieces, run_pieces
+from .table import Box, BoxTable, SentTable, tensors_digest_of
 
 # Boxes larger than this are cut into row ranges (unless the caller says
 # otherwise): big enough that a piece is written at full speed, small enough
@@ -46,22 +47,19 @@ class Item(NamedTuple):
         return Item(key, dtype, shape, (0,) * len(shape), shape)
 
 
-# An Item's fields as a plain tuple: what a rank sends the coordinator of
-# its items (described) and what a plan keeps of every layout's. Rank 0
-# unpickles 370,000 of them at 16,384 ranks: as named tuples, a Python call
-# each made that three times slower, and Python's cyclic collector never
-# stops tracking a named tuple, where it stops tracking a plain tuple of
-# numbers and strings; so the plan, kept save after save, would have added
-# them all to every full pass of the trainer's collector. An Item is a Box
-# (equal to and hashed as its fields); code that reads a Box by position
-# takes either.
-Box = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+# An Item's fields as a plain tuple (table.Box): what a plan's tables give
+# of every layout's items and what a plan's shared boxes are. Python's
+# cyclic collector never stops tracking a named tuple, where it stops
+# tracking a plain tuple of numbers and strings; so a plan of Items, kept
+# save after save, would add its boxes to every full pass of the trainer's
+# collector. An Item is a Box (equal to and hashed as its fields); code that
+# reads a Box by position takes either.
 
 
-def described(items: Sequence[Item]) -> tuple[str, tuple[Box, ...]]:
-    """A rank's items as it sends them to the coordinator: the fingerprint
-    of its tensors (tensors_digest) and its boxes (Box)."""
-    return tensors_digest(items), tuple(map(tuple, items))  # type: ignore[arg-type]
+def described(items: Sequence[Item]) -> SentTable:
+    """A rank's items as it sends them to the coordinator: as a table
+    (table.BoxTable, which the coordinator makes again of what it gets)."""
+    return BoxTable.of(items).sent()
 
 
 def tensors_digest(items: Sequence[Item]) -> str:
@@ -70,8 +68,7 @@ def tensors_digest(items: Sequence[Item]) -> str:
     in parallel, so that the planner checks that layouts hold the same
     tensors by comparing these, not 370,000 boxes field by field at 16,384
     ranks; it compares values only where fingerprints differ, to say how."""
-    text = repr(list(map(tensor_of, items))).encode()
-    return hashlib.blake2b(text, digest_size=16).hexdigest()
+    return tensors_digest_of(list(map(tensor_of, items)))
 
 
 def layout_digest(items: Sequence[Item]) -> str:
@@ -98,9 +95,9 @@ class RankInfo:
 
     rank: int
     node: str
-    items: tuple[Box, ...]
+    items: tuple[Box, ...] | BoxTable  # a table: what ranks send (described)
     layout: str
-    tensors: str = ""  # tensors_digest(items); "": the planner compares values
+    tensors: str = ""  # tensors_digest(items), of a tuple's; "": worked out by the planner
 
 
 class Piece(NamedTuple):
@@ -129,7 +126,7 @@ class Layout(NamedTuple):
     and which of its items are shared with other layouts (a bitmap, bit n for
     item n: those are not its own; their pieces are chosen one by one)."""
 
-    items: tuple[Box, ...]
+    items: Sequence[Box]  # a table.BoxTable, from the planner
     members: tuple[int, ...]
     ends: tuple[int, ...]
     shared: bytes
@@ -200,24 +197,17 @@ class Plan:
         nodes, target = self.nodes, self.target
         out: dict[int, SentShare] = {}
         for lay in self.layouts.values():
-            starts = (0, *lay.ends[:-1])
-            ends = (*lay.ends[:-1], None)
-            for r, start, end in zip(lay.members, starts, ends, strict=True):
+            for r, start, end in _runs(lay):
                 out[r] = (r, nodes[r], start, end, lay.shared, target, chosen.get(r, ()))
         return [out[r] for r in sorted(out)]
 
     def share(self, rank: int) -> Share:
         for lay in self.layouts.values():
             if rank in lay.members:
-                return self._share(lay, lay.members.index(rank))
+                r, start, end = next(run for run in _runs(lay) if run[0] == rank)
+                return Share(r, self.nodes[r], start, end, lay.shared, self.target,
+                             self.chosen.get(r, ()))
         raise KeyError(rank)
-
-    def _share(self, lay: Layout, j: int) -> Share:
-        """The share of lay's member j: the run between the ends before and its own."""
-        r = lay.members[j]
-        return Share(r, self.nodes[r], lay.ends[j - 1] if j else 0,
-                     None if j == len(lay.members) - 1 else lay.ends[j], lay.shared,
-                     self.target, self.chosen.get(r, ()))
 
     def for_rank(self, rank: int) -> list[Piece]:
         return [p for p in self.pieces if p.writer == rank]
@@ -254,6 +244,13 @@ class Plan:
         for p in self.pieces:
             out[self.nodes[p.writer]] += p.nbytes
         return out
+
+
+def _runs(lay: Layout) -> Iterator[tuple[int, int, int | None]]:
+    """Each member of lay with its run of the layout's own bytes, [start,
+    end): from the end before it (0 for the first) to its own (None, to the
+    end, for the last)."""
+    return zip(lay.members, (0, *lay.ends[:-1]), (*lay.ends[:-1], None), strict=True)
 
 
 # Piece._make's way, without its checks: plans make hundreds of thousands.

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from .. import gcpause
 from ..errors import CheckpointError
 from .balance import Chooser, bounds
-from .boxes import DTYPE, GLOBAL_SHAPE, KEY, key_of, tensor_of
+from .boxes import DTYPE, KEY, OFFSETS, SHAPE, key_of
 from .columns import unique_columns
 from .plan import (
     DEFAULT_MIN_PIECE_BYTES,
@@ -49,6 +49,7 @@ from .plan import (
     make_piece,
 )
 from .runs import split_rows
+from .table import BoxTable, Tensor
 from .tiling import tiling_problem, unique_bytes
 
 
@@ -69,26 +70,38 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
         raise PlanError("two descriptions carry the same rank")
     # Ranks of one layout hold the same boxes: work per layout, not per rank
     # (pure data parallelism is one layout however many ranks there are).
-    layouts: dict[str, tuple[Box, ...]] = {}
+    layouts: dict[str, BoxTable] = {}
     members: dict[str, list[int]] = {}
-    tensors: dict[str, str] = {}
     for r in ranks:
-        layouts.setdefault(r.layout, r.items)
+        if r.layout not in layouts:
+            layouts[r.layout] = (r.items if isinstance(r.items, BoxTable)
+                                 else BoxTable.of(r.items, r.tensors))
         members.setdefault(r.layout, []).append(r.rank)
-        tensors.setdefault(r.layout, r.tensors)
+    # Each table's tensors, read once per fingerprint (table.py).
+    known: dict[str, tuple[Tensor, ...]] = {}
+    for layout, table in layouts.items():
+        problem = table.problem(len(table.tensors(known)))
+        if problem:
+            raise PlanError(f"rank {members[layout][0]}'s description is malformed: {problem}")
     memo: dict[tuple[str, tuple[int, ...]], int] = {}  # bytes per dtype and shape
     if union:
         # Layouts that hold the same keys (a pipeline stage's), grouped once.
-        groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]] = {}
-        for layout, items in layouts.items():
-            groups.setdefault(tuple(map(key_of, items)), {})[layout] = items
-        keys = _union_keys(groups, members)
-        several, shared_flags, own_bytes, problem = _union_columns(layouts, groups, keys, memo)
+        groups: dict[tuple[str, ...], dict[str, BoxTable]] = {}
+        keys_of: dict[int, tuple[str, ...]] = {}  # by id of a tensors tuple
+        for layout, table in layouts.items():
+            tensors = table.tensors(known)
+            if id(tensors) not in keys_of:
+                keys_of[id(tensors)] = tuple(map(key_of, tensors))
+            groups.setdefault(keys_of[id(tensors)], {})[layout] = table
+        keys = _union_keys(groups, members, known)
+        several, shared_maps, own_bytes, problem = _union_columns(layouts, groups, keys, memo,
+                                                                  known)
     else:
-        keys = _check_keys(layouts, members, tensors)
-        columns = unique_columns(layouts)
-        several, problem = columns.several, columns.problem
-        shared_flags = dict(zip(layouts, columns.flags, strict=True))
+        keys = _check_keys(layouts, members, known)
+        columns = unique_columns(layouts, layouts[next(iter(layouts))].tensors(known))
+        several = columns.several
+        problem = columns.problems[0][1] if columns.problems else None
+        shared_maps = dict(zip(layouts, columns.shared, strict=True))
         own_bytes = dict(zip(layouts, columns.own, strict=True))
     if problem:
         raise PlanError(problem)
@@ -102,11 +115,15 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
     # scalar every rank has): cut, and each piece, largest first, to the
     # least-filled of all their holders.
     holder_sets: dict[tuple[str, ...], tuple[int, ...]] = {}
-    pieces: list[tuple[int, int, tuple[int, ...], Item, tuple[str, ...]]] = []
-    for item, held_by in several.items():
+    pieces: list[tuple[int, int, tuple[int, ...], Box, tuple[str, ...]]] = []
+    for box, held_by in several.items():
         if held_by not in holder_sets:
             holder_sets[held_by] = tuple(sorted(r for lay in held_by for r in members[lay]))
-        for cut in _cut(item, target, len(holder_sets[held_by])):
+        nbytes = memo[box[DTYPE], box[SHAPE]]  # unique_bytes counted every shared box's
+        if nbytes <= target:  # the usual shared box (a norm, a scalar): one piece
+            pieces.append((-nbytes, keys[box[KEY]], box[OFFSETS], box, held_by))
+            continue
+        for cut in _cut(box, target, len(holder_sets[held_by])):
             pieces.append((-cut.nbytes, keys[cut.key], cut.offsets, cut, held_by))
     pieces.sort(key=_first_three)  # largest first, ties in a fixed order
     chosen: dict[int, list[Piece]] = {}
@@ -120,85 +137,65 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
     # and no piece made here: at thousands of ranks those were most of the
     # plan's time.
     planned: dict[str, Layout] = {}
-    for layout, items in layouts.items():
-        planned[layout] = Layout(items, tuple(members[layout]),
+    for layout, table in layouts.items():
+        planned[layout] = Layout(table, tuple(members[layout]),
                                  tuple(bounds(chooser, members[layout], own_bytes[layout])),
-                                 bitmap(shared_flags[layout]))
+                                 shared_maps[layout])
     return Plan(tuple(keys), nodes, planned,
                 {r: tuple(sorted(got, key=lambda p: (keys[p.key], p.offsets)))
                  for r, got in chosen.items()},
                 target, total)
 
 
-def _first_three(p: tuple[int, int, tuple[int, ...], Item, tuple[str, ...]]
+def _first_three(p: tuple[int, int, tuple[int, ...], Box, tuple[str, ...]]
                  ) -> tuple[int, int, tuple[int, ...]]:
     return p[0], p[1], p[2]
 
 
-_FIELDS = tuple(map(operator.itemgetter, (KEY, DTYPE, GLOBAL_SHAPE)))  # a box's tensor's
-
-
-def _check_keys(layouts: dict[str, tuple[Box, ...]], members: dict[str, list[int]],
-                tensors: dict[str, str]) -> dict[str, int]:
+def _check_keys(layouts: dict[str, BoxTable], members: dict[str, list[int]],
+                known: dict[str, tuple[Tensor, ...]]) -> dict[str, int]:
     """Every rank must hold the same tensors (keys, dtypes, global shapes),
-    in one order. Layouts whose ranks fingerprinted their tensors alike
-    (plan.tensors_digest) hold the same ones, as ranks with one layout
-    digest hold the same boxes; the others are compared by value, to find
-    and name the difference."""
+    in one order. Tables with one fingerprint hold the same tensors (as
+    ranks with one layout digest hold the same boxes) and were read once
+    (table.py); the others are compared by value, to find and name the
+    difference."""
     (first_layout, first), *others = layouts.items()
     rank0 = members[first_layout][0]
-    keys = {k: n for n, k in enumerate(map(key_of, first))}
-    if len(keys) != len(first):
+    want = first.tensors(known)
+    keys = {k: n for n, k in enumerate(map(key_of, want))}
+    if len(keys) != len(want):
         raise PlanError(f"rank {rank0} describes a key twice")
-    digest = tensors[first_layout]
-    fields: list[list[object]] | None = None
-    for layout, items in others:
-        if digest and tensors[layout] == digest:
-            continue
-        fields = fields or _tensor_fields(first)
-        if not _same_tensors(items, fields):
-            got, want = list(map(tensor_of, items)), list(map(tensor_of, first))
+    for layout, table in others:
+        got = table.tensors(known)
+        if got is not want and got != want:
             raise PlanError(f"rank {members[layout][0]} and rank {rank0} disagree on the "
                             f"state's tensors: {_first_difference(got, want)}"
                             + ("" if {k for k, _, _ in got} == set(keys) else _UNION_HINT))
     return keys
 
 
-def _tensor_fields(items: tuple[Box, ...]) -> list[list[object]]:
-    """The items' keys, dtypes and global shapes, a list each (_same_tensors)."""
-    return [list(map(field, items)) for field in _FIELDS]
-
-
-def _same_tensors(items: tuple[Box, ...], fields: list[list[object]]) -> bool:
-    """Whether items hold the tensors of `fields` (_tensor_fields), in that
-    order. Compared a field at a time: lists of references, where a list of
-    (key, dtype, shape) tuples a layout made 370,000 tuples at 16,384 ranks."""
-    return len(items) == len(fields[0]) and all(
-        list(map(field, items)) == want for field, want in zip(_FIELDS, fields, strict=True))
-
-
 _UNION_HINT = (" (ranks that hold different tensors, such as pipeline stages, save with "
                "union=True; a key must then name the same tensor on every rank that holds it)")
 
 
-def _union_keys(groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]],
-                members: dict[str, list[int]]) -> dict[str, int]:
+def _union_keys(groups: dict[tuple[str, ...], dict[str, BoxTable]],
+                members: dict[str, list[int]], known: dict[str, tuple[Tensor, ...]]
+                ) -> dict[str, int]:
     """The job's tensors when ranks may hold different ones: every key any
     layout holds, in the order the layouts (by first rank) first list them.
     A key that several layouts hold must have one dtype and global shape.
     Layouts that hold the same keys (`groups`, a stage's each) are compared
-    as lists, in C (_same_tensors)."""
+    as tuples, in C, where their fingerprints differ."""
     seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
     for group_keys, group in groups.items():
-        (lead, lead_items), *others = group.items()
+        (lead, lead_table), *others = group.items()
         rank = members[lead][0]
         if len(set(group_keys)) != len(group_keys):
             raise PlanError(f"rank {rank} describes a key twice")
-        want = list(map(tensor_of, lead_items))
-        fields = _tensor_fields(lead_items)
-        for layout, items in others:
-            if not _same_tensors(items, fields):
-                got = list(map(tensor_of, items))
+        want = lead_table.tensors(known)
+        for layout, table in others:
+            got = table.tensors(known)
+            if got is not want and got != want:
                 (key, dtype, shape), (_, first_dtype, first_shape) = next(
                     (a, b) for a, b in zip(got, want, strict=True) if a != b)
                 raise PlanError(_disagree(key, dtype, shape, members[layout][0],
@@ -219,82 +216,60 @@ def _disagree(key: str, dtype: str, shape: tuple[int, ...], rank: int, first_dty
             "stage's state under a key of its own)")
 
 
-def _first_difference(got: list[tuple[str, str, tuple[int, ...]]],
-                      want: list[tuple[str, str, tuple[int, ...]]]) -> str:
+def _first_difference(got: Sequence[Tensor], want: Sequence[Tensor]) -> str:
     for n, (a, b) in enumerate(zip(got, want, strict=False)):
         if a != b:
             return f"tensor {n} is {a[0]!r} {a[1]} {list(a[2])} vs {b[0]!r} {b[1]} {list(b[2])}"
     return f"{len(got)} tensors vs {len(want)}"
 
 
-def _union_columns(layouts: dict[str, tuple[Box, ...]],
-                   groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]],
-                   keys: dict[str, int], memo: dict[tuple[str, tuple[int, ...]], int]
-                   ) -> tuple[dict[Box, tuple[str, ...]], dict[str, tuple[bool, ...]],
-                              dict[str, int], str | None]:
-    """What unique_columns gives (the shared boxes, each layout's shared
-    flags and own bytes, the first tiling problem) when layouts may hold
-    different keys. Layouts that hold the same keys (`groups`, a pipeline
-    stage's each) are columns of their own; when no key is held by several
-    groups (no tied embedding across stages), that is all. Otherwise the
-    keys that several groups hold are gone through a box at a time, over
-    every layout, and the flags and bytes counted again from the boxes."""
+def _union_columns(layouts: dict[str, BoxTable],
+                   groups: dict[tuple[str, ...], dict[str, BoxTable]],
+                   keys: dict[str, int], memo: dict[tuple[str, tuple[int, ...]], int],
+                   known: dict[str, tuple[Tensor, ...]]
+                   ) -> tuple[dict[Box, tuple[str, ...]], dict[str, bytes], dict[str, int],
+                              str | None]:
+    """What unique_columns gives (the shared boxes, each layout's bitmap of
+    them and own bytes, the first tiling problem in the job's order of keys)
+    when layouts may hold different keys. Layouts that hold the same keys
+    (`groups`, a pipeline stage's each) are columns of their own; the keys
+    that several groups hold (a tied embedding across stages), if any, are
+    gone through a box at a time, over every layout, and the bitmaps and
+    bytes counted again from the boxes."""
     counts: dict[str, int] = {}
     for group_keys in groups:
         for k in group_keys:
             counts[k] = counts.get(k, 0) + 1
     across = {k for k, n in counts.items() if n > 1}
-    if not across:
-        several: dict[Box, tuple[str, ...]] = {}
-        flags: dict[str, tuple[bool, ...]] = {}
-        own: dict[str, int] = {}
-        problems: list[tuple[int, str]] = []
-        for group in groups.values():
-            columns = unique_columns(group)
-            several.update(columns.several)
-            flags.update(zip(group, columns.flags, strict=True))
-            own.update(zip(group, columns.own, strict=True))
-            if columns.problem is not None and columns.problem_key is not None:
-                problems.append((keys[columns.problem_key], columns.problem))
-        return several, flags, own, min(problems)[1] if problems else None
-    by_key, several = _unique_boxes_of_union(layouts, groups, keys, across)
-    flags = {layout: tuple(map(several.__contains__, items)) for layout, items in layouts.items()}
-    own = {layout: unique_bytes([list(itertools.compress(items, map(operator.not_, mine)))], memo)
-           for (layout, items), mine in zip(layouts.items(), flags.values(), strict=True)}
-    return several, flags, own, tiling_problem(by_key)
-
-
-def _unique_boxes_of_union(layouts: dict[str, tuple[Box, ...]],
-                           groups: dict[tuple[str, ...], dict[str, tuple[Box, ...]]],
-                           keys: dict[str, int], across: set[str]
-                           ) -> tuple[list[list[Box]], dict[Box, tuple[str, ...]]]:
-    """The distinct boxes of each key (in the keys' order), and those that
-    several layouts hold with the layouts that hold them, when layouts may
-    hold different keys. Layouts that hold the same keys (`groups`, a
-    pipeline stage's each) are deduplicated together as columns
-    (columns.unique_columns); only the keys that several
-    such groups hold (a tied embedding) are gone through a box at a time,
-    over every layout."""
-    by_key: list[list[Box]] = [[] for _ in keys]
     several: dict[Box, tuple[str, ...]] = {}
-    for group_keys, members in groups.items():
-        group = unique_columns(members)
-        boxes, shared = group.by_key, group.several
-        for key, distinct in zip(group_keys, boxes, strict=True):
-            if key not in across:
-                by_key[keys[key]] = distinct
-        several.update((box, held) for box, held in shared.items() if box[KEY] not in across)
+    maps: dict[str, bytes] = {}
+    own: dict[str, int] = {}
+    problems: list[tuple[int, str]] = []
+    for group in groups.values():
+        columns = unique_columns(group, next(iter(group.values())).tensors(known))
+        several.update((box, held) for box, held in columns.several.items()
+                       if box[KEY] not in across)
+        maps.update(zip(group, columns.shared, strict=True))
+        own.update(zip(group, columns.own, strict=True))
+        problems.extend((keys[k], text) for k, text in columns.problems if k not in across)
     if across:
         holders: list[dict[Box, list[str]]] = [{} for _ in keys]
-        for layout, items in layouts.items():
-            for item in items:
-                if item[KEY] in across:
-                    holders[keys[item[KEY]]].setdefault(item, []).append(layout)
+        for layout, table in layouts.items():
+            for box in table:
+                if box[KEY] in across:
+                    holders[keys[box[KEY]]].setdefault(box, []).append(layout)
         for k in across:
-            by_key[keys[k]] = list(holders[keys[k]])
             several.update((box, tuple(held)) for box, held in holders[keys[k]].items()
                            if len(held) > 1)
-    return by_key, several
+            problem = tiling_problem([list(holders[keys[k]])])
+            if problem is not None:
+                problems.append((keys[k], problem))
+        for layout, table in layouts.items():
+            flags = list(map(several.__contains__, table))
+            maps[layout] = bitmap(flags)
+            own[layout] = unique_bytes(
+                [list(itertools.compress(table, map(operator.not_, flags)))], memo)
+    return several, maps, own, min(problems)[1] if problems else None
 
 
 def _cut(box: Box, target: int, holders: int) -> list[Item]:

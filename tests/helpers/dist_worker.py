@@ -168,7 +168,7 @@ def _count_received() -> list[int]:
 
 
 def _count_items_sent() -> list[int]:
-    """How many planner boxes (plan.described's, an Item's fields) this rank
+    """How many planner boxes (plan.described's table's) this rank
     sends to rank 0 (gathered or point to point; the coordinator pickles
     each message itself): a rank's description goes once per layout, not
     once per rank."""
@@ -182,11 +182,11 @@ def _count_items_sent() -> list[int]:
     def items_in(obj: Any) -> int:
         if isinstance(obj, bytes):
             obj = pickle.loads(obj)
-        if not (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], str)):
+        # A table (table.BoxTable.sent): digest, tensors pickled, places, place numbers.
+        if not (isinstance(obj, tuple) and len(obj) == 4 and isinstance(obj[0], str)
+                and isinstance(obj[1], bytes) and isinstance(obj[3], bytes)):
             return 0
-        boxes = obj[1]  # after the fingerprint of its tensors
-        return len(boxes) if (isinstance(boxes, tuple) and boxes and type(boxes[0]) is tuple
-                              and len(boxes[0]) == 5 and isinstance(boxes[0][0], str)) else 0
+        return len(obj[3]) // 4
 
     def counted_gather(obj: Any, *a: Any, **kw: Any) -> None:
         sent.append(items_in(obj))
