@@ -158,7 +158,7 @@ def _gathered_size(obj: Any) -> int:
 
 
 def collective_bytes(views: list[RankView], infos: list[RankInfo], shares: list[bytes],
-                     gathered: list[Any], manifest: bytes) -> dict[str, Any]:
+                     written: list[bytes], manifest: bytes) -> dict[str, Any]:
     """Bytes each rank sends plus receives in one save's collectives (coordinator.Save,
     shared storage), as torch's *_object collectives move them: an all_gather of
     the sizes (8 bytes a rank) first, then every rank's message padded to the
@@ -167,15 +167,16 @@ def collective_bytes(views: list[RankView], infos: list[RankInfo], shares: list[
     item_size: dict[str, int] = {}
     for i in infos:
         if i.layout not in item_size:
-            # plan.described: the table the layout's first rank sends.
+            # plan.described: the table the layout's first rank sends, as it is
+            # (Coordinator.gather_bytes_from; torch pickles it once).
             sent = i.items.sent() if isinstance(i.items, BoxTable) else described(i.items)
-            item_size[i.layout] = _gathered_size(sent)
+            item_size[i.layout] = _size(sent)
     none = _gathered_size(None)
     sizes = 8 * n
     view = max(_gathered_size(v) for v in views)
     items = max(item_size.values())
     share = max(len(s) for s in shares)
-    records = max(_gathered_size(g) for g in gathered)
+    records = max(_size(w) for w in written)  # Written.sent, as it is (gather_bytes)
     path = _gathered_size("/ckpt/.step-1.staging-0123456789abcdef")
     empty = _size(b"")
     # (name, a rank other than 0, rank 0)

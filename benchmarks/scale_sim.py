@@ -11,14 +11,14 @@ FSDP with data-parallel replicas; with --pp N, N pipeline stages each holding
 its layers, saved with union=True) and the REAL code of the job's coordinator
 runs on them, as rank 0 runs it (coordinator.Save's steps 2-5):
 
-- plan: rank 0 unpickles the tables of boxes that the first rank of each
-  layout sent (phases.unpickled, as Coordinator.gather_from does; then
-  table.BoxTable.received, as Save._plan), then
+- plan: rank 0 reads the tables of boxes that the first rank of each layout
+  sent (table.BoxTable.received, as Save._plan does with what
+  Coordinator.gather_bytes_from gives it), then
   planner.make_plan over every rank's RankInfo (deduplication and balance),
   then Plan.shares and the pickling scatter_object_list does;
 - with --pp, at every save: the join of the stages' trees (trees.renumbered,
   trees.joined, as Save._join_trees), counted in the commit;
-- commit: rank 0 unpickles (phases.unpickled) what every rank sent (its file and tensor records
+- commit: rank 0 reads (Written.received) what every rank sent (its file and tensor records
   as storage.write returns them, one data file per rank, rendered by
   written.rendered on that rank, which first works out its pieces from its
   share (Share.pieces): untimed, as the ranks do it in parallel; the slowest
@@ -86,12 +86,12 @@ from fastpersist.distributed.outcome import (  # noqa: E402
     check_in,
     forget,
 )
-from fastpersist.distributed.phases import Phase, unpickled  # noqa: E402
+from fastpersist.distributed.phases import Phase  # noqa: E402
 from fastpersist.distributed.plan import Share, described  # noqa: E402
 from fastpersist.distributed.planner import RankInfo, layout_digest, make_plan  # noqa: E402
 from fastpersist.distributed.table import BoxTable  # noqa: E402
 from fastpersist.distributed.trees import joined, renumbered  # noqa: E402
-from fastpersist.distributed.written import job_manifest, rendered  # noqa: E402
+from fastpersist.distributed.written import Written, job_manifest, rendered  # noqa: E402
 from fastpersist.format.manifest import Manifest  # noqa: E402
 from fastpersist.knobs import current as current_knobs  # noqa: E402
 
@@ -120,12 +120,12 @@ class Job:
                 self.stages[c[0]] = (r, tree_for(keys), keys)
         self.tree = self.stages[0][1]
         self.unique_bytes = 0
-        # What the first rank of each layout sends rank 0 (its items, pickled
-        # in parallel with the others: not timed).
+        # What the first rank of each layout sends rank 0 (its table of
+        # boxes, made in parallel with the others: not timed).
         self.first: dict[str, int] = {}
         for r, v in enumerate(self.views):
             self.first.setdefault(v.layout, r)
-        self.described = [pickle.dumps(described(self.layouts[self.coords[r]][0]))
+        self.described = [described(self.layouts[self.coords[r]][0])
                           for r in self.first.values()]
 
     def job_tree(self, keys: tuple[str, ...]) -> Any:
@@ -148,15 +148,15 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     collect_before = time.perf_counter() - began
     start = time.perf_counter()
     with gcpause.paused():  # as Save._plan
-        got = dict(zip(job.first.values(), unpickled(job.described), strict=True))
+        got = dict(zip(job.first.values(), job.described, strict=True))
         tables = {layout: BoxTable.received(got[r], r) for layout, r in job.first.items()}
         infos = [RankInfo(r, v.node, tables[v.layout], v.layout) for r, v in enumerate(job.views)]
         plan = make_plan(infos, min_piece_bytes=piece_bytes, union=job.model.pp > 1)
         planned = time.perf_counter()
         shares = [pickle.dumps(s) for s in plan.shares()]  # scatter_object_list pickles each
     shared = time.perf_counter()
-    # Each rank's records (storage.write's), rendered and pickled for the
-    # gather: the ranks' work, in parallel; untimed, but the slowest is kept.
+    # Each rank's records (storage.write's), rendered for the gather: the
+    # ranks' work, in parallel; untimed, but the slowest is kept.
     sent, render_max = [], 0.0
     for r, s in enumerate(shares):
         began = time.perf_counter()
@@ -164,7 +164,7 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
         expanded = time.perf_counter() - began
         records = records_for(r, pieces)  # storage.write's: not timed
         began = time.perf_counter()
-        sent.append(pickle.dumps(rendered(pieces, records)))
+        sent.append(rendered(pieces, records).sent())
         render_max = max(render_max, expanded + time.perf_counter() - began)
     store = CountingStore()
     co = SimCoordinator(0, job.world)
@@ -178,7 +178,8 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     record_start = time.perf_counter()
     tree = job.job_tree(plan.keys)  # (in the save's prepare, on rank 0)
     with gcpause.paused():  # as Save._finish, from the gather to the commit
-        gathered = unpickled(sent)  # as Coordinator.gather on rank 0
+        # As Coordinator.gather_bytes gives them on rank 0, read as Save._finish does.
+        gathered = [Written.received(w, r) for r, w in enumerate(sent)]
         manifest = job_manifest(plan, tree, gathered)
         commit.commit(manifest)
     done = time.perf_counter()
@@ -188,11 +189,11 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     gc.collect()
     collect_after = time.perf_counter() - began
     # The next save, with the layout unchanged: the plan is cached (no plan,
-    # no scatter), rank 0 unpickles and joins the ranks' records again.
+    # no scatter), rank 0 reads and joins the ranks' records again.
     again = time.perf_counter()
     tree = job.job_tree(plan.keys)
     with gcpause.paused():  # as Save._finish (it was not paused here until 2026-12-06)
-        job_manifest(plan, tree, unpickled(sent))
+        job_manifest(plan, tree, [Written.received(w, r) for r, w in enumerate(sent)])
     steady = time.perf_counter() - again
     peak = None
     if memory:
@@ -212,7 +213,7 @@ def run_fastpersist(job: Job, memory: bool = False) -> dict[str, Any]:
     per_rank = plan.bytes_per_rank()
     job.unique_bytes = plan.unique_bytes
     mean = sum(per_rank.values()) / len(per_rank)
-    msgs = collective_bytes(job.views, infos, shares, gathered, manifest)
+    msgs = collective_bytes(job.views, infos, shares, sent, manifest)
     return {
         "plan_s": planned - start,
         "plan_commit_s": (shared - start) + (done - record_start),

@@ -47,7 +47,7 @@ def mesh_items(tensors: list[Tensor], tp: int, fsdp: int, t: int, f: int,
 def as_sent(ranks: list[RankInfo]) -> list[RankInfo]:
     """The ranks' descriptions as rank 0 gets them: described, pickled,
     unpickled and read as tables, as the coordinator does."""
-    sent = [pickle.loads(pickle.dumps(described(r.items))) for r in ranks]
+    sent = [pickle.loads(pickle.dumps(described(r.items))) for r in ranks]  # as torch's
     return [dataclasses.replace(r, items=BoxTable.received(s, r.rank))
             for r, s in zip(ranks, sent, strict=True)]
 

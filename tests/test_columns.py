@@ -1,11 +1,11 @@
 """columns.unique_columns (the planner's deduplication, a grid at a time,
-of the tables ranks send) against a box-at-a-time reference, on random meshes whose keys repeat grids
-(layer after layer, in several dtypes), replicate over some ranks, leave
-shards empty, and are sometimes damaged (gaps, overlaps, boxes outside)."""
+of the tables ranks send) against a box-at-a-time reference, on random
+meshes whose keys repeat grids (layer after layer, in several dtypes),
+replicate over some ranks, leave shards empty, and are sometimes damaged
+(gaps, overlaps, boxes outside)."""
 
 from __future__ import annotations
 
-import pickle
 import random
 
 import pytest
@@ -37,7 +37,7 @@ def reference(layouts: dict[str, tuple[Box, ...]]) -> tuple[object, ...]:
 
 def columns_of(layouts: dict[str, tuple[Box, ...]]) -> Columns:
     """unique_columns of the layouts as ranks send them (tables)."""
-    tables = {name: BoxTable.received(pickle.loads(pickle.dumps(described(items))), n)
+    tables = {name: BoxTable.received(described(items), n)
               for n, (name, items) in enumerate(layouts.items())}
     return unique_columns(tables, next(iter(tables.values())).tensors())
 

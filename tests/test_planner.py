@@ -193,9 +193,16 @@ def test_a_malformed_table_is_refused_by_its_rank() -> None:
     far = BoxTable(t.digest, t.pickled, t.places, t.place_numbers[:-4] + (9).to_bytes(4, "little"))
     with pytest.raises(PlanError, match=r"rank 1.s .* names place 9 of [1-8]$"):
         make_plan([sent[0], dataclasses.replace(sent[1], items=far, layout="x")])
-    # What a rank of an older fastpersist sends (its digest and boxes).
-    with pytest.raises(DistributedCheckpointError, match=r"rank 3 described .* same fastpersist"):
-        BoxTable.received(("d" * 32, tuple(model(3))), 3)
+    # What a rank of an older fastpersist sends (its digest and boxes), as
+    # it is or pickled, and what is not even a whole length.
+    for old in (("d" * 32, tuple(model(3))), pickle.dumps(("d" * 32, tuple(model(3)))),
+                b"\x01\x02"):
+        with pytest.raises(DistributedCheckpointError,
+                           match=r"rank 3 described .* same fastpersist"):
+            BoxTable.received(old, 3)
+    # A table's wire form, and pickled (a plan is): the same boxes.
+    again = BoxTable.received(t.sent(), 1)
+    assert again == t == pickle.loads(pickle.dumps(t)) and again.digest == t.digest
 
 
 def test_shards_that_overlap_or_leave_gaps_are_refused() -> None:

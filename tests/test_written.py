@@ -104,7 +104,9 @@ def test_the_job_manifest_holds_what_global_manifest_lists(shuffled: bool,
         mine = plan.for_rank(rank)
         files = records(rank, mine[::-1] if shuffled else mine, compressed)
         per_rank.append(files)
-        sent.append(pickle.loads(pickle.dumps(written.rendered(mine, files))))
+        # As rank 0 gets it: bytes (Coordinator.gather_bytes), read as views.
+        got = pickle.loads(pickle.dumps(written.rendered(mine, files).sent()))
+        sent.append(written.Written.received(got, rank))
     tree = plan_tree(plan)
     data = written.job_manifest(plan, tree, sent)
     same_checkpoint(data, expected(plan, per_rank, tree))
@@ -203,3 +205,11 @@ def test_rank_0s_steps_pause_the_collector_and_resume_it() -> None:
         gc.callbacks.remove(count)
     assert during == dict.fromkeys(steps, 0)
     assert all(n > 0 for n in without.values()), without  # the check can fail
+
+
+def test_records_in_another_form_are_refused_by_rank() -> None:
+    ok = written.Written(b'{"a":1}', b"").sent()
+    assert written.Written.received(ok, 2) == (b'{"a":1}', b"")
+    for bad in (b"", b"\x01", ok[:-1], (99).to_bytes(8, "little") + b"xy"):
+        with pytest.raises(DistributedCheckpointError, match="rank 2 sent its records"):
+            written.Written.received(bad, 2)

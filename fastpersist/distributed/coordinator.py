@@ -76,7 +76,7 @@ from .settling import has_prepared, settle_with
 from .storage import Storage, ident_of
 from .table import BoxTable
 from .trees import joined, renumbered
-from .written import job_manifest, rendered
+from .written import Written, job_manifest, rendered
 
 
 class Save(CommitPoint):
@@ -203,7 +203,7 @@ class Save(CommitPoint):
             first: dict[str, int] = {}
             for r, v in enumerate(everyone):
                 first.setdefault(v.layout, r)
-            infos = phase.collective("plan", lambda: co.gather_from(
+            infos = phase.collective("plan", lambda: co.gather_bytes_from(
                 described(items), sorted(first.values())))
             made: Plan | Failure | None = None
             if co.rank == 0:
@@ -327,7 +327,8 @@ class Save(CommitPoint):
         # timeout): the collector's passes over the records rank 0 gathers
         # and joins wait until the job is committed.
         with gcpause.paused():
-            gathered = phase.collective("write", lambda: co.gather(written))
+            gathered = phase.collective("write", lambda: co.gather_bytes(
+                b"" if written is None else written.sent()))
             # 5 commit (commit_point.py)
             manifest = None
             if co.rank == 0:
@@ -335,7 +336,8 @@ class Save(CommitPoint):
                 # Every rank wrote (the write phase agreed), so every rank sent its records.
                 assert isinstance(self.plan, Plan)
                 manifest = job_manifest(self.plan, self.tree,
-                                        [w for w in gathered if w is not None])
+                                        [Written.received(w, r)
+                                         for r, w in enumerate(gathered) if w])
             self.commit(manifest)
 
     def _raise_if_aborted(self) -> None:

@@ -19,7 +19,7 @@ from .. import gcpause
 from ..format import dtypes
 from .boxes import key_of, kind_of, tensor_of
 from .runs import layout_pieces, run_pieces
-from .table import Box, BoxTable, SentTable, tensors_digest_of
+from .table import Box, BoxTable, tensors_digest_of
 
 # Boxes larger than this are cut into row ranges (unless the caller says
 # otherwise): big enough that a piece is written at full speed, small enough
@@ -56,7 +56,7 @@ class Item(NamedTuple):
 # reads a Box by position takes either.
 
 
-def described(items: Sequence[Item]) -> SentTable:
+def described(items: Sequence[Item]) -> bytes:
     """A rank's items as it sends them to the coordinator: as a table
     (table.BoxTable, which the coordinator makes again of what it gets)."""
     return BoxTable.of(items).sent()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import pickle
+import struct
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
@@ -33,11 +34,9 @@ from .boxes import place_of, tensor_of
 Tensor = tuple[str, str, tuple[int, ...]]  # key, dtype, global shape
 Place = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
 Box = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-# What a rank sends: (fingerprint of its tensors, its tensors pickled, its
-# places, each box's place as little-endian uint32s).
-SentTable = tuple[str, bytes, tuple[Place, ...], bytes]
 
-_INDEX = np.dtype("<u4")
+_INDEX = np.dtype("<u4")  # a box's place number, as sent
+_HEAD_LENGTH = struct.Struct("<Q")  # sent(): the length of what comes before the tensors
 
 
 def tensors_digest_of(tensors: Sequence[Tensor]) -> str:
@@ -52,10 +51,10 @@ class BoxTable(Sequence[Box]):
 
     __slots__ = ("_boxes", "_pickled", "_tensors", "digest", "place_numbers", "places")
 
-    def __init__(self, digest: str, pickled: bytes, places: tuple[Place, ...],
+    def __init__(self, digest: str, pickled: bytes | memoryview, places: tuple[Place, ...],
                  place_numbers: bytes) -> None:
         self.digest, self.places, self.place_numbers = digest, places, place_numbers
-        self._pickled: bytes | None = pickled
+        self._pickled: bytes | memoryview | None = pickled
         self._tensors: tuple[Tensor, ...] | None = None
         self._boxes: tuple[Box, ...] | None = None
 
@@ -74,31 +73,44 @@ class BoxTable(Sequence[Box]):
 
     @classmethod
     def received(cls, sent: object, rank: int) -> BoxTable:
-        """The table rank `rank` sent (sent()), or a clear error where it
-        sent something else (a rank of another fastpersist version)."""
-        if (not isinstance(sent, tuple) or len(sent) != 4
-                or not isinstance(sent[0], str) or not isinstance(sent[1], bytes)
-                or not isinstance(sent[2], tuple) or not isinstance(sent[3], bytes)):
+        """The table rank `rank` sent (sent()), read without copying its
+        pickled tensors (a view of `sent`, unpickled only where no table
+        with its digest was: tensors()); a clear error where the rank sent
+        something else (a rank of another fastpersist version)."""
+        head: object = None
+        if isinstance(sent, bytes) and len(sent) >= _HEAD_LENGTH.size:
+            view = memoryview(sent)
+            (n,) = _HEAD_LENGTH.unpack_from(view)
+            try:
+                head = pickle.loads(view[_HEAD_LENGTH.size:_HEAD_LENGTH.size + n])
+            except Exception:  # any unpickling error: not our form
+                head = None
+        if (not isinstance(head, tuple) or len(head) != 3 or not isinstance(head[0], str)
+                or not isinstance(head[1], tuple) or not isinstance(head[2], bytes)):
             raise DistributedCheckpointError(
                 f"rank {rank} described its tensors in a form this fastpersist "
                 f"({__version__}) does not read: every rank of a job must run the same "
                 "fastpersist version")
-        return cls(*sent)
+        digest, places, numbers = head
+        return cls(digest, view[_HEAD_LENGTH.size + n:], places, numbers)
 
     @property
-    def pickled(self) -> bytes:
+    def pickled(self) -> bytes | memoryview:
         """Its tensors, pickled: as sent, or again (tensors() lets the sent
         bytes go, so that a plan does not keep a copy of the tensors a layout)."""
         if self._pickled is None:
             self._pickled = pickle.dumps(self.tensors(), protocol=5)
         return self._pickled
 
-    def sent(self) -> SentTable:
-        """What a rank sends of it: plain values, which pickle in C."""
-        return self.digest, self.pickled, self.places, self.place_numbers
+    def sent(self) -> bytes:
+        """What a rank sends of it: its digest, places and place numbers,
+        pickled (with their length first), then its tensors pickled, which
+        rank 0 reads only once per digest (received)."""
+        head = pickle.dumps((self.digest, self.places, self.place_numbers), protocol=5)
+        return b"".join((_HEAD_LENGTH.pack(len(head)), head, self.pickled))
 
-    def __reduce__(self) -> tuple[type[BoxTable], SentTable]:
-        return BoxTable, self.sent()
+    def __reduce__(self) -> tuple[type[BoxTable], tuple[str, bytes, tuple[Place, ...], bytes]]:
+        return BoxTable, (self.digest, bytes(self.pickled), self.places, self.place_numbers)
 
     def tensors(self, known: dict[str, tuple[Tensor, ...]] | None = None
                 ) -> tuple[Tensor, ...]:
@@ -165,4 +177,4 @@ class BoxTable(Sequence[Box]):
         return f"BoxTable({len(self)} boxes, {len(self.places)} places)"
 
 
-__all__ = ["Box", "BoxTable", "Place", "SentTable", "Tensor", "tensors_digest_of"]
+__all__ = ["Box", "BoxTable", "Place", "Tensor", "tensors_digest_of"]

@@ -17,6 +17,7 @@ named after it (format/chunks.py), which is how the pieces are named
 
 from __future__ import annotations
 
+import struct
 import time
 from typing import Any, NamedTuple
 
@@ -39,8 +40,28 @@ from .plan import Box, Piece, Plan
 class Written(NamedTuple):
     """A rank's data files and the tensors in them, as manifest JSON."""
 
-    files: bytes  # its file records, joined with ITEM_SEPARATOR and encoded (b"": none)
-    tensors: bytes  # its tensor records, likewise
+    files: bytes | memoryview  # its file records, joined with ITEM_SEPARATOR (b"": none)
+    tensors: bytes | memoryview  # its tensor records, likewise
+
+    def sent(self) -> bytes:
+        """As the rank sends it (Coordinator.gather_bytes): the files' length, then both."""
+        return b"".join((_FILES_LENGTH.pack(len(self.files)), self.files, self.tensors))
+
+    @staticmethod
+    def received(data: bytes, rank: int) -> Written:
+        """What rank `rank` sent (sent()), as views of `data`: the coordinator
+        copies the ranks' records once, into the manifest (render)."""
+        view = memoryview(data)
+        files = _FILES_LENGTH.unpack_from(view)[0] if len(view) >= _FILES_LENGTH.size else -1
+        if not 0 <= files <= len(view) - _FILES_LENGTH.size:
+            raise DistributedCheckpointError(
+                f"rank {rank} sent its records in a form this fastpersist does not read "
+                f"({len(view)} bytes): every rank of a job must run the same version")
+        start = _FILES_LENGTH.size + files
+        return Written(view[_FILES_LENGTH.size:start], view[start:])
+
+
+_FILES_LENGTH = struct.Struct("<Q")
 
 
 def rendered(pieces: list[Piece], records: list[tuple[FileRecord, list[TensorRecord]]]

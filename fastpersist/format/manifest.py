@@ -60,7 +60,7 @@ in range, and no size can make arithmetic, allocation or recursion explode.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,12 +149,14 @@ ITEM_SEPARATOR = ",\n  "
 _ITEM_SEPARATOR_BYTES = ITEM_SEPARATOR.encode()
 
 
-def render(schema_version: int, version: str, created_unix: float, files: list[bytes],
-           tensors: list[bytes], globals_: list[bytes] | None, tree: Any) -> bytes:
+def render(schema_version: int, version: str, created_unix: float,
+           files: Sequence[bytes | memoryview], tensors: Sequence[bytes | memoryview],
+           globals_: list[bytes] | None, tree: Any) -> bytes:
     """The manifest file from its rendered parts (file_json, tensor_json,
     global_json, encoded; a run of them joined with ITEM_SEPARATOR is one
-    part): Manifest.to_json, and a distributed job's coordinator, which joins
-    what its ranks rendered (distributed/written.py), write it the same way.
+    part, bytes or a view of them): Manifest.to_json, and a distributed job's
+    coordinator, which joins what its ranks rendered (distributed/written.py),
+    write it the same way.
     The parts are copied once, into the file's bytes: at 16,384 ranks they
     are 60 MB, and joining them a list at a time, then the lines, then
     encoding the text, was three copies and most of the coordinator's join."""
@@ -164,7 +166,7 @@ def render(schema_version: int, version: str, created_unix: float, files: list[b
         "fastpersist_version": version,
         "created_unix": created_unix,
     }
-    parts = [b"{\n"]
+    parts: list[bytes | memoryview] = [b"{\n"]
     parts += [f" {_encode(k)}: {_encode(v)},\n".encode() for k, v in head.items()]
     _json_list(parts, "files", files)
     _json_list(parts, "tensors", tensors)
@@ -174,7 +176,8 @@ def render(schema_version: int, version: str, created_unix: float, files: list[b
     return b"".join(parts)
 
 
-def _json_list(parts: list[bytes], key: str, items: list[bytes]) -> None:
+def _json_list(parts: list[bytes | memoryview], key: str,
+               items: Sequence[bytes | memoryview]) -> None:
     """` "key": [` and its items, one a line, added to `parts`."""
     items = [i for i in items if i]  # an empty run of items (a rank that wrote none)
     if not items:

@@ -169,24 +169,22 @@ def _count_received() -> list[int]:
 
 def _count_items_sent() -> list[int]:
     """How many planner boxes (plan.described's table's) this rank
-    sends to rank 0 (gathered or point to point; the coordinator pickles
-    each message itself): a rank's description goes once per layout, not
-    once per rank."""
-    import pickle
-
+    sends to rank 0 (gathered or point to point; the coordinator sends a
+    table as bytes): a rank's description goes once per layout, not once
+    per rank."""
     import torch.distributed as dist
 
     sent: list[int] = []
     gather, send = dist.gather_object, dist.send_object_list
 
     def items_in(obj: Any) -> int:
-        if isinstance(obj, bytes):
-            obj = pickle.loads(obj)
-        # A table (table.BoxTable.sent): digest, tensors pickled, places, place numbers.
-        if not (isinstance(obj, tuple) and len(obj) == 4 and isinstance(obj[0], str)
-                and isinstance(obj[1], bytes) and isinstance(obj[3], bytes)):
+        from fastpersist.distributed.table import BoxTable
+        from fastpersist.errors import DistributedCheckpointError
+
+        try:  # a table (table.BoxTable.sent), or another message
+            return len(BoxTable.received(obj, 0))
+        except DistributedCheckpointError:
             return 0
-        return len(obj[3]) // 4
 
     def counted_gather(obj: Any, *a: Any, **kw: Any) -> None:
         sent.append(items_in(obj))
