@@ -149,7 +149,7 @@ def test_disagreeing_ranks_are_refused_by_name() -> None:
 
 def test_fingerprints_spare_the_comparison_but_not_the_refusal() -> None:
     # As sent, each layout's table carries the fingerprint of its tensors
-    # (plan.tensors_digest): a rank whose differ is refused by name.
+    # (table.tensors_digest_of): a rank whose differ is refused by name.
     items = model(5)
     other = (*items[:4], Item.whole("layer4.weight", "F32", (1, 1)))
     with pytest.raises(PlanError, match=r"rank 3 and rank 0 disagree.*layer4.weight"):

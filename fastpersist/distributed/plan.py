@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 from .. import gcpause
 from ..format import dtypes
-from .boxes import key_of, kind_of, tensor_of
+from .boxes import key_of, kind_of
 from .runs import layout_pieces, run_pieces
-from .table import Box, BoxTable, tensors_digest_of
+from .table import Box, BoxTable
 
 # Boxes larger than this are cut into row ranges (unless the caller says
 # otherwise): big enough that a piece is written at full speed, small enough
@@ -47,28 +47,10 @@ class Item(NamedTuple):
         return Item(key, dtype, shape, (0,) * len(shape), shape)
 
 
-# An Item's fields as a plain tuple (table.Box): what a plan's tables give
-# of every layout's items and what a plan's shared boxes are. Python's
-# cyclic collector never stops tracking a named tuple, where it stops
-# tracking a plain tuple of numbers and strings; so a plan of Items, kept
-# save after save, would add its boxes to every full pass of the trainer's
-# collector. An Item is a Box (equal to and hashed as its fields); code that
-# reads a Box by position takes either.
-
-
 def described(items: Sequence[Item]) -> bytes:
     """A rank's items as it sends them to the coordinator: as a table
     (table.BoxTable, which the coordinator makes again of what it gets)."""
     return BoxTable.of(items).sent()
-
-
-def tensors_digest(items: Sequence[Item]) -> str:
-    """Fingerprint of the tensors a rank holds (their keys, dtypes and global
-    shapes, in its order; not its boxes of them). Each rank computes its own,
-    in parallel, so that the planner checks that layouts hold the same
-    tensors by comparing these, not 370,000 boxes field by field at 16,384
-    ranks; it compares values only where fingerprints differ, to say how."""
-    return tensors_digest_of(list(map(tensor_of, items)))
 
 
 def layout_digest(items: Sequence[Item]) -> str:
@@ -91,13 +73,12 @@ def keys_digest(items: Sequence[Item]) -> str:
 class RankInfo:
     """What one rank tells the coordinator: where it runs and what it holds.
     `layout` is layout_digest(items); ranks with equal layouts hold the same
-    boxes, and ranks with equal `tensors` the same tensors."""
+    boxes. A table carries the fingerprint of its tensors (table.py)."""
 
     rank: int
     node: str
     items: tuple[Box, ...] | BoxTable  # a table: what ranks send (described)
     layout: str
-    tensors: str = ""  # tensors_digest(items), of a tuple's; "": worked out by the planner
 
 
 class Piece(NamedTuple):
@@ -313,4 +294,4 @@ class PlanCache:
 
 __all__ = ["DEFAULT_MIN_PIECE_BYTES", "Box", "Item", "Layout", "Piece", "Plan", "PlanCache",
            "RankInfo", "SentShare", "Share", "bitmap", "described", "keys_digest", "layout_digest",
-           "make_piece", "sizes_of", "tensors_digest"]
+           "make_piece", "sizes_of"]

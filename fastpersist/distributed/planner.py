@@ -75,7 +75,7 @@ def make_plan(ranks: Sequence[RankInfo], *, min_piece_bytes: int = DEFAULT_MIN_P
     for r in ranks:
         if r.layout not in layouts:
             layouts[r.layout] = (r.items if isinstance(r.items, BoxTable)
-                                 else BoxTable.of(r.items, r.tensors))
+                                 else BoxTable.of(r.items))
         members.setdefault(r.layout, []).append(r.rank)
     # Each table's tensors, read once per fingerprint (table.py).
     known: dict[str, tuple[Tensor, ...]] = {}

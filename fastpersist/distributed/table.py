@@ -33,6 +33,13 @@ from .boxes import place_of, tensor_of
 
 Tensor = tuple[str, str, tuple[int, ...]]  # key, dtype, global shape
 Place = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
+# An Item's fields as a plain tuple (plan.Item is a named tuple of them):
+# what a table gives of its boxes and what a plan's shared boxes are.
+# Python's cyclic collector never stops tracking a named tuple, where it
+# stops tracking a plain tuple of numbers and strings; so a plan of Items,
+# kept save after save, would add its boxes to every full pass of the
+# trainer's collector. An Item is a Box (equal to and hashed as its fields);
+# code that reads a Box by position takes either.
 Box = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 _INDEX = np.dtype("<u4")  # a box's place number, as sent
@@ -40,7 +47,10 @@ _HEAD_LENGTH = struct.Struct("<Q")  # sent(): the length of what comes before th
 
 
 def tensors_digest_of(tensors: Sequence[Tensor]) -> str:
-    """Fingerprint of a layout's tensors, in its order (plan.tensors_digest)."""
+    """Fingerprint of a layout's tensors (keys, dtypes, global shapes), in
+    its order: each rank works out its own (BoxTable.of), so that rank 0
+    compares fingerprints, not tensors, and reads one list of tensors a
+    fingerprint; values are compared only where fingerprints differ."""
     return hashlib.blake2b(repr(list(tensors)).encode(), digest_size=16).hexdigest()
 
 
@@ -59,14 +69,13 @@ class BoxTable(Sequence[Box]):
         self._boxes: tuple[Box, ...] | None = None
 
     @classmethod
-    def of(cls, items: Sequence[Any], digest: str = "") -> BoxTable:
-        """The table of a rank's items (plan.Item or plan.Box); `digest`:
-        their tensors' fingerprint, when the rank worked it out already."""
+    def of(cls, items: Sequence[Any]) -> BoxTable:
+        """The table of a rank's items (plan.Item or plan.Box)."""
         tensors = tuple(map(tensor_of, items))
         at: dict[Place, int] = {}
         numbers = np.fromiter((at.setdefault(p, len(at)) for p in map(place_of, items)),
                               dtype=_INDEX, count=len(items))
-        table = cls(digest or tensors_digest_of(tensors), pickle.dumps(tensors, protocol=5),
+        table = cls(tensors_digest_of(tensors), pickle.dumps(tensors, protocol=5),
                     tuple(at), numbers.tobytes())
         table._tensors = tensors  # and it keeps the bytes it sends
         return table
