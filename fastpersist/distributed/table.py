@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import operator
 import pickle
-import struct
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
@@ -30,6 +29,7 @@ import numpy as np
 from .._version import __version__
 from ..errors import DistributedCheckpointError
 from .boxes import place_of, tensor_of
+from .pair import paired, unpaired
 
 Tensor = tuple[str, str, tuple[int, ...]]  # key, dtype, global shape
 Place = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
@@ -43,7 +43,6 @@ Place = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, shape
 Box = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 _INDEX = np.dtype("<u4")  # a box's place number, as sent
-_HEAD_LENGTH = struct.Struct("<Q")  # sent(): the length of what comes before the tensors
 
 
 def tensors_digest_of(tensors: Sequence[Tensor]) -> str:
@@ -86,22 +85,21 @@ class BoxTable(Sequence[Box]):
         pickled tensors (a view of `sent`, unpickled only where no table
         with its digest was: tensors()); a clear error where the rank sent
         something else (a rank of another fastpersist version)."""
-        head: object = None
-        if isinstance(sent, bytes) and len(sent) >= _HEAD_LENGTH.size:
-            view = memoryview(sent)
-            (n,) = _HEAD_LENGTH.unpack_from(view)
+        parts, head = unpaired(sent), None
+        if parts is not None:
             try:
-                head = pickle.loads(view[_HEAD_LENGTH.size:_HEAD_LENGTH.size + n])
+                head = pickle.loads(parts[0])
             except Exception:  # any unpickling error: not our form
                 head = None
-        if (not isinstance(head, tuple) or len(head) != 3 or not isinstance(head[0], str)
-                or not isinstance(head[1], tuple) or not isinstance(head[2], bytes)):
+        if (parts is None or not isinstance(head, tuple) or len(head) != 3
+                or not isinstance(head[0], str) or not isinstance(head[1], tuple)
+                or not isinstance(head[2], bytes)):
             raise DistributedCheckpointError(
                 f"rank {rank} described its tensors in a form this fastpersist "
                 f"({__version__}) does not read: every rank of a job must run the same "
                 "fastpersist version")
         digest, places, numbers = head
-        return cls(digest, view[_HEAD_LENGTH.size + n:], places, numbers)
+        return cls(digest, parts[1], places, numbers)
 
     @property
     def pickled(self) -> bytes | memoryview:
@@ -112,11 +110,11 @@ class BoxTable(Sequence[Box]):
         return self._pickled
 
     def sent(self) -> bytes:
-        """What a rank sends of it: its digest, places and place numbers,
-        pickled (with their length first), then its tensors pickled, which
-        rank 0 reads only once per digest (received)."""
+        """What a rank sends of it (pair.paired): its digest, places and place
+        numbers, pickled, then its tensors pickled, which rank 0 reads only
+        once per digest (received)."""
         head = pickle.dumps((self.digest, self.places, self.place_numbers), protocol=5)
-        return b"".join((_HEAD_LENGTH.pack(len(head)), head, self.pickled))
+        return paired(head, self.pickled)
 
     def __reduce__(self) -> tuple[type[BoxTable], tuple[str, bytes, tuple[Place, ...], bytes]]:
         return BoxTable, (self.digest, bytes(self.pickled), self.places, self.place_numbers)

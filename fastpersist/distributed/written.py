@@ -17,7 +17,6 @@ named after it (format/chunks.py), which is how the pieces are named
 
 from __future__ import annotations
 
-import struct
 import time
 from typing import Any, NamedTuple
 
@@ -34,6 +33,7 @@ from ..format.manifest import (
 )
 from ..format.records import FileRecord, TensorRecord
 from .boxes import DTYPE, GLOBAL_SHAPE, KEY
+from .pair import paired, unpaired
 from .plan import Box, Piece, Plan
 
 
@@ -44,24 +44,19 @@ class Written(NamedTuple):
     tensors: bytes | memoryview  # its tensor records, likewise
 
     def sent(self) -> bytes:
-        """As the rank sends it (Coordinator.gather_bytes): the files' length, then both."""
-        return b"".join((_FILES_LENGTH.pack(len(self.files)), self.files, self.tensors))
+        """As the rank sends it (Coordinator.gather_bytes): both, paired (pair.py)."""
+        return paired(self.files, self.tensors)
 
     @staticmethod
     def received(data: bytes, rank: int) -> Written:
         """What rank `rank` sent (sent()), as views of `data`: the coordinator
         copies the ranks' records once, into the manifest (render)."""
-        view = memoryview(data)
-        files = _FILES_LENGTH.unpack_from(view)[0] if len(view) >= _FILES_LENGTH.size else -1
-        if not 0 <= files <= len(view) - _FILES_LENGTH.size:
+        parts = unpaired(data)
+        if parts is None:
             raise DistributedCheckpointError(
                 f"rank {rank} sent its records in a form this fastpersist does not read "
-                f"({len(view)} bytes): every rank of a job must run the same version")
-        start = _FILES_LENGTH.size + files
-        return Written(view[_FILES_LENGTH.size:start], view[start:])
-
-
-_FILES_LENGTH = struct.Struct("<Q")
+                f"({len(data)} bytes): every rank of a job must run the same version")
+        return Written(*parts)
 
 
 def rendered(pieces: list[Piece], records: list[tuple[FileRecord, list[TensorRecord]]]
